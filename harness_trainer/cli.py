@@ -1,0 +1,101 @@
+"""The ``harness-trainer`` command. Parses arguments, then imports the heavy libraries it needs late,
+so ``--help`` answers at once."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def _tiny_model(args: argparse.Namespace) -> int:
+    from harness_trainer.models.tiny import ensure_tiny_model
+
+    try:
+        print(ensure_tiny_model(args.out))
+    except FileExistsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _engine(args: argparse.Namespace) -> int:
+    import torch
+
+    from harness_trainer.dev_engine import load_engine, serve
+    from harness_trainer.dev_engine.script import ScriptError
+    from harness_trainer.models.tiny import ensure_tiny_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = args.model or str(ensure_tiny_model())
+    try:
+        state = load_engine(
+            model,
+            served_model_name=args.served_model_name,
+            max_model_len=args.max_model_len,
+            script=args.script,
+            seed=args.seed,
+        )
+    except (OSError, ValueError, ScriptError) as exc:
+        print(f"error: cannot start the dev engine: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"dev engine: serving {state.config.served_model_name} on http://{args.host}:{args.port}/v1"
+        + (f" (scripted by {args.script})" if args.script else ""),
+        flush=True,
+    )
+    serve(state, host=args.host, port=args.port)
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from harness_trainer.demo import run_demo
+
+    return run_demo(port=args.port)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="harness-trainer", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    tiny = sub.add_parser("tiny-model", help="build (if needed) the tiny local model and print its directory")
+    tiny.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="directory to build into (default: the cache, ~/.cache/harness-trainer)",
+    )
+    tiny.set_defaults(func=_tiny_model)
+
+    engine = sub.add_parser("engine", help="serve a model on CPU with vLLM's wire shapes (the dev engine)")
+    engine.add_argument("--model", default=None, help="model directory or hub id (default: the tiny model)")
+    engine.add_argument("--host", default="127.0.0.1")
+    engine.add_argument("--port", type=int, default=8000)
+    engine.add_argument("--served-model-name", default=None, help="name clients use (default: --model)")
+    engine.add_argument("--max-model-len", type=int, default=None, help="context length (default: model's)")
+    engine.add_argument(
+        "--script",
+        default=None,
+        help="JSON/JSONL file of assistant messages to reply with, in order (scripted mode)",
+    )
+    engine.add_argument("--seed", type=int, default=0, help="seed for requests that bring none")
+    engine.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
+    engine.set_defaults(func=_engine)
+
+    demo = sub.add_parser(
+        "demo", help="start the dev engine on the tiny model and chat with it (tools included)"
+    )
+    demo.add_argument("--port", type=int, default=0, help="engine port (default: a free one)")
+    demo.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""vLLM's OpenAI-compatible response shapes, built from sampled tokens (pure functions).
+
+Non-streaming chat: ``prompt_token_ids`` at the top level, ``choices[0].token_ids`` and
+``choices[0].logprobs.content[i] = {token, logprob, bytes, top_logprobs}`` with one entry per sampled id,
+including the end-of-turn token the text omits. Streaming chat: ``prompt_token_ids`` on the first chunk
+only, ``token_ids`` and ``logprobs`` per chunk, ``finish_reason`` on the last token's chunk, then an
+optional usage chunk with empty ``choices``. Each response also carries ``weight_version``, the engine's
+version of the weights that sampled it (a dev-engine extension; vLLM has no such field).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from harness_trainer.dev_engine.worker import TokenEvent
+
+
+class TokenNamer:
+    """How a token id is written in logprobs: ``token_id:N`` or its decoded text."""
+
+    def __init__(self, tokenizer: Any, as_ids: bool) -> None:
+        self._tokenizer = tokenizer
+        self.as_ids = as_ids
+
+    def __call__(self, token_id: int) -> str:
+        if self.as_ids:
+            return f"token_id:{token_id}"
+        return self._tokenizer.decode([token_id])
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def chat_logprob(event: TokenEvent, name: TokenNamer) -> dict[str, Any]:
+    token = name(event.token_id)
+    return {
+        "token": token,
+        "logprob": event.logprob,
+        "bytes": list(token.encode("utf-8")),
+        "top_logprobs": [
+            {"token": (t := name(i)), "logprob": lp, "bytes": list(t.encode("utf-8"))} for i, lp in event.top
+        ],
+    }
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": None,
+    }
+
+
+def chat_completion(
+    *,
+    request_id: str,
+    model: str,
+    prompt_ids: list[int],
+    events: list[TokenEvent],
+    message: dict[str, Any],
+    finish_reason: str,
+    logprobs: bool,
+    return_token_ids: bool,
+    name: TokenNamer,
+    weight_version: int,
+) -> dict[str, Any]:
+    """A non-streaming ``chat.completion`` object."""
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "logprobs": {"content": [chat_logprob(e, name) for e in events]} if logprobs else None,
+                "finish_reason": finish_reason,
+                "stop_reason": events[-1].stop_reason if events else None,
+                "token_ids": [e.token_id for e in events] if return_token_ids else None,
+            }
+        ],
+        "service_tier": None,
+        "system_fingerprint": None,
+        "usage": usage(len(prompt_ids), len(events)),
+        "prompt_logprobs": None,
+        "prompt_token_ids": prompt_ids if return_token_ids else None,
+        "kv_transfer_params": None,
+        "weight_version": weight_version,
+    }
+
+
+def assistant_message(content: str | None, tool_calls: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "role": "assistant",
+        "content": content,
+        "refusal": None,
+        "annotations": None,
+        "audio": None,
+        "function_call": None,
+        "tool_calls": tool_calls,
+        "reasoning_content": None,
+    }
+
+
+def chat_chunk(
+    *,
+    request_id: str,
+    model: str,
+    created: int,
+    delta: dict[str, Any],
+    events: list[TokenEvent],
+    finish_reason: str | None,
+    logprobs: bool,
+    return_token_ids: bool,
+    name: TokenNamer,
+    prompt_ids: list[int] | None = None,
+    weight_version: int | None = None,
+) -> dict[str, Any]:
+    """One ``chat.completion.chunk``; ``prompt_ids`` only on the first chunk."""
+    choice: dict[str, Any] = {
+        "index": 0,
+        "delta": delta,
+        "logprobs": {"content": [chat_logprob(e, name) for e in events]} if logprobs and events else None,
+        "finish_reason": finish_reason,
+    }
+    if finish_reason is not None:
+        choice["stop_reason"] = events[-1].stop_reason if events else None
+    if return_token_ids:
+        choice["token_ids"] = [e.token_id for e in events]
+    chunk: dict[str, Any] = {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }
+    if prompt_ids is not None:
+        chunk["prompt_token_ids"] = prompt_ids
+    if weight_version is not None:
+        chunk["weight_version"] = weight_version
+    return chunk
+
+
+def usage_chunk(
+    *,
+    request_id: str,
+    model: str,
+    created: int,
+    prompt_tokens: int,
+    completion_tokens: int,
+    object_name: str = "chat.completion.chunk",
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": object_name,
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
+
+
+def completion_logprobs(events: list[TokenEvent], name: TokenNamer, start_offset: int = 0) -> dict[str, Any]:
+    """The legacy completions logprobs object (``tokens``, ``token_logprobs``, ``top_logprobs``...)."""
+    offsets, offset = [], start_offset
+    for event in events:
+        offsets.append(offset)
+        offset += len(event.text)
+    return {
+        "text_offset": offsets,
+        "token_logprobs": [e.logprob for e in events],
+        "tokens": [name(e.token_id) for e in events],
+        "top_logprobs": [{name(i): lp for i, lp in e.top} or None for e in events],
+    }
+
+
+def text_completion(
+    *,
+    request_id: str,
+    model: str,
+    prompt_ids: list[int],
+    events: list[TokenEvent],
+    logprobs: bool,
+    return_token_ids: bool,
+    name: TokenNamer,
+    weight_version: int,
+) -> dict[str, Any]:
+    """A non-streaming ``text_completion`` object."""
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "text": "".join(e.text for e in events),
+                "logprobs": completion_logprobs(events, name) if logprobs else None,
+                "finish_reason": events[-1].finish_reason if events else "length",
+                "stop_reason": events[-1].stop_reason if events else None,
+                "prompt_logprobs": None,
+                "prompt_token_ids": prompt_ids if return_token_ids else None,
+                "token_ids": [e.token_id for e in events] if return_token_ids else None,
+            }
+        ],
+        "service_tier": None,
+        "system_fingerprint": None,
+        "usage": usage(len(prompt_ids), len(events)),
+        "kv_transfer_params": None,
+        "weight_version": weight_version,
+    }
