@@ -10,15 +10,19 @@ version of the weights that sampled it (a dev-engine extension; vLLM has no such
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from typing import Any
 
+from harness_trainer import __version__
 from harness_trainer.dev_engine.worker import TokenEvent
+
+SYSTEM_FINGERPRINT = f"harness-trainer-dev-engine-{__version__}"
 
 
 class TokenNamer:
-    """How a token id is written in logprobs: ``token_id:N`` or its decoded text."""
+    """How a token id is written in logprobs (``token_id:N`` or its text), and the bytes it stands for."""
 
     def __init__(self, tokenizer: Any, as_ids: bool) -> None:
         self._tokenizer = tokenizer
@@ -29,19 +33,51 @@ class TokenNamer:
             return f"token_id:{token_id}"
         return self._tokenizer.decode([token_id])
 
+    def raw_bytes(self, token_id: int) -> list[int]:
+        """The token's own bytes (as vLLM reports them, whatever ``token`` says)."""
+        return token_bytes(self._tokenizer, token_id)
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level table, inverted: printable bytes stand for themselves, the rest from U+0100 on."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    table, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            table[chr(byte)] = byte
+        else:
+            table[chr(256 + extra)] = byte
+            extra += 1
+    return table
+
+
+def token_bytes(tokenizer: Any, token_id: int) -> list[int]:
+    """Bytes of one token: byte-level BPE pieces map back through GPT-2's byte table."""
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if token_id in tokenizer.all_special_ids or piece in tokenizer.get_added_vocab():
+        return list(piece.encode("utf-8"))
+    table = _byte_decoder()
+    if all(char in table for char in piece):
+        return [table[char] for char in piece]
+    return list(tokenizer.decode([token_id]).encode("utf-8"))
+
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def chat_logprob(event: TokenEvent, name: TokenNamer) -> dict[str, Any]:
-    token = name(event.token_id)
     return {
-        "token": token,
+        "token": name(event.token_id),
         "logprob": event.logprob,
-        "bytes": list(token.encode("utf-8")),
+        "bytes": name.raw_bytes(event.token_id),
         "top_logprobs": [
-            {"token": (t := name(i)), "logprob": lp, "bytes": list(t.encode("utf-8"))} for i, lp in event.top
+            {"token": name(i), "logprob": lp, "bytes": name.raw_bytes(i)} for i, lp in event.top
         ],
     }
 
@@ -52,6 +88,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
         "prompt_tokens_details": None,
+        "completion_tokens_details": None,
     }
 
 
@@ -82,29 +119,36 @@ def chat_completion(
                 "finish_reason": finish_reason,
                 "stop_reason": events[-1].stop_reason if events else None,
                 "token_ids": [e.token_id for e in events] if return_token_ids else None,
+                "routed_experts": None,
             }
         ],
         "service_tier": None,
-        "system_fingerprint": None,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
         "usage": usage(len(prompt_ids), len(events)),
         "prompt_logprobs": None,
         "prompt_token_ids": prompt_ids if return_token_ids else None,
+        "prompt_text": None,
         "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "metrics": None,
         "weight_version": weight_version,
     }
 
 
 def assistant_message(content: str | None, tool_calls: list[dict[str, Any]]) -> dict[str, Any]:
-    return {
+    """The reply message; like vLLM, ``tool_calls`` is present only when there are some."""
+    message: dict[str, Any] = {
         "role": "assistant",
         "content": content,
         "refusal": None,
         "annotations": None,
         "audio": None,
         "function_call": None,
-        "tool_calls": tool_calls,
-        "reasoning_content": None,
     }
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    message["reasoning"] = None
+    return message
 
 
 def chat_chunk(
@@ -119,9 +163,9 @@ def chat_chunk(
     return_token_ids: bool,
     name: TokenNamer,
     prompt_ids: list[int] | None = None,
-    weight_version: int | None = None,
+    last: bool = False,
 ) -> dict[str, Any]:
-    """One ``chat.completion.chunk``; ``prompt_ids`` only on the first chunk."""
+    """One ``chat.completion.chunk``; ``prompt_ids`` only on the first chunk, the fingerprint on the last."""
     choice: dict[str, Any] = {
         "index": 0,
         "delta": delta,
@@ -130,7 +174,7 @@ def chat_chunk(
     }
     if finish_reason is not None:
         choice["stop_reason"] = events[-1].stop_reason if events else None
-    if return_token_ids:
+    if return_token_ids and events:
         choice["token_ids"] = [e.token_id for e in events]
     chunk: dict[str, Any] = {
         "id": request_id,
@@ -141,8 +185,11 @@ def chat_chunk(
     }
     if prompt_ids is not None:
         chunk["prompt_token_ids"] = prompt_ids
-    if weight_version is not None:
-        chunk["weight_version"] = weight_version
+        chunk["prompt_text"] = None
+    if last:
+        chunk["system_fingerprint"] = SYSTEM_FINGERPRINT
+    if events and events[-1].weight_version is not None:
+        chunk["weight_version"] = events[-1].weight_version
     return chunk
 
 
@@ -161,7 +208,13 @@ def usage_chunk(
         "created": created,
         "model": model,
         "choices": [],
-        "usage": usage(prompt_tokens, completion_tokens),
+        # vLLM's usage chunk carries the three counts only, and the fingerprint of the last chunk.
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "completion_tokens": completion_tokens,
+        },
+        "system_fingerprint": SYSTEM_FINGERPRINT,
     }
 
 
@@ -175,7 +228,7 @@ def completion_logprobs(events: list[TokenEvent], name: TokenNamer, start_offset
         "text_offset": offsets,
         "token_logprobs": [e.logprob for e in events],
         "tokens": [name(e.token_id) for e in events],
-        "top_logprobs": [{name(i): lp for i, lp in e.top} or None for e in events],
+        "top_logprobs": [{name(e.token_id): e.logprob, **{name(i): lp for i, lp in e.top}} for e in events],
     }
 
 
@@ -203,14 +256,17 @@ def text_completion(
                 "logprobs": completion_logprobs(events, name) if logprobs else None,
                 "finish_reason": events[-1].finish_reason if events else "length",
                 "stop_reason": events[-1].stop_reason if events else None,
+                "token_ids": [e.token_id for e in events] if return_token_ids else None,
                 "prompt_logprobs": None,
                 "prompt_token_ids": prompt_ids if return_token_ids else None,
-                "token_ids": [e.token_id for e in events] if return_token_ids else None,
+                "routed_experts": None,
             }
         ],
         "service_tier": None,
-        "system_fingerprint": None,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
         "usage": usage(len(prompt_ids), len(events)),
         "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "metrics": None,
         "weight_version": weight_version,
     }

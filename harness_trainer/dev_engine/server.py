@@ -78,8 +78,10 @@ async def errors_as_json(request: web.Request, handler: Any) -> web.StreamRespon
     except EngineError as exc:
         return web.json_response(exc.body(), status=exc.status)
     except pydantic.ValidationError as exc:
-        reasons = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors())
-        return web.json_response(EngineError(400, reasons).body(), status=400)
+        errors = exc.errors()
+        reasons = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in errors)
+        param = ".".join(["body", *map(str, errors[0]["loc"])]) if errors else None
+        return web.json_response(EngineError(400, reasons, param=param).body(), status=400)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -90,9 +92,9 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     try:
         body = json.loads(await request.read())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise EngineError(400, f"malformed JSON body: {exc}") from exc
+        raise EngineError(400, f"malformed JSON body: {exc}", param="body") from exc
     if not isinstance(body, dict):
-        raise EngineError(400, "the request body must be a JSON object")
+        raise EngineError(400, "the request body must be a JSON object", param="body")
     return body
 
 
@@ -111,6 +113,7 @@ def generation_params(
             400,
             f"This model's maximum context length is {state.config.max_model_len} tokens. "
             f"However, your request has {prompt_len} input tokens.",
+            param="input_tokens",
         )
     if limit is not None and limit > room:
         raise EngineError(
@@ -118,6 +121,7 @@ def generation_params(
             f"'max_tokens' is too large: {limit}. This model's maximum context length is "
             f"{state.config.max_model_len} tokens and your request has {prompt_len} input "
             f"tokens ({limit} > {state.config.max_model_len} - {prompt_len}).",
+            param="max_tokens",
         )
     temperature = 1.0 if request.temperature is None else request.temperature
     return GenerationParams(
@@ -253,7 +257,8 @@ async def stream_chat(
             **common,
         )
     )
-    text, held_from, count = "", None, 0
+    text, held_from, count, sent_calls = "", None, 0, 0
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
     iterator = items.__aiter__()
     pending = asyncio.ensure_future(iterator.__anext__())
     try:
@@ -278,14 +283,32 @@ async def stream_chat(
                 item_text = item.text if held_from is None else ""
             delta: dict[str, Any] = {"content": item_text} if item_text else {}
             finish = item.finish_reason
-            if finish is not None and held_from is not None:
-                parsed = chat.parse_tool_calls(text[held_from:])
-                if parsed.tool_calls:
-                    delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(parsed.tool_calls)]
-                    finish = "tool_calls" if finish == "stop" else finish
-                else:
-                    delta["content"] = item_text + text[held_from:]
-            await send(responses.chat_chunk(delta=delta, events=[item], finish_reason=finish, **common))
+            if held_from is not None:
+                closed = text.count(chat.TOOL_CALL_CLOSE, held_from)
+                if closed > sent_calls or finish is not None:
+                    # Mid-stream, parse only up to the last closed block: an open one is not JSON yet.
+                    upto = (
+                        len(text)
+                        if finish is not None
+                        else text.rfind(chat.TOOL_CALL_CLOSE) + len(chat.TOOL_CALL_CLOSE)
+                    )
+                    new_calls = chat.parse_tool_calls(text[held_from:upto]).tool_calls[sent_calls:]
+                    if new_calls:
+                        delta = {
+                            "content": item_text or None,
+                            "tool_calls": [
+                                {"index": sent_calls + i, **call} for i, call in enumerate(new_calls)
+                            ],
+                        }
+                        sent_calls += len(new_calls)
+                    elif finish is not None and not sent_calls:
+                        delta = {"content": item_text + text[held_from:]}
+                if finish == "stop" and sent_calls:
+                    finish = "tool_calls"
+            last = finish is not None and not include_usage
+            await send(
+                responses.chat_chunk(delta=delta, events=[item], finish_reason=finish, last=last, **common)
+            )
     except EngineError as exc:
         await send(exc.body())
     except Exception as exc:  # headers are sent: the error can only travel as a stream event
@@ -295,7 +318,7 @@ async def stream_chat(
         with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
             await pending
         await items.aclose()
-    if req.stream_options and req.stream_options.include_usage:
+    if include_usage:
         await send(
             responses.usage_chunk(
                 request_id=request_id,

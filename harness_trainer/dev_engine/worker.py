@@ -13,6 +13,7 @@ finished; weight updates still run while paused.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -59,6 +60,7 @@ class TokenEvent:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     top: list[tuple[int, float]] = field(default_factory=list)
+    weight_version: int | None = None  # set on the last event: the weights that sampled the reply
 
 
 @dataclass
@@ -77,7 +79,10 @@ class ModelWorker:
     def __init__(self, model: Any, tokenizer: Any, eos_token_ids: tuple[int, ...], seed: int = 0) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
+        # Like vLLM: the tokenizer's eos stops with stop_reason None; the generation config's other
+        # eos ids act as stop token ids, and the stop_reason names the id.
         self.eos_token_ids = eos_token_ids
+        self._extra_stop_ids = tuple(t for t in eos_token_ids if t != tokenizer.eos_token_id)
         self.weight_version = 0
         self._seed_source = torch.Generator().manual_seed(seed)
         self._cond = threading.Condition()
@@ -87,6 +92,10 @@ class ModelWorker:
         self._busy_generating = False
         self._stopping = False
         self._shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        # transformers renamed ``past_key_values`` to ``cache``; use whichever this version takes.
+        self._cache_kwarg = (
+            "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        )
         self._thread = threading.Thread(target=self._loop, name="dev-engine-worker", daemon=True)
         self._thread.start()
 
@@ -165,10 +174,14 @@ class ModelWorker:
         holdback = max((len(s) for s in params.stop), default=1) - 1
         shown = 0
         stop_ids = set(self.eos_token_ids) | set(params.stop_token_ids)
+        named_stops = set(self._extra_stop_ids) | set(params.stop_token_ids)
         cache = self._new_cache()
         with torch.inference_mode():
             logits = self.model(
-                input_ids=torch.tensor([prompt_ids]), past_key_values=cache, use_cache=True, logits_to_keep=1
+                input_ids=torch.tensor([prompt_ids]),
+                **{self._cache_kwarg: cache},
+                use_cache=True,
+                logits_to_keep=1,
             ).logits[0, -1]
             for step in range(params.max_tokens):
                 logprobs = processed_logprobs(logits, params.temperature)
@@ -178,7 +191,7 @@ class ModelWorker:
                 finish, stop_reason, text_end = None, None, len(detok.text)
                 if token in stop_ids:
                     finish = "stop"
-                    stop_reason = token if token in params.stop_token_ids else None
+                    stop_reason = token if token in named_stops else None
                 elif params.stop and (match := find_stop(detok.text, params.stop, searched)):
                     finish, stop_reason, text_end = "stop", match.stop, match.text_end
                 elif job.cancelled.is_set():
@@ -201,13 +214,14 @@ class ModelWorker:
                         finish,
                         stop_reason,
                         _top(logprobs, params.top_logprobs),
+                        version if finish is not None else None,
                     ),
                 )
                 shown = visible_to
                 if finish is not None:
                     return version
                 logits = self.model(
-                    input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True
+                    input_ids=torch.tensor([[token]]), **{self._cache_kwarg: cache}, use_cache=True
                 ).logits[0, -1]
         return version
 
@@ -222,10 +236,15 @@ class ModelWorker:
             shown = len(detok.text)
             detok.push(token)
             finish = None
+            stop_reason = None
             if index == len(completion_ids) - 1:
                 finish = "stop" if token in self.eos_token_ids else "length"
+                stop_reason = token if token in self._extra_stop_ids else None
                 detok.flush()
-            job.emit("token", TokenEvent(token, logprob, detok.text[shown:], finish, None, top))
+            version = self.weight_version if finish is not None else None
+            job.emit(
+                "token", TokenEvent(token, logprob, detok.text[shown:], finish, stop_reason, top, version)
+            )
         return self.weight_version
 
     def score(
