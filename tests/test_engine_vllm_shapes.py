@@ -144,11 +144,6 @@ def test_utility_routes_match_vllm_shape(contract_engine: EngineProcess, name: s
         reply = replay(contract_engine, name)
     assert reply.status_code == 200
     body, want = reply.json(), expected(name)
-    if name == "models":  # vLLM's permission list is OpenAI legacy we do not reproduce
-        want = {
-            **want,
-            "data": [{k: v for k, v in card.items() if k != "permission"} for card in want["data"]],
-        }
     assert_same_shape(want, body)
     if name == "tokenize_messages":
         assert body["tokens"] == want["tokens"], "the same chat template must give vLLM's exact prompt ids"

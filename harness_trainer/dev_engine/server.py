@@ -380,6 +380,22 @@ async def models(request: web.Request) -> web.Response:
         "parent": None,
         "max_model_len": config.max_model_len,
     }
+    card["permission"] = [
+        {  # OpenAI's legacy permission record, as vLLM still sends it
+            "id": responses.new_id("modelperm"),
+            "object": "model_permission",
+            "created": card["created"],
+            "allow_create_engine": False,
+            "allow_sampling": True,
+            "allow_logprobs": True,
+            "allow_search_indices": False,
+            "allow_view": True,
+            "allow_fine_tuning": False,
+            "organization": "*",
+            "group": None,
+            "is_blocking": False,
+        }
+    ]
     return web.json_response({"object": "list", "data": [card]})
 
 

@@ -1,0 +1,1 @@
+"""Benchmarks: standalone scripts that measure the project against a stated target."""
