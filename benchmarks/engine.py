@@ -4,11 +4,12 @@ What is measured: generated tokens per second, one request at a time, for the sa
 chat-template-rendered prompts, sampling at temperature 1 with seed ``i`` for prompt ``i``:
 
 - baseline: ``AutoModelForCausalLM`` (float32, CPU) in this process, ``model.generate(do_sample=True,
-  max_new_tokens=min_new_tokens=--max-tokens)``, so EOS never stops it early; it counts new tokens.
+  top_k=0, max_new_tokens=min_new_tokens=--max-tokens)``: the full distribution, as the engine samples,
+  and EOS never stops it early; it counts new tokens.
 - server: ``harness-trainer engine`` started as a real subprocess on a free loopback port, hit with httpx
   at ``/v1/chat/completions`` with the capture fields (``logprobs``, ``top_logprobs: 0``,
   ``return_token_ids``). The dev engine stops at EOS (rare on the random tiny model), so its count is
-  ``usage.completion_tokens``, never the requested maximum.
+  ``usage.completion_tokens``, not the requested maximum.
 
 Both sides use the same torch thread count (``--threads``, default 1: the overhead in question is per-token
 Python, HTTP and JSON work, which the thread count does not change, while on a small shared machine extra
@@ -37,6 +38,9 @@ from pathlib import Path
 from typing import Any
 
 TARGET_OVERHEAD = 0.10
+# Sampling at temperature 1 from the full distribution; generate's default top-k of 50 is switched off.
+GENERATE = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+CAPTURE = {"temperature": 1.0, "logprobs": True, "top_logprobs": 0, "return_token_ids": True}
 
 
 def positive(text: str) -> int:
@@ -51,12 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompts", type=positive, default=8, help="prompts per repeat")
     parser.add_argument("--max-tokens", type=positive, default=128, help="tokens to generate per prompt")
     parser.add_argument("--repeats", type=positive, default=3, help="interleaved baseline/server repeats")
-    parser.add_argument(
-        "--threads",
-        type=positive,
-        default=1,
-        help="torch threads on both sides (default 1: see the docstring)",
-    )
+    parser.add_argument("--threads", type=positive, default=1, help="torch threads, both sides (see above)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     return parser
 
@@ -81,11 +80,10 @@ def run_baseline(model: Any, prompt_ids: list[list[int]], max_tokens: int, pad_i
         out = model.generate(
             input_ids,
             attention_mask=torch.ones_like(input_ids),
-            do_sample=True,
-            temperature=1.0,
             max_new_tokens=max_tokens,
             min_new_tokens=max_tokens,
             pad_token_id=pad_id,
+            **GENERATE,
         )
         seconds += time.perf_counter() - start
         tokens += out.shape[1] - input_ids.shape[1]
@@ -98,15 +96,7 @@ def run_server(
     """Send every prompt in turn; return (completion tokens, seconds)."""
     tokens, seconds = 0, 0.0
     for i, messages in enumerate(prompts):
-        body = {
-            "messages": messages,
-            "max_tokens": max_tokens,
-            "temperature": 1.0,
-            "seed": i,
-            "logprobs": True,
-            "top_logprobs": 0,
-            "return_token_ids": True,
-        }
+        body = {"messages": messages, "max_tokens": max_tokens, "seed": i, **CAPTURE}
         start = time.perf_counter()
         response = client.post("/v1/chat/completions", json=body)
         seconds += time.perf_counter() - start
@@ -150,20 +140,12 @@ def summarize(samples: list[dict[str, float]], config: dict[str, Any], server_pi
     def spread(values: list[float]) -> dict[str, float]:
         return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
-    ratios = [s["server_tps"] / s["baseline_tps"] for s in samples]
-    ratio = spread(ratios)
+    ratio = spread([s["server_tps"] / s["baseline_tps"] for s in samples])
     overhead = 1 - ratio["median"]
-    return {
-        "config": config,
-        "repeats": samples,
-        "baseline_tps": spread([s["baseline_tps"] for s in samples]),
-        "server_tps": spread([s["server_tps"] for s in samples]),
-        "ratio": ratio,
-        "overhead": overhead,
-        "target_overhead": TARGET_OVERHEAD,
-        "meets_target": overhead < TARGET_OVERHEAD,
-        "server_pid": server_pid,
-    }
+    result = {"config": config, "repeats": samples, "server_pid": server_pid}
+    result |= {f"{side}_tps": spread([s[f"{side}_tps"] for s in samples]) for side in ("baseline", "server")}
+    result |= {"ratio": ratio, "overhead": overhead, "target_overhead": TARGET_OVERHEAD}
+    return result | {"meets_target": overhead < TARGET_OVERHEAD}
 
 
 def print_report(result: dict[str, Any]) -> None:
@@ -172,16 +154,12 @@ def print_report(result: dict[str, Any]) -> None:
         f"\nmodel {c['model']}: {c['prompts']} prompts x {c['max_tokens']} tokens, "
         f"{c['repeats']} repeats, {c['threads']} torch threads, sequential requests"
     )
-    print(f"{'':<24}{'median':>10}{'min':>10}{'max':>10}")
-    rows = [
-        ("baseline tok/s", result["baseline_tps"], "{:10.1f}"),
-        ("server tok/s", result["server_tps"], "{:10.1f}"),
-        ("ratio server/baseline", result["ratio"], "{:10.3f}"),
-    ]
-    for label, values, fmt in rows:
+    ratio = result["ratio"]
+    overhead = {"median": 1 - ratio["median"], "min": 1 - ratio["max"], "max": 1 - ratio["min"]}
+    rows = [("", {k: k for k in ratio}, "{:>10}"), ("baseline tok/s", result["baseline_tps"], "{:10.1f}")]
+    rows += [("server tok/s", result["server_tps"], "{:10.1f}"), ("ratio server/baseline", ratio, "{:10.3f}")]
+    for label, values, fmt in [*rows, ("server overhead", overhead, "{:10.1%}")]:
         print(f"{label:<24}" + "".join(fmt.format(values[k]) for k in ("median", "min", "max")))
-    low, high = 1 - result["ratio"]["max"], 1 - result["ratio"]["min"]
-    print(f"{'server overhead':<24}{result['overhead']:>9.1%} {low:>9.1%} {high:>9.1%}")
     verdict = "PASS" if result["meets_target"] else "FAIL"
     print(
         f"verdict: {verdict}: server overhead {result['overhead']:.1%} (median) against the target "
@@ -200,19 +178,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from harness_trainer.models.tiny import ensure_tiny_model
 
     model_dir = args.model or str(ensure_tiny_model())
-    threads = args.threads
-    torch.set_num_threads(threads)
+    torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     prompts = chat_prompts(args.prompts)
     prompt_ids = [render_prompt_ids(tokenizer, messages, None) for messages in prompts]
-    config = {"model": model_dir, "threads": threads}
+    config = {"model": model_dir, "threads": args.threads}
     config |= {"prompts": args.prompts, "max_tokens": args.max_tokens, "repeats": args.repeats}
 
     samples: list[dict[str, float]] = []
     with (
-        running_engine(model_dir, threads) as (url, engine),
+        running_engine(model_dir, args.threads) as (url, engine),
         httpx.Client(base_url=url, timeout=600) as client,
     ):
         run_baseline(model, prompt_ids[:1], 4, pad_id)  # warm-up, not timed
