@@ -5,9 +5,8 @@ Routes (same wire shapes as vLLM serving with ``--return-tokens-as-token-ids`` a
 
 - ``POST /v1/chat/completions`` (streaming and not), ``POST /v1/completions`` (string or token-id prompt),
   ``GET /v1/models``, ``GET /health``, ``POST /tokenize``, ``POST /detokenize``.
-- Weight control for the trainer: ``POST /pause`` (stop starting generations, wait for the one in flight),
-  ``POST /resume``, ``GET /is_paused``, ``POST /update_weights`` (a safetensors body, or JSON
-  ``{"path": FILE}``; ``?version=N`` or ``"version"``), ``GET /weight_version``.
+- Weight control for the trainer (module ``control``): ``POST /pause``, ``POST /resume``,
+  ``GET /is_paused``, ``POST /update_weights``, ``GET /weight_version``.
 
 Errors are ``{"error": {"message", "type", "param", "code"}}``: malformed JSON or a bad field → 400 with
 the reason, unknown model → 404, prompt longer than the context → 400, ``n > 1`` → 400. The server keeps
@@ -17,17 +16,16 @@ serving after every one of them.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import pydantic
 from aiohttp import web
 
 from harness_trainer.dev_engine import chat, responses
+from harness_trainer.dev_engine.control import add_control_routes
 from harness_trainer.dev_engine.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -36,39 +34,12 @@ from harness_trainer.dev_engine.protocol import (
     SamplingFields,
     TokenizeRequest,
 )
-from harness_trainer.dev_engine.script import ScriptedReplies, ScriptError, completion_ids
-from harness_trainer.dev_engine.weights import read_weight_update
-from harness_trainer.dev_engine.worker import (
-    GenerationParams,
-    Job,
-    ModelWorker,
-    TokenEvent,
-    WeightUpdateError,
-    event_emitter,
-)
+from harness_trainer.dev_engine.script import ScriptError, completion_ids
+from harness_trainer.dev_engine.state import STATE, EngineConfig, EngineState
+from harness_trainer.dev_engine.streaming import stream_chat
+from harness_trainer.dev_engine.worker import GenerationParams, Job, TokenEvent, event_emitter
 
-KEEPALIVE_SECONDS = 15.0
-
-
-@dataclass
-class EngineConfig:
-    """What the server was started with."""
-
-    served_model_name: str
-    model_path: str
-    max_model_len: int
-    return_tokens_as_token_ids: bool = True
-    max_request_bytes: int = 64 * 1024 * 1024
-
-
-@dataclass
-class EngineState:
-    config: EngineConfig
-    worker: ModelWorker
-    script: ScriptedReplies | None = None
-
-
-STATE = web.AppKey("engine_state", EngineState)
+__all__ = ["EngineConfig", "EngineState", "build_app"]
 
 
 @web.middleware
@@ -222,117 +193,6 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     )
 
 
-async def stream_chat(
-    request: web.Request,
-    req: ChatCompletionRequest,
-    model: str,
-    request_id: str,
-    prompt_ids: list[int],
-    items: AsyncIterator[TokenEvent | int],
-    name: responses.TokenNamer,
-    tools: list[dict[str, Any]] | None,
-) -> web.StreamResponse:
-    """SSE replay: role chunk (with prompt ids), one chunk per token, usage chunk, ``[DONE]``."""
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await response.prepare(request)
-    created = int(time.time())
-    common = {
-        "request_id": request_id,
-        "model": model,
-        "created": created,
-        "logprobs": req.logprobs,
-        "return_token_ids": req.return_token_ids,
-        "name": name,
-    }
-
-    async def send(payload: dict[str, Any]) -> None:
-        await response.write(f"data: {json.dumps(payload)}\n\n".encode())
-
-    await send(
-        responses.chat_chunk(
-            delta={"role": "assistant", "content": ""},
-            events=[],
-            finish_reason=None,
-            prompt_ids=prompt_ids if req.return_token_ids else None,
-            **common,
-        )
-    )
-    text, held_from, count, sent_calls = "", None, 0, 0
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    iterator = items.__aiter__()
-    pending = asyncio.ensure_future(iterator.__anext__())
-    try:
-        while True:
-            done, _ = await asyncio.wait({pending}, timeout=KEEPALIVE_SECONDS)
-            if not done:
-                await response.write(b": keepalive\n\n")
-                continue
-            try:
-                item = pending.result()
-            except StopAsyncIteration:
-                break
-            pending = asyncio.ensure_future(iterator.__anext__())
-            if not isinstance(item, TokenEvent):
-                continue
-            count += 1
-            text += item.text
-            if tools and held_from is None and chat.TOOL_CALL_OPEN in text:
-                held_from = text.index(chat.TOOL_CALL_OPEN)
-                item_text = item.text[: max(0, len(item.text) - (len(text) - held_from))]
-            else:
-                item_text = item.text if held_from is None else ""
-            delta: dict[str, Any] = {"content": item_text} if item_text else {}
-            finish = item.finish_reason
-            if held_from is not None:
-                closed = text.count(chat.TOOL_CALL_CLOSE, held_from)
-                if closed > sent_calls or finish is not None:
-                    # Mid-stream, parse only up to the last closed block: an open one is not JSON yet.
-                    upto = (
-                        len(text)
-                        if finish is not None
-                        else text.rfind(chat.TOOL_CALL_CLOSE) + len(chat.TOOL_CALL_CLOSE)
-                    )
-                    new_calls = chat.parse_tool_calls(text[held_from:upto]).tool_calls[sent_calls:]
-                    if new_calls:
-                        delta = {
-                            "content": item_text or None,
-                            "tool_calls": [
-                                {"index": sent_calls + i, **call} for i, call in enumerate(new_calls)
-                            ],
-                        }
-                        sent_calls += len(new_calls)
-                    elif finish is not None and not sent_calls:
-                        delta = {"content": item_text + text[held_from:]}
-                if finish == "stop" and sent_calls:
-                    finish = "tool_calls"
-            last = finish is not None and not include_usage
-            await send(
-                responses.chat_chunk(delta=delta, events=[item], finish_reason=finish, last=last, **common)
-            )
-    except EngineError as exc:
-        await send(exc.body())
-    except Exception as exc:  # headers are sent: the error can only travel as a stream event
-        await send(EngineError(500, f"generation failed: {exc}").body())
-    finally:
-        pending.cancel()
-        with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-            await pending
-        await items.aclose()
-    if include_usage:
-        await send(
-            responses.usage_chunk(
-                request_id=request_id,
-                model=model,
-                created=created,
-                prompt_tokens=len(prompt_ids),
-                completion_tokens=count,
-            )
-        )
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
-    return response
-
-
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = CompletionRequest.model_validate(await read_json(request))
@@ -430,48 +290,6 @@ async def detokenize(request: web.Request) -> web.Response:
     return web.json_response({"prompt": state.worker.tokenizer.decode(req.tokens)})
 
 
-async def pause(request: web.Request) -> web.Response:
-    mode = request.query.get("mode", "wait")
-    if mode != "wait":
-        raise EngineError(400, f"pause mode {mode!r} is not supported: the dev engine drains (mode=wait)")
-    await asyncio.to_thread(request.app[STATE].worker.pause)
-    return web.json_response({"status": "paused"})
-
-
-async def resume(request: web.Request) -> web.Response:
-    request.app[STATE].worker.resume()
-    return web.json_response({"status": "resumed"})
-
-
-async def is_paused(request: web.Request) -> web.Response:
-    return web.json_response({"is_paused": request.app[STATE].worker.paused})
-
-
-async def weight_version(request: web.Request) -> web.Response:
-    return web.json_response({"weight_version": request.app[STATE].worker.weight_version})
-
-
-async def update_weights(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    tensors, version = await read_weight_update(request)
-    queue: asyncio.Queue = asyncio.Queue()
-    try:
-        state.worker.check_weights(tensors, version)
-        state.worker.submit(
-            Job(
-                run=lambda job: state.worker.load_weights(tensors, version),
-                emit=event_emitter(asyncio.get_running_loop(), queue),
-                is_generation=False,
-            )
-        )
-        kind, payload = await queue.get()
-        if kind == "error":
-            raise payload
-    except WeightUpdateError as exc:
-        raise EngineError(exc.status, str(exc)) from exc
-    return web.json_response({"weight_version": payload, "tensors": len(tensors)})
-
-
 def build_app(state: EngineState) -> web.Application:
     """The aiohttp application serving ``state``; its worker is stopped on cleanup."""
     app = web.Application(middlewares=[errors_as_json], client_max_size=state.config.max_request_bytes)
@@ -488,9 +306,5 @@ def build_app(state: EngineState) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
-    app.router.add_post("/pause", pause)
-    app.router.add_post("/resume", resume)
-    app.router.add_get("/is_paused", is_paused)
-    app.router.add_get("/weight_version", weight_version)
-    app.router.add_post("/update_weights", update_weights)
+    add_control_routes(app)
     return app
