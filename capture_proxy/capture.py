@@ -1,0 +1,125 @@
+"""Take the engine's ids and logprobs out of a reply, check them, and normalise the rest.
+
+From a vLLM Chat Completions reply: ``prompt_token_ids`` (top level), ``choices[0].token_ids`` and
+``choices[0].logprobs.content[i]`` (``token = "token_id:N"``, ``logprob``). The pairing is checked: equal
+lengths, each entry's token id equal to the sampled id at its position, every logprob finite and ≤ 0.
+A reply that fails is still returned to the agent, but the call is context only, with a finding. A reply
+without ids at all is recorded with the finding ``no_token_ids`` (the session cannot be trained on).
+The checks run in C-level passes (``map``, slicing), not per-token Python loops.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from dataclasses import dataclass, field
+from operator import itemgetter
+from typing import Any
+
+from capture_proxy.dialects.base import Reply, ToolCall
+from capture_proxy.records import Finding
+
+_token = itemgetter("token")
+_logprob = itemgetter("logprob")
+
+
+class MalformedReply(Exception):
+    """The engine answered 200 with a body that is not a chat completion."""
+
+
+@dataclass
+class Capture:
+    prompt_token_ids: list[int] | None
+    completion_token_ids: list[int] | None
+    logprobs: list[float] | None
+    weight_version: int | None
+    finding: Finding | None
+    # The prompt as packed uint32, for the journal's prefix comparison (None when ids are unusable).
+    prompt_array: array | None = field(default=None, repr=False)
+
+
+def capture(reply: dict[str, Any]) -> Capture:
+    """The ids and logprobs of ``reply`` with a finding when they cannot be trusted."""
+    choice = _first_choice(reply)
+    prompt_ids = reply.get("prompt_token_ids")
+    completion_ids = choice.get("token_ids")
+    version = reply.get("weight_version")
+    version = version if isinstance(version, int) and not isinstance(version, bool) else None
+    if not isinstance(prompt_ids, list) or not isinstance(completion_ids, list):
+        detail = (
+            "the engine returned no token ids (prompt_token_ids / choices[0].token_ids); serve vLLM with "
+            "--return-tokens-as-token-ids and a version that supports return_token_ids"
+        )
+        return Capture(None, None, None, version, Finding("no_token_ids", detail))
+    packed, completion_packed = _packed(prompt_ids), _packed(completion_ids)
+    if packed is None or completion_packed is None or not prompt_ids:
+        detail = "token ids must be a non-empty prompt of non-negative integers"
+        return Capture(None, None, None, version, Finding("bad_token_ids", detail))
+    content = (choice.get("logprobs") or {}).get("content")
+    try:
+        logprobs, finding = _check(completion_ids, content)
+    except (KeyError, TypeError, ValueError) as exc:
+        logprobs, finding = None, Finding("malformed_logprobs", f"logprobs could not be read: {exc!r}")
+    if logprobs is None:
+        # Context only: the completion is kept for the prompt tree, with zero logprobs it never trains on.
+        logprobs = [0.0] * len(completion_ids)
+    return Capture(prompt_ids, completion_ids, logprobs, version, finding, packed)
+
+
+def _check(completion_ids: list[int], content: Any) -> tuple[list[float] | None, Finding | None]:
+    if not isinstance(content, list):
+        return None, Finding("no_logprobs", "the engine returned no logprobs.content for the sampled ids")
+    if len(content) != len(completion_ids):
+        detail = f"{len(content)} logprob entries for {len(completion_ids)} sampled ids"
+        return None, Finding("logprob_count_mismatch", detail)
+    tokens = list(map(_token, content))
+    if tokens != ["token_id:" + s for s in map(str, completion_ids)]:
+        detail = "logprobs.content[].token does not name the sampled ids (expected 'token_id:N' pairs)"
+        return None, Finding("token_mismatch", detail)
+    logprobs = list(map(float, map(_logprob, content)))
+    if not math.isfinite(math.fsum(logprobs)) or (logprobs and max(logprobs) > 0):
+        return None, Finding("bad_logprobs", "logprobs must be finite and <= 0")
+    return logprobs, None
+
+
+def _packed(ids: Any) -> array | None:
+    """``ids`` as uint32, or None if any is not a non-negative integer (one C-level pass)."""
+    try:
+        return array("I", ids)
+    except (TypeError, OverflowError):
+        return None
+
+
+def _first_choice(reply: dict[str, Any]) -> dict[str, Any]:
+    choices = reply.get("choices") if isinstance(reply, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise MalformedReply("the engine's reply has no choices[0]")
+    return choices[0]
+
+
+def normalise(reply: dict[str, Any]) -> Reply:
+    """The parts of a chat completion that dialects render."""
+    choice = _first_choice(reply)
+    message = choice.get("message") or {}
+    calls = [
+        ToolCall(
+            id=str(call.get("id") or f"call_{index}"),
+            name=str((call.get("function") or {}).get("name", "")),
+            arguments=str((call.get("function") or {}).get("arguments") or "{}"),
+        )
+        for index, call in enumerate(message.get("tool_calls") or [])
+    ]
+    usage = reply.get("usage") or {}
+    stop_reason = choice.get("stop_reason")
+    return Reply(
+        id=str(reply.get("id") or "chatcmpl-capture"),
+        created=int(reply.get("created") or 0),
+        model=str(reply.get("model") or ""),
+        content=message.get("content"),
+        tool_calls=calls,
+        finish_reason=str(choice.get("finish_reason") or "stop"),
+        prompt_tokens=int(usage.get("prompt_tokens") or 0),
+        completion_tokens=int(usage.get("completion_tokens") or 0),
+        reasoning=message.get("reasoning_content") or message.get("reasoning"),
+        stop_sequence=stop_reason if isinstance(stop_reason, str) else None,
+    )

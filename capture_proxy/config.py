@@ -1,0 +1,63 @@
+"""The proxy's configuration, shared by the CLI and :func:`capture_proxy.app.build_app`."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+ADMIN_KEY_ENV = "CAPTURE_PROXY_ADMIN_KEY"
+
+
+class ConfigError(ValueError):
+    """A configuration the proxy refuses to start with."""
+
+
+@dataclass
+class ProxyConfig:
+    upstream: str
+    """Engine base URL (vLLM or the dev engine), e.g. ``http://127.0.0.1:8000``."""
+    data_dir: Path
+    """Where sessions and journals live; reloaded on start."""
+    admin_key: str | None = None
+    """Bearer key for the admin routes; defaults to $CAPTURE_PROXY_ADMIN_KEY. Required off loopback."""
+    host: str = "127.0.0.1"
+    port: int = 8300
+    public_url: str | None = None
+    """How agents reach the proxy (for ``base_url`` in minted sessions); default ``http://host:port``."""
+    served_model: str | None = None
+    """Model name sent upstream; default: the first of the engine's ``/v1/models``."""
+    upstream_api_key: str | None = None
+    upstream_timeout_s: float = 600.0
+    upstream_attempts: int = 3
+    retry_backoff_s: float = 0.5
+    max_retry_after_s: float = 10.0
+    keepalive_s: float = 5.0
+    """A streaming client whose call takes longer than this gets headers and a keepalive comment."""
+    max_body_bytes: int = 32 * 1024 * 1024
+    journal_threads: int = 4
+
+    def resolved(self) -> ProxyConfig:
+        """A copy with the admin key taken from the environment where not given, checked."""
+        key = self.admin_key or os.environ.get(ADMIN_KEY_ENV) or None
+        if key is None and not is_loopback(self.host):
+            raise ConfigError(
+                f"refusing to bind {self.host} without an admin key: pass --admin-key or set {ADMIN_KEY_ENV}"
+            )
+        if self.upstream_attempts < 1:
+            raise ConfigError("upstream_attempts must be >= 1")
+        return ProxyConfig(**{**self.__dict__, "admin_key": key, "data_dir": Path(self.data_dir)})
+
+    @property
+    def base_url(self) -> str:
+        return (self.public_url or f"http://{self.host}:{self.port}").rstrip("/")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,1 @@
+"""Agent-facing API dialects, translated to one upstream Chat Completions call and back."""

@@ -1,0 +1,256 @@
+"""One agent model call: translate, forward, capture, journal, answer.
+
+Order of work (the contract of this module):
+1. the dialect parses the body; constrained decoding is refused (400) before any budget is spent;
+2. a model call is reserved from the session's budget; if it is spent, the agent gets a terminal
+   "step budget exhausted" reply in its dialect, journaled as ``budget_exhausted``, never trained on;
+3. the call is forwarded (non-streaming, with the session's sampling policy and the capture flags);
+4. ids and logprobs are captured and checked, the record is appended to the journal and fdatasync'd;
+5. only then the agent gets its reply: JSON, or an SSE replay in its dialect.
+Steps 3–4 run in their own task, so an agent that disconnects (or a cancelled handler) cannot lose or
+duplicate the record. A streaming client whose call takes longer than ``keepalive_s`` gets its headers
+and a keepalive comment every ``keepalive_s``; an error after that arrives as an SSE error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from capture_proxy.capture import MalformedReply, capture, normalise
+from capture_proxy.constraints import refuse_constrained
+from capture_proxy.dialects.base import ChatCall, Dialect, Reply
+from capture_proxy.records import (
+    BUDGET_EXHAUSTED,
+    CONTEXT_EXHAUSTED,
+    MODEL,
+    UPSTREAM_ERROR,
+    CallRecord,
+    Finding,
+)
+from capture_proxy.sessions import Session
+from capture_proxy.state import ProxyState
+
+BUDGET_MESSAGE = "Step budget exhausted: this episode is over. Stop now."
+CONTEXT_MESSAGE = "Context length exhausted: the conversation no longer fits the model. Stop now."
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass
+class Outcome:
+    """What the agent is answered with: a reply to render, or an error status and message."""
+
+    reply: Reply | None = None
+    status: int = 200
+    error: str | None = None
+
+
+async def model_call(
+    request: web.Request, state: ProxyState, session: Session, dialect: Dialect, body: dict[str, Any]
+) -> web.StreamResponse:
+    started = time.perf_counter()
+    call = dialect.parse_request(body)
+    refuse_constrained(call.body)
+    if not session.reserve():
+        outcome = Outcome(reply=terminal_reply(BUDGET_MESSAGE))
+        await journal_terminal(state, session, call, BUDGET_EXHAUSTED, outcome.reply, None)
+        return await respond(request, state, dialect, call, _done(outcome))
+    model = await state.model_name(call.model)
+    upstream_body = session.spec.sampling.upstream_body(call, model)
+    task = asyncio.ensure_future(forward(state, session, call, upstream_body, started))
+    state.track(task)
+    return await respond(request, state, dialect, call, task)
+
+
+async def forward(
+    state: ProxyState, session: Session, call: ChatCall, body: dict[str, Any], started: float
+) -> Outcome:
+    """Steps 3–4; owns the budget reservation from here on."""
+    wall_start = time.time()
+    result = await state.upstream.chat(body)
+    state.metrics.upstream.observe(result.upstream_ms / 1000)
+    timings: dict[str, float] = {"upstream_ms": round(result.upstream_ms, 3), "attempts": result.attempts}
+    if result.reply is None:
+        session.release()
+        state.metrics.error("context_exhausted" if result.context_exhausted else f"upstream_{result.status}")
+        if result.context_exhausted:
+            finding = Finding("context_exhausted", result.error or "the prompt exceeds the model's context")
+            reply = terminal_reply(CONTEXT_MESSAGE)
+            await journal_terminal(state, session, call, CONTEXT_EXHAUSTED, reply, finding, body, timings)
+            return Outcome(reply=reply)
+        status = 400 if 400 <= result.status < 500 and result.status not in (408, 429) else 502
+        finding = Finding("upstream_error", result.error or "the engine failed")
+        await journal_terminal(state, session, call, UPSTREAM_ERROR, None, finding, body, timings)
+        return Outcome(status=status, error=result.error)
+    reply_json = result.reply
+    try:
+        reply = normalise(reply_json)
+        captured = capture(reply_json)
+    except MalformedReply as exc:
+        session.release()
+        state.metrics.error("malformed_reply")
+        await journal_terminal(
+            state, session, call, UPSTREAM_ERROR, None, Finding("malformed_reply", str(exc))
+        )
+        return Outcome(status=502, error=f"the engine's reply could not be used: {exc}")
+    if captured.finding is not None:
+        state.metrics.error(f"finding_{captured.finding.code}")
+    timings["proxy_ms"] = round((time.perf_counter() - started) * 1000 - result.upstream_ms, 3)
+    record = CallRecord(
+        seq=-1,
+        call_id="",
+        kind=MODEL,
+        dialect=call.dialect,
+        has_tools=call.has_tools,
+        started_at=wall_start,
+        finished_at=time.time(),
+        upstream_request=body,
+        agent_params=call.agent_params,
+        sampling=session.spec.sampling.model_dump(),
+        response=_without_capture(reply_json),
+        prompt_token_ids=captured.prompt_token_ids,
+        completion_token_ids=captured.completion_token_ids,
+        logprobs=captured.logprobs,
+        weight_version=captured.weight_version,
+        finding=captured.finding,
+        timings=timings,
+    )
+    await append(state, session, record, captured.prompt_array)
+    return Outcome(reply=reply)
+
+
+async def append(state: ProxyState, session: Session, record: CallRecord, prompt: Any = None) -> None:
+    """Journal ``record`` under the session's lock, assigning its seq and stable call id."""
+    async with session.lock:
+        if session.closed:
+            return
+        record.seq = session.journal.next_seq
+        record.call_id = f"call-{record.seq:05d}"
+        written = await session.journal.append(record, prompt)
+    state.metrics.journal_bytes += written
+    session.note(record)
+
+
+async def journal_terminal(
+    state: ProxyState,
+    session: Session,
+    call: ChatCall,
+    kind: str,
+    reply: Reply | None,
+    finding: Finding | None,
+    body: dict[str, Any] | None = None,
+    timings: dict[str, float] | None = None,
+) -> None:
+    """Journal a call that produced no trainable sample (budget, context, engine failure)."""
+    now = time.time()
+    response = None
+    if reply is not None:
+        response = {"proxy_reply": {"content": reply.content, "finish_reason": reply.finish_reason}}
+    record = CallRecord(
+        seq=-1,
+        call_id="",
+        kind=kind,
+        dialect=call.dialect,
+        has_tools=call.has_tools,
+        started_at=now,
+        finished_at=now,
+        upstream_request=body if body is not None else call.body,
+        agent_params=call.agent_params,
+        sampling=session.spec.sampling.model_dump(),
+        response=response,
+        finding=finding,
+        timings=timings or {},
+    )
+    await append(state, session, record)
+    if finding is not None and kind == CONTEXT_EXHAUSTED:
+        state.metrics.error(kind)
+
+
+def terminal_reply(message: str) -> Reply:
+    """A final assistant message made by the proxy (no tool calls, so agents end their loop)."""
+    return Reply(
+        id=f"chatcmpl-proxy-{uuid.uuid4().hex[:24]}",
+        created=int(time.time()),
+        model="",
+        content=message,
+        tool_calls=[],
+        finish_reason="stop",
+        prompt_tokens=0,
+        completion_tokens=0,
+    )
+
+
+def _without_capture(reply: dict[str, Any]) -> dict[str, Any]:
+    """The reply as journaled: ids and logprobs are stored once, in their own fields."""
+    response = {k: v for k, v in reply.items() if k != "prompt_token_ids"}
+    choices = response.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        first = {k: v for k, v in choices[0].items() if k not in ("token_ids", "logprobs")}
+        response["choices"] = [first, *choices[1:]]
+    return response
+
+
+def _done(outcome: Outcome) -> asyncio.Future[Outcome]:
+    future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+    future.set_result(outcome)
+    return future
+
+
+async def respond(
+    request: web.Request,
+    state: ProxyState,
+    dialect: Dialect,
+    call: ChatCall,
+    pending: asyncio.Future[Outcome],
+) -> web.StreamResponse:
+    """Answer once ``pending`` is done; a streaming client gets keepalives while it is not."""
+    stream: web.StreamResponse | None = None
+    interval = state.config.keepalive_s if call.stream else None
+    while not pending.done():
+        done, _ = await asyncio.wait({pending}, timeout=interval)
+        if done:
+            continue
+        try:
+            if stream is None:
+                stream = web.StreamResponse(headers=SSE_HEADERS)
+                await stream.prepare(request)
+            await stream.write(b": keepalive\n\n")
+        except (ConnectionError, RuntimeError):
+            # The agent went away; the forward task still journals the call once.
+            await asyncio.wait({pending})
+            return stream or web.Response(status=499)
+    outcome = pending.result()
+    if outcome.reply is None:
+        status, message = outcome.status, outcome.error or "error"
+        if stream is None:
+            return json_response(dialect.render_error(status, message), status)
+        return await _finish(stream, dialect.render_stream_error(status, message))
+    if not call.stream:
+        return json_response(dialect.render_reply(outcome.reply, call))
+    frames = b"".join(dialect.render_stream(outcome.reply, call))
+    if stream is None:
+        stream = web.StreamResponse(headers=SSE_HEADERS)
+        try:
+            await stream.prepare(request)
+        except (ConnectionError, RuntimeError):
+            return stream
+    return await _finish(stream, frames)
+
+
+async def _finish(stream: web.StreamResponse, data: bytes) -> web.StreamResponse:
+    try:
+        await stream.write(data)
+        await stream.write_eof()
+    except (ConnectionError, RuntimeError):
+        pass  # the agent disconnected; nothing left to deliver
+    return stream
+
+
+def json_response(payload: dict[str, Any], status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(payload), status=status, content_type="application/json")
