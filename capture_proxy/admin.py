@@ -24,15 +24,16 @@ from capture_proxy.sessions import Session, SessionSpec
 from capture_proxy.state import STATE, ProxyState
 
 
-class AdminError(web.HTTPException):
-    """An admin-route error, answered as ``{"error": {"message", "code"}}``."""
+class AdminError(Exception):
+    """An admin-route error, answered as ``{"error": {"message", "code"}}`` with ``status``."""
 
     def __init__(self, status: int, message: str) -> None:
-        self.status_code = status
-        super().__init__(
-            body=orjson.dumps({"error": {"message": message, "code": status}}),
-            content_type="application/json",
-        )
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+    def response(self) -> web.Response:
+        return _json({"error": {"message": self.message, "code": self.status}}, self.status)
 
 
 def check_admin(request: web.Request) -> ProxyState:

@@ -65,7 +65,7 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         response = _error(request.path, exc.status, exc.message)
     except admin.AdminError as exc:
         state.metrics.error(f"admin_{exc.status}")
-        response = exc
+        response = exc.response()
     except web.HTTPException as exc:
         state.metrics.error(f"http_{exc.status}")
         response = _error(request.path, exc.status, exc.reason or "error")

@@ -47,6 +47,11 @@ class ProxyState:
         self.store.close()
         self.executor.shutdown(wait=True)
 
+    @property
+    def inflight(self) -> int:
+        """Forward tasks not yet finished (calls being forwarded or journaled)."""
+        return len(self._inflight)
+
     def track(self, task: asyncio.Future[Any]) -> None:
         """Keep a forward task referenced until it finishes, whatever happens to its handler."""
         self._inflight.add(task)

@@ -56,6 +56,32 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(port=args.port)
 
 
+def _proxy(args: argparse.Namespace) -> int:
+    from capture_proxy.cli import serve
+
+    return serve(args)
+
+
+def _proxy_trace(args: argparse.Namespace) -> int:
+    from capture_proxy.assembly import UntrainableSession
+    from capture_proxy.export import trace_from_journal
+    from capture_proxy.journal import JournalError
+    from harness_trainer.trace import CaptureContractError, dump_trace, load_trace
+
+    try:
+        trace = load_trace(trace_from_journal(args.session), session_id=args.session.name)
+    except (UntrainableSession, JournalError, CaptureContractError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    text = dump_trace(trace)
+    if args.out:
+        args.out.write_text(text)
+        print(f"{len(trace.turns)} turns -> {args.out}")
+    else:
+        print(text)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="harness-trainer", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -89,6 +115,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--port", type=int, default=0, help="engine port (default: a free one)")
     demo.set_defaults(func=_demo)
+
+    from capture_proxy.cli import add_arguments
+
+    proxy = sub.add_parser(
+        "proxy", help="serve the capture proxy in front of an engine (vLLM or the dev engine)"
+    )
+    add_arguments(proxy)
+    proxy.set_defaults(func=_proxy)
+
+    export = sub.add_parser("proxy-trace", help="export a session's TrainingTrace from its journal (offline)")
+    export.add_argument(
+        "session", type=Path, help="session directory (DATA_DIR/sessions/ID) or its calls.jsonl"
+    )
+    export.add_argument("--out", type=Path, default=None, help="write here instead of stdout")
+    export.set_defaults(func=_proxy_trace)
     return parser
 
 

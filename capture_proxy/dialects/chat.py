@@ -16,6 +16,7 @@ from typing import Any
 
 import orjson
 
+from capture_proxy.constraints import refuse_constrained
 from capture_proxy.dialects.base import ChatCall, DialectError, Reply
 
 # Fields that shape the upstream prompt or stopping, as opposed to sampling.
@@ -71,6 +72,7 @@ class ChatDialect:
         tools = body.get("tools")
         if tools is not None and not isinstance(tools, list):
             raise DialectError("'tools' must be a list", param="tools")
+        refuse_constrained(body)
         n = body.get("n", 1)
         if n not in (1, None):
             raise DialectError(f"n={n!r} is not supported: the proxy captures exactly one choice", param="n")

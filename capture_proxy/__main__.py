@@ -1,0 +1,5 @@
+import sys
+
+from capture_proxy.cli import main
+
+sys.exit(main())

@@ -1,0 +1,76 @@
+"""``python -m capture_proxy`` / ``harness-trainer proxy``: serve the capture proxy in front of an engine.
+
+Only argparse is imported at module level, so ``--help`` is instant; aiohttp and the app load on serve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The proxy's flags, shared by both entry points."""
+    parser.add_argument("--upstream", required=True, help="engine base URL, e.g. http://127.0.0.1:8000")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (non-loopback needs an admin key)"
+    )
+    parser.add_argument("--port", type=int, default=8300)
+    parser.add_argument(
+        "--data-dir", type=Path, required=True, help="sessions and journals (reloaded on start)"
+    )
+    parser.add_argument(
+        "--admin-key", default=None, help="admin bearer key (default: $CAPTURE_PROXY_ADMIN_KEY)"
+    )
+    parser.add_argument("--public-url", default=None, help="URL agents use to reach the proxy")
+    parser.add_argument("--served-model", default=None, help="model name upstream (default: engine's first)")
+    parser.add_argument("--upstream-api-key", default=None, help="bearer key the engine expects, if any")
+    parser.add_argument("--upstream-timeout", type=float, default=600.0, help="seconds per engine attempt")
+    parser.add_argument("--upstream-attempts", type=int, default=3, help="tries per call (408/429/5xx)")
+    parser.add_argument("--keepalive", type=float, default=5.0, help="SSE keepalive interval, seconds")
+    parser.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body accepted")
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Build the config from parsed flags and serve until interrupted."""
+    import logging
+
+    from aiohttp import web
+
+    from capture_proxy.app import build_app
+    from capture_proxy.config import ConfigError, ProxyConfig
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = ProxyConfig(
+        upstream=args.upstream,
+        data_dir=args.data_dir,
+        admin_key=args.admin_key,
+        host=args.host,
+        port=args.port,
+        public_url=args.public_url,
+        served_model=args.served_model,
+        upstream_api_key=args.upstream_api_key,
+        upstream_timeout_s=args.upstream_timeout,
+        upstream_attempts=args.upstream_attempts,
+        keepalive_s=args.keepalive,
+        max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+    )
+    try:
+        app = build_app(config)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"capture proxy: http://{args.host}:{args.port} -> {args.upstream} (data: {args.data_dir})",
+        flush=True,
+    )
+    web.run_app(app, host=args.host, port=args.port, access_log=None, print=None, handler_cancellation=True)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="capture_proxy", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return serve(parser.parse_args(argv))
