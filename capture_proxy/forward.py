@@ -49,6 +49,7 @@ class Outcome:
     reply: Reply | None = None
     status: int = 200
     error: str | None = None
+    upstream_ms: float = 0.0
 
 
 async def model_call(
@@ -65,7 +66,10 @@ async def model_call(
     upstream_body = session.spec.sampling.upstream_body(call, model)
     task = asyncio.ensure_future(forward(state, session, call, upstream_body, started))
     state.track(task)
-    return await respond(request, state, dialect, call, task)
+    response = await respond(request, state, dialect, call, task)
+    added = time.perf_counter() - started - task.result().upstream_ms / 1000
+    state.metrics.added.observe(max(added, 0.0))
+    return response
 
 
 async def forward(
@@ -83,11 +87,11 @@ async def forward(
             finding = Finding("context_exhausted", result.error or "the prompt exceeds the model's context")
             reply = terminal_reply(CONTEXT_MESSAGE)
             await journal_terminal(state, session, call, CONTEXT_EXHAUSTED, reply, finding, body, timings)
-            return Outcome(reply=reply)
+            return Outcome(reply=reply, upstream_ms=result.upstream_ms)
         status = 400 if 400 <= result.status < 500 and result.status not in (408, 429) else 502
         finding = Finding("upstream_error", result.error or "the engine failed")
         await journal_terminal(state, session, call, UPSTREAM_ERROR, None, finding, body, timings)
-        return Outcome(status=status, error=result.error)
+        return Outcome(status=status, error=result.error, upstream_ms=result.upstream_ms)
     reply_json = result.reply
     try:
         reply = normalise(reply_json)
@@ -98,7 +102,9 @@ async def forward(
         await journal_terminal(
             state, session, call, UPSTREAM_ERROR, None, Finding("malformed_reply", str(exc))
         )
-        return Outcome(status=502, error=f"the engine's reply could not be used: {exc}")
+        return Outcome(
+            status=502, error=f"the engine's reply could not be used: {exc}", upstream_ms=result.upstream_ms
+        )
     if captured.finding is not None:
         state.metrics.error(f"finding_{captured.finding.code}")
     timings["proxy_ms"] = round((time.perf_counter() - started) * 1000 - result.upstream_ms, 3)
@@ -122,7 +128,7 @@ async def forward(
         timings=timings,
     )
     await append(state, session, record, captured.prompt_array)
-    return Outcome(reply=reply)
+    return Outcome(reply=reply, upstream_ms=result.upstream_ms)
 
 
 async def append(state: ProxyState, session: Session, record: CallRecord, prompt: Any = None) -> None:

@@ -1,0 +1,133 @@
+"""Admin routes, session isolation, metrics and keepalives."""
+
+from __future__ import annotations
+
+import base64
+import re
+import time
+
+import httpx
+import pytest
+
+from capture_proxy.config import ConfigError, ProxyConfig
+from tests.proxy.conftest import Stack
+
+HELLO = {"model": "m", "messages": [{"role": "user", "content": "SAY:hello"}]}
+
+
+def call(session: dict[str, str], body: dict | None = None, **kw: object) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {session['session_id']}"}
+    return httpx.post(session["base_url"] + "/chat/completions", headers=headers, json=body or HELLO, **kw)
+
+
+@pytest.mark.parametrize("route", ["/sessions", "/sessions/x", "/sessions/x/trace", "/sessions/x/calls"])
+def test_admin_routes_need_the_admin_key(stack: Stack, route: str) -> None:
+    assert httpx.get(stack.url + route).status_code == 401
+    assert httpx.get(stack.url + route, headers={"Authorization": "Bearer wrong"}).status_code == 401
+
+
+def test_a_session_key_cannot_read_or_delete_sessions(stack: Stack) -> None:
+    a, b = stack.new_session(), stack.new_session()
+    assert call(a).status_code == 200
+    for method, route in [
+        ("GET", f"/sessions/{a['session_id']}/calls"),
+        ("DELETE", f"/sessions/{a['session_id']}"),
+    ]:
+        response = httpx.request(
+            method, stack.url + route, headers={"Authorization": f"Bearer {b['session_id']}"}
+        )
+        assert response.status_code == 401
+    assert stack.calls(b["session_id"]) == []
+    assert len(stack.calls(a["session_id"])) == 1
+
+
+def test_session_ids_are_at_least_128_random_bits(stack: Stack) -> None:
+    ids = {stack.new_session()["session_id"] for _ in range(20)}
+    assert len(ids) == 20
+    for session_id in ids:
+        assert len(base64.urlsafe_b64decode(session_id + "=" * (-len(session_id) % 4))) * 8 >= 128
+
+
+def test_a_bad_session_spec_is_a_400_that_names_the_field(stack: Stack) -> None:
+    response = stack.admin.post("/sessions", json={"sampling": {"top_p": 0.9}})
+    assert response.status_code == 400 and "top_p" in response.json()["error"]["message"]
+    response = stack.admin.post("/sessions", json={"max_model_calls": 0})
+    assert response.status_code == 400 and "max_model_calls" in response.json()["error"]["message"]
+    assert stack.admin.post("/sessions", content=b"{x").status_code == 400
+
+
+def test_list_get_and_delete_a_session(stack: Stack) -> None:
+    session = stack.new_session(metadata={"episode": 7})
+    listed = stack.admin.get("/sessions").json()["sessions"]
+    assert [s["session_id"] for s in listed] == [session["session_id"]]
+    assert stack.admin.get(f"/sessions/{session['session_id']}").json()["metadata"] == {"episode": 7}
+    assert stack.admin.delete(f"/sessions/{session['session_id']}").status_code == 200
+    assert stack.admin.get(f"/sessions/{session['session_id']}").status_code == 404
+    assert call(session).status_code == 401
+    assert not (stack.data_dir / "sessions" / session["session_id"]).exists()
+
+
+def test_a_session_without_calls_has_no_trace(stack: Stack) -> None:
+    session = stack.new_session()
+    response = stack.admin.get(f"/sessions/{session['session_id']}/trace")
+    assert response.status_code == 409 and "no model calls" in response.json()["error"]["message"]
+
+
+def test_count_tokens_is_answered_locally_and_never_journaled(stack: Stack) -> None:
+    session = stack.new_session()
+    body = {"model": "m", "messages": [{"role": "user", "content": "hello there"}]}
+    response = httpx.post(
+        stack.url + "/v1/messages/count_tokens", headers={"x-api-key": session["session_id"]}, json=body
+    )
+    assert response.status_code == 200 and response.json()["input_tokens"] >= 1
+    assert stack.engine.requests == [] and stack.calls(session["session_id"]) == []
+
+
+def test_metrics_count_requests_errors_latency_sessions_and_journal_bytes(stack: Stack) -> None:
+    session = stack.new_session()
+    assert call(session).status_code == 200
+    assert httpx.post(stack.url + "/v1/chat/completions", json=HELLO).status_code == 401
+    text = httpx.get(stack.url + "/metrics").text
+    assert 'capture_proxy_requests_total{route="/v1/chat/completions",status="200"} 1' in text
+    assert 'capture_proxy_errors_total{kind="bad_request"} 1' in text
+    assert "capture_proxy_upstream_seconds_count 1" in text and "capture_proxy_added_seconds_count 1" in text
+    assert "capture_proxy_open_sessions 1" in text
+    match = re.search(r"^capture_proxy_journal_bytes_total (\d+)$", text, re.MULTILINE)
+    assert match is not None
+    journal_bytes = int(match.group(1))
+    assert (
+        journal_bytes == (stack.data_dir / "sessions" / session["session_id"] / "calls.jsonl").stat().st_size
+    )
+
+
+def test_a_slow_engine_gives_a_streaming_client_keepalive_comments(stack: Stack) -> None:
+    stack.stop_proxy()
+    stack.config_overrides["keepalive_s"] = 0.2
+    stack.start_proxy()
+    session = stack.new_session()
+    httpx.post(stack.engine_url + "/_faults", json={"queue": [{"mode": "delay", "seconds": 1.0}]})
+    started = time.monotonic()
+    lines, first_line_at = [], None
+    with httpx.stream(
+        "POST",
+        stack.url + "/v1/chat/completions",
+        json={**HELLO, "stream": True},
+        headers={"Authorization": f"Bearer {session['session_id']}"},
+        timeout=30,
+    ) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            first_line_at = first_line_at or time.monotonic() - started
+            lines.append(line)
+    assert first_line_at is not None and first_line_at < 0.9
+    assert lines.count(": keepalive") >= 2 and [line for line in lines if line][-1] == "data: [DONE]"
+
+
+def test_binding_a_public_address_without_an_admin_key_is_refused(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("CAPTURE_PROXY_ADMIN_KEY", raising=False)
+    with pytest.raises(ConfigError, match="admin key"):
+        ProxyConfig(upstream="http://127.0.0.1:1", data_dir=tmp_path, host="0.0.0.0").resolved()  # type: ignore[arg-type]
+    monkeypatch.setenv("CAPTURE_PROXY_ADMIN_KEY", "k")
+    assert ProxyConfig(upstream="http://x", data_dir=tmp_path, host="0.0.0.0").resolved().admin_key == "k"  # type: ignore[arg-type]
