@@ -1,0 +1,155 @@
+"""The proxy as a real process (``harness-trainer proxy``) in front of the real dev engine.
+
+An agent loop with the official SDK, a SIGKILL of the proxy, a restart on the same data dir, and the
+trace exported both by the restarted proxy and offline by ``harness-trainer proxy-trace``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from harness_trainer.demo import free_port, wait_until_healthy
+from harness_trainer.trace import TrainingTrace
+from tests.conftest import EngineProcess, start_engine
+
+ADMIN = "process-admin-key"
+TOOLS = [
+    {"type": "function", "function": {"name": "bash", "parameters": {"type": "object", "properties": {}}}}
+]
+SCRIPT = [
+    {
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "bash", "arguments": {"command": "ls"}}}],
+    },
+    {"content": "There is one file."},
+]
+
+
+@pytest.fixture(scope="module")
+def scripted_engine(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[EngineProcess]:
+    script = tmp_path_factory.mktemp("script") / "script.jsonl"
+    script.write_text("\n".join(json.dumps(reply) for reply in SCRIPT * 4))
+    engine = start_engine(tiny_model_dir, "--script", str(script), name="tiny-scripted")
+    yield engine
+    engine.stop()
+
+
+def start_proxy(upstream: str, data_dir: Path, port: int) -> subprocess.Popen:
+    command = [
+        sys.executable,
+        "-m",
+        "harness_trainer.cli",
+        "proxy",
+        "--upstream",
+        upstream,
+        "--port",
+        str(port),
+    ]
+    command += ["--data-dir", str(data_dir), "--admin-key", ADMIN]
+    process = subprocess.Popen(command, env={**os.environ})
+    try:
+        wait_until_healthy(f"http://127.0.0.1:{port}", process)
+    except BaseException:
+        process.kill()
+        process.wait()
+        raise
+    return process
+
+
+def agent_loop(base_url: str, session_id: str) -> list[str]:
+    client = openai.OpenAI(base_url=base_url, api_key=session_id, max_retries=0)
+    messages: list = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is here?"},
+    ]
+    first = client.chat.completions.create(model="whatever", messages=messages, tools=TOOLS)
+    call = first.choices[0].message.tool_calls[0]
+    messages.append(first.choices[0].message.model_dump(exclude_none=True))
+    messages.append({"role": "tool", "tool_call_id": call.id, "content": "hello.txt"})
+    second = client.chat.completions.create(model="whatever", messages=messages, tools=TOOLS, stream=True)
+    return [call.function.name, "".join(c.choices[0].delta.content or "" for c in second if c.choices)]
+
+
+def test_a_killed_proxy_restarts_with_every_call_and_the_same_trace(
+    scripted_engine: EngineProcess, tmp_path: Path
+) -> None:
+    data_dir, port = tmp_path / "data", free_port()
+    proxy = start_proxy(scripted_engine.url, data_dir, port)
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    url = f"http://127.0.0.1:{port}"
+    try:
+        session = httpx.post(url + "/sessions", headers=admin, json={"sampling": {"temperature": 0.8}}).json()
+        assert agent_loop(session["base_url"], session["session_id"]) == ["bash", "There is one file."]
+        before = httpx.get(f"{url}/sessions/{session['session_id']}/trace", headers=admin).json()
+        proxy.send_signal(signal.SIGKILL)
+        proxy.wait()
+        proxy = start_proxy(scripted_engine.url, data_dir, port)
+        after = httpx.get(f"{url}/sessions/{session['session_id']}/trace", headers=admin).json()
+    finally:
+        proxy.terminate()
+        proxy.wait(timeout=20)
+    assert after == before
+    trace = TrainingTrace.model_validate(after)
+    first, second = trace.turns
+    assert second.metadata["parent"] == first.node_id  # the real chat template appends: one chain
+    assert sum(second.loss_mask) == len(second.completion_token_ids) > 0
+    assert first.request["temperature"] == 0.8 and first.request["return_token_ids"] is True
+
+    out = tmp_path / "trace.json"
+    command = [sys.executable, "-m", "harness_trainer.cli", "proxy-trace"]
+    exported = subprocess.run(
+        [*command, str(data_dir / "sessions" / session["session_id"]), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert exported.returncode == 0, exported.stderr
+    assert TrainingTrace.model_validate_json(out.read_text()) == trace
+    openenv_harness = pytest.importorskip("openenv.core.harness")
+    openenv_harness.TrainingTrace.model_validate(after)
+
+
+def test_proxy_trace_of_a_missing_journal_says_so(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "harness_trainer.cli", "proxy-trace", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2 and "cannot read journal" in result.stderr
+
+
+def test_the_proxy_refuses_a_public_address_without_an_admin_key(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "CAPTURE_PROXY_ADMIN_KEY"}
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "capture_proxy",
+            "--upstream",
+            "http://127.0.0.1:9",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(free_port()),
+            "--data-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert result.returncode == 2 and "admin key" in result.stderr
