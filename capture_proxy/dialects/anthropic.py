@@ -9,9 +9,10 @@ Contract (request → one upstream Chat Completions body):
   blocks follow them as one user message (Chat Completions wants tool results right after the call).
 - ``tool_result.is_error`` is not written into the prompt: claude-code already puts the error text
   (``<tool_use_error>…``) in the content, and a prefix would change what the model sees twice.
-- ``thinking`` / ``redacted_thinking`` blocks of assistant turns are dropped: the engine's chat template
-  re-renders history and decides itself what earlier reasoning it shows; the signatures mean nothing
-  to it.
+- ``thinking`` blocks of an assistant turn go upstream as the message's ``reasoning`` (vLLM's field for
+  interleaved thinking; the chat template decides whether to show it), so a thinking model's template
+  re-renders the turn as it was sampled and the next prompt still extends it. ``redacted_thinking`` is
+  encrypted and means nothing to the engine: dropped.
 - ``tool_use.input`` becomes ``arguments = json.dumps(input, ensure_ascii=False)``, the spelling vLLM's
   tool parsers produce, so a call the engine made round-trips to the same text. An input of exactly
   ``{"_raw": "<text>"}`` (what :meth:`render_reply` sends for arguments that are not a JSON object) maps
@@ -206,23 +207,28 @@ def _user_turn(blocks: list[dict[str, Any]], where: str) -> list[dict[str, Any]]
 
 def _assistant_turn(blocks: list[dict[str, Any]], where: str) -> dict[str, Any]:
     texts: list[str] = []
+    thoughts: list[str] = []
     calls: list[dict[str, Any]] = []
     for j, block in enumerate(blocks):
         at = f"{where}.content[{j}]"
         kind = block["type"]
         if kind == "text":
             texts.append(_string(block, "text", at))
+        elif kind == "thinking":
+            thoughts.append(_string(block, "thinking", at))
         elif kind == "tool_use":
             tool_input = block.get("input", {})
             if not isinstance(tool_input, dict):
                 raise DialectError(f"{at}.input: must be an object", param=f"{at}.input")
             function = {"name": _string(block, "name", at), "arguments": tool_arguments(tool_input)}
             calls.append({"id": _string(block, "id", at), "type": "function", "function": function})
-        elif kind in ("thinking", "redacted_thinking"):
-            continue  # the chat template decides what earlier reasoning to show; see the module docstring
+        elif kind == "redacted_thinking":
+            continue  # encrypted: nothing the engine can render; see the module docstring
         else:
             _refuse_block(kind, at, "an assistant message")
     message: dict[str, Any] = {"role": "assistant", "content": TEXT_JOIN.join(texts) if texts else None}
+    if thoughts:
+        message["reasoning"] = TEXT_JOIN.join(thoughts)
     if calls:
         message["tool_calls"] = calls
     elif message["content"] is None:

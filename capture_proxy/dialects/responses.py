@@ -8,8 +8,10 @@ Contract (request → one upstream Chat Completions body):
   content a string or ``input_text``/``output_text`` blocks joined with :data:`TEXT_JOIN`),
   ``function_call`` (→ ``tool_calls`` of the assistant message right before it, or of a new assistant
   message with ``content: null``), ``function_call_output`` (→ a ``role: "tool"`` message).
-- ``reasoning`` items are dropped: the engine's chat template re-renders history and decides itself what
-  earlier reasoning to show; encrypted reasoning means nothing to it.
+- A ``reasoning`` item's text (its ``reasoning_text`` content, else its summary) goes upstream as the
+  ``reasoning`` of the assistant message that follows it (vLLM's field for interleaved thinking; the chat
+  template decides whether to show it), so a thinking model's next prompt still extends what it sampled.
+  Encrypted reasoning means nothing to the engine and is dropped.
 - Function tools become Chat Completions function tools; ``strict`` is not forwarded (it asks for
   constrained decoding of the arguments; the model is sampled freely instead).
 - Refused with 400 before anything is forwarded: non-function tools and other item types (naming the
@@ -188,8 +190,10 @@ def _input(body: dict[str, Any]) -> list[dict[str, Any]]:
     if not isinstance(raw, list) or not raw:
         raise DialectError("input: required, a string or a non-empty list of items", param="input")
     messages: list[dict[str, Any]] = []
+    reasoning: str | None = None
     for i, item in enumerate(raw):
         at = f"input[{i}]"
+        count = len(messages)
         if not isinstance(item, dict):
             raise DialectError(f"{at}: must be an object", param=at)
         kind = item.get("type", "message" if "role" in item else None)
@@ -202,14 +206,30 @@ def _input(body: dict[str, Any]) -> list[dict[str, Any]]:
             content = _text(item.get("output"), f"{at}.output")
             messages.append({"role": "tool", "tool_call_id": call_id, "content": content})
         elif kind == "reasoning":
-            continue  # the chat template decides what earlier reasoning to show; see the module docstring
+            reasoning = _reasoning_text(item, at) or None
+            continue
         else:
             raise DialectError(
                 f"{at}.type: input item type {kind!r} is not supported by this proxy", param=at
             )
+        if reasoning is not None and len(messages) > count and messages[-1]["role"] == "assistant":
+            messages[-1]["reasoning"] = reasoning
+            reasoning = None
     if not messages:
         raise DialectError("input: holds no message the engine could answer", param="input")
     return messages
+
+
+def _reasoning_text(item: dict[str, Any], at: str) -> str:
+    """The readable text of a ``reasoning`` item: its ``reasoning_text`` content, else its summary."""
+    for field in ("content", "summary"):
+        parts = item.get(field)
+        if not isinstance(parts, list):
+            continue
+        texts = [p.get("text") for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        if texts:
+            return TEXT_JOIN.join(texts)
+    return ""
 
 
 def _message_item(item: dict[str, Any], at: str) -> dict[str, Any]:

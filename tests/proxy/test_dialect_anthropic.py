@@ -178,7 +178,7 @@ def test_tool_result_without_content_is_an_empty_tool_message() -> None:
     assert messages[2] == {"role": "tool", "tool_call_id": "t1", "content": ""}
 
 
-def test_thinking_blocks_are_dropped_from_assistant_turns() -> None:
+def test_thinking_goes_upstream_as_reasoning_and_redacted_thinking_is_dropped() -> None:
     blocks = [
         {"type": "thinking", "thinking": "hmm", "signature": ""},
         {"type": "redacted_thinking", "data": "xyz"},
@@ -187,6 +187,7 @@ def test_thinking_blocks_are_dropped_from_assistant_turns() -> None:
     assert _messages(_user("go"), _assistant(blocks), _user("thanks"))[1] == {
         "role": "assistant",
         "content": "Done.",
+        "reasoning": "hmm",
     }
 
 

@@ -155,9 +155,25 @@ def test_a_function_call_after_a_tool_result_starts_an_assistant_message_with_nu
     assert messages[3] == {"role": "assistant", "content": None, "tool_calls": [_tool_call("c2")]}
 
 
-def test_reasoning_items_are_dropped() -> None:
+def test_encrypted_reasoning_items_are_dropped() -> None:
     items = [_msg("user", "go"), {"type": "reasoning", "id": "rs_1", "summary": []}, _msg("assistant", "ok")]
-    assert [m["role"] for m in _messages(items)] == ["user", "assistant"]
+    assert _messages(items) == [{"role": "user", "content": "go"}, {"role": "assistant", "content": "ok"}]
+
+
+def test_reasoning_text_goes_upstream_on_the_assistant_message_that_follows() -> None:
+    thought = {
+        "type": "reasoning",
+        "id": "rs_1",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": "hmm"}],
+    }
+    items = [_msg("user", "go"), thought, _fc("c1"), _out("c1", "one")]
+    assert _messages(items)[1] == {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [_tool_call("c1")],
+        "reasoning": "hmm",
+    }
 
 
 def test_function_tools_become_chat_tools_without_strict() -> None:
