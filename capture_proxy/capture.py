@@ -5,16 +5,19 @@ From a vLLM Chat Completions reply: ``prompt_token_ids`` (top level), ``choices[
 lengths, each entry's token id equal to the sampled id at its position, every logprob finite and ≤ 0.
 A reply that fails is still returned to the agent, but the call is context only, with a finding. A reply
 without ids at all is recorded with the finding ``no_token_ids`` (the session cannot be trained on).
-The checks run in C-level passes (``map``, slicing), not per-token Python loops.
+The checks run in C-level passes (``map``, slicing), not per-token Python loops. The prompt ids stay the
+engine's JSON text here; the journal validates them as it writes only their new suffix.
 """
 
 from __future__ import annotations
 
 import math
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any
+
+import orjson
 
 from capture_proxy.dialects.base import Reply, ToolCall
 from capture_proxy.records import Finding
@@ -29,31 +32,35 @@ class MalformedReply(Exception):
 
 @dataclass
 class Capture:
-    prompt_token_ids: list[int] | None
+    prompt_text: (
+        bytes | None
+    )  # the prompt ids as compact JSON text without brackets (validated on journaling)
     completion_token_ids: list[int] | None
     logprobs: list[float] | None
     weight_version: int | None
     finding: Finding | None
-    # The prompt as packed uint32, for the journal's prefix comparison (None when ids are unusable).
-    prompt_array: array | None = field(default=None, repr=False)
 
 
-def capture(reply: dict[str, Any]) -> Capture:
-    """The ids and logprobs of ``reply`` with a finding when they cannot be trusted."""
+def capture(reply: dict[str, Any], prompt_text: bytes | None = None) -> Capture:
+    """The ids and logprobs of ``reply``, with a finding when they cannot be trusted.
+
+    ``prompt_text`` is the reply's ``prompt_token_ids`` cut out of the raw body by
+    :func:`capture_proxy.upstream.split_prompt_ids`; without it they are read from ``reply``.
+    """
     choice = _first_choice(reply)
-    prompt_ids = reply.get("prompt_token_ids")
     completion_ids = choice.get("token_ids")
     version = reply.get("weight_version")
     version = version if isinstance(version, int) and not isinstance(version, bool) else None
-    if not isinstance(prompt_ids, list) or not isinstance(completion_ids, list):
+    if prompt_text is None and isinstance(reply.get("prompt_token_ids"), list):
+        prompt_text = orjson.dumps(reply["prompt_token_ids"])[1:-1]
+    if prompt_text is None or not isinstance(completion_ids, list):
         detail = (
             "the engine returned no token ids (prompt_token_ids / choices[0].token_ids); serve vLLM with "
             "--return-tokens-as-token-ids and a version that supports return_token_ids"
         )
         return Capture(None, None, None, version, Finding("no_token_ids", detail))
-    packed, completion_packed = _packed(prompt_ids), _packed(completion_ids)
-    if packed is None or completion_packed is None or not prompt_ids:
-        detail = "token ids must be a non-empty prompt of non-negative integers"
+    if _packed(completion_ids) is None:
+        detail = "sampled ids must be non-negative integers"
         return Capture(None, None, None, version, Finding("bad_token_ids", detail))
     content = (choice.get("logprobs") or {}).get("content")
     try:
@@ -63,7 +70,7 @@ def capture(reply: dict[str, Any]) -> Capture:
     if logprobs is None:
         # Context only: the completion is kept for the prompt tree, with zero logprobs it never trains on.
         logprobs = [0.0] * len(completion_ids)
-    return Capture(prompt_ids, completion_ids, logprobs, version, finding, packed)
+    return Capture(prompt_text, completion_ids, logprobs, version, finding)
 
 
 def _check(completion_ids: list[int], content: Any) -> tuple[list[float] | None, Finding | None]:

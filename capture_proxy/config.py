@@ -36,7 +36,7 @@ class ProxyConfig:
     keepalive_s: float = 5.0
     """A streaming client whose call takes longer than this gets headers and a keepalive comment."""
     max_body_bytes: int = 32 * 1024 * 1024
-    journal_threads: int = 4
+    io_threads: int = 4
 
     def resolved(self) -> ProxyConfig:
         """A copy with the admin key taken from the environment where not given, checked."""

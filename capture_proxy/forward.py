@@ -95,7 +95,7 @@ async def forward(
     reply_json = result.reply
     try:
         reply = normalise(reply_json)
-        captured = capture(reply_json)
+        captured = capture(reply_json, result.prompt_text)
     except MalformedReply as exc:
         session.release()
         state.metrics.error("malformed_reply")
@@ -120,25 +120,25 @@ async def forward(
         agent_params=call.agent_params,
         sampling=session.spec.sampling.model_dump(),
         response=_without_capture(reply_json),
-        prompt_token_ids=captured.prompt_token_ids,
+        prompt_text=captured.prompt_text,
         completion_token_ids=captured.completion_token_ids,
         logprobs=captured.logprobs,
         weight_version=captured.weight_version,
         finding=captured.finding,
         timings=timings,
     )
-    await append(state, session, record, captured.prompt_array)
+    await append(state, session, record)
     return Outcome(reply=reply, upstream_ms=result.upstream_ms)
 
 
-async def append(state: ProxyState, session: Session, record: CallRecord, prompt: Any = None) -> None:
+async def append(state: ProxyState, session: Session, record: CallRecord) -> None:
     """Journal ``record`` under the session's lock, assigning its seq and stable call id."""
     async with session.lock:
         if session.closed:
             return
         record.seq = session.journal.next_seq
         record.call_id = f"call-{record.seq:05d}"
-        written = await session.journal.append(record, prompt)
+        written = await session.journal.append(record)
     state.metrics.journal_bytes += written
     session.note(record)
 

@@ -11,23 +11,29 @@ written (``prompt_base = [seq, n]``), and likewise for the request's messages (`
 record therefore costs O(new tokens), hundreds of calls per session stay cheap to write and to read back,
 and any prefix that does not match is simply written in full. Reading expands every record; a torn last
 line (a crash mid-write) is ignored and cut off before the next append.
+
+The prefix test runs on the ids' JSON text as the engine sent it (``CallRecord.prompt_text``), so the
+hot path never turns thousands of prompt ids into Python ints: only the new suffix is parsed, which also
+validates it (non-negative integers below 2**32); the prefix is text already validated in an earlier
+record. A prompt that fails validation is not journaled as ids: the record gets the ``bad_token_ids``
+finding instead.
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 from array import array
 from collections.abc import Iterator
-from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
 
 import orjson
 
 from capture_proxy.records import CallRecord, Finding
+from capture_proxy.writer import JournalWriter, write_all
 
 FORMAT_VERSION = 1
+_COMMA = ord(",")
 CALLS = "calls.jsonl"
 SESSION = "session.json"
 
@@ -59,14 +65,15 @@ def _fsync_dir(directory: Path) -> None:
 class Journal:
     """Appends the calls of one session. Callers serialise :meth:`append` (one writer per session)."""
 
-    def __init__(self, directory: Path, executor: Executor | None = None) -> None:
+    def __init__(self, directory: Path, writer: JournalWriter | None = None) -> None:
         self.path = directory / CALLS
-        self.executor = executor
+        self.writer = writer
         self.next_seq = 0
         self.bytes_written = 0
-        # The last model record's prompt+completion ids (packed) and messages, for delta encoding.
+        # The last record with ids: its seq, prompt+completion ids as JSON text and count, and messages.
         self._last_seq: int | None = None
-        self._last_ids: bytes | None = None
+        self._last_text: bytes | None = None
+        self._last_count = 0
         self._last_messages: list[Any] | None = None
         self._fd: int | None = None
 
@@ -76,8 +83,8 @@ class Journal:
         records = list(read_records(self.path, repair=True)) if self.path.exists() else []
         self.next_seq = records[-1].seq + 1 if records else 0
         for record in reversed(records):
-            if record.has_ids:
-                self._remember(record.seq, record.upstream_request.get("messages"), record)
+            if record.has_ids and record.prompt_token_ids is not None:
+                self._remember(record, ids_text(record.prompt_token_ids))
                 break
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
 
@@ -89,10 +96,15 @@ class Journal:
 
     def forget(self) -> None:
         """Drop the delta cache (the next record is written in full); frees memory of idle sessions."""
-        self._last_seq = self._last_ids = self._last_messages = None
+        self._last_seq = self._last_text = self._last_messages = None
+        self._last_count = 0
 
-    def encode(self, record: CallRecord, prompt: array | None = None) -> bytes:
-        """The journal line for ``record`` (assigns nothing; ``record.seq`` must be ``next_seq``)."""
+    def encode(self, record: CallRecord) -> tuple[bytes, bytes | None]:
+        """The journal line for ``record`` and its prompt ids' text (None when it has no valid ids).
+
+        A prompt that is not a non-empty list of non-negative integers < 2**32 is dropped from the record,
+        which gets the ``bad_token_ids`` finding.
+        """
         line = _base_fields(record)
         request = dict(record.upstream_request)
         messages = request.get("messages")
@@ -103,46 +115,72 @@ class Journal:
                 line["messages_base"] = [self._last_seq, n]
                 request["messages"] = messages[n:]
         line["request"] = request
+        text = None
         if record.has_ids:
-            assert record.prompt_token_ids is not None and record.completion_token_ids is not None
-            packed = prompt if prompt is not None else array("I", record.prompt_token_ids)
-            line["prompt_base"], line["prompt_ids"] = None, record.prompt_token_ids
-            if self._last_ids is not None and packed.tobytes().startswith(self._last_ids):
-                n = len(self._last_ids) // packed.itemsize
-                line["prompt_base"], line["prompt_ids"] = [self._last_seq, n], record.prompt_token_ids[n:]
-            line["completion_ids"] = record.completion_token_ids
-            line["logprobs"] = record.logprobs
-        return orjson.dumps(line) + b"\n"
+            text = record.prompt_text if record.prompt_text is not None else ids_text(record.prompt_token_ids)
+            prompt = self._prompt_delta(text)
+            if prompt is None:
+                text = None
+                record.prompt_token_ids = record.prompt_text = record.completion_token_ids = None
+                record.logprobs = None
+                record.finding = Finding("bad_token_ids", "prompt ids must be non-negative integers < 2**32")
+                line["finding"] = record.finding.to_json()
+            else:
+                line["prompt_base"], line["prompt_ids"] = prompt
+                line["completion_ids"] = record.completion_token_ids
+                line["logprobs"] = record.logprobs
+        return orjson.dumps(line) + b"\n", text
 
-    async def append(self, record: CallRecord, prompt: array | None = None) -> int:
-        """Write ``record`` and fdatasync; returns the bytes written. The caller holds the session's lock."""
+    def _prompt_delta(self, text: bytes) -> tuple[list[int] | None, list[int]] | None:
+        """``(base, ids)``: the base reference and the ids to write; None if the ids are invalid."""
+        last, base = self._last_text, None
+        if (
+            last is not None
+            and text.startswith(last)
+            and (len(text) == len(last) or text[len(last)] == _COMMA)
+        ):
+            base, text = [self._last_seq, self._last_count], text[len(last) + 1 :]
+        if b"e" in text:  # true/false parse as ints to array(); integers never hold an "e"
+            return None
+        try:
+            ids = orjson.loads(b"[" + text + b"]")
+            array("I", ids)  # non-negative ints below 2**32, in one C-level pass
+        except (orjson.JSONDecodeError, TypeError, OverflowError):
+            return None
+        if base is None and not ids:
+            return None
+        return base, ids
+
+    async def append(self, record: CallRecord) -> int:
+        """Write ``record`` durably; returns the bytes written. The caller holds the session's lock."""
         if self._fd is None:
             raise JournalError(f"journal {self.path} is not open")
         if record.seq != self.next_seq:
             raise JournalError(f"record seq {record.seq} != next seq {self.next_seq}")
-        data = self.encode(record, prompt)
-        fd = self._fd
-        await asyncio.get_running_loop().run_in_executor(self.executor, _write_synced, fd, data)
+        data, text = self.encode(record)
+        if self.writer is not None:
+            await self.writer.write(self._fd, data)
+        else:
+            write_all(self._fd, data)
+            os.fdatasync(self._fd)
         self.next_seq += 1
         self.bytes_written += len(data)
-        if record.has_ids:
-            self._remember(record.seq, record.upstream_request.get("messages"), record, prompt)
+        if text is not None:
+            self._remember(record, text)
         return len(data)
 
-    def _remember(self, seq: int, messages: Any, record: CallRecord, prompt: array | None = None) -> None:
-        assert record.prompt_token_ids is not None and record.completion_token_ids is not None
-        packed = prompt if prompt is not None else array("I", record.prompt_token_ids)
-        self._last_seq = seq
-        self._last_ids = packed.tobytes() + array("I", record.completion_token_ids).tobytes()
+    def _remember(self, record: CallRecord, prompt_text: bytes) -> None:
+        completion = record.completion_token_ids or []
+        messages = record.upstream_request.get("messages")
+        self._last_seq = record.seq
+        self._last_text = prompt_text + (b"," + ids_text(completion) if completion else b"")
+        self._last_count = prompt_text.count(b",") + 1 + len(completion)
         self._last_messages = messages if isinstance(messages, list) else None
 
 
-def _write_synced(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.write(fd, view)
-        view = view[written:]
-    os.fdatasync(fd)
+def ids_text(ids: Any) -> bytes:
+    """Token ids as compact JSON text without the brackets, the form the prefix test compares."""
+    return orjson.dumps(ids)[1:-1]
 
 
 def _base_fields(record: CallRecord) -> dict[str, Any]:

@@ -54,7 +54,11 @@ class CallRecord:
     weight_version: int | None = None
     finding: Finding | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    # The prompt ids as the engine's compact JSON text without brackets (``b"1,2,3"``), set instead of
+    # ``prompt_token_ids`` on the proxy's hot path; the journal validates it and reads back lists.
+    prompt_text: bytes | None = field(default=None, repr=False)
 
     @property
     def has_ids(self) -> bool:
-        return self.prompt_token_ids is not None and self.completion_token_ids is not None
+        has_prompt = self.prompt_token_ids is not None or self.prompt_text is not None
+        return has_prompt and self.completion_token_ids is not None

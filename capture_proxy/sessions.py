@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from capture_proxy.journal import SESSION, Journal, JournalError, read_records, write_session_file
 from capture_proxy.records import MODEL, CallRecord, Finding
 from capture_proxy.sampling import SamplingPolicy
+from capture_proxy.writer import JournalWriter
 
 _MAX_FINDINGS = 50
 
@@ -116,9 +117,12 @@ class Session:
 class SessionStore:
     """Every session of one data dir."""
 
-    def __init__(self, data_dir: Path, executor: Executor | None = None) -> None:
+    def __init__(
+        self, data_dir: Path, executor: Executor | None = None, writer: JournalWriter | None = None
+    ) -> None:
         self.root = data_dir / "sessions"
         self.executor = executor
+        self.writer = writer
         self.sessions: dict[str, Session] = {}
 
     def create(self, spec: SessionSpec) -> Session:
@@ -130,7 +134,7 @@ class SessionStore:
         return self._add(session_id, spec, created, directory)
 
     def _add(self, session_id: str, spec: SessionSpec, created: float, directory: Path) -> Session:
-        journal = Journal(directory, self.executor)
+        journal = Journal(directory, self.writer)
         journal.open()
         session = Session(session_id, spec, created, directory, journal)
         self.sessions[session_id] = session

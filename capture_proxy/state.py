@@ -12,13 +12,16 @@ from capture_proxy.config import ProxyConfig
 from capture_proxy.metrics import Metrics
 from capture_proxy.sessions import SessionStore
 from capture_proxy.upstream import Upstream
+from capture_proxy.writer import JournalWriter
 
 
 class ProxyState:
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
-        self.executor = ThreadPoolExecutor(config.journal_threads, thread_name_prefix="journal")
-        self.store = SessionStore(config.data_dir, self.executor)
+        # Session files, deletes and trace exports; journal lines go through the group-commit writer.
+        self.executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="proxy-io")
+        self.writer = JournalWriter()
+        self.store = SessionStore(config.data_dir, self.executor, self.writer)
         self.upstream = Upstream(
             config.upstream,
             timeout_s=config.upstream_timeout_s,
@@ -44,6 +47,7 @@ class ProxyState:
         for task in list(self._inflight):
             task.cancel()
         await self.upstream.close()
+        self.writer.close()
         self.store.close()
         self.executor.shutdown(wait=True)
 

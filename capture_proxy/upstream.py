@@ -33,6 +33,7 @@ class UpstreamResult:
     reply: dict[str, Any] | None
     status: int
     error: str | None = None
+    prompt_text: bytes | None = None  # ``prompt_token_ids`` as raw JSON text, cut out of the reply
     context_exhausted: bool = False
     attempts: int = 1
     upstream_ms: float = 0.0
@@ -125,16 +126,48 @@ class Upstream:
         if status != 200:
             message = _error_message(raw)
             exhausted = status == 400 and bool(_CONTEXT.search(message))
-            return UpstreamResult(
-                None, status, f"engine answered {status}: {message}", exhausted
-            ), retry_after
+            error = f"engine answered {status}: {message}"
+            return UpstreamResult(None, status, error, context_exhausted=exhausted), retry_after
+        prompt_text, rest = split_prompt_ids(raw)
         try:
-            reply = loads(raw)
+            reply = loads(rest)
+        except ValueError:
+            prompt_text, reply = None, None
+        try:
+            reply = loads(raw) if reply is None else reply
         except ValueError as exc:
             return UpstreamResult(None, 502, f"the engine's reply is not JSON: {exc}"), None
         if not isinstance(reply, dict):
             return UpstreamResult(None, 502, "the engine's reply is not a JSON object"), None
-        return UpstreamResult(reply, 200), None
+        return UpstreamResult(reply, 200, prompt_text=prompt_text), None
+
+
+_PROMPT_KEY = b'"prompt_token_ids":['
+
+
+def split_prompt_ids(raw: bytes) -> tuple[bytes | None, bytes]:
+    """``(ids_text, rest)``: the top-level ``prompt_token_ids`` array's text cut out of a compact JSON reply.
+
+    Parsing thousands of prompt ids into Python ints is most of the cost of reading a reply, and the proxy
+    only needs them as text (the journal compares and stores them as text). The key can only appear
+    unescaped as an object key, and vLLM has it once, at the top level; anything else (absent, null,
+    spaced, twice) returns ``(None, raw)`` and the caller parses the whole reply. ``rest`` may still fail
+    to parse (unusual spacing around the member): the caller then falls back to the whole reply.
+    """
+    start = raw.find(_PROMPT_KEY)
+    if start < 0:
+        return None, raw
+    value = start + len(_PROMPT_KEY)
+    end = raw.find(b"]", value)
+    if end < 0 or raw.find(_PROMPT_KEY, end) >= 0:
+        return None, raw
+    if raw[end + 1 : end + 2] == b",":
+        rest = raw[:start] + raw[end + 2 :]
+    elif raw[start - 1 : start] == b",":
+        rest = raw[: start - 1] + raw[end + 1 :]
+    else:
+        rest = raw[:start] + raw[end + 1 :]
+    return raw[value:end], rest
 
 
 def loads(raw: bytes) -> Any:

@@ -15,7 +15,8 @@ Faults are queued with ``POST /_faults {"queue": [{"mode": ...}, ...]}``; each c
 next one: ``status`` (answer ``status`` with ``message``, optional ``retry_after``), ``timeout`` (sleep
 ``seconds``), ``disconnect`` (send headers and half a body, then drop the connection), ``no_ids``,
 ``bad_pairing``, ``positive_logprob``, ``context_length`` (vLLM's 400), ``malformed`` (200, not JSON),
-``delay`` (sleep ``seconds``, then answer). ``GET /_requests`` lists the bodies received.
+``delay`` (sleep ``seconds``, then answer), ``spaced`` (pretty-printed JSON). Replies are otherwise
+compact JSON, as vLLM sends them. ``GET /_requests`` lists the bodies received.
 """
 
 from __future__ import annotations
@@ -129,7 +130,9 @@ class FakeEngine:
             assert request.transport is not None
             request.transport.close()
             return response
-        return web.json_response(reply)
+        if mode == "spaced":  # what a pretty-printing engine would send: the proxy's slow path
+            return web.json_response(reply, dumps=lambda v: json.dumps(v, indent=1))
+        return web.json_response(reply, dumps=lambda v: json.dumps(v, separators=(",", ":")))
 
     def reply(self, body: dict[str, Any], mode: str | None) -> dict[str, Any]:
         messages = body["messages"]
