@@ -118,7 +118,7 @@ async def forward(
         finished_at=time.time(),
         upstream_request=body,
         agent_params=call.agent_params,
-        sampling=session.spec.sampling.model_dump(),
+        sampling=session.sampling_json,
         response=_without_capture(reply_json),
         prompt_text=captured.prompt_text,
         completion_token_ids=captured.completion_token_ids,
@@ -138,7 +138,9 @@ async def append(state: ProxyState, session: Session, record: CallRecord) -> Non
             return
         record.seq = session.journal.next_seq
         record.call_id = f"call-{record.seq:05d}"
-        written = await session.journal.append(record)
+        started = time.perf_counter()
+        written = await session.journal.append(record, alone=state.inflight <= 1)
+        state.metrics.journal.observe(time.perf_counter() - started)
     state.metrics.journal_bytes += written
     session.note(record)
 
@@ -168,7 +170,7 @@ async def journal_terminal(
         finished_at=now,
         upstream_request=body if body is not None else call.body,
         agent_params=call.agent_params,
-        sampling=session.spec.sampling.model_dump(),
+        sampling=session.sampling_json,
         response=response,
         finding=finding,
         timings=timings or {},
@@ -241,11 +243,8 @@ async def respond(
         return json_response(dialect.render_reply(outcome.reply, call))
     frames = b"".join(dialect.render_stream(outcome.reply, call))
     if stream is None:
-        stream = web.StreamResponse(headers=SSE_HEADERS)
-        try:
-            await stream.prepare(request)
-        except (ConnectionError, RuntimeError):
-            return stream
+        # Nothing sent yet: the whole event stream goes out as one body, in one write.
+        return web.Response(body=frames, headers=SSE_HEADERS)
     return await _finish(stream, frames)
 
 

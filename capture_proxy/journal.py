@@ -75,6 +75,7 @@ class Journal:
         self._last_text: bytes | None = None
         self._last_count = 0
         self._last_messages: list[Any] | None = None
+        self._pending_count = 0  # prompt length of the record being appended, known from its delta
         self._fd: int | None = None
 
     def open(self) -> None:
@@ -84,7 +85,7 @@ class Journal:
         self.next_seq = records[-1].seq + 1 if records else 0
         for record in reversed(records):
             if record.has_ids and record.prompt_token_ids is not None:
-                self._remember(record, ids_text(record.prompt_token_ids))
+                self._remember(record, ids_text(record.prompt_token_ids), len(record.prompt_token_ids))
                 break
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
 
@@ -120,19 +121,23 @@ class Journal:
             text = record.prompt_text if record.prompt_text is not None else ids_text(record.prompt_token_ids)
             prompt = self._prompt_delta(text)
             if prompt is None:
-                text = None
+                text, self._pending_count = None, 0
                 record.prompt_token_ids = record.prompt_text = record.completion_token_ids = None
                 record.logprobs = None
                 record.finding = Finding("bad_token_ids", "prompt ids must be non-negative integers < 2**32")
                 line["finding"] = record.finding.to_json()
             else:
                 line["prompt_base"], line["prompt_ids"] = prompt
+                self._pending_count = (prompt[0][1] if prompt[0] else 0) + len(prompt[1])
                 line["completion_ids"] = record.completion_token_ids
                 line["logprobs"] = record.logprobs
         return orjson.dumps(line) + b"\n", text
 
     def _prompt_delta(self, text: bytes) -> tuple[list[int] | None, list[int]] | None:
-        """``(base, ids)``: the base reference and the ids to write; None if the ids are invalid."""
+        """``(base, ids)``: the base reference and the ids to write; None if the ids are invalid.
+
+        ``base`` is ``[seq, n]``: the prompt is the first ``n`` ids of record ``seq`` then ``ids``.
+        """
         last, base = self._last_text, None
         if (
             last is not None
@@ -151,30 +156,33 @@ class Journal:
             return None
         return base, ids
 
-    async def append(self, record: CallRecord) -> int:
-        """Write ``record`` durably; returns the bytes written. The caller holds the session's lock."""
+    async def append(self, record: CallRecord, alone: bool = False) -> int:
+        """Write ``record`` durably; returns the bytes written. The caller holds the session's lock.
+
+        ``alone``: nothing else is in flight in the caller's event loop, so the line may be synced inline.
+        """
         if self._fd is None:
             raise JournalError(f"journal {self.path} is not open")
         if record.seq != self.next_seq:
             raise JournalError(f"record seq {record.seq} != next seq {self.next_seq}")
         data, text = self.encode(record)
         if self.writer is not None:
-            await self.writer.write(self._fd, data)
+            await self.writer.write(self._fd, data, inline=alone)
         else:
             write_all(self._fd, data)
             os.fdatasync(self._fd)
         self.next_seq += 1
         self.bytes_written += len(data)
         if text is not None:
-            self._remember(record, text)
+            self._remember(record, text, self._pending_count)
         return len(data)
 
-    def _remember(self, record: CallRecord, prompt_text: bytes) -> None:
+    def _remember(self, record: CallRecord, prompt_text: bytes, prompt_count: int) -> None:
         completion = record.completion_token_ids or []
         messages = record.upstream_request.get("messages")
         self._last_seq = record.seq
         self._last_text = prompt_text + (b"," + ids_text(completion) if completion else b"")
-        self._last_count = prompt_text.count(b",") + 1 + len(completion)
+        self._last_count = prompt_count + len(completion)
         self._last_messages = messages if isinstance(messages, list) else None
 
 

@@ -1,8 +1,9 @@
 """Prometheus text metrics for ``GET /metrics``: counters, gauges and latency histograms, no dependencies.
 
 Exposed: ``capture_proxy_requests_total{route,status}``, ``capture_proxy_errors_total{kind}``,
-``capture_proxy_upstream_seconds`` and ``capture_proxy_added_seconds`` (histograms: time spent waiting for
-the engine, and the rest of each forwarded call's time in the proxy), ``capture_proxy_open_sessions`` and
+``capture_proxy_upstream_seconds``, ``capture_proxy_added_seconds`` and ``capture_proxy_journal_seconds``
+(histograms: time waiting for the engine, the rest of each forwarded call's time in the proxy, and the
+durable append of one journal line), ``capture_proxy_open_sessions`` and
 ``capture_proxy_journal_bytes_total``.
 """
 
@@ -45,6 +46,7 @@ class Metrics:
         self.errors: defaultdict[str, int] = defaultdict(int)
         self.upstream = Histogram("capture_proxy_upstream_seconds", "Time waiting for the engine per call")
         self.added = Histogram("capture_proxy_added_seconds", "Time a forwarded call spent in the proxy")
+        self.journal = Histogram("capture_proxy_journal_seconds", "Time to append and sync one journal line")
         self.journal_bytes = 0
 
     def request(self, route: str, status: int) -> None:
@@ -66,7 +68,7 @@ class Metrics:
         ]
         for kind, count in sorted(self.errors.items()):
             lines.append(f'capture_proxy_errors_total{{kind="{kind}"}} {count}')
-        lines += self.upstream.render() + self.added.render()
+        lines += self.upstream.render() + self.added.render() + self.journal.render()
         lines += [
             "# HELP capture_proxy_open_sessions Sessions minted and not deleted",
             "# TYPE capture_proxy_open_sessions gauge",

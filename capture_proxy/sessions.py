@@ -58,6 +58,10 @@ class Session:
     calls_without_ids: int = 0
     closed: bool = False
     last_call_at: float | None = None
+    sampling_json: dict[str, Any] = field(default_factory=dict)  # the policy as journaled, dumped once
+
+    def __post_init__(self) -> None:
+        self.sampling_json = self.spec.sampling.model_dump()
 
     def reserve(self) -> bool:
         """Take one model call from the budget; False once it is spent. Atomic on the event loop."""

@@ -25,8 +25,16 @@ class JournalWriter:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    async def write(self, fd: int, data: bytes) -> None:
-        """Append ``data`` to ``fd`` and fdatasync it (raises the ``OSError`` if that failed)."""
+    async def write(self, fd: int, data: bytes, inline: bool = False) -> None:
+        """Append ``data`` to ``fd`` and fdatasync it (raises the ``OSError`` if that failed).
+
+        ``inline`` writes on the calling thread when the writer has nothing queued: for a caller that
+        knows nothing else is waiting on its event loop, the thread hop would cost more than the sync.
+        """
+        if inline and self._queue.empty():
+            write_all(fd, data)
+            os.fdatasync(fd)
+            return
         self._ensure_started()
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
