@@ -48,7 +48,7 @@ def engine_processes_on(port: int) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("command", [[], ["tiny-model"], ["engine"], ["demo"]])
+@pytest.mark.parametrize("command", [[], ["tiny-model"], ["engine"], ["demo"], ["proxy"], ["proxy-trace"]])
 def test_help_exits_zero_for_the_command_and_each_subcommand(command: list[str]) -> None:
     result = run_cli(*command, "--help", timeout=60)
     assert result.returncode == 0, result.stderr

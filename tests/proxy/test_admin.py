@@ -131,3 +131,22 @@ def test_binding_a_public_address_without_an_admin_key_is_refused(
         ProxyConfig(upstream="http://127.0.0.1:1", data_dir=tmp_path, host="0.0.0.0").resolved()  # type: ignore[arg-type]
     monkeypatch.setenv("CAPTURE_PROXY_ADMIN_KEY", "k")
     assert ProxyConfig(upstream="http://x", data_dir=tmp_path, host="0.0.0.0").resolved().admin_key == "k"  # type: ignore[arg-type]
+
+
+def test_deleting_a_session_while_a_call_is_in_flight_loses_nothing_else_and_leaks_nothing(
+    stack: Stack,
+) -> None:
+    import threading
+
+    session = stack.new_session()
+    httpx.post(stack.engine_url + "/_faults", json={"queue": [{"mode": "delay", "seconds": 0.5}]})
+    answers: list[httpx.Response] = []
+    worker = threading.Thread(target=lambda: answers.append(call(session, timeout=30)))
+    worker.start()
+    time.sleep(0.2)
+    assert stack.admin.delete(f"/sessions/{session['session_id']}").status_code == 200
+    worker.join(10)
+    assert answers[0].status_code == 200  # the agent still gets the reply it was waiting for
+    assert not (stack.data_dir / "sessions" / session["session_id"]).exists()
+    assert stack.state.inflight == 0
+    assert call(session).status_code == 401
