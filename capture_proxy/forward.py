@@ -108,18 +108,13 @@ async def forward(
     if captured.finding is not None:
         state.metrics.error(f"finding_{captured.finding.code}")
     timings["proxy_ms"] = round((time.perf_counter() - started) * 1000 - result.upstream_ms, 3)
-    record = CallRecord(
-        seq=-1,
-        call_id="",
-        kind=MODEL,
-        dialect=call.dialect,
-        has_tools=call.has_tools,
-        started_at=wall_start,
-        finished_at=time.time(),
-        upstream_request=body,
-        agent_params=call.agent_params,
-        sampling=session.sampling_json,
-        response=_without_capture(reply_json),
+    record = new_record(
+        session,
+        call,
+        MODEL,
+        body,
+        wall_start,
+        _without_capture(reply_json),
         prompt_text=captured.prompt_text,
         completion_token_ids=captured.completion_token_ids,
         logprobs=captured.logprobs,
@@ -129,6 +124,32 @@ async def forward(
     )
     await append(state, session, record)
     return Outcome(reply=reply, upstream_ms=result.upstream_ms)
+
+
+def new_record(
+    session: Session,
+    call: ChatCall,
+    kind: str,
+    body: dict[str, Any],
+    started_at: float,
+    response: dict[str, Any] | None,
+    **fields: Any,
+) -> CallRecord:
+    """A record of ``call``, not yet journaled (:func:`append` assigns its seq and call id)."""
+    return CallRecord(
+        seq=-1,
+        call_id="",
+        kind=kind,
+        dialect=call.dialect,
+        has_tools=call.has_tools,
+        started_at=started_at,
+        finished_at=time.time(),
+        upstream_request=body,
+        agent_params=call.agent_params,
+        sampling=session.sampling_json,
+        response=response,
+        **fields,
+    )
 
 
 async def append(state: ProxyState, session: Session, record: CallRecord) -> None:
@@ -160,24 +181,17 @@ async def journal_terminal(
     response = None
     if reply is not None:
         response = {"proxy_reply": {"content": reply.content, "finish_reason": reply.finish_reason}}
-    record = CallRecord(
-        seq=-1,
-        call_id="",
-        kind=kind,
-        dialect=call.dialect,
-        has_tools=call.has_tools,
-        started_at=now,
-        finished_at=now,
-        upstream_request=body if body is not None else call.body,
-        agent_params=call.agent_params,
-        sampling=session.sampling_json,
-        response=response,
+    record = new_record(
+        session,
+        call,
+        kind,
+        body if body is not None else call.body,
+        now,
+        response,
         finding=finding,
         timings=timings or {},
     )
     await append(state, session, record)
-    if finding is not None and kind == CONTEXT_EXHAUSTED:
-        state.metrics.error(kind)
 
 
 def terminal_reply(message: str) -> Reply:

@@ -39,7 +39,7 @@ from typing import Any
 
 import orjson
 
-from capture_proxy.dialects.base import ChatCall, DialectError, Reply
+from capture_proxy.dialects.base import ChatCall, DialectError, Reply, required_string
 
 TEXT_JOIN = "\n\n"
 RAW_ARGUMENTS_KEY = "_raw"
@@ -192,9 +192,9 @@ def _user_turn(blocks: list[dict[str, Any]], where: str) -> list[dict[str, Any]]
         at = f"{where}.content[{j}]"
         kind = block["type"]
         if kind == "text":
-            texts.append(_string(block, "text", at))
+            texts.append(required_string(block, "text", at))
         elif kind == "tool_result":
-            call_id = _string(block, "tool_use_id", at)
+            call_id = required_string(block, "tool_use_id", at)
             content = block.get("content")
             text = "" if content is None else _text(content, f"{at}.content")
             results.append({"role": "tool", "tool_call_id": call_id, "content": text})
@@ -213,15 +213,15 @@ def _assistant_turn(blocks: list[dict[str, Any]], where: str) -> dict[str, Any]:
         at = f"{where}.content[{j}]"
         kind = block["type"]
         if kind == "text":
-            texts.append(_string(block, "text", at))
+            texts.append(required_string(block, "text", at))
         elif kind == "thinking":
-            thoughts.append(_string(block, "thinking", at))
+            thoughts.append(required_string(block, "thinking", at))
         elif kind == "tool_use":
             tool_input = block.get("input", {})
             if not isinstance(tool_input, dict):
                 raise DialectError(f"{at}.input: must be an object", param=f"{at}.input")
-            function = {"name": _string(block, "name", at), "arguments": tool_arguments(tool_input)}
-            calls.append({"id": _string(block, "id", at), "type": "function", "function": function})
+            function = {"name": required_string(block, "name", at), "arguments": tool_arguments(tool_input)}
+            calls.append({"id": required_string(block, "id", at), "type": "function", "function": function})
         elif kind == "redacted_thinking":
             continue  # encrypted: nothing the engine can render; see the module docstring
         else:
@@ -256,7 +256,7 @@ def _text(content: Any, path: str) -> str:
         at = f"{path}[{j}]"
         if block["type"] != "text":
             _refuse_block(block["type"], at, path)
-        texts.append(_string(block, "text", at))
+        texts.append(required_string(block, "text", at))
     return TEXT_JOIN.join(texts)
 
 
@@ -264,13 +264,6 @@ def _refuse_block(kind: str, at: str, context: str) -> None:
     if kind in UNSUPPORTED_MEDIA:
         raise DialectError(f"{at}: {kind} blocks are not supported by this proxy (text only)", param=at)
     raise DialectError(f"{at}.type: block type {kind!r} is not supported in {context}", param=at)
-
-
-def _string(block: dict[str, Any], key: str, at: str) -> str:
-    value = block.get(key)
-    if not isinstance(value, str):
-        raise DialectError(f"{at}.{key}: required, a string", param=f"{at}.{key}")
-    return value
 
 
 def _tools(raw: Any) -> list[dict[str, Any]]:
@@ -289,7 +282,7 @@ def _tools(raw: Any) -> list[dict[str, Any]]:
                 f"{at}: tool type {kind!r} is not supported; only client tools with an input_schema are",
                 param=at,
             )
-        function: dict[str, Any] = {"name": _string(tool, "name", at)}
+        function: dict[str, Any] = {"name": required_string(tool, "name", at)}
         if isinstance(tool.get("description"), str):
             function["description"] = tool["description"]
         function["parameters"] = tool["input_schema"]

@@ -76,6 +76,14 @@ class Reply:
     stop_sequence: str | None = None
 
 
+def required_string(obj: dict[str, Any], key: str, at: str) -> str:
+    """``obj[key]`` when it is a string, else a 400 naming the field by its path (``at.key``)."""
+    value = obj.get(key)
+    if not isinstance(value, str):
+        raise DialectError(f"{at}.{key}: required, a string", param=f"{at}.{key}")
+    return value
+
+
 class Dialect(Protocol):
     """One agent-facing API shape. Implementations live beside this module, one file each."""
 

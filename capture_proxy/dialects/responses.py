@@ -35,7 +35,7 @@ from typing import Any
 
 import orjson
 
-from capture_proxy.dialects.base import ChatCall, DialectError, Reply
+from capture_proxy.dialects.base import ChatCall, DialectError, Reply, required_string
 
 TEXT_JOIN = "\n\n"
 DELTA_CHARS = 64  # characters per streamed delta; any split is valid, this keeps frames small and few
@@ -202,7 +202,7 @@ def _input(body: dict[str, Any]) -> list[dict[str, Any]]:
         elif kind == "function_call":
             _append_call(messages, item, at)
         elif kind == "function_call_output":
-            call_id = _string(item, "call_id", at)
+            call_id = required_string(item, "call_id", at)
             content = _text(item.get("output"), f"{at}.output")
             messages.append({"role": "tool", "tool_call_id": call_id, "content": content})
         elif kind == "reasoning":
@@ -243,8 +243,11 @@ def _message_item(item: dict[str, Any], at: str) -> dict[str, Any]:
 
 def _append_call(messages: list[dict[str, Any]], item: dict[str, Any], at: str) -> None:
     """Attach a ``function_call`` item to the assistant message right before it, or start one."""
-    function = {"name": _string(item, "name", at), "arguments": _string(item, "arguments", at)}
-    call = {"id": _string(item, "call_id", at), "type": "function", "function": function}
+    function = {
+        "name": required_string(item, "name", at),
+        "arguments": required_string(item, "arguments", at),
+    }
+    call = {"id": required_string(item, "call_id", at), "type": "function", "function": function}
     if messages and messages[-1]["role"] == "assistant":
         messages[-1].setdefault("tool_calls", []).append(call)
     else:
@@ -262,19 +265,12 @@ def _text(content: Any, path: str) -> str:
         at = f"{path}[{j}]"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind in TEXT_BLOCKS:
-            texts.append(_string(block, "text", at))
+            texts.append(required_string(block, "text", at))
         elif kind in UNSUPPORTED_MEDIA:
             raise DialectError(f"{at}: {kind} blocks are not supported by this proxy (text only)", param=at)
         else:
             raise DialectError(f"{at}.type: content type {kind!r} is not supported by this proxy", param=at)
     return TEXT_JOIN.join(texts)
-
-
-def _string(item: dict[str, Any], key: str, at: str) -> str:
-    value = item.get(key)
-    if not isinstance(value, str):
-        raise DialectError(f"{at}.{key}: required, a string", param=f"{at}.{key}")
-    return value
 
 
 def _tools(raw: Any) -> list[dict[str, Any]]:
@@ -291,7 +287,7 @@ def _tools(raw: Any) -> list[dict[str, Any]]:
                 f"{at}.type: tool type {kind!r} is not supported by this proxy (function tools only)",
                 param=at,
             )
-        function: dict[str, Any] = {"name": _string(tool, "name", at)}
+        function: dict[str, Any] = {"name": required_string(tool, "name", at)}
         if isinstance(tool.get("description"), str):
             function["description"] = tool["description"]
         if tool.get("parameters") is not None:
