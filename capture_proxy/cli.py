@@ -56,6 +56,7 @@ def serve(args: argparse.Namespace) -> int:
         upstream_attempts=args.upstream_attempts,
         keepalive_s=args.keepalive,
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+        tune_gc=True,
     )
     try:
         app = build_app(config)

@@ -37,6 +37,8 @@ class ProxyConfig:
     """A streaming client whose call takes longer than this gets headers and a keepalive comment."""
     max_body_bytes: int = 32 * 1024 * 1024
     io_threads: int = 4
+    tune_gc: bool = False
+    """Freeze start-up objects, collect less often (process-wide: set by the CLI, which owns the process)."""
 
     def resolved(self) -> ProxyConfig:
         """A copy with the admin key taken from the environment where not given, checked."""
