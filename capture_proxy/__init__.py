@@ -10,3 +10,7 @@ It stands alone (it never imports ``harness_trainer`` or torch). Entry points:
 The wire contract is in ``../shared/DESIGN.md``; the journal format in ``JOURNAL.md`` beside this file.
 Importing the package imports nothing else, so entry points that only need the CLI stay light.
 """
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
