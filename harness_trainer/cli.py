@@ -82,6 +82,43 @@ def _proxy_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+    import os
+
+    from aiohttp import web
+
+    from harness_trainer.rollouts.runtime import RolloutRuntime, RuntimeConfig
+    from harness_trainer.rollouts.server import RolloutServer
+    from harness_trainer.tasks.sources import open_task_source
+    from harness_trainer.tasks.task import TaskError
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        tasks = open_task_source(args.dataset)
+        tasks.splits()
+    except (TaskError, OSError, ValueError) as exc:
+        print(f"error: cannot load tasks from {args.dataset}: {exc}", file=sys.stderr)
+        return 2
+    limit = args.max_concurrent_envs or int(os.environ.get("MAX_CONCURRENT_ENVS", "8"))
+    config = RuntimeConfig(
+        upstream=args.upstream,
+        data_dir=args.data_dir,
+        capture_host=args.capture_host,
+        capture_port=args.capture_port,
+        public_url=args.public_url,
+        served_model=args.served_model,
+    )
+    server = RolloutServer(RolloutRuntime(config), tasks, max_concurrent_envs=limit)
+    print(
+        f"rollout server: http://{args.host}:{args.port} (capture proxy on port {args.capture_port}, "
+        f"engine {args.upstream}, at most {limit} sessions)",
+        flush=True,
+    )
+    web.run_app(server.app(), host=args.host, port=args.port, access_log=None, print=None)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="harness-trainer", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -130,6 +167,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("--out", type=Path, default=None, help="write here instead of stdout")
     export.set_defaults(func=_proxy_trace)
+
+    serve = sub.add_parser("serve", help="serve rollouts of Harbor tasks over HTTP, with the capture proxy")
+    serve.add_argument(
+        "--dataset", required=True, help="a folder of task splits, or a Hugging Face dataset id"
+    )
+    serve.add_argument("--upstream", required=True, help="the engine's base URL (vLLM or the dev engine)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8200)
+    serve.add_argument("--capture-host", default="127.0.0.1", help="where the capture proxy binds")
+    serve.add_argument("--capture-port", type=int, default=8300)
+    serve.add_argument("--public-url", default=None, help="how agents in sandboxes reach the capture proxy")
+    serve.add_argument("--served-model", default=None, help="model name (default: the engine's first)")
+    serve.add_argument("--data-dir", type=Path, default=Path("runs/capture"), help="capture journals")
+    serve.add_argument(
+        "--max-concurrent-envs",
+        type=int,
+        default=0,
+        help="open sessions at most (default $MAX_CONCURRENT_ENVS or 8)",
+    )
+    serve.set_defaults(func=_serve)
     return parser
 
 

@@ -147,6 +147,14 @@ class TrainingTrace(BaseModel):
             seen.add(turn.node_id)
         return turns
 
+    def to_trace_entries(self) -> list[dict[str, Any]]:
+        """Per-turn records as OpenEnv's ``TrainingTrace.to_trace_entries`` gives them (TRL's rollout worker
+        reads these): each turn's fields, with ``node_id`` moved into ``metadata``."""
+        return [
+            {**turn.model_dump(exclude={"node_id"}), "metadata": {**turn.metadata, "node_id": turn.node_id}}
+            for turn in self.turns
+        ]
+
     def to_openenv(self) -> openenv.core.harness.TrainingTrace:
         """This trace as OpenEnv's own model, passed over the JSON wire."""
         try:

@@ -1,0 +1,86 @@
+"""The rollout side's client of the capture proxy's admin API (mint, read, export, delete sessions)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+
+class CaptureError(Exception):
+    """The capture proxy could not be reached or refused an admin call."""
+
+
+class NothingTrainable(CaptureError):
+    """The session has no trainable capture (the proxy's 409); ``reason`` says why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass
+class CaptureSession:
+    session_id: str
+    root_url: str  # the proxy as agents reach it (no /v1)
+
+
+class CaptureClient:
+    """Admin calls to one capture proxy. ``public_url`` is what agents are told (may differ from ``url``)."""
+
+    def __init__(
+        self, url: str, admin_key: str | None, public_url: str | None = None, timeout_s: float = 60.0
+    ):
+        self.url = url.rstrip("/")
+        self.public_url = (public_url or url).rstrip("/")
+        headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+        self._client = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout_s)
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = await self._client.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise CaptureError(f"capture proxy at {self.url} unreachable: {exc!r}") from exc
+        if response.status_code == 409:
+            raise NothingTrainable(_message(response))
+        if response.status_code >= 400:
+            raise CaptureError(f"capture proxy {method} {path}: {response.status_code} {_message(response)}")
+        return response
+
+    async def mint(
+        self, sampling: dict[str, Any] | None, max_model_calls: int | None, metadata: dict[str, Any]
+    ) -> CaptureSession:
+        body: dict[str, Any] = {"metadata": metadata}
+        if sampling:
+            body["sampling"] = sampling
+        if max_model_calls:
+            body["max_model_calls"] = max_model_calls
+        response = await self._call("POST", "/sessions", json=body)
+        return CaptureSession(response.json()["session_id"], self.public_url)
+
+    async def summary(self, session_id: str) -> dict[str, Any]:
+        return (await self._call("GET", f"/sessions/{session_id}")).json()
+
+    async def trace(self, session_id: str) -> dict[str, Any]:
+        """The session's TrainingTrace JSON; :class:`NothingTrainable` when there is none."""
+        return (await self._call("GET", f"/sessions/{session_id}/trace")).json()
+
+    async def delete(self, session_id: str) -> None:
+        try:
+            await self._call("DELETE", f"/sessions/{session_id}")
+        except CaptureError as exc:
+            if "404" not in str(exc):
+                raise
+
+
+def _message(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:300]
+    error = body.get("error") if isinstance(body, dict) else None
+    return str(error.get("message") if isinstance(error, dict) else body)[:500]

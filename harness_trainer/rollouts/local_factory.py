@@ -1,0 +1,162 @@
+"""An in-process session factory: the same sessions as ``HarborSessionFactory``, without a server.
+
+For the local dev loop and tests: a background thread runs a :class:`RolloutRuntime` (capture proxy,
+sandboxes) in its own event loop; ``create`` submits a rollout to it and returns a session with the same
+sync API (and the same exceptions) as a server-backed one. ``close()`` cancels what still runs and shuts
+the runtime down; the factory is also a context manager.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+from harness_trainer.rollouts.result import RolloutOptions, RolloutResult
+from harness_trainer.rollouts.runtime import RolloutRuntime, RuntimeConfig
+from harness_trainer.rollouts.session import VerifyResult, exit_code_of, trace_of, verify_result
+from harness_trainer.tasks.sources import TaskSource, open_task_source
+from harness_trainer.trace import TrainingTrace
+
+
+class LocalSessionFactory:
+    def __init__(
+        self,
+        tasks: TaskSource | str,
+        *,
+        upstream: str,
+        split: str = "train",
+        harness: str = "opencode",
+        sandbox: str = "local",
+        model: str | None = None,
+        sampling: dict[str, Any] | None = None,
+        agent_timeout_sec: float | None = None,
+        agent_step_limit: int = 0,
+        reward_key: str = "",
+        data_dir: str | Path | None = None,
+        capture_port: int | None = None,
+        sandbox_options: dict[str, dict[str, Any]] | None = None,
+    ) -> None:
+        from harness_trainer.demo import free_port
+
+        self.tasks = open_task_source(tasks) if isinstance(tasks, str) else tasks
+        self.split = split
+        self.options = RolloutOptions(
+            harness=harness, sandbox=sandbox, sampling=sampling, agent_timeout_sec=agent_timeout_sec,
+            agent_step_limit=agent_step_limit, reward_key=reward_key,
+        )  # fmt: skip
+        self._tmp = None if data_dir is not None else tempfile.TemporaryDirectory(prefix="capture-")
+        config = RuntimeConfig(
+            upstream=upstream,
+            data_dir=Path(data_dir) if data_dir is not None else Path(self._tmp.name),  # type: ignore[union-attr]
+            capture_port=capture_port or free_port(),
+            served_model=model,
+            sandbox_options=sandbox_options or {},
+        )
+        self.runtime = RolloutRuntime(config)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rollouts", daemon=True)
+        self._thread.start()
+        self._sessions: set[LocalSession] = set()
+        self._closed = False
+        try:
+            self._call(self.runtime.start())
+        except BaseException:
+            self.close()
+            raise
+
+    def _call(self, coroutine: Any, timeout: float | None = 120) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+
+    def prompt_rows(self) -> list[dict[str, Any]]:
+        return self.tasks.prompt_rows(self.split)
+
+    def _task(self, task: Any) -> Any:
+        if isinstance(task, int):
+            return self.tasks.task(self.split, task)
+        if isinstance(task, dict) and task.get("task_index") is not None:
+            return self.tasks.task(self.split, int(task["task_index"]))
+        text = task.get("prompt", task) if isinstance(task, dict) else task
+        if isinstance(text, list):
+            text = next((m.get("content") for m in reversed(text) if m.get("role") == "user"), None)
+        return self.tasks.find(self.split, str(text))
+
+    def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> LocalSession:
+        if self._closed:
+            raise RuntimeError("the factory is closed")
+        harbor_task = self._task(task)
+        options = self.options.model_copy(update={"seed": seed, "episode_id": episode_id})
+        stop = asyncio.Event()
+        future = asyncio.run_coroutine_threadsafe(
+            self.runtime.rollout(harbor_task, options, stop), self._loop
+        )
+        session = LocalSession(self, future, stop)
+        self._sessions.add(session)
+        return session
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for session in list(self._sessions):
+            session.close()
+        try:
+            self._call(self.runtime.aclose(), timeout=180)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(30)
+            self._loop.close()
+            if self._tmp is not None:
+                self._tmp.cleanup()
+
+    def __enter__(self) -> LocalSessionFactory:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class LocalSession:
+    def __init__(
+        self,
+        factory: LocalSessionFactory,
+        future: concurrent.futures.Future[RolloutResult],
+        stop: asyncio.Event,
+    ) -> None:
+        self.factory = factory
+        self.future = future
+        self.stop = stop
+        self.timed_out = False
+
+    @property
+    def result(self) -> RolloutResult:
+        return self.future.result()
+
+    def wait_for_completion(self, timeout_s: float | None = None) -> int:
+        try:
+            self.future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            self.factory._loop.call_soon_threadsafe(self.stop.set)
+            self.future.result()
+            self.timed_out = True
+            raise TimeoutError("agent timed out; its captured turns stay trainable") from None
+        self.timed_out = self.result.timed_out
+        return exit_code_of(self.result)
+
+    def fetch_training_trace(self) -> TrainingTrace:
+        return trace_of(self.result)
+
+    def verify(self, completion: list[dict[str, Any]] | None = None, final_state: Any = None) -> VerifyResult:
+        return verify_result(self.result)
+
+    def close(self) -> None:
+        if not self.future.done():
+            self.future.cancel()
+            try:
+                self.future.result(120)
+            except (concurrent.futures.CancelledError, concurrent.futures.TimeoutError, Exception):
+                pass  # cancelled on purpose; the rollout cleaned up after itself
+        self.factory._sessions.discard(self)

@@ -1,0 +1,65 @@
+"""What one rollout asks for and what it gives back; both cross the rollout server's wire."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class RolloutOptions(BaseModel):
+    """How to run one rollout of a task (everything but the task itself)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    harness: str = "opencode"
+    """Agent program: a key of ``HARNESSES`` (opencode, mini-swe-agent, claude-code, codex)."""
+    sandbox: str = "local"
+    """Sandbox backend: a key of ``SANDBOXES`` (local, e2b)."""
+    sampling: dict[str, Any] | None = None
+    """The trainer's sampling policy (temperature only); the capture proxy applies it to every call."""
+    agent_timeout_sec: float | None = Field(default=None, gt=0)
+    """Wall-clock limit for the agent; default: the task's ``[agent] timeout_sec``."""
+    agent_step_limit: int = Field(default=0, ge=0)
+    """Agent steps (0 = the harness default); also the capture session's model-call budget when > 0."""
+    reward_key: str = ""
+    """Which named score of ``reward.json`` is the reward (default: the only one, or ``reward``)."""
+    seed: int | None = None
+    episode_id: str | None = None
+
+
+class RolloutResult(BaseModel):
+    """The outcome of one rollout. ``reward`` None means ungraded (never coerced to 0).
+
+    ``error`` set means unscorable (the sandbox or agent install failed, the proxy was unreachable):
+    the trainer excludes it from the group baseline and trains nothing from it.
+    """
+
+    task_name: str
+    split: str = ""
+    task_index: int = 0
+    harness: str
+    sandbox: str
+    capture_session_id: str | None = None
+    reward: float | None = None
+    rewards: dict[str, float] = Field(default_factory=dict)
+    reward_detail: str = ""
+    exit_code: int | None = None
+    timed_out: bool = False
+    tool_calls_by_name: dict[str, int] = Field(default_factory=dict)
+    tool_failure_count: int = 0
+    model_calls: int = 0
+    findings: list[dict[str, Any]] = Field(default_factory=list)
+    phase_seconds: dict[str, float] = Field(default_factory=dict)
+    log_tail: str = ""
+    error: str | None = None
+    trace: dict[str, Any] | None = None
+    """The TrainingTrace JSON (``{"schema_version": 1, "turns": []}`` when nothing was captured)."""
+
+    @property
+    def unscorable(self) -> bool:
+        return self.error is not None
+
+    @property
+    def tool_call_count(self) -> int:
+        return sum(self.tool_calls_by_name.values())

@@ -1,0 +1,174 @@
+"""One rollout, start to finish: capture session → sandbox → agent → verifier → trace → cleanup.
+
+``run_rollout`` never raises for what an agent or sandbox does: a crash, a hang past the timeout (the
+agent is killed, its captured turns kept, ``timed_out`` set) or a spent step budget are results, and a
+sandbox, install or proxy failure makes the result unscorable (``error`` set, reward None). It raises
+only :class:`~harness_trainer.trace.CaptureContractError`, for a malformed capture: that is a bug and
+stops training. Every path closes the sandbox and deletes the capture session (after the trace is read).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Coroutine, Iterator
+from typing import Any
+
+from harness_trainer.harnesses import HARNESSES
+from harness_trainer.harnesses.base import AgentEndpoint, AgentRun, Harness, HarnessError
+from harness_trainer.rollouts.capture_client import CaptureClient, CaptureError, NothingTrainable
+from harness_trainer.rollouts.result import RolloutOptions, RolloutResult
+from harness_trainer.sandboxes.base import Sandbox, SandboxBackend, SandboxError
+from harness_trainer.tasks.reward import run_verifier
+from harness_trainer.tasks.task import HarborTask
+from harness_trainer.trace import CaptureContractError, load_trace
+
+log = logging.getLogger(__name__)
+
+EMPTY_TRACE: dict[str, Any] = {"schema_version": 1, "turns": []}
+_SANDBOX_SLACK_S = 300.0  # sandbox lifetime beyond agent + verifier timeouts, for install and cleanup
+_LOG_TAIL = 4000
+
+
+@contextlib.contextmanager
+def _phase(result: RolloutResult, name: str) -> Iterator[None]:
+    started = time.monotonic()
+    try:
+        yield
+    finally:
+        result.phase_seconds[name] = round(time.monotonic() - started, 4)
+
+
+async def run_rollout(
+    task: HarborTask,
+    options: RolloutOptions,
+    *,
+    capture: CaptureClient,
+    backend: SandboxBackend,
+    model: str,
+    harness: Harness | None = None,
+    stop: asyncio.Event | None = None,
+) -> RolloutResult:
+    """Run ``options.harness`` on ``task`` in a ``backend`` sandbox, its model calls through ``capture``.
+
+    Setting ``stop`` ends the agent early as a timeout would (killed, ``timed_out``, turns kept); the
+    verifier and trace export still run.
+    """
+    result = RolloutResult(
+        task_name=task.name,
+        split=task.split,
+        task_index=task.index,
+        harness=options.harness,
+        sandbox=options.sandbox,
+    )
+    session_id: str | None = None
+    sandbox: Sandbox | None = None
+    try:
+        harness = harness or _harness(options.harness)
+        with _phase(result, "capture_session"):
+            metadata = {
+                "task": task.name,
+                "split": task.split,
+                "index": task.index,
+                "episode_id": options.episode_id,
+            }
+            session = await capture.mint(options.sampling, options.agent_step_limit or None, metadata)
+        session_id = result.capture_session_id = session.session_id
+        timeout = options.agent_timeout_sec or task.agent_timeout_sec
+        with _phase(result, "sandbox_start"):
+            lifetime = timeout + task.verifier_timeout_sec + _SANDBOX_SLACK_S
+            sandbox = await backend.start(task, lifetime_s=lifetime)
+        with _phase(result, "install"):
+            await harness.install(sandbox)
+        endpoint = AgentEndpoint(session.root_url, session.session_id, model)
+        with _phase(result, "agent"):
+            agent = harness.run(
+                sandbox, task.instruction, endpoint, step_limit=options.agent_step_limit, timeout_s=timeout
+            )
+            run = await _until_stopped(agent, stop)
+        if run is None:
+            result.timed_out = True
+        else:
+            result.exit_code, result.timed_out = run.result.exit_code, run.result.timed_out
+            result.tool_calls_by_name, result.tool_failure_count = (
+                dict(run.tools.calls_by_name),
+                run.tools.failures,
+            )
+            result.log_tail = run.log[-_LOG_TAIL:]
+        with _phase(result, "verifier"):
+            outcome = await run_verifier(sandbox, task, reward_key=options.reward_key)
+        result.reward, result.rewards, result.reward_detail = (
+            outcome.reward,
+            dict(outcome.rewards),
+            outcome.detail,
+        )
+        with _phase(result, "trace"):
+            result.trace = await _export(capture, session.session_id)
+            summary = await capture.summary(session.session_id)
+        result.findings, result.model_calls = (
+            list(summary.get("findings", [])),
+            int(summary.get("model_calls", 0)),
+        )
+    except CaptureContractError:
+        raise
+    except (SandboxError, HarnessError, CaptureError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    except Exception as exc:  # a rollout's failure is a result, never a crash of the caller
+        log.exception("rollout of %s failed unexpectedly", task.name)
+        result.error = f"unexpected {type(exc).__name__}: {exc}"
+    finally:
+        with _phase(result, "cleanup"):
+            await _cleanup(capture, session_id, sandbox)
+    if result.error is not None:
+        result.reward, result.trace = None, None
+    return result
+
+
+async def _until_stopped(agent: Coroutine[Any, Any, AgentRun], stop: asyncio.Event | None) -> AgentRun | None:
+    """The agent's run, or None if ``stop`` was set first (then the agent is cancelled: commands killed)."""
+    task = asyncio.ensure_future(agent)
+    if stop is None:
+        return await task
+    stopper = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopper.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
+def _harness(name: str) -> Harness:
+    if name not in HARNESSES:
+        raise HarnessError(f"unknown harness {name!r}; known: {', '.join(sorted(HARNESSES))}")
+    return HARNESSES[name]()
+
+
+async def _export(capture: CaptureClient, session_id: str) -> dict[str, Any]:
+    """The validated trace; an empty one when the agent never made a trainable call."""
+    try:
+        raw = await capture.trace(session_id)
+    except NothingTrainable:
+        return dict(EMPTY_TRACE)
+    load_trace(raw, session_id=session_id)  # raises CaptureContractError on a malformed capture
+    return raw
+
+
+async def _cleanup(capture: CaptureClient, session_id: str | None, sandbox: Sandbox | None) -> None:
+    """Close the sandbox and delete the capture session; both always attempted, neither raises."""
+    if sandbox is not None:
+        try:
+            await asyncio.shield(sandbox.close())
+        except Exception:  # cleanup must reach the capture session too
+            log.warning("closing sandbox failed", exc_info=True)
+    if session_id is not None:
+        try:
+            await asyncio.shield(capture.delete(session_id))
+        except Exception:  # a leftover capture session is logged, not fatal
+            log.warning("deleting capture session %s failed", session_id, exc_info=True)

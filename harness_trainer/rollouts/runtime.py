@@ -1,0 +1,133 @@
+"""The rollout runtime: a capture proxy, sandbox backends and a task source, shared by every rollout.
+
+Used by the rollout server (``harness-trainer serve``) and by the in-process session factory. It starts
+the capture proxy in its own event loop (or uses one already running), learns the engine's served model
+name, creates sandbox backends on first use, and closes everything it started in :meth:`aclose`: running
+rollouts are cancelled (which closes their sandboxes and capture sessions), then the backends and the
+proxy are shut down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from aiohttp import web
+
+from capture_proxy.app import build_app
+from capture_proxy.config import ProxyConfig
+from harness_trainer.rollouts.capture_client import CaptureClient
+from harness_trainer.rollouts.result import RolloutOptions, RolloutResult
+from harness_trainer.rollouts.run import run_rollout
+from harness_trainer.sandboxes import make_backend
+from harness_trainer.sandboxes.base import SandboxBackend
+from harness_trainer.tasks.task import HarborTask
+
+
+@dataclass
+class RuntimeConfig:
+    upstream: str
+    """The engine's base URL (vLLM or the dev engine)."""
+    data_dir: Path
+    """Capture journals live here."""
+    capture_host: str = "127.0.0.1"
+    capture_port: int = 8300
+    public_url: str | None = None
+    """How agents in sandboxes reach the capture proxy (default ``http://capture_host:capture_port``)."""
+    served_model: str | None = None
+    """Model name for agents and upstream; default: the engine's first ``/v1/models`` entry."""
+    admin_key: str | None = None
+    """Capture proxy admin key; a random one by default (the runtime is its only admin client)."""
+    sandbox_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Constructor options per sandbox backend name, e.g. ``{"e2b": {"template": "..."}}``."""
+
+
+class RolloutRuntime:
+    def __init__(self, config: RuntimeConfig) -> None:
+        self.config = config
+        self.admin_key = config.admin_key or secrets.token_urlsafe(24)
+        self.model = config.served_model or ""
+        self.capture: CaptureClient | None = None
+        self._runner: web.AppRunner | None = None
+        self._backends: dict[str, SandboxBackend] = {}
+        self._running: set[asyncio.Task[RolloutResult]] = set()
+
+    @property
+    def capture_url(self) -> str:
+        return f"http://{self.config.capture_host}:{self.config.capture_port}"
+
+    async def start(self) -> None:
+        """Start the capture proxy and learn the served model name."""
+        proxy = ProxyConfig(
+            upstream=self.config.upstream,
+            data_dir=self.config.data_dir,
+            admin_key=self.admin_key,
+            host=self.config.capture_host,
+            port=self.config.capture_port,
+            public_url=self.config.public_url,
+            served_model=self.config.served_model,
+        )
+        self._runner = web.AppRunner(build_app(proxy), access_log=None, handler_cancellation=True)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, self.config.capture_host, self.config.capture_port).start()
+        self.capture = CaptureClient(self.capture_url, self.admin_key, public_url=proxy.base_url)
+        if not self.model:
+            self.model = await served_model(self.config.upstream)
+
+    def backend(self, name: str) -> SandboxBackend:
+        if name not in self._backends:
+            self._backends[name] = make_backend(name, **self.config.sandbox_options.get(name, {}))
+        return self._backends[name]
+
+    async def rollout(
+        self, task: HarborTask, options: RolloutOptions, stop: asyncio.Event | None = None
+    ) -> RolloutResult:
+        """Run one rollout (see :func:`run_rollout`); cancelled by :meth:`aclose`."""
+        if self.capture is None:
+            raise RuntimeError("RolloutRuntime.start() was not awaited")
+        coroutine = run_rollout(
+            task,
+            options,
+            capture=self.capture,
+            backend=self.backend(options.sandbox),
+            model=self.model,
+            stop=stop,
+        )
+        running = asyncio.ensure_future(coroutine)
+        self._running.add(running)
+        try:
+            return await running
+        finally:
+            self._running.discard(running)
+
+    async def aclose(self) -> None:
+        """Cancel running rollouts (they clean up after themselves), then close backends and the proxy."""
+        for running in list(self._running):
+            running.cancel()
+        if self._running:
+            await asyncio.wait(set(self._running), timeout=60)
+        for backend in self._backends.values():
+            await backend.aclose()
+        self._backends.clear()
+        if self.capture is not None:
+            await self.capture.aclose()
+            self.capture = None
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+
+async def served_model(upstream: str) -> str:
+    """The first model the engine serves (``GET /v1/models``)."""
+    root = upstream.rstrip("/").removesuffix("/v1")
+    async with httpx.AsyncClient(timeout=30) as client:
+        try:
+            response = await client.get(root + "/v1/models")
+            response.raise_for_status()
+            return str(response.json()["data"][0]["id"])
+        except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+            raise RuntimeError(f"cannot learn the served model from {root}/v1/models: {exc!r}") from exc

@@ -1,0 +1,231 @@
+"""The rollout server: rollouts of Harbor tasks over HTTP, with the capture proxy beside it.
+
+``harness-trainer serve --dataset DIR_OR_HF_DATASET --port 8200 --capture-port 8300 --upstream ENGINE``.
+At most ``max_concurrent_envs`` sessions (env ``MAX_CONCURRENT_ENVS``, default 8) are open at once; one
+more is answered ``429`` with ``Retry-After``. A session holds one slot from ``POST /sessions`` until
+``DELETE``; the :class:`~harness_trainer.rollouts.factory.HarborSessionFactory` keeps one open for task
+metadata, so serve with ``MAX_CONCURRENT_ENVS >= max_concurrent_rollouts + 1``.
+
+Routes (JSON):
+- ``GET /health`` → status, open sessions, limit, served model.
+- ``GET /splits`` → ``{"splits": [...]}``; ``GET /splits/{split}/tasks`` → ``{"tasks": [{"index", "name",
+  "instruction"}]}``.
+- ``POST /sessions`` → 201 ``{"session_id"}`` (429 when full).
+- ``POST /sessions/{id}/rollout`` with ``{"split", "index" | "instruction", **RolloutOptions}`` → 202
+  (404 unknown task, 409 already started, 400 bad options).
+- ``GET /sessions/{id}?wait=SECONDS`` → ``{"status": "idle"|"running"|"done", "result": {...}}``; long
+  polls up to ``wait`` (≤ 60) for the rollout to finish. ``result`` omits the trace.
+- ``POST /sessions/{id}/stop`` → ends the agent as a timeout would (turns kept, ``timed_out``).
+- ``GET /sessions/{id}/trace`` → the TrainingTrace (409 until done, or when the rollout was unscorable).
+- ``DELETE /sessions/{id}`` → cancels a running rollout (sandbox and capture session closed) and frees
+  the slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from harness_trainer.rollouts.result import RolloutOptions, RolloutResult
+from harness_trainer.rollouts.runtime import RolloutRuntime
+from harness_trainer.tasks.sources import TaskSource
+from harness_trainer.tasks.task import HarborTask
+
+log = logging.getLogger(__name__)
+MAX_WAIT_S = 60.0
+
+
+@dataclass
+class Slot:
+    id: str
+    task: HarborTask | None = None
+    job: asyncio.Task[RolloutResult] | None = None
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def status(self) -> str:
+        if self.job is None:
+            return "idle"
+        return "done" if self.job.done() else "running"
+
+
+class RolloutServer:
+    def __init__(self, runtime: RolloutRuntime, tasks: TaskSource, max_concurrent_envs: int = 8) -> None:
+        self.runtime = runtime
+        self.tasks = tasks
+        self.limit = max_concurrent_envs
+        self.slots: dict[str, Slot] = {}
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[_errors])
+        app.cleanup_ctx.append(self._lifecycle)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/splits", self.splits)
+        app.router.add_get("/splits/{split}/tasks", self.split_tasks)
+        app.router.add_post("/sessions", self.open_session)
+        app.router.add_get("/sessions/{id}", self.session_status)
+        app.router.add_post("/sessions/{id}/rollout", self.start_rollout)
+        app.router.add_post("/sessions/{id}/stop", self.stop_rollout)
+        app.router.add_get("/sessions/{id}/trace", self.session_trace)
+        app.router.add_delete("/sessions/{id}", self.close_session)
+        return app
+
+    async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
+        await self.runtime.start()
+        yield
+        for slot in list(self.slots.values()):
+            await self._close(slot)
+        await self.runtime.aclose()
+
+    async def health(self, request: web.Request) -> web.Response:
+        body = {"status": "ok", "sessions": len(self.slots), "max_concurrent_envs": self.limit}
+        return web.json_response({**body, "model": self.runtime.model})
+
+    async def splits(self, request: web.Request) -> web.Response:
+        return web.json_response({"splits": self.tasks.splits()})
+
+    async def split_tasks(self, request: web.Request) -> web.Response:
+        split = request.match_info["split"]
+        if split not in self.tasks.splits():
+            raise _error(404, f"no split {split!r}; splits: {self.tasks.splits()}")
+        listed = [
+            {"index": t.index, "name": t.name, "instruction": t.instruction} for t in self.tasks.tasks(split)
+        ]
+        return web.json_response({"tasks": listed})
+
+    async def open_session(self, request: web.Request) -> web.Response:
+        if len(self.slots) >= self.limit:
+            message = (
+                f"all {self.limit} sessions are open (MAX_CONCURRENT_ENVS); a session factory keeps one for "
+                "metadata, so serve with MAX_CONCURRENT_ENVS >= max_concurrent_rollouts + 1"
+            )
+            raise _error(429, message, headers={"Retry-After": "1"})
+        slot = Slot(secrets.token_urlsafe(16))
+        self.slots[slot.id] = slot
+        return web.json_response({"session_id": slot.id}, status=201)
+
+    def _slot(self, request: web.Request) -> Slot:
+        slot = self.slots.get(request.match_info["id"])
+        if slot is None:
+            raise _error(404, "no such session (closed, or the server restarted)")
+        return slot
+
+    async def start_rollout(self, request: web.Request) -> web.Response:
+        slot = self._slot(request)
+        if slot.job is not None:
+            raise _error(409, "this session already ran its rollout; open a new session")
+        body = await _json(request)
+        task = self._find_task(body)
+        try:
+            options = RolloutOptions.model_validate({k: v for k, v in body.items() if k not in _TASK_KEYS})
+        except ValidationError as exc:
+            raise _error(400, f"invalid rollout options: {exc.errors(include_url=False)}") from exc
+        slot.task = task
+        slot.job = asyncio.ensure_future(self.runtime.rollout(task, options, slot.stop))
+        return web.json_response({"status": "running", "task": task.name}, status=202)
+
+    def _find_task(self, body: dict[str, Any]) -> HarborTask:
+        split = body.get("split", "")
+        try:
+            if body.get("index") is not None:
+                return self.tasks.task(split, int(body["index"]))
+            if isinstance(body.get("instruction"), str):
+                return self.tasks.find(split, body["instruction"])
+        except (KeyError, IndexError, LookupError, ValueError) as exc:
+            raise _error(404, f"no such task: {exc}") from exc
+        raise _error(400, "say which task: 'index' or 'instruction' (and 'split')")
+
+    async def session_status(self, request: web.Request) -> web.Response:
+        slot = self._slot(request)
+        wait = min(float(request.query.get("wait", 0) or 0), MAX_WAIT_S)
+        if slot.job is not None and wait > 0:
+            await asyncio.wait({slot.job}, timeout=wait)
+        body: dict[str, Any] = {"session_id": slot.id, "status": slot.status}
+        if slot.status == "done":
+            body["result"] = _result(slot).model_dump(exclude={"trace"})
+        return web.json_response(body)
+
+    async def stop_rollout(self, request: web.Request) -> web.Response:
+        slot = self._slot(request)
+        slot.stop.set()
+        return web.json_response({"session_id": slot.id, "status": slot.status})
+
+    async def session_trace(self, request: web.Request) -> web.Response:
+        slot = self._slot(request)
+        if slot.status != "done":
+            raise _error(409, f"the rollout is {slot.status}; wait for it first")
+        result = _result(slot)
+        if result.trace is None:
+            raise _error(409, f"the rollout was unscorable: {result.error}")
+        return web.json_response(result.trace)
+
+    async def close_session(self, request: web.Request) -> web.Response:
+        slot = self._slot(request)
+        await self._close(slot)
+        return web.json_response({"session_id": slot.id, "closed": True})
+
+    async def _close(self, slot: Slot) -> None:
+        self.slots.pop(slot.id, None)
+        if slot.job is not None and not slot.job.done():
+            slot.job.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await slot.job
+
+
+_TASK_KEYS = ("split", "index", "instruction")
+
+
+def _result(slot: Slot) -> RolloutResult:
+    assert slot.job is not None and slot.task is not None
+    if slot.job.cancelled():
+        return RolloutResult(task_name=slot.task.name, harness="", sandbox="", error="cancelled")
+    exc = slot.job.exception()
+    if exc is not None:
+        # CaptureContractError (a capture bug) and anything unexpected: reported, never trained on.
+        return RolloutResult(
+            task_name=slot.task.name, harness="", sandbox="", error=f"{type(exc).__name__}: {exc}"
+        )
+    return slot.job.result()
+
+
+_ERRORS: dict[int, type[web.HTTPException]] = {
+    400: web.HTTPBadRequest,
+    404: web.HTTPNotFound,
+    409: web.HTTPConflict,
+    429: web.HTTPTooManyRequests,
+}
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> web.HTTPException:
+    body = json.dumps({"error": {"message": message, "code": status}})
+    return _ERRORS[status](headers=headers, text=body, content_type="application/json")
+
+
+async def _json(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except ValueError as exc:
+        raise _error(400, f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise _error(400, "request body must be a JSON object")
+    return body
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except web.HTTPException:
+        raise
+    except Exception:  # answer and log, never kill the server
+        log.exception("error on %s %s", request.method, request.path)
+        return web.json_response({"error": {"message": "internal error", "code": 500}}, status=500)

@@ -1,0 +1,64 @@
+"""One rollout as the trainer sees it: OpenEnv's loop-owning session protocol.
+
+``wait_for_completion(timeout_s)`` → the agent's exit code (raises ``TimeoutError`` on timeout: the agent
+is stopped, its captured turns stay trainable and ``timed_out`` is set; raises :class:`RolloutUnscorable`
+when the sandbox or agent install failed); ``fetch_training_trace()`` → the validated
+:class:`~harness_trainer.trace.TrainingTrace`; ``verify(completion)`` → :class:`VerifyResult` with the
+task verifier's reward (None = ungraded); ``close()`` (idempotent). Async twins: ``await session.wait()``,
+``await session.afetch_training_trace()``, ``await session.aclose()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from harness_trainer.rollouts.result import RolloutResult
+from harness_trainer.trace import TrainingTrace, load_trace
+
+
+class RolloutUnscorable(RuntimeError):
+    """The rollout could not be scored (sandbox or install failure, server gone): train nothing from it."""
+
+
+@dataclass
+class VerifyResult:
+    """Mirrors ``openenv.core.harness.VerifyResult``: ``env_reward`` None means ungraded, never 0."""
+
+    env_reward: float | None = None
+    done: bool = True
+    metrics: dict[str, Any] = field(default_factory=dict)
+    artifacts: dict[str, Any] = field(default_factory=dict)
+
+
+def verify_result(result: RolloutResult) -> VerifyResult:
+    metrics = {
+        "timed_out": result.timed_out,
+        "exit_code": result.exit_code,
+        "tool_calls_by_name": dict(result.tool_calls_by_name),
+        "tool_failure_count": result.tool_failure_count,
+        "model_calls": result.model_calls,
+        "phase_seconds": dict(result.phase_seconds),
+        "rewards": dict(result.rewards),
+    }
+    artifacts = {
+        "reward_detail": result.reward_detail,
+        "findings": result.findings,
+        "log_tail": result.log_tail,
+    }
+    return VerifyResult(env_reward=result.reward, done=True, metrics=metrics, artifacts=artifacts)
+
+
+def trace_of(result: RolloutResult, session_id: str | None = None) -> TrainingTrace:
+    """The result's trace, validated; :class:`RolloutUnscorable` when it has none."""
+    if result.error is not None or result.trace is None:
+        raise RolloutUnscorable(f"rollout of {result.task_name} is unscorable: {result.error}")
+    return load_trace(result.trace, session_id=session_id)
+
+
+def exit_code_of(result: RolloutResult) -> int:
+    if result.error is not None:
+        raise RolloutUnscorable(f"rollout of {result.task_name} is unscorable: {result.error}")
+    if result.timed_out:
+        raise TimeoutError(f"agent on {result.task_name} timed out; its captured turns stay trainable")
+    return result.exit_code if result.exit_code is not None else -1

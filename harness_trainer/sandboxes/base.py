@@ -1,0 +1,97 @@
+"""The sandbox protocol: where one rollout's agent and verifier run.
+
+Paths inside a sandbox are the task's absolute paths (``/logs/verifier/reward.txt``, ``/tests``, the
+Dockerfile's ``WORKDIR``). Every backend implements :class:`SandboxBackend` and :class:`Sandbox`; one
+contract test module runs against each. ``close`` is idempotent and never raises.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from harness_trainer.tasks.task import HarborTask
+
+
+class SandboxError(Exception):
+    """Base of sandbox failures; a rollout that hits one is unscorable, not a zero."""
+
+
+class SandboxStartError(SandboxError):
+    """The sandbox could not be created or its environment could not be prepared (after retries)."""
+
+
+class SandboxTimeout(SandboxError):
+    """An operation on the sandbox itself (not a command) took too long."""
+
+
+@dataclass
+class ExecResult:
+    """What a command did. ``exit_code`` is None when it was killed on timeout (``timed_out``)."""
+
+    exit_code: int | None
+    stdout: str
+    stderr: str
+    timed_out: bool = False
+
+
+class Sandbox(Protocol):
+    """A running sandbox. ``workdir`` is where commands start (the Dockerfile's ``WORKDIR``, default
+    ``/app``); ``home`` is the ``HOME`` its commands see. Relative paths given to the file methods are
+    relative to ``workdir``."""
+
+    id: str
+    workdir: str
+    home: str
+
+    async def exec(
+        self,
+        command: str,
+        *,
+        timeout_s: float | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> ExecResult:
+        """Run ``command`` with ``bash -lc``; on timeout kill its whole process group."""
+        ...
+
+    async def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None: ...
+
+    async def read_file(self, path: str) -> bytes:
+        """Raises ``FileNotFoundError`` when there is no such file."""
+        ...
+
+    async def upload_dir(self, local: Path, remote: str) -> None:
+        """Copy a local directory's contents into ``remote`` (created)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+def resolve_path(path: str, *, workdir: str, home: str) -> str:
+    """A sandbox path made absolute: ``~`` is ``home``, relative paths are relative to ``workdir``."""
+    if path == "~" or path.startswith("~/"):
+        path = home + path[1:]
+    return posixpath.normpath(posixpath.join(workdir, path))
+
+
+def sandbox_lifetime(task: HarborTask, lifetime_s: float, margin_s: float) -> float:
+    """How long a sandbox may live: what the caller asked for, never less than the agent and verifier
+    timeouts together, plus ``margin_s`` for setup and teardown."""
+    return max(lifetime_s, task.agent_timeout_sec + task.verifier_timeout_sec) + margin_s
+
+
+class SandboxBackend(Protocol):
+    name: str
+
+    async def start(
+        self, task: HarborTask, *, lifetime_s: float, env: dict[str, str] | None = None
+    ) -> Sandbox:
+        """A running sandbox with the task's environment prepared; raises :class:`SandboxStartError`."""
+        ...
+
+    async def aclose(self) -> None:
+        """Close every sandbox this backend started that is still open (shutdown, SIGTERM)."""
+        ...

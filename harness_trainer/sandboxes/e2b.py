@@ -1,0 +1,364 @@
+"""The E2B backend: each sandbox is an E2B cloud microVM, driven with the official SDK (``e2b.AsyncSandbox``).
+
+Template: E2B runs prebuilt templates, not Dockerfiles. Build one per task image (``e2b template build``
+from the task's ``environment/Dockerfile``) and tell the backend which to use; the first that applies
+wins: ``template_map[task.name]``, the task's ``[environment] e2b_template``, ``template_map[docker_image]``,
+then the ``template`` option. No match is a :class:`SandboxStartError` (never a silent default image).
+
+Lifetime: the sandbox's E2B ``timeout`` is ``max(lifetime_s, agent + verifier timeouts) + lifetime_margin_s``,
+so E2B reaps it even if this process dies. Creation is tried ``create_attempts`` times (3) with exponential
+backoff, then raises :class:`SandboxStartError`; bad credentials or arguments fail at once.
+
+Commands run as ``user`` (``root`` by default, as task images expect) in ``bash -l -c`` (envd's own),
+with ``start(env=…)`` and the command's ``env`` passed as ``envs`` on **every** command. Each command
+is wrapped to run in its own session (``setsid``, util-linux, present in Debian/Ubuntu images) and to
+record its process group; on timeout the backend kills that whole group (SIGTERM, then SIGKILL after
+``kill_grace_s``) with a second command. ``close`` kills the sandbox (idempotent, never raises).
+If ``allow_internet = false``, egress is denied except to ``allow_out`` (which must include the capture
+proxy's public host, or the agent cannot reach its model).
+
+The SDK boundary is one object, ``sandbox_class`` (default ``e2b.AsyncSandbox``): tests inject a fake
+with the same signatures. SDK exceptions are mapped here, once.
+
+Manual smoke test, for users with ``E2B_API_KEY`` (creates one sandbox from the ``base`` template, runs
+commands, a timeout and file round trips, and closes it)::
+
+    python -m harness_trainer.sandboxes.e2b --smoke [--template base]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import posixpath
+import shlex
+import sys
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from harness_trainer.sandboxes import dockerfile
+from harness_trainer.sandboxes.base import (
+    ExecResult,
+    SandboxError,
+    SandboxStartError,
+    resolve_path,
+    sandbox_lifetime,
+)
+from harness_trainer.tasks.task import EnvironmentSpec, HarborTask
+
+log = logging.getLogger(__name__)
+
+# $1 = pidfile, $2 = command. The inner shell records its pid (= its process group, under setsid).
+_WRAP = """ht_w='echo $$ > "$1"; exec /bin/bash -c "$2"'
+if command -v setsid >/dev/null 2>&1; then setsid -w /bin/bash -c "$ht_w" ht {pidfile} {command}
+else /bin/bash -c "$ht_w" ht {pidfile} {command}; fi
+ht_rc=$?; rm -f {pidfile}; exit $ht_rc
+"""
+_KILL = """i=0; while [ ! -s {pidfile} ] && [ $i -lt 20 ]; do sleep 0.05; i=$((i+1)); done
+p=$(cat {pidfile} 2>/dev/null) || exit 0
+kill -TERM -- "-$p" 2>/dev/null || kill -TERM "$p" 2>/dev/null
+i=0; while kill -0 -- "-$p" 2>/dev/null && [ $i -lt {ticks} ]; do sleep 0.1; i=$((i+1)); done
+kill -KILL -- "-$p" 2>/dev/null || kill -KILL "$p" 2>/dev/null; rm -f {pidfile}; exit 0
+"""
+
+
+class SandboxClass(Protocol):
+    """What the backend needs of ``e2b.AsyncSandbox``: its ``create`` classmethod."""
+
+    async def create(self, template: str | None = None, timeout: int | None = None, **kwargs: Any) -> Any: ...
+
+
+def _sdk() -> Any:
+    try:
+        import e2b
+    except ImportError as exc:  # the SDK is an optional extra
+        raise SandboxStartError(
+            "the e2b backend needs the e2b SDK: pip install 'harness-trainer[e2b]'"
+        ) from exc
+    return e2b
+
+
+class E2BSandbox:
+    """One E2B sandbox; the SDK object is ``sdk_sandbox``."""
+
+    def __init__(
+        self,
+        sdk_sandbox: Any,
+        *,
+        workdir: str,
+        home: str,
+        env: dict[str, str],
+        user: str,
+        kill_grace_s: float,
+    ) -> None:
+        self.sdk_sandbox = sdk_sandbox
+        self.id: str = sdk_sandbox.sandbox_id
+        self.workdir = workdir
+        self.home = home
+        self.user = user
+        self._env = env
+        self._kill_grace_s = kill_grace_s
+        self._closed = False
+        self._background: set[asyncio.Task[None]] = set()
+        self.on_close: list[Callable[[E2BSandbox], object]] = []
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def sandbox_path(self, path: str) -> str:
+        return resolve_path(path, workdir=self.workdir, home=self.home)
+
+    async def exec(
+        self,
+        command: str,
+        *,
+        timeout_s: float | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> ExecResult:
+        if self._closed:
+            raise SandboxError(f"sandbox {self.id} is closed")
+        e2b = _sdk()
+        pidfile = shlex.quote(f"/tmp/.ht-exec-{uuid.uuid4().hex}.pid")
+        out: list[str] = []
+        err: list[str] = []
+        try:
+            result = await self.sdk_sandbox.commands.run(
+                _WRAP.format(pidfile=pidfile, command=shlex.quote(command)),
+                envs={**self._env, **(env or {})},
+                cwd=self.sandbox_path(cwd) if cwd else self.workdir,
+                user=self.user,
+                timeout=timeout_s or 0,  # 0: no limit (the SDK's own default is 60 s)
+                on_stdout=out.append,
+                on_stderr=err.append,
+            )
+        except e2b.CommandExitException as exc:
+            return ExecResult(exit_code=exc.exit_code, stdout=exc.stdout or "", stderr=exc.stderr or "")
+        except (e2b.SandboxNotRunningException, e2b.SandboxUnreachableException) as exc:
+            raise SandboxError(f"sandbox {self.id} is gone: {exc}") from exc
+        except e2b.TimeoutException:
+            await self._kill_group(pidfile)
+            return ExecResult(exit_code=None, stdout="".join(out), stderr="".join(err), timed_out=True)
+        except asyncio.CancelledError:
+            task = asyncio.ensure_future(self._kill_group(pidfile))  # do not leave it running
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+            raise
+        except e2b.SandboxException as exc:
+            raise SandboxError(f"sandbox {self.id}: command failed to run: {exc}") from exc
+        return ExecResult(exit_code=result.exit_code, stdout=result.stdout or "", stderr=result.stderr or "")
+
+    async def _kill_group(self, pidfile: str) -> None:
+        ticks = max(1, math.ceil(self._kill_grace_s / 0.1))
+        script = _KILL.format(pidfile=pidfile, ticks=ticks)
+        e2b = _sdk()
+        try:
+            await self.sdk_sandbox.commands.run(script, user=self.user, timeout=self._kill_grace_s + 30)
+        except e2b.SandboxException as exc:  # the sandbox may be dying; close() kills it all anyway
+            log.warning("sandbox %s: could not kill a timed-out command: %s", self.id, exc)
+
+    async def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
+        target = self.sandbox_path(path)
+        e2b = _sdk()
+        try:
+            await self.sdk_sandbox.files.write(target, data, user=self.user)
+        except e2b.SandboxException as exc:
+            raise SandboxError(f"sandbox {self.id}: cannot write {target}: {exc}") from exc
+        if mode != 0o644:
+            await self._check(f"chmod {mode:o} {shlex.quote(target)}")
+
+    async def read_file(self, path: str) -> bytes:
+        target = self.sandbox_path(path)
+        e2b = _sdk()
+        try:
+            return bytes(await self.sdk_sandbox.files.read(target, format="bytes", user=self.user))
+        except e2b.NotFoundException as exc:
+            raise FileNotFoundError(f"{target} (in sandbox {self.id})") from exc
+        except e2b.SandboxException as exc:
+            raise SandboxError(f"sandbox {self.id}: cannot read {target}: {exc}") from exc
+
+    async def upload_dir(self, local: Path, remote: str) -> None:
+        root, target = Path(local), self.sandbox_path(remote)
+        if not root.is_dir():
+            raise NotADirectoryError(f"{local} is not a directory")
+        entries, executables, dirs = [], [], [target]
+        for path in sorted(root.rglob("*")):
+            inside = posixpath.join(target, path.relative_to(root).as_posix())
+            if path.is_dir():
+                dirs.append(inside)
+            else:
+                entries.append({"path": inside, "data": path.read_bytes()})
+                if os.access(path, os.X_OK):
+                    executables.append(inside)
+        e2b = _sdk()
+        try:
+            if entries:
+                await self.sdk_sandbox.files.write_files(entries, user=self.user)
+        except e2b.SandboxException as exc:
+            raise SandboxError(f"sandbox {self.id}: cannot upload {local} to {target}: {exc}") from exc
+        script = "mkdir -p " + " ".join(map(shlex.quote, dirs))
+        if executables:
+            script += " && chmod +x " + " ".join(map(shlex.quote, executables))
+        await self._check(script)
+
+    async def _check(self, command: str, cwd: str | None = None) -> None:
+        result = await self.exec(command, timeout_s=120, cwd=cwd)
+        if result.exit_code != 0:
+            raise SandboxError(f"sandbox {self.id}: `{command[:200]}` failed: {result.stderr[-500:]}")
+
+    async def close(self) -> None:
+        """Kill the sandbox; idempotent, never raises."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self.sdk_sandbox.kill()
+        except Exception as exc:  # close must not raise; E2B reaps it at its timeout anyway
+            log.warning("sandbox %s: kill failed (E2B reaps it at its timeout): %s", self.id, exc)
+        finally:
+            for callback in self.on_close:
+                callback(self)
+
+
+class E2BSandboxBackend:
+    """Starts :class:`E2BSandbox` es. Options (keyword): ``template``, ``template_map`` (see the module
+    docstring), ``api_key`` (default: ``E2B_API_KEY``), ``user`` (``root``), ``home`` (``/root`` for
+    root, else ``/home/<user>``), ``workdir`` (default: the task Dockerfile's last ``WORKDIR``, else
+    ``/app``), ``lifetime_margin_s`` (300), ``create_attempts`` (3), ``retry_backoff_s`` (2, doubled per
+    try), ``kill_grace_s`` (2), ``allow_out`` (egress allowed when a task has ``allow_internet = false``),
+    ``sandbox_class`` (the SDK boundary; default ``e2b.AsyncSandbox``)."""
+
+    name = "e2b"
+
+    def __init__(
+        self,
+        *,
+        template: str | None = None,
+        template_map: Mapping[str, str] | None = None,
+        api_key: str | None = None,
+        user: str = "root",
+        home: str | None = None,
+        workdir: str | None = None,
+        lifetime_margin_s: float = 300.0,
+        create_attempts: int = 3,
+        retry_backoff_s: float = 2.0,
+        kill_grace_s: float = 2.0,
+        allow_out: Sequence[str] = (),
+        sandbox_class: SandboxClass | None = None,
+    ) -> None:
+        self.template = template
+        self.template_map = dict(template_map or {})
+        self.api_key = api_key
+        self.user = user
+        self.home = home or ("/root" if user == "root" else f"/home/{user}")
+        self.workdir = workdir
+        self.lifetime_margin_s = lifetime_margin_s
+        self.create_attempts = max(1, create_attempts)
+        self.retry_backoff_s = retry_backoff_s
+        self.kill_grace_s = kill_grace_s
+        self.allow_out = list(allow_out)
+        self._sandbox_class = sandbox_class
+        self._live: set[E2BSandbox] = set()
+
+    @property
+    def live(self) -> list[E2BSandbox]:
+        return list(self._live)
+
+    def template_for(self, task: HarborTask) -> str:
+        """The E2B template ``task`` runs in; raises SandboxStartError when nothing says."""
+        env: EnvironmentSpec = task.environment
+        candidates = [
+            self.template_map.get(task.name),
+            env.extra.get("e2b_template"),
+            self.template_map.get(env.docker_image or ""),
+            self.template,
+        ]
+        for candidate in candidates:
+            if candidate:
+                return str(candidate)
+        raise SandboxStartError(
+            f"no E2B template for task {task.name!r} (docker_image={env.docker_image!r}): pass template=, "
+            "or template_map= with the task name or its docker_image, or set [environment] e2b_template"
+        )
+
+    async def start(
+        self, task: HarborTask, *, lifetime_s: float, env: dict[str, str] | None = None
+    ) -> E2BSandbox:
+        template = self.template_for(task)
+        workdir = self.workdir or _dockerfile_workdir(task)
+        timeout = math.ceil(sandbox_lifetime(task, lifetime_s, self.lifetime_margin_s))
+        sdk_sandbox = await self._create(task, template, timeout, env or {})
+        sandbox = E2BSandbox(
+            sdk_sandbox,
+            workdir=workdir,
+            home=self.home,
+            env=dict(env or {}),
+            user=self.user,
+            kill_grace_s=self.kill_grace_s,
+        )
+        self._live.add(sandbox)
+        sandbox.on_close.append(self._live.discard)
+        dirs = ["/logs/agent", "/logs/verifier", "/tests", "/solution", workdir]
+        try:
+            await sandbox._check("mkdir -p " + " ".join(map(shlex.quote, dirs)), cwd="/")
+        except BaseException as exc:
+            await sandbox.close()
+            if isinstance(exc, SandboxError):
+                raise SandboxStartError(f"{task.name}: cannot prepare sandbox {sandbox.id}: {exc}") from exc
+            raise
+        return sandbox
+
+    async def _create(self, task: HarborTask, template: str, timeout: int, env: dict[str, str]) -> Any:
+        create = (self._sandbox_class or _sdk().AsyncSandbox).create
+        e2b = _sdk()
+        kwargs: dict[str, Any] = {"metadata": {"harness_trainer_task": task.name}, "envs": env}
+        if self.api_key:
+            kwargs["api_key"] = self.api_key
+        if not task.environment.allow_internet:
+            kwargs["network"] = {"deny_out": ["0.0.0.0/0"], "allow_out": list(self.allow_out)}
+        for attempt in range(1, self.create_attempts + 1):
+            try:
+                return await create(template=template, timeout=timeout, **kwargs)
+            except (e2b.AuthenticationException, e2b.InvalidArgumentException) as exc:
+                raise SandboxStartError(f"E2B refused to create a sandbox for {task.name}: {exc}") from exc
+            except Exception as exc:  # any other SDK or network failure is worth a retry
+                if attempt == self.create_attempts:
+                    raise SandboxStartError(
+                        f"E2B sandbox for {task.name} (template {template!r}) did not start after "
+                        f"{attempt} tries: {exc}"
+                    ) from exc
+                delay = self.retry_backoff_s * 2 ** (attempt - 1)
+                log.warning(
+                    "E2B create failed (try %d/%d, again in %.1fs): %s",
+                    attempt,
+                    self.create_attempts,
+                    delay,
+                    exc,
+                )
+                await asyncio.sleep(delay)
+        raise AssertionError("unreachable")
+
+    async def aclose(self) -> None:
+        """Kill every sandbox this backend started that is still open."""
+        await asyncio.gather(*(sandbox.close() for sandbox in self.live))
+
+
+def _dockerfile_workdir(task: HarborTask) -> str:
+    if task.dockerfile is None:
+        return "/app"
+    try:
+        instructions = dockerfile.parse(task.dockerfile.read_text())
+        return dockerfile.plan(instructions, base_env={}, strict=False).workdir
+    except (dockerfile.DockerfileError, OSError) as exc:
+        raise SandboxStartError(f"{task.name}: cannot read the WORKDIR of {task.dockerfile}: {exc}") from exc
+
+
+if __name__ == "__main__":  # python -m harness_trainer.sandboxes.e2b --smoke
+    from harness_trainer.sandboxes.e2b_smoke import main
+
+    sys.exit(main())

@@ -1,0 +1,381 @@
+"""The local sandbox: the mock sandbox of the dev loop and the tests, built on Linux namespaces.
+
+Each sandbox owns a private root directory ``<base_dir>/ht-<id>/fs`` holding its workspace (the task
+Dockerfile's ``WORKDIR``, ``/app`` by default), ``/logs`` (with ``agent/`` and ``verifier/``), ``/tests``,
+``/solution`` and a private ``HOME`` (``/home/user``). One init process per sandbox holds a private mount
+and PID namespace (see :mod:`harness_trainer.sandboxes.processes`) in which those directories are
+bind-mounted over their absolute paths, so ``/logs/verifier/reward.txt`` works and concurrent sandboxes
+never see each other's files. The mount points must exist on the host: they are **created as empty
+directories on the host** when missing (``/app``, ``/logs``, ``/tests``, ``/solution``, ``/home/user``…)
+and stay empty there. ``/tests`` and ``/solution`` start empty: the rollout uploads them when it needs
+them (the agent must not see the tests), as Harbor does.
+
+The environment is prepared without Docker, from the task's ``environment/Dockerfile``
+(:mod:`harness_trainer.sandboxes.dockerfile`): ``WORKDIR``, ``ENV``, ``ARG``, ``COPY``/``ADD`` and ``RUN``
+are applied at every start (no layer cache; ``RUN`` steps share the build timeout); every other
+instruction is refused with its line number. A directory the Dockerfile writes to (``WORKDIR``, ``COPY``
+destination) becomes one more private mount, unless that would hide a system directory (``/usr``,
+``/etc``…), the base dir or a directory on the host ``PATH``, which is refused.
+
+Commands run as ``bash -lc`` entered into the namespace, each in its own process group: on timeout (and
+cancellation) the group gets SIGTERM, then SIGKILL after ``kill_grace_s``. ``close`` (idempotent) kills
+the namespace's init, and with it every process of the sandbox, then deletes the root. A sandbox also
+closes itself when its lifetime runs out; a root left by a process that died hard (its processes die
+with it) is deleted by the next backend's first start (each live root is ``flock``-ed by its owner). The
+environment is scrubbed: a command sees only ``PATH`` (the
+host's, after ``~/.local/bin``), ``HOME``, ``LANG``, ``LC_ALL`` and ``TERM`` (from the host when set),
+the names in ``passthrough_env``, the Dockerfile's ``ENV``, what ``start(env=…)`` gave, and its own
+``env``. The login shell's ``/etc/profile`` would reset ``PATH``; a ``~/.bash_profile`` restores it.
+
+Threat model: this is **not** a security boundary. It gives private task paths, a private process view,
+reliable cleanup of every process and a scrubbed environment, which is what a trusted dev loop needs. It
+does not give: a different user (commands run as the caller, root, with all its powers), network
+isolation (the host network is shared; the agent reaches the proxy on loopback, and ``allow_internet``
+is not enforced), filesystem isolation beyond the private paths (the rest of the host is visible and
+writable; ``RUN apt-get install`` installs on the host), or resource limits (``cpus``/``memory_mb`` are
+ignored). Use E2B for untrusted agents. Needs root and util-linux.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import os
+import posixpath
+import re
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+from harness_trainer.sandboxes import dockerfile
+from harness_trainer.sandboxes.base import (
+    ExecResult,
+    SandboxError,
+    SandboxStartError,
+    resolve_path,
+    sandbox_lifetime,
+)
+from harness_trainer.sandboxes.processes import Namespace, missing_tools, run_captured
+from harness_trainer.tasks.task import HarborTask
+
+FIXED_PATHS = ("/logs", "/tests", "/solution")
+SYSTEM_DIRS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc", "/run")
+SYSTEM_DIRS += ("/sbin", "/sys", "/usr", "/var")
+_BASH_PROFILE = """\
+# Written by harness-trainer's local sandbox: /etc/profile resets PATH in a login shell; restore ours.
+if [ -n "${__HT_PATH-}" ]; then PATH=$__HT_PATH; export PATH; fi
+unset __HT_PATH
+if [ -f "$HOME/.profile" ]; then . "$HOME/.profile"; fi
+"""
+
+
+class LocalSandbox:
+    """One running local sandbox; see the module docstring for what it isolates."""
+
+    def __init__(
+        self,
+        *,
+        root: Path,
+        mounts: tuple[str, ...],
+        workdir: str,
+        home: str,
+        env: dict[str, str],
+        namespace: Namespace,
+        kill_grace_s: float,
+        lock_fd: int,
+    ) -> None:
+        self.id = root.name
+        self.root = root
+        self.mounts = mounts
+        self.workdir = workdir
+        self.home = home
+        self._env = env
+        self._namespace = namespace
+        self._kill_grace_s = kill_grace_s
+        self._lock_fd = lock_fd  # held while the sandbox lives: an unlocked root is a stale one
+        self._closed = False
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._expiry: asyncio.Task[None] | None = None
+        self.on_close: list[Callable[[LocalSandbox], object]] = []  # called once, when closed
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment every command starts from (before its own ``env``)."""
+        return dict(self._env)
+
+    @property
+    def pid(self) -> int:
+        """The host pid of the sandbox's init (every process of the sandbox is in its namespaces)."""
+        return self._namespace.init_pid
+
+    def sandbox_path(self, path: str) -> str:
+        """``path`` made absolute: ``~`` is ``home``, relative paths are relative to ``workdir``."""
+        return resolve_path(path, workdir=self.workdir, home=self.home)
+
+    def host_path(self, path: str) -> Path:
+        """Where sandbox ``path`` lives on the host; raises SandboxError outside the private paths."""
+        absolute = self.sandbox_path(path)
+        if any(absolute == m or absolute.startswith(m + "/") for m in self.mounts):
+            return self.root / "fs" / absolute.lstrip("/")
+        raise SandboxError(
+            f"{path!r} is outside the local sandbox's private paths {list(self.mounts)}; the rest of the "
+            "filesystem is the host's, so the sandbox's file methods refuse it"
+        )
+
+    async def exec(
+        self,
+        command: str,
+        *,
+        timeout_s: float | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> ExecResult:
+        if self._closed or not self._namespace.running():
+            raise SandboxError(f"sandbox {self.id} is closed" if self._closed else f"sandbox {self.id} died")
+        full_env = {**self._env, **(env or {})}
+        full_env["__HT_PATH"] = full_env.get("PATH", os.defpath)
+        directory = self.sandbox_path(cwd) if cwd else self.workdir
+        argv = self._namespace.enter_argv(["/bin/bash", "-lc", command], cwd=directory)
+        return await run_captured(argv, env=full_env, timeout_s=timeout_s, grace_s=self._kill_grace_s)
+
+    async def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
+        target = self.host_path(path)
+        payload = data.encode() if isinstance(data, str) else data
+        await asyncio.to_thread(_write, target, payload, mode)
+
+    async def read_file(self, path: str) -> bytes:
+        return await asyncio.to_thread(self.host_path(path).read_bytes)
+
+    async def upload_dir(self, local: Path, remote: str) -> None:
+        if not Path(local).is_dir():
+            raise NotADirectoryError(f"{local} is not a directory")
+        target = self.host_path(remote)
+        await asyncio.to_thread(shutil.copytree, local, target, dirs_exist_ok=True)
+
+    def expire_after(self, seconds: float) -> None:
+        """Close this sandbox after ``seconds`` (its lifetime), unless it is closed before."""
+        self._watchdog = asyncio.get_running_loop().call_later(seconds, self._expire)
+
+    def _expire(self) -> None:
+        self._expiry = asyncio.ensure_future(self.close())
+
+    async def close(self) -> None:
+        """Kill every process of the sandbox and delete its root; idempotent, never raises."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        try:
+            await self._namespace.kill()
+        finally:
+            await asyncio.to_thread(shutil.rmtree, self.root, ignore_errors=True)
+            os.close(self._lock_fd)
+            for callback in self.on_close:
+                callback(self)
+
+
+def _write(target: Path, payload: bytes, mode: int) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(payload)
+    os.chmod(target, mode)
+
+
+class LocalSandboxBackend:
+    """Starts :class:`LocalSandbox` es. Options (all keyword, all optional):
+
+    - ``base_dir``: where sandbox roots go (default: the system temp dir);
+    - ``build_timeout_s``: the time all ``RUN`` steps of one start may take, when the task's
+      ``[environment] build_timeout_sec`` does not say (default 600);
+    - ``kill_grace_s``: SIGTERM → SIGKILL grace on timeouts (default 2);
+    - ``lifetime_margin_s``: added to a sandbox's lifetime before it closes itself (default 60);
+    - ``home``: the private ``HOME`` (default ``/home/user``, as in E2B);
+    - ``passthrough_env``: host variable names commands may also see (e.g. ``("HF_TOKEN",)``).
+    """
+
+    name = "local"
+
+    def __init__(
+        self,
+        base_dir: Path | str | None = None,
+        *,
+        build_timeout_s: float = 600.0,
+        kill_grace_s: float = 2.0,
+        lifetime_margin_s: float = 60.0,
+        home: str = "/home/user",
+        passthrough_env: Sequence[str] = (),
+    ) -> None:
+        self.base_dir = Path(base_dir or tempfile.gettempdir()).resolve()
+        self.build_timeout_s = build_timeout_s
+        self.kill_grace_s = kill_grace_s
+        self.lifetime_margin_s = lifetime_margin_s
+        self.home = home
+        self.passthrough_env = tuple(passthrough_env)
+        self._live: set[LocalSandbox] = set()
+        self._swept = False
+
+    @property
+    def live(self) -> list[LocalSandbox]:
+        """The sandboxes this backend started that are still open."""
+        return list(self._live)
+
+    async def start(
+        self, task: HarborTask, *, lifetime_s: float, env: dict[str, str] | None = None
+    ) -> LocalSandbox:
+        missing = missing_tools()
+        if missing:
+            raise SandboxStartError(f"the local sandbox needs {', '.join(missing)} on PATH (util-linux)")
+        if not self._swept:
+            self._swept = True
+            await asyncio.to_thread(sweep_stale_roots, self.base_dir)
+        base_env = self._base_env()
+        plan = _plan(task, base_env)
+        mounts = self._private_paths(task, [plan.workdir, *plan.written_dirs, *FIXED_PATHS, self.home])
+        root = self.base_dir / f"ht-{uuid.uuid4().hex[:12]}"
+        lock_fd = -1
+        try:
+            lock_fd = await asyncio.to_thread(self._make_root, root, mounts)
+            binds = [(root / "fs" / m.lstrip("/"), m) for m in mounts]
+            namespace = await Namespace.create(binds, base_env)
+        except BaseException as exc:
+            shutil.rmtree(root, ignore_errors=True)
+            if lock_fd >= 0:
+                os.close(lock_fd)
+            if isinstance(exc, OSError):
+                raise SandboxStartError(f"{task.name}: cannot prepare the sandbox root: {exc}") from exc
+            raise
+        sandbox = LocalSandbox(
+            root=root,
+            mounts=mounts,
+            workdir=plan.workdir,
+            home=self.home,
+            env={**base_env, **plan.env, **(env or {})},
+            namespace=namespace,
+            kill_grace_s=self.kill_grace_s,
+            lock_fd=lock_fd,
+        )
+        self._live.add(sandbox)
+        sandbox.on_close.append(self._live.discard)
+        try:
+            timeout = task.environment.build_timeout_sec or self.build_timeout_s
+            await _build(sandbox, plan, task, time.monotonic() + timeout)
+        except BaseException:
+            await sandbox.close()
+            raise
+        sandbox.expire_after(sandbox_lifetime(task, lifetime_s, self.lifetime_margin_s))
+        return sandbox
+
+    async def aclose(self) -> None:
+        """Close every sandbox this backend started that is still open."""
+        await asyncio.gather(*(sandbox.close() for sandbox in self.live))
+
+    def _base_env(self) -> dict[str, str]:
+        host_path = os.environ.get("PATH") or os.defpath
+        env = {
+            "PATH": f"{self.home}/.local/bin:{host_path}",
+            "HOME": self.home,
+            "LANG": os.environ.get("LANG", "C.UTF-8"),
+            "TERM": os.environ.get("TERM", "dumb"),
+        }
+        for name in ("LC_ALL", *self.passthrough_env):
+            if name in os.environ:
+                env[name] = os.environ[name]
+        return env
+
+    def _private_paths(self, task: HarborTask, paths: Iterable[str]) -> tuple[str, ...]:
+        """The mount points: each path not inside an earlier one, checked not to hide the host's."""
+        chosen: list[str] = []
+        for path in sorted({posixpath.normpath(p) for p in paths}, key=lambda p: (p.count("/"), p)):
+            if not any(path == c or path.startswith(c + "/") for c in chosen):
+                self._check_mount_point(task, path)
+                chosen.append(path)
+        return tuple(chosen)
+
+    def _check_mount_point(self, task: HarborTask, path: str) -> None:
+        needed = [str(self.base_dir), sys.prefix, *os.environ.get("PATH", "").split(os.pathsep)]
+        hidden = [
+            n for n in needed if n.startswith("/") and (n == path or n.startswith(path.rstrip("/") + "/"))
+        ]
+        system = path == "/" or any(path == s or path.startswith(s + "/") for s in SYSTEM_DIRS)
+        if system or hidden:
+            why = "it is a system directory" if system else f"it would hide {hidden[0]}, which commands need"
+            raise SandboxStartError(
+                f"{task.name}: the local sandbox cannot make {path} private ({why}); its Dockerfile "
+                "should write into the workspace instead"
+            )
+
+    def _make_root(self, root: Path, mounts: tuple[str, ...]) -> int:
+        """Creates the root and its mount points; returns the fd holding the root's lock."""
+        root.mkdir(parents=True)
+        lock_fd = os.open(root / ".lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        for mount in mounts:
+            try:
+                os.makedirs(mount, exist_ok=True)  # the mount point on the host: stays empty
+            except FileExistsError:
+                raise SandboxStartError(f"cannot mount over {mount}: it is a file on the host") from None
+            (root / "fs" / mount.lstrip("/")).mkdir(parents=True, exist_ok=True)
+        for sub in ("logs/agent", "logs/verifier"):
+            (root / "fs" / sub).mkdir(parents=True, exist_ok=True)
+        (root / "fs" / self.home.lstrip("/") / ".bash_profile").write_text(_BASH_PROFILE)
+        return lock_fd
+
+
+def sweep_stale_roots(base_dir: Path) -> list[Path]:
+    """Delete the roots in ``base_dir`` that no live sandbox holds (left by a process that died hard)."""
+    removed = []
+    for root in base_dir.glob("ht-*"):
+        if not re.fullmatch(r"ht-[0-9a-f]{12}", root.name):
+            continue
+        try:
+            fd = os.open(root / ".lock", os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            continue  # not ours, or still being created
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # alive
+        finally:
+            os.close(fd)
+        shutil.rmtree(root, ignore_errors=True)
+        removed.append(root)
+    return removed
+
+
+def _plan(task: HarborTask, base_env: dict[str, str]) -> dockerfile.BuildPlan:
+    path = task.dockerfile
+    if path is None:
+        return dockerfile.BuildPlan(base_image=task.environment.docker_image, workdir="/app", env={})
+    try:
+        instructions = dockerfile.parse(path.read_text())
+        return dockerfile.plan(instructions, base_env=base_env, context=task.environment_dir)
+    except (dockerfile.DockerfileError, OSError) as exc:
+        raise SandboxStartError(f"{task.name}: {path}: {exc}") from exc
+
+
+async def _build(
+    sandbox: LocalSandbox, plan: dockerfile.BuildPlan, task: HarborTask, deadline: float
+) -> None:
+    """Apply the plan's COPY and RUN steps in order; raises SandboxStartError with the failing line."""
+    for step in plan.steps:
+        if isinstance(step, dockerfile.CopyStep):
+            try:
+                await asyncio.to_thread(dockerfile.copy_into, step, task.environment_dir, sandbox.host_path)
+            except (dockerfile.DockerfileError, OSError, SandboxError) as exc:
+                raise SandboxStartError(f"{task.name}: Dockerfile: {exc}") from exc
+            continue
+        remaining = deadline - time.monotonic()
+        result = await sandbox.exec(step.command, timeout_s=max(remaining, 0.001), env=step.env, cwd=step.cwd)
+        if result.exit_code == 0:
+            continue
+        tail = (result.stdout + result.stderr)[-2000:]
+        what = "ran past the build timeout" if result.timed_out else f"exited with code {result.exit_code}"
+        raise SandboxStartError(f"{task.name}: Dockerfile line {step.line}: RUN {what}; output tail:\n{tail}")

@@ -1,0 +1,289 @@
+"""Process plumbing for the local sandbox: a private namespace per sandbox, and commands run in it.
+
+:class:`Namespace` starts one long-lived init process in a fresh **mount + PID namespace** (``unshare
+--fork --pid --mount --propagation private --mount-proc``) after bind-mounting the sandbox's private
+directories over their absolute paths. Every command then enters that namespace with ``nsenter``, so:
+
+- ``/logs``, ``/tests``, the workspace… resolve to this sandbox's own directories (mounts are made once,
+  at start, and vanish with the namespace: nothing is ever mounted on the host's own mount table);
+- ``ps`` inside shows only the sandbox's processes, and orphans are reaped by the sandbox's init;
+- killing the init (``SIGKILL``) makes the kernel kill every process in the namespace, whatever it did
+  to escape (``setsid``, double fork, a scrubbed environment). That is how a sandbox is closed.
+- the init is chained to the creating thread with ``setpriv --pdeathsig KILL`` and ``unshare
+  --kill-child``: if this Python process dies hard, the namespace dies with it.
+
+:func:`run_captured` runs one command in its own process group (``start_new_session``) and on timeout
+or cancellation kills the whole group (``SIGTERM``, then ``SIGKILL`` after a grace). Output is captured
+up to a cap per stream (the tail is kept). Needs root and util-linux (``unshare``, ``nsenter``,
+``setpriv``, ``mount``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from harness_trainer.sandboxes.base import ExecResult, SandboxError, SandboxStartError
+
+REQUIRED_TOOLS = ("unshare", "nsenter", "setpriv", "mount", "env", "bash")
+# After the main process exits, how long to wait for its output pipes to close: a background child that
+# inherited them would otherwise hold the call open until it exits.
+DRAIN_S = 0.5
+MAX_OUTPUT_BYTES = 16 << 20
+
+# $1 = the init's shell (unused), then pairs of (host dir, sandbox path). The init ignores SIGTERM; only
+# SIGKILL (close) ends it. `wait` keeps it reaping every orphan the namespace hands it.
+_INIT_SCRIPT = """
+while [ "$#" -ge 2 ]; do
+  mount --bind "$1" "$2" || { echo "cannot bind $1 on $2" >&2; exit 125; }
+  shift 2
+done
+echo ready
+exec /bin/bash -c 'trap "" TERM INT HUP; while :; do sleep 86400 & wait; done'
+"""
+
+
+def missing_tools() -> list[str]:
+    """The command-line tools the local sandbox needs that are not on ``PATH``."""
+    return [tool for tool in REQUIRED_TOOLS if shutil.which(tool) is None]
+
+
+class Namespace:
+    """A mount + PID namespace kept alive by one init process; ``enter_argv`` runs a command inside."""
+
+    def __init__(self, launcher: asyncio.subprocess.Process, init_pid: int) -> None:
+        self._launcher = launcher
+        self.init_pid = init_pid
+        self.alive = True
+        self._tools = {name: shutil.which(name) or name for name in ("nsenter", "env")}
+
+    @classmethod
+    async def create(
+        cls, binds: Sequence[tuple[Path, str]], env: Mapping[str, str], *, timeout_s: float = 10.0
+    ) -> Namespace:
+        """Bind each host directory over its sandbox path in a new namespace; raises SandboxStartError."""
+        if os.geteuid() != 0:
+            raise SandboxStartError("the local sandbox needs root (it creates mount and PID namespaces)")
+        setpriv, unshare = (shutil.which(name) or name for name in ("setpriv", "unshare"))
+        argv = [setpriv, "--pdeathsig", "KILL", unshare, "--fork", "--kill-child=KILL", "--pid"]
+        argv += ["--mount", "--propagation", "private", "--mount-proc", "--", "/bin/sh", "-c", _INIT_SCRIPT]
+        argv += ["ht-init", *(part for host, path in binds for part in (str(host), path))]
+        try:
+            launcher = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env=dict(env),
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise SandboxStartError(f"cannot launch the sandbox namespace: {exc}") from exc
+        assert launcher.stdout is not None and launcher.stderr is not None
+        try:
+            line = await asyncio.wait_for(launcher.stdout.readline(), timeout_s)
+        except TimeoutError:
+            line = b""
+        if line != b"ready\n":
+            await _reap(launcher)
+            err = (await launcher.stderr.read()).decode(errors="replace").strip()
+            raise SandboxStartError(f"the sandbox namespace did not start: {err or 'no output'}")
+        return cls(launcher, _only_child(launcher.pid))
+
+    def enter_argv(self, argv: Sequence[str], *, cwd: str) -> list[str]:
+        """``argv`` run inside the namespace with working directory ``cwd`` (a sandbox path)."""
+        nsenter, env = self._tools["nsenter"], self._tools["env"]
+        return [nsenter, "-t", str(self.init_pid), "-m", "-p", "--", env, f"--chdir={cwd}", *argv]
+
+    def running(self) -> bool:
+        """Whether the init still runs (it can only die by close or from outside the sandbox)."""
+        if not self.alive:
+            return False
+        try:
+            os.kill(self.init_pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def mount_namespace(self) -> str:
+        """The namespace's identity (``mnt:[inode]``), to find processes inside it from the host."""
+        return os.readlink(f"/proc/{self.init_pid}/ns/mnt")
+
+    async def kill(self) -> None:
+        """Kill every process in the namespace (idempotent)."""
+        if not self.alive:
+            return
+        self.alive = False
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.init_pid, signal.SIGKILL)
+        await _reap(self._launcher)
+
+
+def _only_child(pid: int) -> int:
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    if children.exists():
+        return int(children.read_text().split()[0])
+    for status in Path("/proc").glob("[0-9]*/status"):  # kernels without CONFIG_PROC_CHILDREN
+        with contextlib.suppress(OSError):
+            if f"\nPPid:\t{pid}\n" in status.read_text():
+                return int(status.parent.name)
+    raise SandboxStartError(f"cannot find the sandbox init under process {pid}")
+
+
+async def _reap(process: asyncio.subprocess.Process) -> None:
+    if process.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    await process.wait()
+
+
+class _Tail:
+    """Keeps at most ``limit`` bytes, the most recent ones, and counts what it dropped."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.data = bytearray()
+        self.dropped = 0
+
+    def add(self, chunk: bytes) -> None:
+        self.data += chunk
+        excess = len(self.data) - self.limit
+        if excess > self.limit:  # trim in big steps, not on every chunk
+            del self.data[:excess]
+            self.dropped += excess
+
+    def text(self) -> str:
+        excess = max(0, len(self.data) - self.limit)
+        body = bytes(self.data[excess:]).decode(errors="replace")
+        dropped = self.dropped + excess
+        return f"[… {dropped} earlier bytes dropped]\n{body}" if dropped else body
+
+
+async def _pump(stream: asyncio.StreamReader, sink: _Tail) -> None:
+    while chunk := await stream.read(1 << 16):
+        sink.add(chunk)
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+async def kill_group(pgid: int, grace_s: float) -> None:
+    """SIGTERM the process group, then SIGKILL whatever is left after ``grace_s``."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while group_alive(pgid) and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def exit_status(returncode: int) -> int:
+    """A shell-style exit status: a process killed by signal N exits with 128 + N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+class _ExitProtocol(asyncio.subprocess.SubprocessStreamProtocol):
+    """Resolves ``exited`` when the process exits, even while a background child still holds its pipes
+    (Python 3.11's ``Process.wait()`` waits for the pipes to close too)."""
+
+    def __init__(self, limit: int, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(limit=limit, loop=loop)
+        self.exited: asyncio.Future[None] = loop.create_future()
+
+    def process_exited(self) -> None:
+        super().process_exited()
+        if not self.exited.done():
+            self.exited.set_result(None)
+
+
+class Spawned:
+    """A running process with piped stdout/stderr; ``exited`` resolves when it exits."""
+
+    def __init__(
+        self,
+        process: asyncio.subprocess.Process,
+        transport: asyncio.SubprocessTransport,
+        exited: asyncio.Future[None],
+    ) -> None:
+        self.process = process
+        self.transport = transport
+        self.exited = exited
+
+    @property
+    def returncode(self) -> int | None:
+        return self.transport.get_returncode()
+
+    def close_pipes(self) -> None:
+        """Stop reading: a background child that still writes gets EPIPE, as when envd's stream ends."""
+        if self.returncode is not None:
+            self.transport.close()
+
+
+async def spawn(argv: Sequence[str], *, env: Mapping[str, str], new_session: bool = True) -> Spawned:
+    """Start ``argv`` (stdin from /dev/null, stdout and stderr piped); raises SandboxError if it cannot."""
+    loop = asyncio.get_running_loop()
+    try:
+        transport, protocol = await loop.subprocess_exec(
+            lambda: _ExitProtocol(limit=1 << 16, loop=loop),
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=dict(env),
+            start_new_session=new_session,
+        )
+    except OSError as exc:
+        raise SandboxError(f"cannot run {argv[0]}: {exc}") from exc
+    return Spawned(asyncio.subprocess.Process(transport, protocol, loop), transport, protocol.exited)
+
+
+async def run_captured(
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str],
+    timeout_s: float | None,
+    grace_s: float,
+    max_output_bytes: int = MAX_OUTPUT_BYTES,
+) -> ExecResult:
+    """Run ``argv`` in a new process group; on timeout or cancellation kill the whole group.
+
+    The call returns when the process exits (plus up to ``DRAIN_S`` for its output); background
+    children that outlive it keep running (they die with the namespace).
+    """
+    spawned = await spawn(argv, env=env)
+    process, pgid = spawned.process, spawned.process.pid
+    out, err = _Tail(max_output_bytes), _Tail(max_output_bytes)
+    assert process.stdout is not None and process.stderr is not None
+    pumps = [asyncio.create_task(_pump(process.stdout, out)), asyncio.create_task(_pump(process.stderr, err))]
+    timed_out = False
+    try:
+        try:
+            await asyncio.wait_for(asyncio.shield(spawned.exited), timeout_s)
+        except TimeoutError:
+            timed_out = True
+            await kill_group(pgid, grace_s)
+            await spawned.exited
+        await asyncio.wait(pumps, timeout=DRAIN_S)
+    finally:
+        for pump in pumps:
+            pump.cancel()
+        if spawned.returncode is None:  # cancelled: leave nothing running behind us
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+        spawned.close_pipes()
+    code = None if timed_out else exit_status(spawned.returncode or 0)
+    return ExecResult(exit_code=code, stdout=out.text(), stderr=err.text(), timed_out=timed_out)

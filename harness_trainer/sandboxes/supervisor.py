@@ -1,0 +1,147 @@
+"""The sandbox supervisor: a start-rate limit in front of a backend, and nothing left running at exit.
+
+:class:`SandboxSupervisor` is itself a :class:`~harness_trainer.sandboxes.base.SandboxBackend`: wrap the
+backend once per process and start every sandbox through it.
+
+- Starts pass a token bucket (:class:`StartRateLimiter`: ``max_starts_per_s`` on average, bursts of up to
+  ``burst``), so a burst of rollouts does not hammer E2B's API (or fork a hundred namespaces at once).
+- It tracks every sandbox it started that is not closed yet. ``aclose()`` refuses new starts, closes
+  them all concurrently, each bounded by ``close_timeout_s``, then closes the backend (which closes
+  anything it still holds). A sandbox that finishes starting after shutdown began is closed at once.
+- ``install_signal_handlers(loop)``: on SIGTERM (by default) it runs ``aclose()``, then calls
+  ``on_closed(signum)`` if given, else restores the default action and re-raises the signal so the
+  process exits as a terminated process would, with every sandbox closed first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable, Sequence
+
+from harness_trainer.sandboxes.base import Sandbox, SandboxBackend, SandboxStartError
+from harness_trainer.tasks.task import HarborTask
+
+log = logging.getLogger(__name__)
+
+
+class StartRateLimiter:
+    """A token bucket: ``acquire()`` returns at most ``rate_per_s`` times a second on average, with up to
+    ``burst`` at once after a quiet spell. Waiters are served in arrival order."""
+
+    def __init__(self, rate_per_s: float, burst: int = 1) -> None:
+        if rate_per_s <= 0 or burst < 1:
+            raise ValueError(f"need rate_per_s > 0 and burst >= 1, got {rate_per_s} and {burst}")
+        self.rate_per_s = rate_per_s
+        self.burst = burst
+        self._tokens = float(burst)
+        self._stamp = time.monotonic()
+        self._lock = asyncio.Lock()
+
+    async def acquire(self) -> None:
+        async with self._lock:
+            self._refill()
+            if self._tokens < 1:
+                await asyncio.sleep((1 - self._tokens) / self.rate_per_s)
+                self._refill()
+            self._tokens -= 1
+
+    def _refill(self) -> None:
+        now = time.monotonic()
+        self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.rate_per_s)
+        self._stamp = now
+
+
+class SandboxSupervisor:
+    """Rate-limited starts, and every live sandbox closed on shutdown or SIGTERM (see module docstring)."""
+
+    def __init__(
+        self,
+        backend: SandboxBackend,
+        *,
+        max_starts_per_s: float | None = None,
+        burst: int = 1,
+        close_timeout_s: float = 30.0,
+    ) -> None:
+        self.backend = backend
+        self.name = backend.name
+        self.close_timeout_s = close_timeout_s
+        self._limiter = StartRateLimiter(max_starts_per_s, burst) if max_starts_per_s else None
+        self._live: list[Sandbox] = []
+        self._closing = False
+        self._signals: tuple[int, ...] = ()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._shutdown: asyncio.Task[None] | None = None
+
+    @property
+    def live(self) -> list[Sandbox]:
+        """Sandboxes started here and not closed yet."""
+        self._live = [s for s in self._live if not getattr(s, "closed", False)]
+        return list(self._live)
+
+    async def start(
+        self, task: HarborTask, *, lifetime_s: float, env: dict[str, str] | None = None
+    ) -> Sandbox:
+        if self._closing:
+            raise SandboxStartError("the sandbox supervisor is shutting down")
+        if self._limiter is not None:
+            await self._limiter.acquire()
+        sandbox = await self.backend.start(task, lifetime_s=lifetime_s, env=env)
+        if self._closing:
+            await sandbox.close()
+            raise SandboxStartError("the sandbox supervisor shut down while this sandbox started")
+        self._live = [*self.live, sandbox]  # prunes closed ones as it goes
+        return sandbox
+
+    async def aclose(self) -> None:
+        """Close every live sandbox (concurrently, each bounded), then the backend; idempotent."""
+        self._closing = True
+        sandboxes = self.live
+        self._live = []
+        results = await asyncio.gather(
+            *(asyncio.wait_for(s.close(), self.close_timeout_s) for s in sandboxes), return_exceptions=True
+        )
+        for sandbox, result in zip(sandboxes, results, strict=True):
+            if isinstance(result, BaseException):
+                log.error("sandbox %s did not close cleanly: %r", sandbox.id, result)
+        try:
+            await asyncio.wait_for(self.backend.aclose(), self.close_timeout_s)
+        except Exception as exc:  # shutdown goes on; the error is reported, not raised over the cause
+            log.error("sandbox backend %s did not close cleanly: %r", self.name, exc)
+
+    def install_signal_handlers(
+        self,
+        loop: asyncio.AbstractEventLoop | None = None,
+        *,
+        signals: Sequence[int] = (signal.SIGTERM,),
+        on_closed: Callable[[int], object] | None = None,
+    ) -> None:
+        """On any of ``signals``: close everything, then ``on_closed(signum)`` or die of the signal."""
+        self._loop = loop or asyncio.get_running_loop()
+        self._signals = tuple(signals)
+        for signum in self._signals:
+            self._loop.add_signal_handler(signum, self._on_signal, signum, on_closed)
+
+    def remove_signal_handlers(self) -> None:
+        if self._loop is not None:
+            for signum in self._signals:
+                self._loop.remove_signal_handler(signum)
+        self._signals = ()
+
+    def _on_signal(self, signum: int, on_closed: Callable[[int], object] | None) -> None:
+        if self._shutdown is not None:
+            return  # already closing; a second signal changes nothing
+        log.warning("signal %d: closing %d live sandboxes", signum, len(self.live))
+        self._shutdown = asyncio.ensure_future(self._close_then_exit(signum, on_closed))
+
+    async def _close_then_exit(self, signum: int, on_closed: Callable[[int], object] | None) -> None:
+        await self.aclose()
+        if on_closed is not None:
+            on_closed(signum)
+            return
+        self.remove_signal_handlers()
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)

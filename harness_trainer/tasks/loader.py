@@ -1,0 +1,163 @@
+"""Parse one Harbor task folder into a :class:`HarborTask`, without importing ``harbor``.
+
+Contract:
+
+- ``task.toml`` is read with :mod:`tomllib` (schema 1.x). Known keys are type-checked: ``[agent]
+  timeout_sec`` (default 600 s) and ``[verifier] timeout_sec`` (default 120 s) are positive numbers,
+  ``[verifier] env`` a table of strings, ``[environment]`` holds ``docker_image`` (string), ``cpus``,
+  ``build_timeout_sec`` (numbers), ``memory_mb``, ``storage_mb`` (integers), ``allow_internet`` (bool).
+  Unknown keys are never fatal: the whole file stays in ``HarborTask.config`` and unknown
+  ``[environment]`` keys in ``EnvironmentSpec.extra``.
+- The name is ``[task].name``, else ``[metadata].name``, else the folder's name.
+- ``instruction.md`` is kept verbatim (the prompt is exactly its text) and must not be blank.
+- ``tests/test.sh`` must exist; ``solution/solve.sh`` is optional.
+- Anything else raises :class:`TaskError` naming the file and what is wrong with it.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from harness_trainer.tasks.task import EnvironmentSpec, HarborTask, TaskError
+
+DEFAULT_AGENT_TIMEOUT_SEC = 600.0
+DEFAULT_VERIFIER_TIMEOUT_SEC = 120.0
+
+_ENVIRONMENT_KEYS = {
+    "docker_image",
+    "cpus",
+    "memory_mb",
+    "storage_mb",
+    "allow_internet",
+    "build_timeout_sec",
+}
+
+
+def load_task(path: str | Path, *, split: str = "", index: int = 0) -> HarborTask:
+    """Load the task in folder ``path``; ``split`` and ``index`` say where a source found it.
+
+    Raises:
+        TaskError: the folder, ``task.toml``, ``instruction.md`` or ``tests/test.sh`` is missing or
+            unusable; the message names the file and the problem.
+    """
+    folder = Path(path).expanduser().resolve()
+    if not folder.is_dir():
+        raise TaskError(f"{folder}: no such task folder")
+    toml_path = folder / "task.toml"
+    config = _read_toml(toml_path)
+    instruction = _read_instruction(folder / "instruction.md")
+    if not (folder / "tests" / "test.sh").is_file():
+        raise TaskError(f"{folder / 'tests' / 'test.sh'}: missing (every task needs a verifier script)")
+
+    agent = _table(config, "agent", toml_path)
+    verifier = _table(config, "verifier", toml_path)
+    where = str(toml_path)
+    return HarborTask(
+        name=_task_name(config, folder, toml_path),
+        path=folder,
+        instruction=instruction,
+        config=config,
+        agent_timeout_sec=_positive(agent, "timeout_sec", f"{where} [agent]", DEFAULT_AGENT_TIMEOUT_SEC),
+        verifier_timeout_sec=_positive(
+            verifier, "timeout_sec", f"{where} [verifier]", DEFAULT_VERIFIER_TIMEOUT_SEC
+        ),
+        environment=_environment(_table(config, "environment", toml_path), f"{where} [environment]"),
+        split=split,
+        index=index,
+        verifier_env=_string_table(verifier, "env", f"{where} [verifier]"),
+    )
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise TaskError(f"{path}: missing (every task folder needs a task.toml)")
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise TaskError(f"{path}: not valid TOML: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise TaskError(f"{path}: not UTF-8 text: {exc}") from exc
+
+
+def _read_instruction(path: Path) -> str:
+    if not path.is_file():
+        raise TaskError(f"{path}: missing (the agent's instruction)")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise TaskError(f"{path}: not UTF-8 text: {exc}") from exc
+    if not text.strip():
+        raise TaskError(f"{path}: empty (the agent would get no instruction)")
+    return text
+
+
+def _task_name(config: dict[str, Any], folder: Path, toml_path: Path) -> str:
+    for section in ("task", "metadata"):
+        name = _table(config, section, toml_path).get("name")
+        if name is None:
+            continue
+        if not isinstance(name, str) or not name.strip():
+            raise TaskError(f"{toml_path} [{section}] name: expected a non-empty string, got {name!r}")
+        return name
+    return folder.name
+
+
+def _table(config: dict[str, Any], key: str, toml_path: Path) -> dict[str, Any]:
+    value = config.get(key, {})
+    if not isinstance(value, dict):
+        raise TaskError(f"{toml_path}: [{key}] must be a table, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _number(table: dict[str, Any], key: str, where: str) -> float | None:
+    value = table.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TaskError(f"{where} {key}: expected a number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def _positive(table: dict[str, Any], key: str, where: str, default: float) -> float:
+    value = _number(table, key, where)
+    if value is None:
+        return default
+    if not value > 0 or value == float("inf"):
+        raise TaskError(f"{where} {key}: expected a positive finite number of seconds, got {value!r}")
+    return value
+
+
+def _integer(table: dict[str, Any], key: str, where: str) -> int | None:
+    value = table.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TaskError(f"{where} {key}: expected an integer, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _string_table(table: dict[str, Any], key: str, where: str) -> dict[str, str]:
+    value = table.get(key, {})
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise TaskError(f"{where} {key}: expected a table of strings, got {value!r}")
+    return dict(value)
+
+
+def _environment(table: dict[str, Any], where: str) -> EnvironmentSpec:
+    image = table.get("docker_image")
+    if image is not None and not isinstance(image, str):
+        raise TaskError(f"{where} docker_image: expected a string, got {type(image).__name__} {image!r}")
+    allow_internet = table.get("allow_internet", True)
+    if not isinstance(allow_internet, bool):
+        raise TaskError(f"{where} allow_internet: expected true or false, got {allow_internet!r}")
+    return EnvironmentSpec(
+        docker_image=image or None,
+        cpus=_number(table, "cpus", where),
+        memory_mb=_integer(table, "memory_mb", where),
+        storage_mb=_integer(table, "storage_mb", where),
+        allow_internet=allow_internet,
+        build_timeout_sec=_number(table, "build_timeout_sec", where),
+        extra={k: v for k, v in table.items() if k not in _ENVIRONMENT_KEYS},
+    )

@@ -1,0 +1,70 @@
+"""A Harbor task, as loaded from its folder (the format of the ``harbor`` package, read without it).
+
+Folder layout::
+
+    <task>/task.toml            [task] [metadata] [agent] [verifier] [environment] ... (schema 1.x)
+    <task>/instruction.md       what the agent is told
+    <task>/environment/         Dockerfile (+ files it COPYs)
+    <task>/tests/test.sh        the verifier: writes /logs/verifier/reward.txt or reward.json
+    <task>/solution/solve.sh    optional reference solution
+
+:func:`harness_trainer.tasks.loader.load_task` builds a :class:`HarborTask` from a folder and raises
+:class:`TaskError` for anything it cannot use; a loaded task is immutable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class TaskError(ValueError):
+    """A task folder that cannot be used (missing instruction, broken toml, …); says which and why."""
+
+
+@dataclass(frozen=True)
+class EnvironmentSpec:
+    """``[environment]`` of task.toml; unknown keys are kept in ``extra``."""
+
+    docker_image: str | None = None
+    cpus: float | None = None
+    memory_mb: int | None = None
+    storage_mb: int | None = None
+    allow_internet: bool = True
+    build_timeout_sec: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class HarborTask:
+    """One task. Paths are absolute; ``config`` is the whole parsed task.toml (unknown keys kept)."""
+
+    name: str
+    path: Path
+    instruction: str
+    config: dict[str, Any]
+    agent_timeout_sec: float
+    verifier_timeout_sec: float
+    environment: EnvironmentSpec
+    split: str = ""
+    index: int = 0
+    verifier_env: dict[str, str] = field(default_factory=dict)  # ``[verifier] env``, given to test.sh
+
+    @property
+    def dockerfile(self) -> Path | None:
+        candidate = self.path / "environment" / "Dockerfile"
+        return candidate if candidate.is_file() else None
+
+    @property
+    def environment_dir(self) -> Path:
+        return self.path / "environment"
+
+    @property
+    def tests_dir(self) -> Path:
+        return self.path / "tests"
+
+    @property
+    def solution(self) -> Path | None:
+        candidate = self.path / "solution" / "solve.sh"
+        return candidate if candidate.is_file() else None

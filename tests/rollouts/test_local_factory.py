@@ -1,0 +1,91 @@
+"""Whole rollouts in process: local sandbox, the toy agent, the capture proxy and a scripted dev engine."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from harness_trainer.rollouts.local_factory import LocalSessionFactory
+from harness_trainer.rollouts.session import RolloutUnscorable
+from tests.rollouts.conftest import EXAMPLES, bash_call, live_sandbox_processes
+
+HELLO = [bash_call("printf 'Hello, Harbor!\\n' > /app/hello.txt"), {"content": "Done."}]
+
+
+def factory_for(engine_url: str, **options: object) -> LocalSessionFactory:
+    return LocalSessionFactory(str(EXAMPLES), upstream=engine_url, split="train", harness="toy", **options)
+
+
+def hello_row(factory: LocalSessionFactory) -> dict:
+    return next(row for row in factory.prompt_rows() if row["task_name"] == "hello-file")
+
+
+def test_the_toy_agent_solves_a_task_and_its_trace_is_exactly_the_scripted_replies(
+    scripted_engine, tiny_model_dir
+):
+    engine = scripted_engine(HELLO)
+    with factory_for(engine.url, sampling={"temperature": 1.0}) as factory:
+        session = factory.create(hello_row(factory), seed=0, episode_id="e1")
+        assert session.wait_for_completion(timeout_s=120) == 0
+        trace = session.fetch_training_trace()
+        verified = session.verify([])
+        session.close()
+    assert verified.env_reward == 1.0
+    assert verified.metrics["tool_calls_by_name"] == {"bash": 1}
+    first, second = trace.turns
+    assert second.metadata["parent"] == first.node_id
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    texts = [tokenizer.decode(t.completion_token_ids) for t in trace.turns]
+    assert "Hello, Harbor!" in texts[0] and "Done." in texts[1]
+    assert all(sum(t.loss_mask) == len(t.completion_token_ids) for t in trace.turns)
+    assert live_sandbox_processes() == []
+
+
+def test_an_agent_that_hangs_is_stopped_and_its_turns_stay_trainable(scripted_engine):
+    engine = scripted_engine([bash_call("sleep 60"), {"content": "never"}])
+    with factory_for(engine.url, agent_timeout_sec=3) as factory:
+        session = factory.create(hello_row(factory))
+        with pytest.raises(TimeoutError):
+            session.wait_for_completion(timeout_s=120)
+        assert len(session.fetch_training_trace().turns) == 1
+        assert session.verify([]).env_reward == 0.0
+        session.close()
+    assert live_sandbox_processes() == []
+
+
+def test_a_client_side_timeout_stops_the_agent_and_keeps_the_turns(scripted_engine):
+    engine = scripted_engine([bash_call("sleep 60"), {"content": "never"}])
+    with factory_for(engine.url) as factory:
+        session = factory.create(hello_row(factory))
+        with pytest.raises(TimeoutError):
+            session.wait_for_completion(timeout_s=3)
+        assert session.timed_out and len(session.fetch_training_trace().turns) == 1
+        session.close()
+    assert live_sandbox_processes() == []
+
+
+def test_a_task_whose_environment_cannot_be_built_is_unscorable(scripted_engine, tmp_path):
+    import shutil
+
+    engine = scripted_engine(HELLO)
+    broken = tmp_path / "tasks" / "train" / "broken"
+    shutil.copytree(EXAMPLES / "train" / "hello-file", broken)
+    (broken / "environment" / "Dockerfile").write_text("FROM ubuntu:24.04\nRUN exit 3\n")
+    with LocalSessionFactory(str(tmp_path / "tasks"), upstream=engine.url, harness="toy") as factory:
+        session = factory.create(0)
+        with pytest.raises(RolloutUnscorable, match="exit"):
+            session.wait_for_completion(timeout_s=60)
+        assert session.verify([]).env_reward is None
+        session.close()
+
+
+def test_closing_a_running_session_cleans_up(scripted_engine):
+    engine = scripted_engine([bash_call("sleep 60"), {"content": "never"}])
+    with factory_for(engine.url) as factory:
+        session = factory.create(hello_row(factory))
+        import time
+
+        time.sleep(2)
+        session.close()
+        session.close()
+    assert live_sandbox_processes() == []

@@ -1,0 +1,240 @@
+"""The sandbox contract, run against every backend: the local one for real, E2B against the SDK fake.
+
+Each test is one promise of :mod:`harness_trainer.sandboxes.base`. Processes are looked up in the host's
+``/proc`` by a command line unique to the test, so a test sees only what it started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from harness_trainer.sandboxes.base import SandboxBackend, SandboxError
+from harness_trainer.sandboxes.e2b import E2BSandboxBackend
+from harness_trainer.sandboxes.local import LocalSandboxBackend
+from tests.sandboxes.conftest import TaskFactory, live_processes, wait_until_gone
+
+
+@pytest.fixture(params=["local", "e2b"])
+async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[SandboxBackend]:
+    if request.param == "local":
+        started: LocalSandboxBackend | E2BSandboxBackend = LocalSandboxBackend(
+            tmp_path / "sandboxes", kill_grace_s=0.5
+        )
+    else:
+        pytest.importorskip("e2b")
+        from tests.sandboxes.fake_e2b import FakeE2BCloud
+
+        cloud = FakeE2BCloud(tmp_path / "e2b")
+        started = E2BSandboxBackend(template="fake", sandbox_class=cloud, kill_grace_s=0.5, retry_backoff_s=0)
+    yield started
+    leaked = started.live
+    await started.aclose()
+    assert not leaked, f"the test left sandboxes open: {[s.id for s in leaked]}"
+
+
+def marker() -> str:
+    """A sleep duration no other process on the machine uses, to find this test's processes."""
+    return f"{random.randint(100_000, 999_999)}"
+
+
+async def test_exec_reports_exit_code_stdout_and_stderr(
+    backend: SandboxBackend, make_task: TaskFactory
+) -> None:
+    sandbox = await backend.start(make_task(), lifetime_s=60)
+    try:
+        result = await sandbox.exec("echo out; echo err >&2; exit 3")
+        assert (result.exit_code, result.stdout, result.stderr, result.timed_out) == (
+            3,
+            "out\n",
+            "err\n",
+            False,
+        )
+        assert (await sandbox.exec("true")).exit_code == 0
+    finally:
+        await sandbox.close()
+
+
+async def test_commands_start_in_the_workdir_and_honour_cwd(
+    backend: SandboxBackend, make_task: TaskFactory
+) -> None:
+    sandbox = await backend.start(make_task(), lifetime_s=60)
+    try:
+        assert sandbox.workdir == "/app"
+        assert (await sandbox.exec("pwd")).stdout == "/app\n"
+        assert (await sandbox.exec("pwd", cwd="/logs")).stdout == "/logs\n"
+        await sandbox.exec("mkdir -p sub")
+        assert (await sandbox.exec("pwd", cwd="sub")).stdout == "/app/sub\n"
+    finally:
+        await sandbox.close()
+
+
+async def test_env_from_start_and_from_the_command_are_layered(
+    backend: SandboxBackend, make_task: TaskFactory
+) -> None:
+    sandbox = await backend.start(make_task(), lifetime_s=60, env={"A": "start", "B": "start"})
+    try:
+        result = await sandbox.exec('echo "$A $B $C"', env={"B": "command", "C": "3"})
+        assert result.stdout == "start command 3\n"
+        assert (await sandbox.exec('echo "$HOME"')).stdout == f"{sandbox.home}\n"
+    finally:
+        await sandbox.close()
+
+
+async def test_timeout_kills_the_whole_process_group(backend: SandboxBackend, make_task: TaskFactory) -> None:
+    sandbox = await backend.start(make_task(), lifetime_s=60)
+    tag = marker()
+    try:
+        result = await sandbox.exec(f"echo started; sleep {tag} & sleep {tag}1", timeout_s=1.0)
+        assert result.timed_out and result.exit_code is None
+        assert "started" in result.stdout
+        assert not wait_until_gone(f"sleep {tag}"), "a child of the timed-out command survived"
+        assert (await sandbox.exec("echo still usable")).stdout == "still usable\n"
+    finally:
+        await sandbox.close()
+
+
+async def test_a_command_that_ignores_sigterm_is_killed_after_the_grace(
+    backend: SandboxBackend, make_task: TaskFactory
+) -> None:
+    sandbox = await backend.start(make_task(), lifetime_s=60)
+    tag = marker()
+    try:
+        began = time.monotonic()
+        result = await sandbox.exec(f"trap '' TERM; sleep {tag}", timeout_s=0.5)
+        assert result.timed_out and time.monotonic() - began < 4
+        assert not wait_until_gone(f"sleep {tag}")
+    finally:
+        await sandbox.close()
+
+
+async def test_a_cancelled_exec_leaves_nothing_running(
+    backend: SandboxBackend, make_task: TaskFactory
+) -> None:
+    sandbox = await backend.start(make_task(), lifetime_s=60)
+    tag = marker()
+    try:
+        running = asyncio.ensure_future(sandbox.exec(f"sleep {tag} & sleep {tag}1"))
+        for _ in range(100):
+            if live_processes(f"sleep {tag}"):
+                break
+            await asyncio.sleep(0.05)
+        running.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await running
+        for _ in range(100):
+            if not live_processes(f"sleep {tag}"):
+                break
+            await asyncio.sleep(0.05)
+        assert not live_processes(f"sleep {tag}")
+    finally:
+        await sandbox.close()
+
+
+async def test_a_background_child_does_not_hold_exec_open(
+    backend: SandboxBackend, make_task: TaskFactory
+) -> None:
+    sandbox = await backend.start(make_task(), lifetime_s=60)
+    try:
+        result = await asyncio.wait_for(sandbox.exec(f"sleep {marker()} & echo back"), timeout=5)
+        assert result.exit_code == 0 and result.stdout == "back\n"
+    finally:
+        await sandbox.close()
+
+
+async def test_files_round_trip_with_mode(backend: SandboxBackend, make_task: TaskFactory) -> None:
+    sandbox = await backend.start(make_task(), lifetime_s=60)
+    try:
+        blob = bytes(range(256))
+        await sandbox.write_file("/app/data/blob.bin", blob)
+        assert await sandbox.read_file("/app/data/blob.bin") == blob
+        await sandbox.write_file("run.sh", "#!/bin/bash\necho ran\n", mode=0o755)
+        assert (await sandbox.exec("./run.sh")).stdout == "ran\n"
+        await sandbox.exec("printf made > /app/made.txt")
+        assert await sandbox.read_file("made.txt") == b"made"
+        with pytest.raises(FileNotFoundError):
+            await sandbox.read_file("/app/missing.txt")
+    finally:
+        await sandbox.close()
+
+
+async def test_upload_dir_copies_a_tree(
+    backend: SandboxBackend, make_task: TaskFactory, tmp_path: Path
+) -> None:
+    task = make_task()
+    (task.tests_dir / "data").mkdir()
+    (task.tests_dir / "data" / "expected.txt").write_text("42\n")
+    (task.tests_dir / "test.sh").chmod(0o755)
+    sandbox = await backend.start(task, lifetime_s=60)
+    try:
+        await sandbox.upload_dir(task.tests_dir, "/tests")
+        assert (await sandbox.exec("cat /tests/data/expected.txt")).stdout == "42\n"
+        assert (await sandbox.exec("/tests/test.sh && cat /logs/verifier/reward.txt")).stdout == "1\n"
+    finally:
+        await sandbox.close()
+
+
+async def test_task_paths_exist_at_their_absolute_paths(
+    backend: SandboxBackend, make_task: TaskFactory
+) -> None:
+    sandbox = await backend.start(make_task(), lifetime_s=60)
+    try:
+        result = await sandbox.exec(
+            "test -d /logs/agent && test -d /logs/verifier && test -d /tests && test -d /app"
+        )
+        assert result.exit_code == 0, result.stderr
+        await sandbox.exec("echo 0.5 > /logs/verifier/reward.txt")
+        assert await sandbox.read_file("/logs/verifier/reward.txt") == b"0.5\n"
+        await sandbox.write_file("/logs/agent/note.txt", "hello")
+        assert (await sandbox.exec("cat /logs/agent/note.txt")).stdout == "hello"
+    finally:
+        await sandbox.close()
+
+
+async def test_concurrent_sandboxes_do_not_see_each_others_logs(
+    backend: SandboxBackend, make_task: TaskFactory
+) -> None:
+    task = make_task()
+    first, second = await asyncio.gather(
+        backend.start(task, lifetime_s=60), backend.start(task, lifetime_s=60)
+    )
+    try:
+        await asyncio.gather(
+            first.exec("echo 1 > /logs/verifier/reward.txt; touch /app/only-first"),
+            second.exec("echo 0 > /logs/verifier/reward.txt"),
+        )
+        assert await first.read_file("/logs/verifier/reward.txt") == b"1\n"
+        assert await second.read_file("/logs/verifier/reward.txt") == b"0\n"
+        assert (await second.exec("ls /app")).stdout == ""
+    finally:
+        await asyncio.gather(first.close(), second.close())
+
+
+async def test_close_is_idempotent_and_kills_what_runs(
+    backend: SandboxBackend, make_task: TaskFactory
+) -> None:
+    sandbox = await backend.start(make_task(), lifetime_s=60)
+    tag = marker()
+    result = await sandbox.exec(f"nohup sleep {tag} >/dev/null 2>&1 &")
+    assert result.exit_code == 0
+    assert live_processes(f"sleep {tag}"), "the background process should run until close"
+    await sandbox.close()
+    await sandbox.close()
+    assert not wait_until_gone(f"sleep {tag}")
+    with pytest.raises(SandboxError):
+        await sandbox.exec("true")
+
+
+async def test_backend_aclose_closes_what_it_started(backend: SandboxBackend, make_task: TaskFactory) -> None:
+    task = make_task()
+    sandboxes = [await backend.start(task, lifetime_s=60) for _ in range(3)]
+    tag = marker()
+    await sandboxes[0].exec(f"nohup sleep {tag} >/dev/null 2>&1 &")
+    await backend.aclose()
+    assert all(getattr(s, "closed", False) for s in sandboxes)
+    assert not wait_until_gone(f"sleep {tag}")

@@ -1,0 +1,156 @@
+"""Loading one task folder: the shipped toy tasks, defaults, unknown keys, and each broken folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from harness_trainer.tasks import HarborTask, TaskError, load_task
+from harness_trainer.tasks.loader import DEFAULT_AGENT_TIMEOUT_SEC, DEFAULT_VERIFIER_TIMEOUT_SEC
+
+from .conftest import EXAMPLES, TaskWriter
+
+SHIPPED_TASKS = sorted(p.parent for p in EXAMPLES.glob("*/*/task.toml"))
+ALLOWED_DOCKERFILE_INSTRUCTIONS = {"FROM", "WORKDIR", "ENV", "COPY", "RUN"}
+
+
+def test_there_are_shipped_toy_tasks_in_two_splits() -> None:
+    assert len(SHIPPED_TASKS) >= 5
+    assert {p.parent.name for p in SHIPPED_TASKS} == {"train", "test"}
+
+
+@pytest.mark.parametrize("folder", SHIPPED_TASKS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_shipped_toy_task_loads_with_a_solution_and_a_simple_dockerfile(folder: Path) -> None:
+    task = load_task(folder)
+    assert task.name == folder.name
+    assert task.instruction.strip()
+    assert task.solution is not None and task.dockerfile is not None
+    assert (task.tests_dir / "test.sh").is_file()
+    assert task.verifier_timeout_sec == 30.0 and task.agent_timeout_sec == 300.0
+    lines = task.dockerfile.read_text().replace("\\\n", " ").splitlines()
+    keywords = [line.split()[0] for line in lines if line.strip() and not line.startswith("#")]
+    assert keywords[0] == "FROM" and set(keywords) <= ALLOWED_DOCKERFILE_INSTRUCTIONS
+    assert "WORKDIR /app" in lines
+
+
+def test_a_minimal_task_gets_the_default_timeouts_and_environment(task_writer: TaskWriter) -> None:
+    task = load_task(task_writer("plain"), split="train", index=3)
+    assert isinstance(task, HarborTask)
+    assert task.name == "plain" and task.split == "train" and task.index == 3
+    assert task.agent_timeout_sec == DEFAULT_AGENT_TIMEOUT_SEC == 600.0
+    assert task.verifier_timeout_sec == DEFAULT_VERIFIER_TIMEOUT_SEC == 120.0
+    assert task.environment.docker_image is None and task.environment.allow_internet is True
+    assert task.verifier_env == {} and task.solution is None and task.dockerfile is None
+    assert task.path.is_absolute()
+
+
+def test_the_instruction_is_kept_verbatim(task_writer: TaskWriter) -> None:
+    text = "  Fix the bug.\n\nThen stop.\n\n"
+    assert load_task(task_writer("t", instruction=text)).instruction == text
+
+
+def test_known_keys_are_read_and_unknown_keys_are_kept(task_writer: TaskWriter) -> None:
+    toml = """
+version = "1.1"
+future_top_level = "kept"
+[metadata]
+difficulty = "hard"
+[agent]
+timeout_sec = 90
+[verifier]
+timeout_sec = 12.5
+env = { MODE = "strict" }
+[environment]
+docker_image = "ghcr.io/org/img:1"
+cpus = 2
+memory_mb = 4096
+storage_mb = 10240
+allow_internet = false
+build_timeout_sec = 300
+gpus = 1
+mounts = ["a", "b"]
+"""
+    task = load_task(task_writer("t", toml=toml))
+    assert task.agent_timeout_sec == 90.0 and task.verifier_timeout_sec == 12.5
+    assert task.verifier_env == {"MODE": "strict"}
+    env = task.environment
+    assert (env.docker_image, env.cpus, env.memory_mb, env.storage_mb) == (
+        "ghcr.io/org/img:1",
+        2.0,
+        4096,
+        10240,
+    )
+    assert env.allow_internet is False and env.build_timeout_sec == 300.0
+    assert env.extra == {"gpus": 1, "mounts": ["a", "b"]}
+    assert task.config["future_top_level"] == "kept" and task.config["metadata"]["difficulty"] == "hard"
+
+
+@pytest.mark.parametrize(
+    ("toml", "expected"),
+    [
+        ('[task]\nname = "org/from-task"\n[metadata]\nname = "from-metadata"\n', "org/from-task"),
+        ('[metadata]\nname = "from-metadata"\n', "from-metadata"),
+        ("[metadata]\nauthor_name = 'x'\n", "folder-name"),
+    ],
+)
+def test_the_name_comes_from_task_then_metadata_then_the_folder(
+    task_writer: TaskWriter, toml: str, expected: str
+) -> None:
+    assert load_task(task_writer("folder-name", toml=toml)).name == expected
+
+
+def test_a_missing_folder_is_a_task_error(tmp_path: Path) -> None:
+    with pytest.raises(TaskError, match="no such task folder"):
+        load_task(tmp_path / "nope")
+
+
+def test_a_missing_instruction_names_the_file(task_writer: TaskWriter) -> None:
+    with pytest.raises(TaskError, match=r"instruction\.md: missing"):
+        load_task(task_writer("t", instruction=None))
+
+
+@pytest.mark.parametrize("text", ["", "  \n\t\n"])
+def test_a_blank_instruction_is_a_task_error(task_writer: TaskWriter, text: str) -> None:
+    with pytest.raises(TaskError, match=r"instruction\.md: empty"):
+        load_task(task_writer("t", instruction=text))
+
+
+def test_a_missing_task_toml_names_the_file(task_writer: TaskWriter) -> None:
+    with pytest.raises(TaskError, match=r"task\.toml: missing"):
+        load_task(task_writer("t", toml=None))
+
+
+def test_a_broken_toml_reports_the_parser_message_and_line(task_writer: TaskWriter) -> None:
+    folder = task_writer("t", toml='version = "1.0"\n[agent]\ntimeout_sec = = 3\n')
+    with pytest.raises(TaskError, match=r"task\.toml: not valid TOML: .*line 3") as info:
+        load_task(folder)
+    assert str(folder / "task.toml") in str(info.value)
+
+
+def test_a_missing_verifier_script_is_a_task_error(task_writer: TaskWriter) -> None:
+    with pytest.raises(TaskError, match=r"tests/test\.sh: missing"):
+        load_task(task_writer("t", test_sh=None))
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ('[agent]\ntimeout_sec = "600"\n', r"\[agent\] timeout_sec: expected a number, got str '600'"),
+        ("[verifier]\ntimeout_sec = true\n", r"\[verifier\] timeout_sec: expected a number, got bool"),
+        ("[verifier]\ntimeout_sec = -1\n", r"\[verifier\] timeout_sec: expected a positive"),
+        ("[agent]\ntimeout_sec = nan\n", r"\[agent\] timeout_sec: expected a positive"),
+        ("agent = 5\n", r"\[agent\] must be a table, got int"),
+        ("[environment]\nmemory_mb = 1.5\n", r"memory_mb: expected an integer, got float"),
+        ("[environment]\ncpus = '2'\n", r"cpus: expected a number"),
+        ("[environment]\nallow_internet = 'yes'\n", r"allow_internet: expected true or false"),
+        ("[environment]\ndocker_image = 3\n", r"docker_image: expected a string"),
+        ("[verifier]\nenv = { N = 1 }\n", r"\[verifier\] env: expected a table of strings"),
+        ("[task]\nname = 7\n", r"\[task\] name: expected a non-empty string"),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_a_task_error_naming_the_key(
+    task_writer: TaskWriter, toml: str, message: str
+) -> None:
+    with pytest.raises(TaskError, match=message):
+        load_task(task_writer("t", toml=toml))
