@@ -129,11 +129,13 @@ async def run_rollout(
 async def _until_stopped(agent: Coroutine[Any, Any, AgentRun], stop: asyncio.Event | None) -> AgentRun | None:
     """The agent's run, or None if ``stop`` was set first (then the agent is cancelled: commands killed)."""
     task = asyncio.ensure_future(agent)
-    if stop is None:
-        return await task
-    stopper = asyncio.ensure_future(stop.wait())
+    stopper = asyncio.ensure_future((stop or asyncio.Event()).wait())
     try:
         await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()  # the rollout is being cancelled: the agent goes with it, its commands killed
+        await _finish(task)
+        raise
     finally:
         stopper.cancel()
     if task.done():
@@ -160,15 +162,25 @@ async def _export(capture: CaptureClient, session_id: str) -> dict[str, Any]:
     return raw
 
 
+async def _finish(awaitable: Any) -> None:
+    """Await ``awaitable`` to its end even if the caller is cancelled meanwhile (cleanup must complete)."""
+    task = asyncio.ensure_future(awaitable)
+    while not task.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(task)
+    if not task.cancelled() and task.exception() is not None:
+        raise task.exception()  # type: ignore[misc]
+
+
 async def _cleanup(capture: CaptureClient, session_id: str | None, sandbox: Sandbox | None) -> None:
     """Close the sandbox and delete the capture session; both always attempted, neither raises."""
     if sandbox is not None:
         try:
-            await asyncio.shield(sandbox.close())
+            await _finish(sandbox.close())
         except Exception:  # cleanup must reach the capture session too
             log.warning("closing sandbox failed", exc_info=True)
     if session_id is not None:
         try:
-            await asyncio.shield(capture.delete(session_id))
+            await _finish(capture.delete(session_id))
         except Exception:  # a leftover capture session is logged, not fatal
             log.warning("deleting capture session %s failed", session_id, exc_info=True)

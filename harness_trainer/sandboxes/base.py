@@ -1,8 +1,11 @@
 """The sandbox protocol: where one rollout's agent and verifier run.
 
 Paths inside a sandbox are the task's absolute paths (``/logs/verifier/reward.txt``, ``/tests``, the
-Dockerfile's ``WORKDIR``). Every backend implements :class:`SandboxBackend` and :class:`Sandbox`; one
-contract test module runs against each. ``close`` is idempotent and never raises.
+Dockerfile's ``WORKDIR``). A started sandbox has ``/logs/agent``, ``/logs/verifier``, an empty ``/tests``
+and an empty ``/solution``: the rollout uploads the tests only when the verifier runs (the agent must not
+see them), as Harbor does. ``exec``'s ``timeout_s=None`` means no limit. Every backend implements
+:class:`SandboxBackend` and :class:`Sandbox`; one contract test module runs against each. ``close`` is
+idempotent and never raises.
 """
 
 from __future__ import annotations

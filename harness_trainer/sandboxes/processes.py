@@ -111,10 +111,6 @@ class Namespace:
             return False
         return True
 
-    def mount_namespace(self) -> str:
-        """The namespace's identity (``mnt:[inode]``), to find processes inside it from the host."""
-        return os.readlink(f"/proc/{self.init_pid}/ns/mnt")
-
     async def kill(self) -> None:
         """Kill every process in the namespace (idempotent)."""
         if not self.alive:
@@ -228,9 +224,9 @@ class Spawned:
         return self.transport.get_returncode()
 
     def close_pipes(self) -> None:
-        """Stop reading: a background child that still writes gets EPIPE, as when envd's stream ends."""
-        if self.returncode is not None:
-            self.transport.close()
+        """Stop reading: a background child that still writes gets EPIPE, as when envd's stream ends.
+        (Also kills the process if it still runs; callers kill its group first.)"""
+        self.transport.close()
 
 
 async def spawn(argv: Sequence[str], *, env: Mapping[str, str], new_session: bool = True) -> Spawned:

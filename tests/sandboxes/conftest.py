@@ -12,32 +12,34 @@ import pytest
 
 from harness_trainer.tasks.task import EnvironmentSpec, HarborTask
 
-# Every local sandbox (and every fake E2B sandbox) runs one init with this in its command line.
-INIT_MARKERS = ("ht-init", "while :; do sleep 86400 & wait; done")
+# Every local sandbox (and every fake E2B sandbox) is launched by a process with this in its command line;
+# the sandbox's init dies with it (unshare --kill-child).
+LAUNCHER_MARKER = "ht-init"
 
 TaskFactory = Callable[..., HarborTask]
 
 
-def live_processes(needle: str) -> list[int]:
-    """Pids (not zombies, not this process) whose command line contains ``needle``."""
+def live_processes(needle: str, *, parent: int | None = None) -> list[int]:
+    """Pids (not zombies, not this process) whose command line contains ``needle`` (and whose parent is
+    ``parent``, when given)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if needle in cmdline and state != "Z":
+        if needle in cmdline and fields[0] != "Z" and parent in (None, int(fields[1])):
             found.append(int(entry.name))
     return found
 
 
-def wait_until_gone(needle: str, timeout_s: float = 5.0) -> list[int]:
-    """Polls until no live process matches ``needle``; returns the pids still there at the deadline."""
+def wait_until_gone(needle: str, timeout_s: float = 5.0, *, parent: int | None = None) -> list[int]:
+    """Polls until no live process matches; returns the pids still there at the deadline."""
     deadline = time.monotonic() + timeout_s
-    while (left := live_processes(needle)) and time.monotonic() < deadline:
+    while (left := live_processes(needle, parent=parent)) and time.monotonic() < deadline:
         time.sleep(0.05)
     return left
 
@@ -52,13 +54,12 @@ def _host_contents() -> dict[str, list[str]]:
 
 @pytest.fixture(autouse=True)
 def no_leftover_sandbox_processes() -> Iterator[None]:
-    """After each test: no sandbox init still running, and nothing written to the host's mount points."""
-    before = {pid for marker in INIT_MARKERS for pid in live_processes(marker)}
+    """After each test: no sandbox this process launched still running (other processes on the machine
+    may run their own), and nothing written to the host's mount points."""
     contents = _host_contents()
     yield
-    for marker in INIT_MARKERS:
-        leftovers = set(wait_until_gone(marker, timeout_s=3.0)) - before
-        assert not leftovers, f"sandbox processes left behind: {sorted(leftovers)}"
+    leftovers = wait_until_gone(LAUNCHER_MARKER, timeout_s=3.0, parent=os.getpid())
+    assert not leftovers, f"sandboxes left running: launcher pids {leftovers}"
     after = _host_contents()
     changed = {p: names for p, names in after.items() if names != contents.get(p, [])}
     assert not changed, f"a sandbox wrote to the host's own directories: {changed}"

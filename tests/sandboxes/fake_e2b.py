@@ -28,7 +28,7 @@ from e2b import (
     TimeoutException,
 )
 
-from harness_trainer.sandboxes.processes import Namespace, exit_status, spawn
+from harness_trainer.sandboxes.processes import Namespace, Spawned, exit_status, spawn
 
 FAKE_PATHS = ("/app", "/logs", "/tests", "/solution", "/home/user", "/root")
 
@@ -103,7 +103,7 @@ class FakeAsyncSandbox:
 class FakeCommands:
     def __init__(self, sandbox: FakeAsyncSandbox) -> None:
         self._sandbox = sandbox
-        self._stray: set[asyncio.Task[Any]] = set()
+        self._stray: list[tuple[Spawned, list[asyncio.Task[None]]]] = []
 
     async def run(
         self,
@@ -138,7 +138,7 @@ class FakeCommands:
         try:
             await asyncio.wait_for(asyncio.shield(spawned.exited), timeout or None)
         except TimeoutError:
-            self._stray.update([*pumps, asyncio.ensure_future(spawned.exited)])
+            self._stray.append((spawned, pumps))
             raise TimeoutException("fake: the command stream timed out") from None
         await asyncio.wait(pumps, timeout=0.5)  # envd reports the exit, not the end of the output pipes
         for pump in pumps:
@@ -150,10 +150,13 @@ class FakeCommands:
         return CommandResult(stderr="".join(err), stdout="".join(out), exit_code=0, error=None)
 
     async def reap(self) -> None:
-        if self._stray:
-            await asyncio.wait(self._stray, timeout=5)
-        for task in self._stray:
-            task.cancel()
+        """After the namespace is killed: collect the processes left by timed-out commands."""
+        for spawned, pumps in self._stray:
+            await asyncio.wait([spawned.exited], timeout=5)
+            for pump in pumps:
+                pump.cancel()
+            spawned.close_pipes()
+        self._stray.clear()
 
 
 async def _pump(stream: asyncio.StreamReader | None, sink: list[str], callback: Any) -> None:

@@ -276,3 +276,5 @@ def test_a_hard_killed_owner_takes_its_sandboxes_with_it(make_task: TaskFactory,
     finally:
         owner.kill()
         owner.wait()
+        assert owner.stdout is not None
+        owner.stdout.close()

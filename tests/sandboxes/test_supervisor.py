@@ -180,3 +180,5 @@ def test_sigterm_closes_every_sandbox_before_the_process_exits(
     finally:
         owner.kill()
         owner.wait()
+        assert owner.stdout is not None
+        owner.stdout.close()
