@@ -23,14 +23,19 @@ and the response's bytes back unchanged, over one shared ``aiohttp.ClientSession
 keep-alive pool (``TCP_NODELAY`` on both sides: aiohttp sets it on every connection). It is the
 practical floor for any aiohttp proxy: HTTP in, HTTP out, no parsing.
 
-Both run with the access log off. Run: ``python benchmarks/fake_vllm.py engine --port P`` or
-``python benchmarks/fake_vllm.py passthrough --port P --upstream http://127.0.0.1:E``.
+Engine options for the rollout benchmark: ``--delay SECONDS`` holds every reply that long (a slow
+engine, so agents stay in flight), and ``--command TEXT`` makes the tool call's command ``TEXT`` (with a
+``# nonce`` comment, so each turn's reply still differs) instead of the default ``grep`` pipeline.
+
+Both run with the access log off. Run: ``python benchmarks/fake_vllm.py engine --port P [--delay S]
+[--command TEXT]`` or ``python benchmarks/fake_vllm.py passthrough --port P --upstream http://127.0.0.1:E``.
 """
 
 from __future__ import annotations
 
 import argparse
 import array
+import asyncio
 import functools
 import hashlib
 import time
@@ -106,12 +111,13 @@ def render_prompt(messages: list[dict[str, Any]], tools: list[Any] | None) -> tu
     return b"[" + b"".join(parts) + GENERATION_HEADER + b"]", count
 
 
-def render_reply(request: dict[str, Any]) -> bytes:
-    """The whole vLLM-shaped chat completion for ``request``, as bytes."""
+def render_reply(request: dict[str, Any], command: str | None = None) -> bytes:
+    """The whole vLLM-shaped chat completion for ``request``, as bytes; ``command``: the tool call's."""
     messages = request["messages"]
     prompt_json, prompt_count = render_prompt(messages, request.get("tools"))
     nonce = hashlib.blake2b(orjson.dumps(messages[-1]), digest_size=6).hexdigest()
-    arguments = orjson.dumps({"command": f"grep -rn 'def handler_{nonce}' src/ | head -n 20"}).decode()
+    text = f"{command}  # {nonce}" if command else f"grep -rn 'def handler_{nonce}' src/ | head -n 20"
+    arguments = orjson.dumps({"command": text}).decode()
     ids, ids_json = completion(arguments)
     usage = b'{"prompt_tokens":%d,"total_tokens":%d,"completion_tokens":%d,' % (
         prompt_count,
@@ -143,12 +149,19 @@ def render_reply(request: dict[str, Any]) -> bytes:
     )
 
 
+DELAY = web.AppKey("delay", float)
+COMMAND = web.AppKey("command", str)
+
+
 async def chat_completions(request: web.Request) -> web.Response:
     body = orjson.loads(await request.read())
     if body.get("stream"):
         error = {"error": {"message": "the fake engine does not stream", "type": "BadRequestError"}}
         return web.Response(status=400, body=orjson.dumps(error), content_type="application/json")
-    return web.Response(body=render_reply(body), content_type="application/json")
+    if request.app[DELAY] > 0:
+        await asyncio.sleep(request.app[DELAY])
+    reply = render_reply(body, request.app[COMMAND] or None)
+    return web.Response(body=reply, content_type="application/json")
 
 
 async def health(_: web.Request) -> web.Response:
@@ -160,8 +173,10 @@ async def models(_: web.Request) -> web.Response:
     return web.Response(body=orjson.dumps(listing), content_type="application/json")
 
 
-def engine_app() -> web.Application:
+def engine_app(delay: float = 0.0, command: str = "") -> web.Application:
+    """The fake engine; each reply waits ``delay`` seconds, its tool call runs ``command`` when given."""
     app = web.Application(client_max_size=64 * 1024**2)
+    app[DELAY], app[COMMAND] = delay, command
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
@@ -203,10 +218,15 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--upstream", default=None, help="passthrough: the engine's base URL")
     parser.add_argument("--pool", type=int, default=128, help="passthrough: keep-alive connections, at most")
+    parser.add_argument("--delay", type=float, default=0.0, help="engine: seconds to hold each reply")
+    parser.add_argument("--command", default="", help="engine: the bash tool call's command (default: grep)")
     args = parser.parse_args()
     if args.role == "passthrough" and not args.upstream:
         parser.error("passthrough needs --upstream")
-    app = engine_app() if args.role == "engine" else passthrough_app(args.upstream, args.pool)
+    if args.role == "engine":
+        app = engine_app(args.delay, args.command)
+    else:
+        app = passthrough_app(args.upstream, args.pool)
     web.run_app(app, host=args.host, port=args.port, access_log=None)
 
 

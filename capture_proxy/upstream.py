@@ -67,7 +67,10 @@ class Upstream:
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=self.pool_size, keepalive_timeout=30.0)
-        self._session = aiohttp.ClientSession(connector=connector, timeout=self.timeout)
+        # No cookie jar: one pool serves every session, and nothing of one call may ride on another's.
+        self._session = aiohttp.ClientSession(
+            connector=connector, timeout=self.timeout, cookie_jar=aiohttp.DummyCookieJar()
+        )
 
     async def close(self) -> None:
         if self._session is not None:
