@@ -1,9 +1,56 @@
-"""Harness adapters: one module per agent program, registered by name in ``HARNESSES``."""
+"""Harness adapters: one module per agent program, registered by name in ``HARNESSES``.
+
+``make_harness(name, **options)`` builds one with the options its class documents. Each adapter installs
+its pinned agent (:mod:`.tools`), points it at the capture proxy, runs it headless and counts its tool
+calls from the agent's own log (:mod:`.base` holds the protocol and the shared types).
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+from harness_trainer.harnesses.base import (
+    AgentEndpoint,
+    AgentRun,
+    Harness,
+    HarnessError,
+    ToolCounts,
+)
+from harness_trainer.harnesses.claude_code import ClaudeCodeHarness
+from harness_trainer.harnesses.codex import CodexHarness
+from harness_trainer.harnesses.mini_swe_agent import MiniSweAgentHarness
+from harness_trainer.harnesses.opencode import OpencodeHarness
 from harness_trainer.harnesses.toy import ToyHarness
 
-HARNESSES: dict[str, type[Any]] = {"toy": ToyHarness}
+HARNESSES: dict[str, type[Any]] = {
+    "opencode": OpencodeHarness,
+    "mini-swe-agent": MiniSweAgentHarness,
+    "claude-code": ClaudeCodeHarness,
+    "codex": CodexHarness,
+    "toy": ToyHarness,  # a stdlib agent for tests, benchmarks and the dev loop
+}
+
+
+def make_harness(name: str, **options: Any) -> Harness:
+    """The harness registered as ``name``, built with ``options``; raises ValueError for an unknown name."""
+    try:
+        harness_class = HARNESSES[name]
+    except KeyError:
+        raise ValueError(f"unknown harness {name!r}; known: {', '.join(sorted(HARNESSES))}") from None
+    return harness_class(**options)
+
+
+__all__ = [
+    "HARNESSES",
+    "AgentEndpoint",
+    "AgentRun",
+    "ClaudeCodeHarness",
+    "CodexHarness",
+    "Harness",
+    "HarnessError",
+    "MiniSweAgentHarness",
+    "OpencodeHarness",
+    "ToolCounts",
+    "ToyHarness",
+    "make_harness",
+]

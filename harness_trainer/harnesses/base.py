@@ -8,10 +8,14 @@ own log. A new harness is one module plus one entry in ``HARNESSES``.
 
 from __future__ import annotations
 
+import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from harness_trainer.sandboxes.base import ExecResult, Sandbox
+
+AGENT_LOG_DIR = "/logs/agent"  # Harbor's place for an agent's own logs
 
 
 class HarnessError(Exception):
@@ -34,12 +38,18 @@ class AgentEndpoint:
 
 @dataclass
 class ToolCounts:
+    """Tool calls the agent made, by the agent's own tool name, and how many of them failed."""
+
     calls_by_name: dict[str, int] = field(default_factory=dict)
     failures: int = 0
 
     @property
     def total(self) -> int:
         return sum(self.calls_by_name.values())
+
+    def add(self, name: str, *, failed: bool = False) -> None:
+        self.calls_by_name[name] = self.calls_by_name.get(name, 0) + 1
+        self.failures += int(failed)
 
 
 @dataclass
@@ -69,3 +79,26 @@ class Harness(Protocol):
     ) -> AgentRun:
         """Configure and run the agent headless on ``instruction``; never raises for its own failure."""
         ...
+
+
+async def run_logged(
+    sandbox: Sandbox,
+    argv: Sequence[str],
+    *,
+    env: dict[str, str],
+    log_path: str,
+    timeout_s: float,
+    cwd: str | None = None,
+) -> tuple[ExecResult, str]:
+    """Run ``argv`` in ``sandbox`` (stdin empty, stdout into ``log_path``); returns its result and the log.
+
+    The log is read back from the file, so a run killed on timeout still yields what it wrote.
+    """
+    await sandbox.write_file(log_path, b"")  # creates the folder, and no stale log survives
+    command = f"{shlex.join(argv)} < /dev/null > {shlex.quote(log_path)}"
+    result = await sandbox.exec(command, timeout_s=timeout_s, env=env, cwd=cwd or sandbox.workdir)
+    try:
+        log = (await sandbox.read_file(log_path)).decode("utf-8", errors="replace")
+    except FileNotFoundError:  # the agent removed its own log: its stdout is gone with it
+        log = ""
+    return result, log

@@ -48,6 +48,7 @@ class Sandbox(Protocol):
     id: str
     workdir: str
     home: str
+    shares_host_filesystem: bool  # True when the host's files are visible (host tool caches are usable)
 
     async def exec(
         self,

@@ -85,6 +85,8 @@ def _sdk() -> Any:
 class E2BSandbox:
     """One E2B sandbox; the SDK object is ``sdk_sandbox``."""
 
+    shares_host_filesystem = False
+
     def __init__(
         self,
         sdk_sandbox: Any,

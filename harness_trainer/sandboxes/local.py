@@ -76,6 +76,8 @@ if [ -f "$HOME/.profile" ]; then . "$HOME/.profile"; fi
 class LocalSandbox:
     """One running local sandbox; see the module docstring for what it isolates."""
 
+    shares_host_filesystem = True  # outside its private paths it sees the host (agents run from host caches)
+
     def __init__(
         self,
         *,

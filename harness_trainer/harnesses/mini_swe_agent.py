@@ -1,0 +1,159 @@
+"""mini-swe-agent (pip ``mini-swe-agent``, pinned, in its own venv: it pulls litellm) as a harness.
+
+Configuration: the stock ``mini.yaml`` (its own prompts and its single ``bash`` tool) with an overlay,
+``~/.harness-trainer/mini-swe-agent/overlay.yaml``, merged on top (``mini -c mini.yaml -c overlay.yaml``):
+the model is litellm's ``openai/<served model>`` with ``api_base`` = the proxy's ``/v1`` (the session id
+travels as ``OPENAI_API_KEY``); ``agent.step_limit`` is the step limit (0 = none, as in mini); the cost
+limit is off (``cost_limit: 0``, cost tracking errors ignored: the served model has no price); ``mode:
+yolo`` and ``confirm_exit: false`` make it headless. litellm's price map is read locally, never fetched;
+mini's global config folder is a private one, so no user ``.env`` leaks in.
+
+Run: ``mini -c mini.yaml -c overlay.yaml -y --exit-immediately -t <instruction> -o <trajectory>`` in the
+task's workdir. Its console transcript goes to ``/logs/agent/mini-swe-agent.log`` (the run's ``log``);
+its trajectory, ``/logs/agent/mini-swe-agent.traj.json``, gives the tool counts: each action of an
+assistant message is one ``bash`` call, failed when its observation has a non-zero return code or an
+exception (the stand-in observation of an action that never ran because the agent submitted is not a
+failure); a reply whose tool calls mini could not parse (a ``FormatError``) counts each of those calls,
+by the name the model gave, as failed.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from harness_trainer.harnesses.base import (
+    AGENT_LOG_DIR,
+    AgentEndpoint,
+    AgentRun,
+    ToolCounts,
+    run_logged,
+)
+from harness_trainer.harnesses.tools import ToolPackage, install_tool, tool_path
+from harness_trainer.sandboxes.base import Sandbox
+
+PACKAGE = ToolPackage("pip", "mini-swe-agent", "2.4.6", "venv/bin/mini")
+LOG_NAME = "mini-swe-agent.log"
+TRAJECTORY_NAME = "mini-swe-agent.traj.json"
+NOT_EXECUTED = "action was not executed"  # mini's stand-in observation after a submit: not a failure
+ENV = {
+    "MSWEA_CONFIGURED": "true",  # skip the first-run setup wizard
+    "MSWEA_SILENT_STARTUP": "1",
+    "MSWEA_COST_TRACKING": "ignore_errors",
+    "MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT": "3",  # the proxy already retries the engine
+    "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # no fetch of litellm's price list at import
+}
+
+
+def build_overlay(
+    endpoint: AgentEndpoint,
+    *,
+    step_limit: int,
+    max_output_tokens: int | None = None,
+    command_timeout_s: int | None = None,
+) -> dict[str, Any]:
+    """The config merged over mini.yaml for one rollout (see the module docstring)."""
+    model_kwargs: dict[str, Any] = {"api_base": endpoint.base_url, "drop_params": True}
+    if max_output_tokens is not None:
+        model_kwargs["max_tokens"] = max_output_tokens
+    overlay: dict[str, Any] = {
+        "agent": {"step_limit": max(step_limit, 0), "cost_limit": 0, "mode": "yolo", "confirm_exit": False},
+        "model": {
+            "model_name": f"openai/{endpoint.model}",
+            "cost_tracking": "ignore_errors",
+            "model_kwargs": model_kwargs,
+        },
+    }
+    if command_timeout_s is not None:
+        overlay["environment"] = {"timeout": command_timeout_s}
+    return overlay
+
+
+def build_command(binary: str, instruction: str, overlay_path: str, trajectory_path: str) -> list[str]:
+    return [
+        binary,
+        *("-c", "mini.yaml", "-c", overlay_path),
+        *("-y", "--exit-immediately"),
+        *("-t", instruction, "-o", trajectory_path),
+    ]
+
+
+def parse_trajectory(text: str) -> ToolCounts:
+    """Tool calls from a mini-swe-agent trajectory (JSON); an unreadable one counts nothing."""
+    counts = ToolCounts()
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return counts
+    messages = data.get("messages") if isinstance(data, dict) else None
+    for message in messages if isinstance(messages, list) else []:
+        if not isinstance(message, dict):
+            continue
+        extra = message.get("extra") or {}
+        role = message.get("role")
+        if role == "assistant":
+            for _action in extra.get("actions") or []:
+                counts.add("bash")
+        elif role == "tool" and extra.get("exception_info") != NOT_EXECUTED:
+            returncode = extra.get("returncode")
+            counts.failures += int(returncode not in (0, None) or bool(extra.get("exception_info")))
+        elif extra.get("interrupt_type") == "FormatError":
+            for name in _raw_tool_names(extra.get("response")):
+                counts.add(name, failed=True)
+    return counts
+
+
+def _raw_tool_names(response: Any) -> list[str]:
+    """The tool names in a raw chat completion the agent could not use."""
+    try:
+        calls = response["choices"][0]["message"].get("tool_calls") or []
+        return [str((call.get("function") or {}).get("name") or "unknown") for call in calls]
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return []
+
+
+class MiniSweAgentHarness:
+    """mini-swe-agent headless against the capture proxy; see the module docstring for the setup."""
+
+    name = "mini-swe-agent"
+    package = PACKAGE
+
+    def __init__(self, *, max_output_tokens: int | None = None, command_timeout_s: int | None = None) -> None:
+        """``max_output_tokens``: ``max_tokens`` per call (None: the engine's default);
+        ``command_timeout_s``: the limit of one bash action (None: mini's own, 30 s)."""
+        self.max_output_tokens = max_output_tokens
+        self.command_timeout_s = command_timeout_s
+
+    async def install(self, sandbox: Sandbox) -> None:
+        await install_tool(sandbox, PACKAGE)
+
+    async def run(
+        self,
+        sandbox: Sandbox,
+        instruction: str,
+        endpoint: AgentEndpoint,
+        *,
+        step_limit: int,
+        timeout_s: float,
+    ) -> AgentRun:
+        private = f"{sandbox.home.rstrip('/')}/.harness-trainer/mini-swe-agent"
+        overlay_path = f"{private}/overlay.yaml"
+        overlay = build_overlay(
+            endpoint,
+            step_limit=step_limit,
+            max_output_tokens=self.max_output_tokens,
+            command_timeout_s=self.command_timeout_s,
+        )
+        await sandbox.write_file(overlay_path, json.dumps(overlay, indent=2))  # JSON is YAML
+        trajectory_path = f"{AGENT_LOG_DIR}/{TRAJECTORY_NAME}"
+        await sandbox.write_file(trajectory_path, b"")  # no stale trajectory survives
+        env = {**ENV, "OPENAI_API_KEY": endpoint.session_id, "MSWEA_GLOBAL_CONFIG_DIR": private}
+        command = build_command(tool_path(sandbox, PACKAGE), instruction, overlay_path, trajectory_path)
+        result, log = await run_logged(
+            sandbox, command, env=env, log_path=f"{AGENT_LOG_DIR}/{LOG_NAME}", timeout_s=timeout_s
+        )
+        try:
+            trajectory = (await sandbox.read_file(trajectory_path)).decode("utf-8", errors="replace")
+        except FileNotFoundError:
+            trajectory = ""
+        return AgentRun(result=result, log=log, tools=parse_trajectory(trajectory))

@@ -1,0 +1,166 @@
+"""opencode (npm ``opencode-ai``, pinned) as a harness.
+
+Configuration (written to ``~/.harness-trainer/opencode/opencode.json`` in the sandbox and named by
+``OPENCODE_CONFIG``): one provider, ``harness``, built on ``@ai-sdk/openai-compatible`` (a provider named
+``openai`` would switch opencode to the Responses API) whose ``baseURL`` is the proxy's ``/v1`` and whose
+``apiKey`` is the capture session id; the served model is the only model, for the main and the small
+model alike; ``limit.output`` caps what it asks per call (opencode asks for 32000 tokens otherwise, more
+than small contexts hold). The tools that spawn nested sessions (``task``) or reach the web
+(``webfetch``, ``websearch``, ``codesearch``) are removed and denied; autoupdate and sharing are off;
+``agent.build.steps`` is the step limit (opencode then forces a text-only last answer).
+
+Run: ``opencode run --auto --format json --title <fixed> -- <instruction>`` in the task's workdir (the
+fixed title means no title-generation call; ``--auto`` approves what the config does not deny: the
+sandbox is the boundary). Its JSON event log goes to ``/logs/agent/opencode.jsonl``; each ``tool_use``
+event is one tool call, failed when its ``state.status`` is ``error``.
+
+Before the first start, opencode installs ``@opencode-ai/plugin`` from npm into its config folder (64 MB,
+in the background, at every start with a fresh ``HOME``). The run writes that folder's
+``package.json``, ``package-lock.json`` and an empty ``node_modules`` first, which opencode takes as
+"already installed": no rollout touches npm.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from harness_trainer.harnesses.base import (
+    AGENT_LOG_DIR,
+    AgentEndpoint,
+    AgentRun,
+    ToolCounts,
+    run_logged,
+)
+from harness_trainer.harnesses.tools import ToolPackage, install_tool, tool_path
+from harness_trainer.sandboxes.base import Sandbox
+
+PACKAGE = ToolPackage("npm", "opencode-ai", "1.18.33", "node_modules/.bin/opencode")
+PROVIDER_ID = "harness"
+TITLE = "harness-trainer rollout"
+NO_TRAINING_TOOLS = ("task", "webfetch", "websearch", "codesearch")
+LOG_NAME = "opencode.jsonl"
+ENV = {
+    "OPENCODE_DISABLE_AUTOUPDATE": "1",
+    "OPENCODE_DISABLE_SHARE": "1",
+    "OPENCODE_DISABLE_MODELS_FETCH": "1",  # the bundled model catalogue; no fetch from models.dev
+    "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
+    "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1",
+    "OPENCODE_DISABLE_CLAUDE_CODE": "1",  # do not read ~/.claude instructions
+}
+
+
+def build_config(
+    endpoint: AgentEndpoint, *, step_limit: int, max_output_tokens: int, context_tokens: int = 0
+) -> dict[str, Any]:
+    """opencode.json for one rollout (see the module docstring); ``step_limit`` 0 means none."""
+    config: dict[str, Any] = {
+        "$schema": "https://opencode.ai/config.json",
+        "provider": {
+            PROVIDER_ID: {
+                "npm": "@ai-sdk/openai-compatible",
+                "name": "harness-trainer capture proxy",
+                "options": {"baseURL": endpoint.base_url, "apiKey": endpoint.session_id},
+                "models": {
+                    endpoint.model: {
+                        "name": endpoint.model,
+                        "tool_call": True,
+                        "limit": {"context": context_tokens, "output": max_output_tokens},
+                    }
+                },
+            }
+        },
+        "model": f"{PROVIDER_ID}/{endpoint.model}",
+        "small_model": f"{PROVIDER_ID}/{endpoint.model}",
+        "enabled_providers": [PROVIDER_ID],
+        "autoupdate": False,
+        "share": "disabled",
+        "tools": dict.fromkeys(NO_TRAINING_TOOLS, False),
+        "permission": dict.fromkeys(NO_TRAINING_TOOLS, "deny"),
+    }
+    if step_limit > 0:
+        config["agent"] = {"build": {"steps": step_limit}}
+    return config
+
+
+def build_command(binary: str, instruction: str) -> list[str]:
+    return [binary, "run", "--auto", "--format", "json", "--title", TITLE, "--", instruction]
+
+
+def plugin_stub_files() -> dict[str, str]:
+    """Files that make opencode's config folder look as if its plugin package were installed."""
+    dependency = {"@opencode-ai/plugin": PACKAGE.version}
+    lock = {"lockfileVersion": 3, "packages": {"": {"dependencies": dependency}}}
+    return {"package.json": json.dumps({"dependencies": dependency}), "package-lock.json": json.dumps(lock)}
+
+
+def parse_tool_counts(log: str) -> ToolCounts:
+    """Tool calls by name from ``opencode run --format json`` output; non-JSON lines are skipped."""
+    counts = ToolCounts()
+    seen: set[str] = set()
+    for line in log.splitlines():
+        event = _json_object(line)
+        if event is None or event.get("type") != "tool_use":
+            continue
+        part = event.get("part") or {}
+        key = str(part.get("callID") or part.get("id") or len(seen))
+        if key in seen:
+            continue
+        seen.add(key)
+        status = (part.get("state") or {}).get("status")
+        counts.add(str(part.get("tool") or "unknown"), failed=status == "error")
+    return counts
+
+
+def _json_object(line: str) -> dict[str, Any] | None:
+    try:
+        value = json.loads(line)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+class OpencodeHarness:
+    """opencode headless against the capture proxy; see the module docstring for the exact setup."""
+
+    name = "opencode"
+    package = PACKAGE
+
+    def __init__(self, *, max_output_tokens: int = 4096, context_tokens: int = 0) -> None:
+        """``max_output_tokens``: opencode's per-call ``max_tokens``; ``context_tokens``: the model's
+        context as opencode should believe it (0 = unknown: opencode never compacts on its own)."""
+        self.max_output_tokens = max_output_tokens
+        self.context_tokens = context_tokens
+
+    async def install(self, sandbox: Sandbox) -> None:
+        await install_tool(sandbox, PACKAGE)
+
+    async def run(
+        self,
+        sandbox: Sandbox,
+        instruction: str,
+        endpoint: AgentEndpoint,
+        *,
+        step_limit: int,
+        timeout_s: float,
+    ) -> AgentRun:
+        config = build_config(
+            endpoint,
+            step_limit=step_limit,
+            max_output_tokens=self.max_output_tokens,
+            context_tokens=self.context_tokens,
+        )
+        home = sandbox.home.rstrip("/")
+        config_path = f"{home}/.harness-trainer/opencode/opencode.json"
+        await sandbox.write_file(config_path, json.dumps(config, indent=2), mode=0o600)
+        for name, text in plugin_stub_files().items():
+            await sandbox.write_file(f"{home}/.config/opencode/{name}", text)
+        await sandbox.write_file(f"{home}/.config/opencode/node_modules/.keep", b"")
+        result, log = await run_logged(
+            sandbox,
+            build_command(tool_path(sandbox, PACKAGE), instruction),
+            env={**ENV, "OPENCODE_CONFIG": config_path},
+            log_path=f"{AGENT_LOG_DIR}/{LOG_NAME}",
+            timeout_s=timeout_s,
+        )
+        return AgentRun(result=result, log=log, tools=parse_tool_counts(log))

@@ -1,0 +1,180 @@
+"""The real agents, end to end on CPU: the pinned binary in a local sandbox, pointed at a real capture proxy
+in front of the dev engine in scripted mode, solves a toy task from ``examples/tasks``.
+
+Each script is what that agent's model would write, in the agent's own tool names and argument shapes,
+then a last answer. Asserted: the task's verifier gives 1.0; the agent's log counts the calls it made;
+the session's TrainingTrace validates; it has one supervised turn per scripted reply, and each turn's
+trained ids are exactly the ids the chat template gives that reply after that turn's prompt (rendered
+again here with the tiny tokenizer, independently of the engine). Afterwards no sandbox, agent process
+or capture session is left.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness_trainer.dev_engine.script import completion_ids
+from harness_trainer.harnesses import make_harness
+from harness_trainer.harnesses.base import AgentEndpoint, AgentRun
+from harness_trainer.harnesses.tools import ToolPackage, host_tools_dir
+from harness_trainer.sandboxes.local import LocalSandboxBackend
+from harness_trainer.tasks import load_task, run_verifier
+from harness_trainer.trace import load_trace
+from tests.harnesses.conftest import EXAMPLES, CaptureStack
+
+pytestmark = pytest.mark.slow
+TIMEOUT_S = 150.0
+
+
+def call(name: str, **arguments: Any) -> dict[str, Any]:
+    """A scripted assistant reply that calls one tool."""
+    return {
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}],
+    }
+
+
+@dataclass
+class Case:
+    harness: str
+    task: str
+    replies: list[dict[str, Any]]
+    tools: dict[str, int]
+    failures: int = 0
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+CASES = [
+    Case(
+        "opencode",
+        "train/fix-calc-bug",
+        [
+            call("read", filePath="/app/calc.py"),
+            call(
+                "edit",
+                filePath="/app/calc.py",
+                oldString="total(values) / (len(values) + 1)",
+                newString="total(values) / len(values)",
+            ),
+            call(
+                "bash",
+                command="python3 -c 'import calc; print(calc.mean([1, 2, 3, 4]))'",
+                description="Check",
+            ),
+            {"content": "Fixed: `mean` now divides by `len(values)`."},
+        ],
+        {"read": 1, "edit": 1, "bash": 1},
+        options={"max_output_tokens": 1024},
+    ),
+    Case(
+        "mini-swe-agent",
+        "test/sum-numbers",
+        [
+            {**call("bash", command="cat /app/numbers.txt"), "content": "Let me see the numbers."},
+            call("bash", command="awk '{s += $1} END {print s}' /app/numbers.txt > /app/sum.txt"),
+            call("bash", command="echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"),
+        ],
+        {"bash": 3},
+    ),
+    Case(
+        "claude-code",
+        "test/greet-script",
+        [
+            call("Read", file_path="/app/greet.sh"),
+            call("Write", file_path="/app/greet.sh", content='#!/bin/bash\necho "Hello, ${1:-world}!"\n'),
+            call("Bash", command="bash /app/greet.sh Ada", description="Try the script"),
+            {"content": "Wrote `/app/greet.sh`."},
+        ],
+        {"Read": 1, "Write": 1, "Bash": 1},
+        failures=1,  # the script did not exist yet
+        options={"max_output_tokens": 1024},
+    ),
+    Case(
+        "codex",
+        "train/count-lines",
+        [
+            call("exec_command", cmd="wc -l /app/data/words.txt"),
+            call("exec_command", cmd="cat /app/data/missing.txt"),
+            call("exec_command", cmd="wc -l < /app/data/words.txt | tr -d ' ' > /app/count.txt"),
+            {"content": "Wrote the line count to `/app/count.txt`."},
+        ],
+        {"exec_command": 3},
+        failures=1,
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.harness for case in CASES])
+async def test_real_agent_solves_a_toy_task_and_trains_on_exactly_the_scripted_ids(
+    case: Case,
+    capture_stack: Callable[[list[dict[str, Any]]], CaptureStack],
+    install_agent: Callable[[ToolPackage], Path],
+    tiny_tokenizer: Any,
+) -> None:
+    harness = make_harness(case.harness, **case.options)
+    install_agent(harness.package)  # type: ignore[attr-defined]
+    stack = capture_stack(case.replies)
+    session_id = stack.new_session()
+    started = time.monotonic()
+    run, reward = await _run_in_local_sandbox(
+        harness, case.task, AgentEndpoint(stack.url, session_id, "tiny")
+    )
+    assert time.monotonic() - started < TIMEOUT_S
+
+    assert run.result.exit_code == 0 and not run.result.timed_out, run.result.stderr[-3000:] + run.log[-3000:]
+    assert reward == 1.0
+    assert run.tools.calls_by_name == case.tools and run.tools.failures == case.failures
+
+    calls = [c for c in stack.get(f"/sessions/{session_id}/calls")["calls"] if c["kind"] == "model"]
+    trace = load_trace(stack.get(f"/sessions/{session_id}/trace"), session_id=session_id)
+    assert len(calls) == len(trace.turns) == len(case.replies)
+    for turn, record, reply in zip(trace.turns, calls, case.replies, strict=True):
+        request = record["upstream_request"]
+        scripted = {"role": "assistant", **reply}
+        expected = completion_ids(tiny_tokenizer, request["messages"], request.get("tools"), scripted)
+        prompt_length = len(turn.prompt_token_ids)
+        assert turn.completion_token_ids == expected == record["completion_token_ids"]
+        assert turn.loss_mask[prompt_length:] == [1] * len(expected)
+        assert turn.prompt_token_ids == record["prompt_token_ids"]
+    assert _agent_processes() == []
+    assert stack.admin.delete(f"/sessions/{session_id}").status_code in (200, 204)
+    assert stack.get("/sessions")["sessions"] == []
+
+
+async def _run_in_local_sandbox(
+    harness: Any, task_path: str, endpoint: AgentEndpoint
+) -> tuple[AgentRun, Any]:
+    task = load_task(EXAMPLES / task_path)
+    backend = LocalSandboxBackend()
+    try:
+        sandbox = await backend.start(task, lifetime_s=TIMEOUT_S)
+        try:
+            await harness.install(sandbox)
+            run = await harness.run(sandbox, task.instruction, endpoint, step_limit=10, timeout_s=TIMEOUT_S)
+            outcome = await run_verifier(sandbox, task)
+        finally:
+            await sandbox.close()
+        assert backend.live == []
+    finally:
+        await backend.aclose()
+    return run, outcome.reward
+
+
+def _agent_processes() -> list[str]:
+    """Live processes running anything from the host tool cache (none may outlive its sandbox)."""
+    needle = str(host_tools_dir())
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if entry.name.isdigit() and needle in cmdline:
+            found.append(f"{entry.name} {cmdline}")
+    return found
