@@ -28,6 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model", default=None, help="model name upstream (default: engine's first)")
     parser.add_argument("--upstream-api-key", default=None, help="bearer key the engine expects, if any")
     parser.add_argument("--upstream-timeout", type=float, default=600.0, help="seconds per engine attempt")
+    parser.add_argument("--upstream-pool", type=int, default=512, help="connections to the engine, at most")
     parser.add_argument("--upstream-attempts", type=int, default=3, help="tries per call (408/429/5xx)")
     parser.add_argument("--keepalive", type=float, default=5.0, help="SSE keepalive interval, seconds")
     parser.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body accepted")
@@ -54,6 +55,7 @@ def serve(args: argparse.Namespace) -> int:
         upstream_api_key=args.upstream_api_key,
         upstream_timeout_s=args.upstream_timeout,
         upstream_attempts=args.upstream_attempts,
+        upstream_pool=args.upstream_pool,
         keepalive_s=args.keepalive,
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
         tune_gc=True,

@@ -30,6 +30,8 @@ class ProxyConfig:
     """Model name sent upstream; default: the first of the engine's ``/v1/models``."""
     upstream_api_key: str | None = None
     upstream_timeout_s: float = 600.0
+    upstream_pool: int = 512
+    """Connections to the engine at most (calls beyond it wait for one)."""
     upstream_attempts: int = 3
     retry_backoff_s: float = 0.5
     max_retry_after_s: float = 10.0

@@ -1,6 +1,7 @@
 """Capture sessions: minted by the admin, keyed by an unguessable id, reloaded from disk on start.
 
-A session id is 32 random bytes, URL-safe (256 bits, ``secrets.token_urlsafe``). The id is also the
+A session id is ``cs_`` + 32 random bytes, URL-safe (256 bits, ``secrets.token_urlsafe``); the prefix
+keeps an id from ever starting with ``-`` (a command line would read it as a flag). The id is also the
 agent's API key, so it is the only credential a sandbox ever holds. The budget (``max_model_calls``) is
 reserved before a call is forwarded and given back if the engine fails, so concurrent calls of one session
 never exceed it. Everything a session has captured is in its journal; in memory it keeps only counters
@@ -27,6 +28,7 @@ from capture_proxy.sampling import SamplingPolicy
 from capture_proxy.writer import JournalWriter
 
 _MAX_FINDINGS = 50
+SESSION_ID_PREFIX = "cs_"
 
 
 class SessionSpec(BaseModel):
@@ -130,7 +132,7 @@ class SessionStore:
         self.sessions: dict[str, Session] = {}
 
     def create(self, spec: SessionSpec) -> Session:
-        session_id = secrets.token_urlsafe(32)
+        session_id = SESSION_ID_PREFIX + secrets.token_urlsafe(32)
         directory = self.root / session_id
         created = time.time()
         meta = {"session_id": session_id, "created_at": created, **spec.model_dump(mode="json")}

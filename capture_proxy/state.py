@@ -26,6 +26,7 @@ class ProxyState:
             config.upstream,
             timeout_s=config.upstream_timeout_s,
             attempts=config.upstream_attempts,
+            pool_size=config.upstream_pool,
             backoff_s=config.retry_backoff_s,
             max_retry_after_s=config.max_retry_after_s,
             api_key=config.upstream_api_key,

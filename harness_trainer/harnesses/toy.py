@@ -33,8 +33,9 @@ class ToyHarness:
         step_limit: int,
         timeout_s: float,
     ) -> AgentRun:
-        argv = ["python3", REMOTE, "--base-url", endpoint.base_url, "--api-key", endpoint.session_id]
-        argv += ["--model", endpoint.model, "--steps", str(step_limit or 20), instruction]
+        # "--flag=value" and "--" keep values that start with "-" (ids, instructions) from reading as flags.
+        argv = ["python3", REMOTE, f"--base-url={endpoint.base_url}", f"--api-key={endpoint.session_id}"]
+        argv += [f"--model={endpoint.model}", f"--steps={step_limit or 20}", "--", instruction]
         result = await sandbox.exec(shlex.join(argv), timeout_s=timeout_s)
         return AgentRun(result=result, log=result.stdout + result.stderr, tools=count_tools(result.stdout))
 

@@ -35,7 +35,10 @@ class CaptureClient:
         self.url = url.rstrip("/")
         self.public_url = (public_url or url).rstrip("/")
         headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
-        self._client = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout_s)
+        # No connection cap: hundreds of rollouts finish together, and httpcore's wait queue for a free
+        # connection degrades badly when long (encode/httpcore#1035).
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        self._client = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout_s, limits=limits)
 
     async def aclose(self) -> None:
         await self._client.aclose()

@@ -158,7 +158,8 @@ async def _export(capture: CaptureClient, session_id: str) -> dict[str, Any]:
         raw = await capture.trace(session_id)
     except NothingTrainable:
         return dict(EMPTY_TRACE)
-    load_trace(raw, session_id=session_id)  # raises CaptureContractError on a malformed capture
+    # Raises CaptureContractError on a malformed capture; off the event loop, as long traces take seconds.
+    await asyncio.to_thread(load_trace, raw, session_id=session_id)
     return raw
 
 

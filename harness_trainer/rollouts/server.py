@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 from aiohttp import web
 from pydantic import ValidationError
 
@@ -166,7 +167,8 @@ class RolloutServer:
         result = _result(slot)
         if result.trace is None:
             raise _error(409, f"the rollout was unscorable: {result.error}")
-        return web.json_response(result.trace)
+        body = await asyncio.to_thread(orjson.dumps, result.trace)
+        return web.Response(body=body, content_type="application/json")
 
     async def close_session(self, request: web.Request) -> web.Response:
         slot = self._slot(request)

@@ -1,0 +1,71 @@
+"""The rollout benchmark runs end to end in its quick configuration, reports every row and the target, and
+leaves no server, agent or sandbox process behind."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+SCRIPT = ROOT / "benchmarks" / "rollouts.py"
+# Loaded from its path for its constants: the repository root is not on sys.path under `pytest`.
+_SPEC = importlib.util.spec_from_file_location("benchmark_rollouts", SCRIPT)
+assert _SPEC is not None and _SPEC.loader is not None
+benchmark_rollouts = importlib.util.module_from_spec(_SPEC)
+sys.modules[_SPEC.name] = benchmark_rollouts  # dataclasses look their module up while the class is built
+_SPEC.loader.exec_module(benchmark_rollouts)
+
+ROWS = ("raw agent (2 calls)", "rollout (2 calls)", "overhead (rollout - raw)", "8 sessions")
+PARTS = ("capture_session", "sandbox_start", "install", "agent - raw", "verifier", "trace", "cleanup", "rest")
+POINT_FIELDS = {"held", "failed", "cpu_pct_core", "cpu_pct_machine", "calls_per_s", "cpu_ms_per_call"}
+POINT_FIELDS |= {"rss_mb", "threads", "ramp_s", "drain_s", "wall_s", "limit", "ok", "agents_after"}
+POINT_FIELDS |= {"ramp_cpu_ms_per_session", "drain_cpu_ms_per_session", "drain_phases_s"}
+
+
+def run_quick(out: Path) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, str(SCRIPT), "--quick", "--json", str(out)]
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        stdout, _ = process.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        process.terminate()  # SIGTERM: the benchmark stops its servers (and their sandboxes) before it exits
+        stdout, _ = process.communicate(timeout=90)
+        pytest.fail(f"the quick benchmark took over 90 s:\n{stdout[-4000:]}")
+    return subprocess.CompletedProcess(command, process.returncode, stdout, "")
+
+
+@pytest.mark.slow
+def test_quick_rollout_benchmark_reports_every_row_and_leaves_nothing_running(tmp_path: Path) -> None:
+    out = tmp_path / "result.json"
+
+    run = run_quick(out)
+
+    assert run.returncode == 0, run.stdout[-4000:]
+    lines = run.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("row "))
+    assert all(column in header for column in benchmark_rollouts.COLUMNS)
+    for row in ROWS + tuple(f"  {part} " for part in PARTS):
+        assert any(line.startswith(row) for line in lines), row
+    assert any(
+        line.split()[:1] in (["PASS"], ["MISS"]) and benchmark_rollouts.TARGET_NAME in line for line in lines
+    )
+
+    result = json.loads(out.read_text())
+    assert result["raw"]["median_s"] > 0 and result["rollout"]["median_s"] > 0
+    assert len(result["rollout"]["runs_s"]) == 2 and isinstance(result["serial_failures"], list)
+    assert list(result["overhead_parts_s"]) == list(PARTS)
+    parts = sum(result["overhead_parts_s"].values())
+    assert parts == pytest.approx(result["overhead_s"])  # the parts add up to the overhead
+    (point,) = result["points"]
+    assert POINT_FIELDS <= set(point)
+    assert point["sessions"] == 8 and point["held"] <= 8 and point["limit"] == ""
+    assert point["calls_per_s"] > 0 and point["cpu_pct_core"] > 0 and point["agents_after"] == 0
+    assert result["verdict"]["target"] == benchmark_rollouts.TARGET_NAME and not result["verdict"]["pass"]
+    assert result["leftover_processes"] == []
+    for pid in result["pids"]:  # every engine and server it started is gone (terminated and reaped)
+        assert not Path(f"/proc/{pid}").exists(), pid
