@@ -108,6 +108,7 @@ def _serve(args: argparse.Namespace) -> int:
         capture_port=args.capture_port,
         public_url=args.public_url,
         served_model=args.served_model,
+        sandbox_starts_per_s=args.sandbox_start_rate or None,
     )
     server = RolloutServer(RolloutRuntime(config), tasks, max_concurrent_envs=limit)
     print(
@@ -180,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--public-url", default=None, help="how agents in sandboxes reach the capture proxy")
     serve.add_argument("--served-model", default=None, help="model name (default: the engine's first)")
     serve.add_argument("--data-dir", type=Path, default=Path("runs/capture"), help="capture journals")
+    serve.add_argument(
+        "--sandbox-start-rate", type=float, default=0, help="sandbox starts per second, at most"
+    )
     serve.add_argument(
         "--max-concurrent-envs",
         type=int,

@@ -65,6 +65,10 @@ class CaptureClient:
         response = await self._call("POST", "/sessions", json=body)
         return CaptureSession(response.json()["session_id"], self.public_url)
 
+    async def sessions(self) -> list[dict[str, Any]]:
+        """Every open session's summary."""
+        return (await self._call("GET", "/sessions")).json()["sessions"]
+
     async def summary(self, session_id: str) -> dict[str, Any]:
         return (await self._call("GET", f"/sessions/{session_id}")).json()
 

@@ -71,6 +71,10 @@ class LocalSessionFactory:
     def _call(self, coroutine: Any, timeout: float | None = 120) -> Any:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
 
+    def open_capture_sessions(self) -> int:
+        """Capture sessions still open (0 once every rollout has cleaned up)."""
+        return self._call(self.runtime.open_capture_sessions())
+
     def prompt_rows(self) -> list[dict[str, Any]]:
         return self.tasks.prompt_rows(self.split)
 

@@ -23,7 +23,7 @@ from capture_proxy.config import ProxyConfig
 from harness_trainer.rollouts.capture_client import CaptureClient
 from harness_trainer.rollouts.result import RolloutOptions, RolloutResult
 from harness_trainer.rollouts.run import run_rollout
-from harness_trainer.sandboxes import make_backend
+from harness_trainer.sandboxes import SandboxSupervisor, make_backend
 from harness_trainer.sandboxes.base import SandboxBackend
 from harness_trainer.tasks.task import HarborTask
 
@@ -44,6 +44,8 @@ class RuntimeConfig:
     """Capture proxy admin key; a random one by default (the runtime is its only admin client)."""
     sandbox_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Constructor options per sandbox backend name, e.g. ``{"e2b": {"template": "..."}}``."""
+    sandbox_starts_per_s: float | None = None
+    """Start-rate limit per backend (sandbox providers throttle bursts); None = unlimited."""
 
 
 class RolloutRuntime:
@@ -79,9 +81,18 @@ class RolloutRuntime:
             self.model = await served_model(self.config.upstream)
 
     def backend(self, name: str) -> SandboxBackend:
+        """The backend ``name``, made on first use, behind a supervisor (start-rate limit, close-all)."""
         if name not in self._backends:
-            self._backends[name] = make_backend(name, **self.config.sandbox_options.get(name, {}))
+            backend = make_backend(name, **self.config.sandbox_options.get(name, {}))
+            rate = self.config.sandbox_starts_per_s
+            self._backends[name] = SandboxSupervisor(backend, max_starts_per_s=rate)
         return self._backends[name]
+
+    async def open_capture_sessions(self) -> int:
+        """Capture sessions still open on the proxy (0 when every rollout cleaned up)."""
+        if self.capture is None:
+            return 0
+        return len(await self.capture.sessions())
 
     async def rollout(
         self, task: HarborTask, options: RolloutOptions, stop: asyncio.Event | None = None

@@ -89,6 +89,7 @@ class RolloutServer:
 
     async def health(self, request: web.Request) -> web.Response:
         body = {"status": "ok", "sessions": len(self.slots), "max_concurrent_envs": self.limit}
+        body["capture_sessions"] = await self.runtime.open_capture_sessions()
         return web.json_response({**body, "model": self.runtime.model})
 
     async def splits(self, request: web.Request) -> web.Response:

@@ -79,6 +79,22 @@ def test_a_task_whose_environment_cannot_be_built_is_unscorable(scripted_engine,
         session.close()
 
 
+def test_an_agent_that_crashes_is_a_result_with_the_turns_it_made(scripted_engine):
+    engine = scripted_engine([bash_call("echo hi")])  # the second model call fails: script exhausted
+    with factory_for(engine.url) as factory:
+        session = factory.create(hello_row(factory))
+        assert session.wait_for_completion(timeout_s=120) == 1
+        assert len(session.fetch_training_trace().turns) == 1
+        verified = session.verify([])
+        assert verified.env_reward == 0.0 and verified.metrics["model_calls"] == 1
+        assert (
+            asyncio.run_coroutine_threadsafe(factory.runtime.open_capture_sessions(), factory._loop).result()
+            == 0
+        )
+        session.close()
+    assert live_sandbox_processes() == []
+
+
 def test_closing_a_running_session_cleans_up(scripted_engine):
     engine = scripted_engine([bash_call("sleep 60"), {"content": "never"}])
     with factory_for(engine.url) as factory:

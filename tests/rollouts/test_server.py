@@ -76,7 +76,8 @@ def test_a_factory_in_another_process_runs_a_rollout_through_the_server(server: 
     session.close()
     session.close()
     factory.close()
-    assert httpx.get(server.url + "/health").json()["sessions"] == 0
+    health = httpx.get(server.url + "/health").json()
+    assert health["sessions"] == 0 and health["capture_sessions"] == 0
     assert live_sandbox_processes() == []
 
 
