@@ -87,10 +87,7 @@ def test_an_agent_that_crashes_is_a_result_with_the_turns_it_made(scripted_engin
         assert len(session.fetch_training_trace().turns) == 1
         verified = session.verify([])
         assert verified.env_reward == 0.0 and verified.metrics["model_calls"] == 1
-        assert (
-            asyncio.run_coroutine_threadsafe(factory.runtime.open_capture_sessions(), factory._loop).result()
-            == 0
-        )
+        assert factory.open_capture_sessions() == 0
         session.close()
     assert live_sandbox_processes() == []
 
