@@ -175,8 +175,12 @@ def _messages(raw: Any) -> list[dict[str, Any]]:
             out.extend(_user_turn(_blocks(message.get("content"), f"{where}.content"), where))
         elif role == "assistant":
             out.append(_assistant_turn(_blocks(message.get("content"), f"{where}.content"), where))
+        elif role == "system":
+            # Newer claude-code sends mid-conversation system messages; the chat template renders them.
+            out.append({"role": "system", "content": _text(message.get("content"), f"{where}.content")})
         else:
-            raise DialectError(f"{where}.role: must be 'user' or 'assistant', got {role!r}", param=where)
+            message_roles = "'user', 'assistant' or 'system'"
+            raise DialectError(f"{where}.role: must be {message_roles}, got {role!r}", param=where)
     if raw[-1].get("role") == "assistant":
         where = f"messages[{len(raw) - 1}]"
         raise DialectError(

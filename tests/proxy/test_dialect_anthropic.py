@@ -267,7 +267,7 @@ def test_a_server_tool_is_refused_naming_its_type() -> None:
         ({"messages": None}, "messages"),
         ({"messages": []}, "messages"),
         ({"messages": ["hi"]}, "messages[0]"),
-        ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
         ({"messages": [{"role": "user", "content": [{"text": "x"}]}]}, "messages[0].content[0]"),
         ({"stop_sequences": "END"}, "stop_sequences"),
@@ -447,3 +447,10 @@ def test_count_tokens_is_at_least_one_and_refuses_a_body_without_messages() -> N
     assert count_tokens({"messages": []}) == {"input_tokens": 1}
     with pytest.raises(DialectError, match="messages"):
         count_tokens({"model": "claude-x"})
+
+
+def test_a_mid_conversation_system_message_goes_upstream_as_a_system_message() -> None:
+    messages = _messages(
+        _user("go"), _assistant("ok"), {"role": "system", "content": "Be brief."}, _user("next")
+    )
+    assert messages[2] == {"role": "system", "content": "Be brief."}
