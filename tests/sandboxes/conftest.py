@@ -44,6 +44,14 @@ def wait_until_gone(needle: str, timeout_s: float = 5.0, *, parent: int | None =
     return left
 
 
+def wait_until_present(needle: str, count: int = 1, timeout_s: float = 5.0) -> list[int]:
+    """Polls until ``count`` live processes match (a background child may not have exec'd yet)."""
+    deadline = time.monotonic() + timeout_s
+    while len(found := live_processes(needle)) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return found
+
+
 # Mount points the sandboxes create on the host; whatever a sandbox writes must land in its own root.
 HOST_MOUNT_POINTS = ("/app", "/logs", "/tests", "/solution", "/home/user")
 

@@ -17,7 +17,7 @@ import pytest
 from harness_trainer.sandboxes.base import SandboxBackend, SandboxError
 from harness_trainer.sandboxes.e2b import E2BSandboxBackend
 from harness_trainer.sandboxes.local import LocalSandboxBackend
-from tests.sandboxes.conftest import TaskFactory, live_processes, wait_until_gone
+from tests.sandboxes.conftest import TaskFactory, live_processes, wait_until_gone, wait_until_present
 
 
 @pytest.fixture(params=["local", "e2b"])
@@ -222,7 +222,7 @@ async def test_close_is_idempotent_and_kills_what_runs(
     tag = marker()
     result = await sandbox.exec(f"nohup sleep {tag} >/dev/null 2>&1 &")
     assert result.exit_code == 0
-    assert live_processes(f"sleep {tag}"), "the background process should run until close"
+    assert wait_until_present(f"sleep {tag}"), "the background process should run until close"
     await sandbox.close()
     await sandbox.close()
     assert not wait_until_gone(f"sleep {tag}")

@@ -19,7 +19,7 @@ import pytest
 
 from harness_trainer.sandboxes.base import SandboxError, SandboxStartError
 from harness_trainer.sandboxes.local import LocalSandboxBackend
-from tests.sandboxes.conftest import TaskFactory, live_processes, wait_until_gone
+from tests.sandboxes.conftest import TaskFactory, live_processes, wait_until_gone, wait_until_present
 
 
 @pytest.fixture
@@ -180,7 +180,7 @@ async def test_nothing_is_mounted_on_the_host_and_nothing_is_left_after_close(
     namespace = os.readlink(f"/proc/{sandbox.pid}/ns/mnt")
     await sandbox.exec("nohup setsid sleep 424242 >/dev/null 2>&1 &")
     assert Path("/proc/self/mountinfo").read_text() == host_mounts
-    assert live_processes("sleep 424242")
+    assert wait_until_present("sleep 424242")
     await sandbox.close()
     assert not wait_until_gone("sleep 424242"), "a setsid'd process escaped close"
     assert not sandbox.root.exists()

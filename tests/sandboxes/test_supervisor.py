@@ -17,7 +17,7 @@ from harness_trainer.sandboxes.base import ExecResult, SandboxStartError
 from harness_trainer.sandboxes.local import LocalSandboxBackend
 from harness_trainer.sandboxes.supervisor import SandboxSupervisor, StartRateLimiter
 from harness_trainer.tasks.task import HarborTask
-from tests.sandboxes.conftest import TaskFactory, live_processes, wait_until_gone
+from tests.sandboxes.conftest import TaskFactory, live_processes, wait_until_gone, wait_until_present
 
 
 class StubSandbox:
@@ -172,7 +172,7 @@ def test_sigterm_closes_every_sandbox_before_the_process_exits(
     owner = subprocess.Popen([sys.executable, tmp_path / "owner.py"], stdout=subprocess.PIPE, cwd=Path.cwd())
     try:
         assert owner.stdout is not None and owner.stdout.readline() == b"ready\n"
-        assert len(live_processes("sleep 727272")) == 2
+        assert len(wait_until_present("sleep 727272", count=2)) == 2
         owner.send_signal(signal.SIGTERM)
         assert owner.wait(timeout=20) == -signal.SIGTERM
         assert not live_processes("sleep 727272"), "SIGTERM left sandbox processes running"
