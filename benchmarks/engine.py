@@ -37,16 +37,12 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import positive
+
 TARGET_OVERHEAD = 0.10
 # Sampling at temperature 1 from the full distribution; generate's default top-k of 50 is switched off.
 GENERATE = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
 CAPTURE = {"temperature": 1.0, "logprobs": True, "top_logprobs": 0, "return_token_ids": True}
-
-
-def positive(text: str) -> int:
-    if (value := int(text)) < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:

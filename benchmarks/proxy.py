@@ -51,13 +51,10 @@ import argparse
 import asyncio
 import contextlib
 import itertools
-import os
 import random
 import secrets
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -69,6 +66,19 @@ from typing import Any
 import aiohttp
 import orjson
 
+try:
+    from benchmarks.common import (
+        Server,
+        cpu_seconds,
+        free_port,
+        positive,
+        start_server,
+        status_value,
+        stop_process,
+    )
+except ImportError:  # run as a script (python benchmarks/x.py): the sibling module imports directly
+    from common import Server, cpu_seconds, free_port, positive, start_server, status_value, stop_process
+
 HERE = Path(__file__).resolve().parent
 TARGETS = ("direct", "passthrough", "proxy")
 COLUMNS = ("point", "target", "req/s", "vs pass", "p50 ms", "p99 ms", "+p50 ms", "+p99 ms", "CPU ms/req")
@@ -78,7 +88,6 @@ SAMPLING = {"temperature": 1.0}
 MODEL = "fake-vllm"
 PAUSE_S = (0.25, 0.75)
 STAGGER_S = 0.5
-TICKS = os.sysconf("SC_CLK_TCK")
 # Targets (the issue's), and how the report names them, in this order.
 MIN_THROUGHPUT_RATIO = 0.70
 MAX_CPU_MS = 2.0
@@ -139,21 +148,6 @@ class Point:
 
 
 @dataclass
-class Server:
-    """A server subprocess: its base URL, the process and its captured output."""
-
-    name: str
-    url: str
-    process: subprocess.Popen
-    log: Any
-
-    def log_tail(self, chars: int = 3000) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read().decode(errors="replace")[-chars:]
-
-
-@dataclass
 class Target:
     name: str
     url: str  # the chat completions endpoint
@@ -169,31 +163,6 @@ class RunResult:
 
 
 # ---------------------------------------------------------------------------------------------- processes
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def stop_process(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def start_server(stack: contextlib.ExitStack, name: str, command: list[str], port: int) -> Server:
-    """Start ``command`` (stopped when ``stack`` closes, before its log is closed)."""
-    log = stack.enter_context(tempfile.TemporaryFile())
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=HERE.parent)
-    stack.callback(stop_process, process)
-    return Server(name, f"http://127.0.0.1:{port}", process, log)
 
 
 async def wait_healthy(server: Server, timeout: float = 60.0) -> None:
@@ -242,18 +211,9 @@ async def start_targets(stack: contextlib.ExitStack) -> tuple[dict[str, Target],
     return targets, engine
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of every thread of ``pid``, past and present."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
-
-
 def memory_mb(pid: int, key: str) -> float:
     """``VmRSS``/``VmHWM`` of ``pid`` in MB."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) / 1024
-    raise KeyError(key)
+    return status_value(pid, key) / 1024
 
 
 # ----------------------------------------------------------------------------------------------- agents
@@ -579,12 +539,6 @@ FULL = {"agents": "1,16,64", "turns": 20, "repeats": 3, "paced_agents": 64, "min
 FULL |= {"memory_sessions": 64}
 QUICK = {"agents": "1,4", "turns": 4, "repeats": 1, "paced_agents": 4, "min_conversations": 2}
 QUICK |= {"memory_sessions": 4}
-
-
-def positive(text: str) -> int:
-    if (value := int(text)) < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:

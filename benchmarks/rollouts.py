@@ -56,7 +56,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -71,6 +70,19 @@ from typing import Any
 import aiohttp
 import orjson
 
+try:
+    from benchmarks.common import (
+        Server,
+        cpu_seconds,
+        free_port,
+        positive,
+        start_server,
+        status_value,
+        stop_process,
+    )
+except ImportError:  # run as a script (python benchmarks/x.py): the sibling module imports directly
+    from common import Server, cpu_seconds, free_port, positive, start_server, status_value, stop_process
+
 from harness_trainer.rollouts.factory import HarborSessionFactory
 from harness_trainer.rollouts.session import RolloutUnscorable
 
@@ -82,7 +94,6 @@ SPLIT, TASK = "train", "hello-file"
 MODEL = "fake-vllm"
 SAMPLING = {"temperature": 1.0}
 CPUS = os.cpu_count() or 1
-TICKS = os.sysconf("SC_CLK_TCK")
 PHASES = ("capture_session", "sandbox_start", "install", "agent", "verifier", "trace", "cleanup")
 COLUMNS = ("row", "seconds", "held", "failed", "CPU %core", "CPU %machine", "calls/s", "CPU ms/call")
 COLUMNS += ("RSS MB", "threads", "ramp s", "drain s")
@@ -90,23 +101,6 @@ MIN_SESSIONS, MAX_CPU_PCT = 512, 10.0
 TARGET_NAME = ">= 512 concurrent sessions held with the server's own CPU under 10 %"
 CALLS_METRIC = 'capture_proxy_requests_total{route="/v1/chat/completions",status="200"}'
 NEVER_STOPS = 100_000  # the concurrency points' step limit: agents run until they are stopped
-
-
-@dataclass
-class Server:
-    """A server subprocess: its base URL, the process, its captured output, what identifies its processes."""
-
-    name: str
-    url: str
-    process: subprocess.Popen
-    log: Any
-    tags: tuple[str, ...]  # strings in the command line of every process it (or its sandboxes) starts
-    proxy: str = ""  # a rollout server's capture proxy, ``host:port``
-
-    def log_tail(self, chars: int = 3000) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read().decode(errors="replace")[-chars:]
 
 
 @dataclass
@@ -128,39 +122,19 @@ class Point:
 # ---------------------------------------------------------------------------------------------- processes
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def stop_process(process: subprocess.Popen, timeout: float = 60.0) -> None:
-    if process.poll() is None:
-        process.terminate()  # the rollout server closes every session (and sandbox) it still has
-        try:
-            process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()  # its sandboxes die with it (their init has a parent-death signal)
-            process.wait()
-
-
-def start_server(
+def start_healthy(
     stack: contextlib.ExitStack, name: str, command: list[str], port: int, tags: tuple[str, ...], env: dict
 ) -> Server:
-    """Start ``command`` (stopped when ``stack`` closes, before its log is closed) and wait for /health."""
-    log = stack.enter_context(tempfile.TemporaryFile())
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    stack.callback(stop_process, process)
-    server = Server(name, f"http://127.0.0.1:{port}", process, log, tags)
+    """Start ``command`` (a long stop grace: the server closes its sessions on TERM); wait for /health."""
+    server = start_server(stack, name, command, port, tags=tags, env=env, stop_timeout=60.0)
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and process.poll() is None:
+    while time.monotonic() < deadline and server.process.poll() is None:
         with contextlib.suppress(OSError):
             with urllib.request.urlopen(server.url + "/health", timeout=5) as reply:
                 if reply.status == 200:
                     return server
         time.sleep(0.1)
-    detail = "exited" if process.poll() is not None else "not healthy after 60 s"
+    detail = "exited" if server.process.poll() is not None else "not healthy after 60 s"
     raise RuntimeError(f"{name} {detail}; its output:\n{server.log_tail()}")
 
 
@@ -168,7 +142,9 @@ def start_engine(stack: contextlib.ExitStack, delay: float) -> Server:
     port = free_port()
     command = [sys.executable, str(HERE / "fake_vllm.py"), "engine", "--port", str(port), "--command", "true"]
     tags = (f"127.0.0.1:{port}",)
-    return start_server(stack, f"engine (delay {delay} s)", [*command, "--delay", str(delay)], port, tags, {})
+    return start_healthy(
+        stack, f"engine (delay {delay} s)", [*command, "--delay", str(delay)], port, tags, {}
+    )
 
 
 def start_rollout_server(
@@ -181,23 +157,9 @@ def start_rollout_server(
     command += ["--upstream", engine, "--port", str(port), "--capture-port", str(capture)]
     command += ["--data-dir", str(tmp / name / "capture"), "--max-concurrent-envs", str(limit)]
     tags = (f"127.0.0.1:{port}", f"127.0.0.1:{capture}", f"--port {port}", str(tmp / name))
-    server = start_server(stack, f"server {name}", command, port, tags, {"TMPDIR": str(sandboxes)})
+    server = start_healthy(stack, f"server {name}", command, port, tags, {"TMPDIR": str(sandboxes)})
     server.proxy = f"127.0.0.1:{capture}"
     return server
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of every thread of ``pid``, past and present (children not included)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
-
-
-def status_value(pid: int, key: str) -> int:
-    """A number from ``/proc/<pid>/status`` (``VmRSS`` in kB, ``Threads``…)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    raise KeyError(key)
 
 
 def mem_available_mb() -> float:
@@ -600,12 +562,6 @@ FULL = {"sessions": "64,128,256,512", "steps": 4, "repeats": 10, "delay": 2.0, "
 QUICK = {"sessions": "8", "steps": 2, "repeats": 2, "delay": 0.5, "hold": 2.0}
 
 
-def positive(text: str) -> int:
-    if (value := int(text)) < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add = parser.add_argument
@@ -640,7 +596,7 @@ def serial_stage(stack: contextlib.ExitStack, tmp: Path, config: dict[str, Any],
     server = start_rollout_server(stack, tmp, "serial", engine.url, 4)
     result["pids"] += [engine.process.pid, server.process.pid]
     rollout, phases, failures = serial_rollouts(server, config["steps"], config["repeats"])
-    stop_process(server.process)
+    stop_process(server.process, 60.0)
     stop_process(engine.process)
     result["leftover_processes"] += leftovers([*server.tags, *engine.tags], tmp / "serial")
     result |= summarize_serial(raw, rollout, phases) | {"serial_failures": failures}
@@ -661,7 +617,7 @@ def concurrency_stage(stack: contextlib.ExitStack, tmp: Path, config: dict[str, 
         result["pids"].append(server.process.pid)
         config["task_index"] = task_index(server)
         point = asyncio.run(run_point(server, config, sessions))
-        stop_process(server.process)
+        stop_process(server.process, 60.0)
         point["leftover_processes"] = leftovers(server.tags, tmp / f"k{sessions}")
         result["leftover_processes"] += point["leftover_processes"]
         result["points"].append(point)
