@@ -9,14 +9,18 @@ import httpx
 
 
 class CaptureError(Exception):
-    """The capture proxy could not be reached or refused an admin call."""
+    """The capture proxy could not be reached (``status`` None) or refused an admin call (its status)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class NothingTrainable(CaptureError):
     """The session has no trainable capture (the proxy's 409); ``reason`` says why."""
 
     def __init__(self, reason: str) -> None:
-        super().__init__(reason)
+        super().__init__(reason, status=409)
         self.reason = reason
 
 
@@ -51,7 +55,8 @@ class CaptureClient:
         if response.status_code == 409:
             raise NothingTrainable(_message(response))
         if response.status_code >= 400:
-            raise CaptureError(f"capture proxy {method} {path}: {response.status_code} {_message(response)}")
+            message = f"capture proxy {method} {path}: {response.status_code} {_message(response)}"
+            raise CaptureError(message, status=response.status_code)
         return response
 
     async def mint(
@@ -80,7 +85,7 @@ class CaptureClient:
         try:
             await self._call("DELETE", f"/sessions/{session_id}")
         except CaptureError as exc:
-            if "404" not in str(exc):
+            if exc.status != 404:  # already gone is what we wanted
                 raise
 
 
