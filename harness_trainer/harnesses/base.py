@@ -8,14 +8,26 @@ own log. A new harness is one module plus one entry in ``HARNESSES``.
 
 from __future__ import annotations
 
+import json
 import shlex
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from harness_trainer.sandboxes.base import ExecResult, Sandbox
 
 AGENT_LOG_DIR = "/logs/agent"  # Harbor's place for an agent's own logs
+
+
+def json_lines(log: str) -> Iterator[dict[str, Any]]:
+    """The JSON objects among ``log``'s lines (agents' event logs); other lines are skipped."""
+    for line in log.splitlines():
+        try:
+            value = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            yield value
 
 
 class HarnessError(Exception):

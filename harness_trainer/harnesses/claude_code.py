@@ -21,7 +21,6 @@ when its ``tool_result`` says ``is_error``.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +29,7 @@ from harness_trainer.harnesses.base import (
     AgentEndpoint,
     AgentRun,
     ToolCounts,
+    json_lines,
     run_logged,
 )
 from harness_trainer.harnesses.tools import ToolPackage, install_tool, tool_path
@@ -90,9 +90,8 @@ def parse_tool_counts(log: str) -> ToolCounts:
     counts = ToolCounts()
     called: set[str] = set()
     failed: set[str] = set()
-    for line in log.splitlines():
-        event = _json_object(line)
-        if event is None or event.get("type") not in ("assistant", "user"):
+    for event in json_lines(log):
+        if event.get("type") not in ("assistant", "user"):
             continue
         for block in _content_blocks(event):
             if block.get("type") == "tool_use" and str(block.get("id")) not in called:
@@ -107,14 +106,6 @@ def parse_tool_counts(log: str) -> ToolCounts:
 def _content_blocks(event: dict[str, Any]) -> list[dict[str, Any]]:
     content = (event.get("message") or {}).get("content")
     return [block for block in content if isinstance(block, dict)] if isinstance(content, list) else []
-
-
-def _json_object(line: str) -> dict[str, Any] | None:
-    try:
-        value = json.loads(line)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
 
 
 class ClaudeCodeHarness:

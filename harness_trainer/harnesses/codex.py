@@ -27,6 +27,7 @@ from harness_trainer.harnesses.base import (
     AgentEndpoint,
     AgentRun,
     ToolCounts,
+    json_lines,
     run_logged,
 )
 from harness_trainer.harnesses.tools import ToolPackage, install_tool, tool_path
@@ -82,9 +83,8 @@ def parse_tool_counts(log: str) -> ToolCounts:
     """Tool calls by name from ``codex exec --json`` events; non-JSON lines are skipped."""
     counts = ToolCounts()
     seen: set[str] = set()
-    for line in log.splitlines():
-        event = _json_object(line)
-        if event is None or event.get("type") != "item.completed":
+    for event in json_lines(log):
+        if event.get("type") != "item.completed":
             continue
         item = event.get("item") or {}
         kind = str(item.get("type") or "")
@@ -107,14 +107,6 @@ def _failed(item: dict[str, Any]) -> bool:
     if item.get("status") == "failed" or item.get("error"):
         return True
     return item.get("type") == "command_execution" and item.get("exit_code") not in (0, None)
-
-
-def _json_object(line: str) -> dict[str, Any] | None:
-    try:
-        value = json.loads(line)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
 
 
 class CodexHarness:

@@ -30,6 +30,7 @@ from harness_trainer.harnesses.base import (
     AgentEndpoint,
     AgentRun,
     ToolCounts,
+    json_lines,
     run_logged,
 )
 from harness_trainer.harnesses.tools import ToolPackage, install_tool, tool_path
@@ -98,9 +99,8 @@ def parse_tool_counts(log: str) -> ToolCounts:
     """Tool calls by name from ``opencode run --format json`` output; non-JSON lines are skipped."""
     counts = ToolCounts()
     seen: set[str] = set()
-    for line in log.splitlines():
-        event = _json_object(line)
-        if event is None or event.get("type") != "tool_use":
+    for event in json_lines(log):
+        if event.get("type") != "tool_use":
             continue
         part = event.get("part") or {}
         key = str(part.get("callID") or part.get("id") or len(seen))
@@ -110,14 +110,6 @@ def parse_tool_counts(log: str) -> ToolCounts:
         status = (part.get("state") or {}).get("status")
         counts.add(str(part.get("tool") or "unknown"), failed=status == "error")
     return counts
-
-
-def _json_object(line: str) -> dict[str, Any] | None:
-    try:
-        value = json.loads(line)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
 
 
 class OpencodeHarness:

@@ -7,11 +7,10 @@ call, a non-zero exit code a failure.
 
 from __future__ import annotations
 
-import json
 import shlex
 from pathlib import Path
 
-from harness_trainer.harnesses.base import AgentEndpoint, AgentRun, ToolCounts
+from harness_trainer.harnesses.base import AgentEndpoint, AgentRun, ToolCounts, json_lines
 from harness_trainer.sandboxes.base import Sandbox
 
 SCRIPT = Path(__file__).with_name("toy_agent.py")
@@ -42,12 +41,8 @@ class ToyHarness:
 
 def count_tools(log: str) -> ToolCounts:
     counts = ToolCounts()
-    for line in log.splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and "tool" in record:
+    for record in json_lines(log):
+        if "tool" in record:
             name = str(record["tool"])
             counts.calls_by_name[name] = counts.calls_by_name.get(name, 0) + 1
             counts.failures += record.get("exit_code") not in (0, None)
