@@ -142,7 +142,7 @@ async def test_real_agent_solves_a_toy_task_and_trains_on_exactly_the_scripted_i
         assert turn.completion_token_ids == expected == record["completion_token_ids"]
         assert turn.loss_mask[prompt_length:] == [1] * len(expected)
         assert turn.prompt_token_ids == record["prompt_token_ids"]
-    assert _agent_processes() == []
+    assert _agent_processes_after_teardown() == []
     assert stack.admin.delete(f"/sessions/{session_id}").status_code in (200, 204)
     assert stack.get("/sessions")["sessions"] == []
 
@@ -164,6 +164,15 @@ async def _run_in_local_sandbox(
     finally:
         await backend.aclose()
     return run, outcome.reward
+
+
+def _agent_processes_after_teardown(timeout_s: float = 5.0) -> list[str]:
+    """Agent processes still alive once the kernel has had ``timeout_s`` to finish tearing the sandbox's
+    namespace down (its members die at once; the host-side ``nsenter`` parents exit a moment later)."""
+    deadline = time.monotonic() + timeout_s
+    while (left := _agent_processes()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
 
 
 def _agent_processes() -> list[str]:
