@@ -101,6 +101,10 @@ class LocalSessionFactory:
         self._sessions.add(session)
         return session
 
+    async def acreate(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> LocalSession:
+        """``create`` for a caller on another event loop (the trainer's scheduler): nothing blocks."""
+        return self.create(task, seed=seed, episode_id=episode_id)
+
     def close(self) -> None:
         if self._closed:
             return
@@ -155,6 +159,27 @@ class LocalSession:
 
     def verify(self, completion: list[dict[str, Any]] | None = None, final_state: Any = None) -> VerifyResult:
         return verify_result(self.result)
+
+    async def wait(self, timeout_s: float | None = None) -> int:
+        """``wait_for_completion`` without blocking the caller's event loop."""
+        running = asyncio.wrap_future(self.future)
+        done, _ = await asyncio.wait({running}, timeout=timeout_s)
+        if not done:
+            self.factory._loop.call_soon_threadsafe(self.stop.set)
+            await running
+            self.timed_out = True
+            raise TimeoutError("agent timed out; its captured turns stay trainable")
+        self.timed_out = self.result.timed_out
+        return exit_code_of(self.result)
+
+    async def afetch_training_trace(self) -> TrainingTrace:
+        return trace_of(await asyncio.wrap_future(self.future))
+
+    async def averify(self, completion: list[dict[str, Any]] | None = None) -> VerifyResult:
+        return verify_result(await asyncio.wrap_future(self.future))
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.close)
 
     def close(self) -> None:
         if not self.future.done():

@@ -4,8 +4,9 @@
 is stopped, its captured turns stay trainable and ``timed_out`` is set; raises :class:`RolloutUnscorable`
 when the sandbox or agent install failed); ``fetch_training_trace()`` → the validated
 :class:`~harness_trainer.trace.TrainingTrace`; ``verify(completion)`` → :class:`VerifyResult` with the
-task verifier's reward (None = ungraded); ``close()`` (idempotent). Async twins: ``await session.wait()``,
-``await session.afetch_training_trace()``, ``await session.aclose()``.
+task verifier's reward (None = ungraded); ``close()`` (idempotent). The in-process sessions also have
+async twins, which the trainer uses when a factory has a coroutine ``acreate``: ``await session.wait()``,
+``await session.afetch_training_trace()``, ``await session.averify()``, ``await session.aclose()``.
 """
 
 from __future__ import annotations

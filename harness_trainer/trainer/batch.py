@@ -1,0 +1,113 @@
+"""One step's training data from finished groups: advantages, rows, per-rollout weights, and the metrics.
+
+Pure functions (no torch). A group with fewer than two scored members gives no signal and is dropped;
+each scored rollout gets one advantage, broadcast to all its rows; rollouts whose advantage is exactly 0
+carry no policy gradient and are left out when nothing else (a KL term) needs their tokens. Each kept
+rollout weighs ``1 / (N_r · R)`` per trained token (``N_r`` its trained tokens, ``R`` the kept rollouts),
+so a rollout that split into many rows counts once, and micro-batch losses simply add up.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from harness_trainer.trainer.advantages import group_advantages, scored
+from harness_trainer.trainer.rows import Row
+from harness_trainer.trainer.scheduling import Group, Rollout
+
+
+@dataclass
+class StepBatch:
+    """What one optimizer step trains on."""
+
+    rows: list[Row] = field(default_factory=list)
+    advantages: dict[int, float] = field(default_factory=dict)
+    weights: dict[int, float] = field(default_factory=dict)
+    rollouts: list[Rollout] = field(default_factory=list)
+    dropped_groups: int = 0
+
+    @property
+    def trained_tokens(self) -> int:
+        return sum(row.n_targets for row in self.rows)
+
+
+def assemble(groups: Sequence[Group], *, advantage_epsilon: float, keep_zero_advantage: bool) -> StepBatch:
+    """Score the groups and lay their rollouts out as rows with advantages and weights."""
+    batch = StepBatch()
+    kept: list[tuple[Rollout, float]] = []
+    for group in groups:
+        rewards = [r.reward if r.scored else None for r in group.rollouts]
+        if scored(rewards) < 2:
+            batch.dropped_groups += 1
+            continue
+        for rollout, advantage in zip(
+            group.rollouts, group_advantages(rewards, advantage_epsilon), strict=True
+        ):
+            if advantage is None or not rollout.rows:
+                continue
+            if advantage == 0.0 and not keep_zero_advantage:
+                continue
+            kept.append((rollout, advantage))
+    trained = [(rollout, advantage, sum(r.n_targets for r in rollout.rows)) for rollout, advantage in kept]
+    trained = [item for item in trained if item[2] > 0]
+    for index, (rollout, advantage, n_targets) in enumerate(trained):
+        batch.rollouts.append(rollout)
+        batch.advantages[index] = advantage
+        batch.weights[index] = 1.0 / (n_targets * len(trained))
+        batch.rows.extend(replace(row, rollout=index) for row in rollout.rows)
+    return batch
+
+
+def _mean(values: Sequence[float]) -> float:
+    return statistics.fmean(values) if values else 0.0
+
+
+def rollout_metrics(
+    groups: Sequence[Group], *, policy_version: int, reward_name: str | None
+) -> dict[str, float]:
+    """TRL-named metrics of the step's groups (``reward``, ``reward_std``, ``tools/…``, ``completions/…``)
+    plus this trainer's own (``rollout/…``, ``rows/…``, ``staleness/…``)."""
+    rollouts = [r for g in groups for r in g.rollouts]
+    scored_rollouts = [r for r in rollouts if r.scored]
+    rewards = [r.reward for r in scored_rollouts if r.reward is not None]
+    group_stds = []
+    for group in groups:
+        values = [r.reward for r in group.scored if r.reward is not None]
+        if len(values) >= 2:
+            group_stds.append(statistics.stdev(values))
+    with_outcome = [r for r in rollouts if r.outcome is not None]
+    calls = sum(r.outcome.tool_call_count for r in with_outcome if r.outcome)
+    failures = sum(r.outcome.tool_failure_count for r in with_outcome if r.outcome)
+    lengths = [
+        sum(len(turn.completion_token_ids) for turn in r.trace.turns) for r in rollouts if r.trace is not None
+    ]
+    with_rows = [r for r in rollouts if r.rows]
+    env_rewards = [
+        r.outcome.env_reward for r in with_outcome if r.outcome and r.outcome.env_reward is not None
+    ]
+    metrics = {
+        "reward": _mean(rewards),
+        "reward_std": _mean(group_stds),
+        "frac_reward_zero_std": _mean([float(s == 0.0) for s in group_stds]),
+        "rewards/env_reward": _mean(env_rewards),
+        "tools/call_frequency": calls / len(with_outcome) if with_outcome else 0.0,
+        "tools/failure_frequency": failures / calls if calls else 0.0,
+        "completions/mean_length": _mean(lengths),
+        "completions/max_length": float(max(lengths, default=0)),
+        "completions/min_length": float(min(lengths, default=0)),
+        "num_turns": _mean([len(r.trace.turns) for r in rollouts if r.trace is not None]),
+        "rollout/count": float(len(rollouts)),
+        "rollout/unscorable": float(sum(r.unscorable is not None for r in rollouts)),
+        "rollout/ungraded": float(sum(r.unscorable is None and r.reward is None for r in rollouts)),
+        "rollout/timed_out_frac": _mean([float(r.timed_out) for r in rollouts]),
+        "rollout/seconds_mean": _mean([r.seconds for r in rollouts]),
+        "rows/per_rollout": _mean([len(r.rows) for r in with_rows]),
+        "rows/fork_frac": _mean([float(len(r.rows) > 1) for r in with_rows]),
+        "staleness/mean": _mean([policy_version - r.policy_version for r in rollouts]),
+        "staleness/max": float(max((policy_version - r.policy_version for r in rollouts), default=0)),
+    }
+    if reward_name:
+        metrics[f"rewards/{reward_name}"] = _mean(rewards)
+    return metrics

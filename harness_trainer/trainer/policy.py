@@ -1,0 +1,97 @@
+"""The trained policy: loading it (dtype, LoRA, gradient checkpointing), its reference, and its weights
+as the engine names them."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from harness_trainer.trainer.config import AsyncGRPOConfig
+from harness_trainer.trainer.logprobs import use_packed_attention
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_policy(model: str | nn.Module, config: AsyncGRPOConfig, peft_config: Any = None) -> nn.Module:
+    """The model to train: loaded from a path or name, or the module given; wrapped with LoRA when asked."""
+    if isinstance(model, str):
+        from transformers import AutoModelForCausalLM
+
+        kwargs = dict(config.model_init_kwargs or {})
+        if config.dtype != "auto":
+            kwargs.setdefault("dtype", _DTYPES[config.dtype])
+        model = AutoModelForCausalLM.from_pretrained(model, **kwargs)
+    # Rows are packed without padding; this attention runs each row's causal sdpa on its own (no T×T mask).
+    use_packed_attention(model)
+    if peft_config is None and config.use_peft:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(
+            r=config.lora_r,
+            lora_alpha=config.lora_alpha,
+            lora_dropout=config.lora_dropout,
+            target_modules=list(config.lora_target_modules),
+            task_type="CAUSAL_LM",
+        )
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "config"):
+            model.config.use_cache = False
+    if peft_config is not None:
+        try:
+            from peft import get_peft_model
+        except ImportError as exc:
+            raise ImportError("LoRA training needs peft: pip install 'harness-trainer[train]'") from exc
+        if config.gradient_checkpointing:
+            model.enable_input_require_grads()
+        model = get_peft_model(model, peft_config)
+    return model
+
+
+def is_peft(model: nn.Module) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
+
+
+def vocab_size(model: nn.Module) -> int:
+    return int(model.get_input_embeddings().num_embeddings)
+
+
+class Reference:
+    """The KL reference policy: the base model with the adapter off (LoRA), else a frozen copy."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._policy = model
+        self._copy: nn.Module | None = None
+        if not is_peft(model):
+            self._copy = copy.deepcopy(model).eval()
+            self._copy.requires_grad_(False)
+
+    @contextlib.contextmanager
+    def model(self) -> Iterator[nn.Module]:
+        if self._copy is not None:
+            yield self._copy
+            return
+        with self._policy.disable_adapter():
+            yield self._policy
+
+
+@torch.no_grad()
+def engine_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full weights under the base model's names: LoRA is merged into a copy, the module is unchanged."""
+    if not is_peft(model):
+        return {name: tensor.detach() for name, tensor in model.state_dict().items()}
+    model.merge_adapter()
+    try:
+        weights = {}
+        for name, tensor in model.get_base_model().state_dict().items():
+            if "lora_" in name:
+                continue
+            weights[name.replace(".base_layer.", ".")] = tensor.detach().clone()
+        return weights
+    finally:
+        model.unmerge_adapter()

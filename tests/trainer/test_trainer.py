@@ -1,0 +1,281 @@
+"""HarnessAsyncGRPOTrainer end to end on CPU with the tiny model and hand-made sessions."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from harness_trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
+from harness_trainer.trace import CaptureContractError
+from harness_trainer.trainer.outcome import RewardFunctionError
+from harness_trainer.trainer.trainer import WeightSyncError
+from tests.trainer.handmade import HandmadeFactory, chain_trace
+
+
+def config(tmp_path: Path, **overrides) -> AsyncGRPOConfig:
+    settings = dict(
+        output_dir=str(tmp_path / "out"), engine="none", num_generations=4, max_concurrent_rollouts=4,
+        max_steps=3, learning_rate=1e-3, disable_tqdm=True, seed=0, token_budget=64,
+    )  # fmt: skip
+    settings.update(overrides)
+    return AsyncGRPOConfig(**settings)
+
+
+def builder(factory: HandmadeFactory):
+    def build(sampling=None):
+        factory.sampling = sampling
+        return factory
+
+    return build
+
+
+def metrics_lines(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_short_run_trains_logs_checkpoints_and_closes_every_session(tmp_path, tiny_model_dir):
+    factory = HandmadeFactory()
+    trainer = HarnessAsyncGRPOTrainer(
+        str(tiny_model_dir), builder(factory), config(tmp_path, save_steps=2, temperature=0.7)
+    )
+    before = {
+        n: p.detach().clone()
+        for n, p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters()
+    }
+    output = trainer.train()
+    assert output.global_step == 3
+    assert factory.sampling == {"temperature": 0.7}
+    assert not factory.live and factory.closed == len(factory.created) and factory.factory_closed
+    lines = metrics_lines(tmp_path / "out")
+    assert [line["step"] for line in lines] == [1, 2, 3]
+    expected = (
+        "reward", "reward_std", "loss", "entropy", "clip_ratio", "is/ratio_mean", "is/capped_frac",
+        "tools/call_frequency", "completions/mean_length", "rows/per_rollout", "staleness/mean",
+        "rollout/unscorable", "rollout/timed_out_frac", "perf/step_s", "perf/tokens_per_s",
+    )  # fmt: skip
+    for key in expected:
+        assert key in lines[0], key
+    assert lines[0]["reward"] == pytest.approx(0.5)
+    assert lines[0]["tools/call_frequency"] == pytest.approx(2.0)
+    assert lines[0]["rows/per_rollout"] == 1.0
+    assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
+    changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p.detach(), before[n])]
+    assert changed
+
+
+def trained_weights(trainer: HarnessAsyncGRPOTrainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+def test_resume_continues_exactly_where_a_stopped_run_left(tmp_path, tiny_model_dir):
+    straight = HarnessAsyncGRPOTrainer(
+        str(tiny_model_dir), builder(HandmadeFactory()), config(tmp_path / "a", max_steps=6)
+    )
+    straight.train()
+    first = HarnessAsyncGRPOTrainer(
+        str(tiny_model_dir), builder(HandmadeFactory()), config(tmp_path / "b", max_steps=4)
+    )
+    first.train()
+    resumed = HarnessAsyncGRPOTrainer(
+        str(tiny_model_dir),
+        builder(HandmadeFactory()),
+        config(tmp_path / "b", max_steps=6, resume_from_checkpoint="latest"),
+    )
+    resumed.train()
+    assert straight.trained_groups == list(range(6))
+    assert first.trained_groups + resumed.trained_groups == list(range(6))
+    a, b = trained_weights(straight), trained_weights(resumed)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-6)
+    assert resumed.state.step == 6
+
+
+def completion_logprob(model, prompt: list[int], completion: list[int]) -> list[float]:
+    """Per-token logprobs of ``completion`` after ``prompt`` at temperature 1."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0, :-1].float().log_softmax(-1)
+    picked = logits.gather(-1, ids[0, 1:, None])[:, 0]
+    return picked[len(prompt) - 1 :].tolist()
+
+
+def test_parameters_move_the_way_the_advantages_ask(tmp_path, tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+
+    def on_policy(task: int, member: int) -> dict:
+        # Behaviour logprobs are the model's own, as an engine serving these weights would report them.
+        trace = chain_trace(task, member, turns=1)
+        turn = trace["turns"][0]
+        turn["per_token_logps"] = completion_logprob(
+            model, turn["prompt_token_ids"], turn["completion_token_ids"]
+        )
+        return trace
+
+    factory = HandmadeFactory(num_tasks=1, reward=lambda task, member: float(member == 1), trace=on_policy)
+    prompt, good, bad = [10, 11, 12], [101, 200, 301], [100, 200, 300]
+    before = completion_logprob(model, prompt, good)[0], completion_logprob(model, prompt, bad)[0]
+    trainer = HarnessAsyncGRPOTrainer(
+        model, builder(factory), config(tmp_path, num_generations=2, max_steps=1, learning_rate=1e-4)
+    )
+    trainer.train()
+    after = completion_logprob(model, prompt, good)[0], completion_logprob(model, prompt, bad)[0]
+    assert after[0] > before[0] and after[1] < before[1]
+
+
+def test_a_reward_function_that_raises_makes_rollouts_unscorable_and_counts_them(
+    tmp_path, tiny_model_dir, caplog
+):
+    def flaky(outcome):
+        if outcome.env_reward == 0.0 and outcome.trace[0]["completion_token_ids"][0] == 102:
+            raise ValueError("flaky reward")
+        return outcome.env_reward
+
+    trainer = HarnessAsyncGRPOTrainer(
+        str(tiny_model_dir),
+        builder(HandmadeFactory()),
+        config(tmp_path, max_steps=2),
+        rollout_reward_fn=flaky,
+    )
+    trainer.train()
+    lines = metrics_lines(tmp_path / "out")
+    assert all(line["rollout/unscorable"] == 1 for line in lines)
+    assert lines[-1]["rollout/unscorable_total"] == 2
+    assert "rewards/flaky" in lines[0]
+    assert sum("Traceback" in record.getMessage() for record in caplog.records) == 1
+
+
+def test_a_nan_reward_stops_training_with_an_error_naming_the_function(tmp_path, tiny_model_dir):
+    factory = HandmadeFactory()
+
+    def nan_reward(outcome):
+        return math.nan
+
+    trainer = HarnessAsyncGRPOTrainer(
+        str(tiny_model_dir), builder(factory), config(tmp_path), rollout_reward_fn=nan_reward
+    )
+    with pytest.raises(RewardFunctionError, match="nan_reward"):
+        trainer.train()
+    assert not factory.live and factory.factory_closed
+
+
+def test_a_malformed_capture_stops_training_after_closing_every_session(tmp_path, tiny_model_dir):
+    factory = HandmadeFactory(malformed=lambda n: n == 6, hang=lambda n: n > 6)
+    trainer = HarnessAsyncGRPOTrainer(str(tiny_model_dir), builder(factory), config(tmp_path, max_steps=5))
+    with pytest.raises(CaptureContractError, match="hand-6"):
+        trainer.train()
+    assert not factory.live and factory.closed == len(factory.created)
+
+
+def test_an_engine_that_is_down_at_a_weight_push_stops_the_run_with_a_checkpoint(tmp_path, tiny_model_dir):
+    from harness_trainer.demo import free_port
+
+    factory = HandmadeFactory()
+    settings = config(
+        tmp_path, engine="dev", vllm_server_base_url=f"http://127.0.0.1:{free_port()}", weight_sync_retries=2
+    )
+    trainer = HarnessAsyncGRPOTrainer(str(tiny_model_dir), builder(factory), settings)
+    with pytest.raises(WeightSyncError, match="checkpoint of step 1"):
+        trainer.train()
+    assert (tmp_path / "out" / "checkpoint-1" / "trainer_state.json").exists()
+    assert not factory.live
+
+
+def test_a_stop_in_the_middle_of_a_group_closes_everything_and_keeps_the_last_step(tmp_path, tiny_model_dir):
+    factory = HandmadeFactory(hang=lambda n: n >= 10)
+    trainer = HarnessAsyncGRPOTrainer(str(tiny_model_dir), builder(factory), config(tmp_path, max_steps=50))
+    runner = threading.Thread(target=trainer.train)
+    runner.start()
+    deadline = time.monotonic() + 120
+    while not (trainer.state.step >= 2 and len(factory.live) >= 2) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    trainer.stop()
+    runner.join(60)
+    assert not runner.is_alive()
+    assert trainer.state.step == 2
+    assert not factory.live and factory.closed == len(factory.created)
+    assert (tmp_path / "out" / "checkpoint-2").exists()
+
+
+def test_sessions_from_openenv_models_are_accepted(tmp_path, tiny_model_dir):
+    pytest.importorskip("openenv")
+    factory = HandmadeFactory(openenv=True)
+    trainer = HarnessAsyncGRPOTrainer(str(tiny_model_dir), builder(factory), config(tmp_path, max_steps=1))
+    trainer.train()
+    assert metrics_lines(tmp_path / "out")[0]["reward"] == pytest.approx(0.5)
+
+
+def test_lora_with_a_kl_term_trains_only_the_adapter(tmp_path, tiny_model_dir):
+    pytest.importorskip("peft")
+    trainer = HarnessAsyncGRPOTrainer(
+        str(tiny_model_dir),
+        builder(HandmadeFactory()),
+        config(tmp_path, use_peft=True, beta=0.1, max_steps=2),
+    )
+    trainer.train()
+    trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    saved = {p.name for p in (tmp_path / "out" / "checkpoint-2" / "model").iterdir()}
+    assert "adapter_model.safetensors" in saved
+    assert metrics_lines(tmp_path / "out")[-1]["kl"] >= 0.0
+
+
+def test_partial_factory_builders_get_the_trainers_sampling_policy(tmp_path, tiny_model_dir):
+    made = {}
+
+    def make_factory(label, *, sampling):
+        made.update(label=label, sampling=sampling)
+        return HandmadeFactory(sampling=sampling)
+
+    trainer = HarnessAsyncGRPOTrainer(
+        str(tiny_model_dir), partial(make_factory, "x"), config(tmp_path, max_steps=1, temperature=0.9)
+    )
+    trainer.train()
+    assert made == {"label": "x", "sampling": {"temperature": 0.9}}
+
+
+def test_sigterm_writes_a_checkpoint_and_closes_every_session_then_resume_continues(tmp_path, tiny_model_dir):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.trainer.sigterm_run", str(tiny_model_dir), str(out)],
+        cwd=Path(__file__).resolve().parents[2],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            metrics = out / "metrics.jsonl"
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+                break
+            time.sleep(0.2)
+        time.sleep(1.0)  # the third group's sessions are hanging now
+        process.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        assert process.wait(timeout=60) == 0
+        assert time.monotonic() - started < 30
+    finally:
+        if process.poll() is None:
+            process.kill()
+    summary = json.loads((out / "sessions.json").read_text())
+    assert summary["step"] == 2
+    assert summary["live"] == 0 and summary["closed"] == summary["created"] and summary["factory_closed"]
+    assert (out / f"checkpoint-{summary['step']}" / "trainer_state.json").exists()
+    resumed = HarnessAsyncGRPOTrainer(
+        str(tiny_model_dir),
+        builder(HandmadeFactory()),
+        config(tmp_path, max_steps=summary["step"] + 1, resume_from_checkpoint="latest"),
+    )
+    resumed.train()
+    assert resumed.trained_groups == [summary["step"]]

@@ -1,0 +1,35 @@
+"""The trainer on real rollouts: the in-process factory, local sandboxes, the toy agent, a dev engine that
+takes the trainer's weights."""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+
+import httpx
+
+from harness_trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer, LocalSessionFactory
+from harness_trainer.tasks.sources import LocalTaskSource
+from tests.rollouts.conftest import EXAMPLES, bash_call, live_sandbox_processes, scripted_engine  # noqa: F401
+
+SOLVE = [bash_call("printf 'Hello, Harbor!\\n' > /app/hello.txt"), {"content": "Done."}]
+GIVE_UP = [{"content": "I cannot do this."}]
+
+
+def test_training_on_real_rollouts_pushes_weights_to_the_engine(scripted_engine, tiny_model_dir, tmp_path):  # noqa: F811
+    engine = scripted_engine((SOLVE + GIVE_UP) * 6)
+    rows = [r for r in LocalTaskSource(EXAMPLES).prompt_rows("train") if r["task_name"] == "hello-file"]
+    config = AsyncGRPOConfig(
+        output_dir=str(tmp_path / "out"), engine="dev", vllm_server_base_url=engine.url, num_generations=2,
+        max_concurrent_rollouts=1, max_staleness=0, max_steps=2, learning_rate=1e-4, disable_tqdm=True,
+        agent_timeout=120, token_budget=4096,
+    )  # fmt: skip
+    builder = partial(LocalSessionFactory, str(EXAMPLES), upstream=engine.url, split="train", harness="toy")
+    trainer = HarnessAsyncGRPOTrainer(str(tiny_model_dir), builder, config, train_dataset=rows)
+    trainer.train()
+    lines = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [line["reward"] for line in lines] == [0.5, 0.5]
+    assert all(line["reward_std"] > 0 and line["loss"] != 0 for line in lines)
+    assert lines[0]["tools/call_frequency"] == 0.5
+    assert httpx.get(f"{engine.url}/weight_version").json()["weight_version"] == 2
+    assert live_sandbox_processes() == []

@@ -1,0 +1,52 @@
+"""The trainer pushing weights to vLLM: the control sequence of every step, against the loopback fake."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import torch
+
+from harness_trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
+from harness_trainer.engines import RetryPolicy, VLLMEngine
+from tests.engines.conftest import bound_socket, serve
+from tests.engines.fake_vllm_control import FakeTransport, FakeVLLM
+from tests.trainer.handmade import HandmadeFactory
+
+
+def serve_in_thread(fake: FakeVLLM) -> tuple[str, asyncio.AbstractEventLoop, threading.Thread]:
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    sock = bound_socket()
+    runner = asyncio.run_coroutine_threadsafe(serve(fake.app(), sock), loop).result(10)
+    loop.runner = runner  # type: ignore[attr-defined]
+    return f"http://127.0.0.1:{sock.getsockname()[1]}", loop, thread
+
+
+def test_each_step_pushes_the_full_weights_through_vllms_control_sequence(tmp_path, tiny_model_dir):
+    fake = FakeVLLM(generation_s=0.0)
+    url, loop, thread = serve_in_thread(fake)
+    try:
+        transport = FakeTransport(fake)
+        engine = VLLMEngine(url, weight_sync=transport, retry=RetryPolicy(attempts=2, backoff_s=0.01))
+        config = AsyncGRPOConfig(
+            output_dir=str(tmp_path / "out"), engine="vllm", vllm_server_base_url=url, num_generations=2,
+            max_concurrent_rollouts=2, max_steps=2, learning_rate=1e-4, disable_tqdm=True, token_budget=64,
+        )  # fmt: skip
+        trainer = HarnessAsyncGRPOTrainer(
+            str(tiny_model_dir), lambda sampling: HandmadeFactory(), config, engine=engine
+        )
+        trainer.train()
+    finally:
+        asyncio.run_coroutine_threadsafe(loop.runner.cleanup(), loop).result(10)  # type: ignore[attr-defined]
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+    updates = [c for c in fake.calls if c.route == "POST /finish_weight_update"]
+    assert [c.body["weight_version"] for c in updates] == ["1", "2"]
+    assert all(transport.sent_while_update_in_flight) and len(transport.sent) == 2
+    final = {name: p.detach() for name, p in trainer.model.state_dict().items()}
+    for name, tensor in transport.sent[-1].items():
+        torch.testing.assert_close(tensor, final[name])
+    assert set(transport.sent[-1]) == set(final)
+    assert trainer.state.policy_version == 2
