@@ -105,8 +105,8 @@ def rollout_metrics(
         "rollout/seconds_mean": _mean([r.seconds for r in rollouts]),
         "rows/per_rollout": _mean([len(r.rows) for r in with_rows]),
         "rows/fork_frac": _mean([float(len(r.rows) > 1) for r in with_rows]),
-        "staleness/mean": _mean([policy_version - r.policy_version for r in rollouts]),
-        "staleness/max": float(max((policy_version - r.policy_version for r in rollouts), default=0)),
+        "staleness/mean": _mean([policy_version - r.policy_version for r in scored_rollouts]),
+        "staleness/max": float(max((policy_version - r.policy_version for r in scored_rollouts), default=0)),
     }
     if reward_name:
         metrics[f"rewards/{reward_name}"] = _mean(rewards)

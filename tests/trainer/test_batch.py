@@ -1,0 +1,58 @@
+"""A step's batch from finished groups: dropped groups, advantages on rows, per-rollout weights, metrics."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness_trainer.trace import load_trace
+from harness_trainer.trainer.batch import assemble, rollout_metrics
+from harness_trainer.trainer.rows import build_rows
+from harness_trainer.trainer.scheduling import Group, Rollout
+from tests.trainer.handmade import chain_trace
+
+
+def rollout(group: int, member: int, reward: float | None, *, turns: int = 2, unscorable: str | None = None):
+    trace = load_trace(chain_trace(group, member, turns=turns))
+    r = Rollout(group, member, reward=reward, trace=trace, unscorable=unscorable)
+    r.rows = [] if unscorable else build_rows(trace)
+    return r
+
+
+def test_groups_with_fewer_than_two_scored_members_are_dropped() -> None:
+    lonely = Group(0, {}, 0, [rollout(0, 0, 1.0), rollout(0, 1, None, unscorable="sandbox")])
+    fine = Group(1, {}, 1, [rollout(1, 0, 1.0), rollout(1, 1, 0.0), rollout(1, 2, None)])
+    batch = assemble([lonely, fine], advantage_epsilon=1e-4, keep_zero_advantage=False)
+    assert batch.dropped_groups == 1
+    assert len(batch.rollouts) == 2
+    assert batch.advantages[0] == pytest.approx(0.5 / (2**0.5 / 2 + 1e-4))
+    assert batch.advantages[0] == pytest.approx(-batch.advantages[1])
+
+
+def test_weights_make_every_rollout_count_once_however_many_tokens_it_has() -> None:
+    group = Group(0, {}, 0, [rollout(0, 0, 1.0, turns=1), rollout(0, 1, 0.0, turns=3)])
+    batch = assemble([group], advantage_epsilon=1e-4, keep_zero_advantage=False)
+    per_rollout = {}
+    for row in batch.rows:
+        per_rollout[row.rollout] = (
+            per_rollout.get(row.rollout, 0.0) + row.n_targets * batch.weights[row.rollout]
+        )
+    assert per_rollout == pytest.approx({0: 0.5, 1: 0.5})
+
+
+def test_zero_advantage_rollouts_are_left_out_unless_a_kl_term_needs_them() -> None:
+    group = Group(0, {}, 0, [rollout(0, 0, 1.0), rollout(0, 1, 1.0)])
+    assert not assemble([group], advantage_epsilon=1e-4, keep_zero_advantage=False).rows
+    kept = assemble([group], advantage_epsilon=1e-4, keep_zero_advantage=True)
+    assert len(kept.rollouts) == 2 and set(kept.advantages.values()) == {0.0}
+
+
+def test_metrics_count_failures_and_staleness() -> None:
+    members = [rollout(0, 0, 1.0), rollout(0, 1, 0.0), rollout(0, 2, None, unscorable="x")]
+    members[0].policy_version, members[1].policy_version = 3, 2
+    members[1].timed_out = True
+    metrics = rollout_metrics([Group(0, {}, 0, members)], policy_version=3, reward_name="fn")
+    assert metrics["reward"] == 0.5 and metrics["rewards/fn"] == 0.5
+    assert metrics["rollout/unscorable"] == 1.0
+    assert metrics["rollout/timed_out_frac"] == pytest.approx(1 / 3)
+    assert metrics["staleness/mean"] == 0.5 and metrics["staleness/max"] == 1.0  # scored members only
+    assert metrics["completions/mean_length"] == 6.0
