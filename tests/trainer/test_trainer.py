@@ -279,3 +279,33 @@ def test_sigterm_writes_a_checkpoint_and_closes_every_session_then_resume_contin
     )
     resumed.train()
     assert resumed.trained_groups == [summary["step"]]
+
+
+def test_a_trace_with_an_out_of_vocabulary_id_stops_training_naming_it(tmp_path, tiny_model_dir):
+    def too_big(task: int, member: int) -> dict:
+        trace = chain_trace(task, member)
+        trace["turns"][1]["completion_token_ids"][1] = 999_999
+        return trace
+
+    factory = HandmadeFactory(trace=too_big)
+    trainer = HarnessAsyncGRPOTrainer(str(tiny_model_dir), builder(factory), config(tmp_path))
+    with pytest.raises(CaptureContractError, match="999999") as raised:
+        trainer.train()
+    assert raised.value.rules == ["out_of_vocabulary"] and raised.value.node_id == "n1"
+    assert not factory.live and factory.factory_closed
+
+
+def test_metrics_reach_tensorboard_through_report_to(tmp_path, tiny_model_dir):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trainer = HarnessAsyncGRPOTrainer(
+        str(tiny_model_dir),
+        builder(HandmadeFactory()),
+        config(tmp_path, max_steps=2, report_to="tensorboard"),
+    )
+    trainer.train()
+    (run,) = (tmp_path / "out" / "runs").iterdir()
+    events = EventAccumulator(str(run))
+    events.Reload()
+    assert [event.step for event in events.Scalars("reward")] == [1, 2]
