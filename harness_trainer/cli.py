@@ -137,6 +137,12 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dev(args: argparse.Namespace) -> int:
+    from harness_trainer.devloop.run import run_dev
+
+    return run_dev(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="harness-trainer", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -208,6 +214,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="open sessions at most (default $MAX_CONCURRENT_ENVS or 8)",
     )
     serve.set_defaults(func=_serve)
+
+    from harness_trainer.devloop.run import add_dev_arguments
+
+    dev = sub.add_parser(
+        "dev", help="the local dev loop: tiny model, dev engine, a real agent in local sandboxes, GRPO"
+    )
+    add_dev_arguments(dev)
+    dev.set_defaults(func=_dev)
+
+    from harness_trainer.plots import add_plot_arguments, run_plot
+    from harness_trainer.viewer import add_view_arguments, run_view
+
+    view = sub.add_parser("view", help="write a run's static HTML trace viewer (one file, no server)")
+    add_view_arguments(view)
+    view.set_defaults(func=run_view)
+    plot = sub.add_parser("plot", help="draw a run's reward / length / tool-call / loss curves as a PNG")
+    add_plot_arguments(plot)
+    plot.set_defaults(func=run_plot)
     return parser
 
 

@@ -1,0 +1,333 @@
+"""A static trace viewer: one self-contained HTML file of a run's last steps, token by token.
+
+:func:`build_viewer` reads ``run_dir/rollouts.jsonl`` (and ``metrics.jsonl`` when there is one) and writes
+one HTML file with inline CSS and JS, no network and no server: a metrics table per shown step, then each
+step's groups and rollouts (task, reward, advantage, verifier reward, timeout, unscorable reason, tool
+calls, failures, timings, findings), and each rollout's turns with every token coloured by its role:
+
+    trained    a completion token with loss mask 1 (rows.py trains each of them exactly once)
+    context    a prompt token: input only
+    auxiliary  a completion token of a turn whose completion is all mask 0 (title generation, side calls)
+    discarded  a completion token with mask 0 in a turn that has trained tokens
+
+A turn's prompt starts with what an earlier turn already showed (its parent's full sequence, or a
+sibling's prompt); that shared part is not repeated, so each rollout's tokens appear about once. Hovering a
+token shows its id and its behaviour logprob. Turns are collapsed; only the last ``max_steps_shown`` steps
+are included, and traces only until ``max_tokens_shown`` tokens are on the page (newest step first), so a
+long run gives a file of bounded size.
+
+Importing this module loads no pydantic, jinja, transformers or torch (the CLI builds its parser with
+:func:`add_view_arguments`); they are imported when a viewer is built.
+
+Everything from the run is untrusted text (task names, findings, token text): it is escaped, and the page
+carries a Content-Security-Policy that allows only its own inline script, as a second wall.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import html
+import json
+import math
+import os
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from harness_trainer.trainer.reporting import METRICS_FILE
+
+if TYPE_CHECKING:
+    from harness_trainer.trace import TrainingTrace, TrainingTurn
+    from harness_trainer.trainer.rollout_log import RolloutRecord
+
+VIEWER_FILE = "viewer.html"
+TEMPLATE = "viewer_template.html.jinja"
+ROLES = ("trained", "context", "auxiliary", "discarded")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+STEP_METRICS = (
+    "reward", "reward_std", "rewards/env_reward", "loss", "kl", "entropy", "clip_ratio", "grad_norm",
+    "completions/mean_length", "tools/call_frequency", "tools/failure_frequency", "rollout/unscorable",
+    "rollout/timed_out_frac", "rollout/dropped_groups", "staleness/mean", "perf/step_s",
+)  # fmt: skip
+"""Metrics of ``metrics.jsonl`` shown in the per-step table, when logged."""
+_SCRIPT = (  # marks the page as scripted (CSS shows the buttons then), and wires the buttons
+    "document.body.classList.add('js');"
+    "for (const [id, open] of [['expand', true], ['collapse', false]]) {"
+    "document.getElementById(id).addEventListener('click', () => {"
+    "for (const d of document.querySelectorAll('details.turn, details.trace')) d.open = open; }); }"
+)
+
+
+@dataclass
+class TurnView:
+    index: int
+    node_id: str
+    tokens: str
+    """The turn's shown tokens as HTML spans, escaped here."""
+    roles: Counter[str]
+    shared: int
+    """Leading prompt tokens not shown again: the same as in turn ``shared_with``."""
+    shared_with: int | None
+    finish_reason: str | None
+
+
+@dataclass
+class RolloutView:
+    record: RolloutRecord
+    turns: list[TurnView] = field(default_factory=list)
+    """Empty when the trace is left out (the page's token budget was spent) or there is none."""
+    roles: Counter[str] = field(default_factory=Counter)
+    rows: int = 0
+    turn_count: int = 0
+    completion_tokens: int = 0
+    left_out: bool = False
+
+
+@dataclass
+class GroupView:
+    index: int
+    task_name: str | None
+    task_index: int | None
+    rollouts: list[RolloutView]
+
+
+@dataclass
+class StepView:
+    step: int
+    metrics: dict[str, Any] | None
+    groups: list[GroupView]
+
+
+def build_viewer(
+    run_dir: str | os.PathLike[str],
+    *,
+    tokenizer_dir: str | os.PathLike[str] | None,
+    out: str | os.PathLike[str] | None = None,
+    max_steps_shown: int = 20,
+    max_tokens_shown: int = 1_000_000,
+) -> Path:
+    """Write the viewer of ``run_dir`` (default ``run_dir/viewer.html``) and return its path.
+
+    ``tokenizer_dir`` decodes each token on its own (``transformers.AutoTokenizer``); without one, a token
+    shows as ``⟨id⟩``. Traces are rendered newest step first until ``max_tokens_shown`` tokens are on the
+    page (about 40 bytes each); the rest are left out with a note, their rollouts still in the tables.
+
+    Raises:
+        FileNotFoundError: the run has no ``rollouts.jsonl``.
+        ValueError: ``max_steps_shown`` < 1 or ``max_tokens_shown`` < 0, or a malformed line in the run's
+            files (named by file and line).
+        OSError: the tokenizer cannot be loaded.
+    """
+    from harness_trainer.plots import read_metrics
+    from harness_trainer.trainer.rollout_log import ROLLOUTS_FILE, read_rollout_log
+
+    if max_steps_shown < 1 or max_tokens_shown < 0:
+        raise ValueError(
+            f"max_steps_shown must be at least 1 and max_tokens_shown at least 0, got {max_steps_shown} and "
+            f"{max_tokens_shown}"
+        )
+    run = Path(run_dir)
+    if not (run / ROLLOUTS_FILE).is_file():
+        raise FileNotFoundError(f"{run} has no {ROLLOUTS_FILE}: it is written by a training run")
+    records = read_rollout_log(run, last_steps=max_steps_shown, validate_traces=False)
+    metrics = {line["step"]: line for line in read_metrics(run)} if (run / METRICS_FILE).is_file() else {}
+    steps = _steps(records, metrics, _TokenText(tokenizer_dir), max_tokens_shown)
+    totals: Counter[str] = Counter()
+    for step in steps:
+        for group in step.groups:
+            for rollout in group.rollouts:
+                totals.update(rollout.roles)
+    page = _template().render(
+        run_name=run.resolve().name,
+        steps=steps,
+        metric_names=[n for n in STEP_METRICS if any(s.metrics and n in s.metrics for s in steps)],
+        totals=totals,
+        roles=ROLES,
+        tokenizer=str(tokenizer_dir) if tokenizer_dir is not None else None,
+        max_steps_shown=max_steps_shown,
+        max_tokens_shown=max_tokens_shown,
+        script=_SCRIPT,
+        script_hash=base64.b64encode(hashlib.sha256(_SCRIPT.encode()).digest()).decode(),
+    )
+    target = Path(out) if out is not None else run / VIEWER_FILE
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(page, encoding="utf-8")
+    return target
+
+
+def _steps(
+    records: list[RolloutRecord], metrics: dict[int, dict[str, Any]], text: _TokenText, budget: int
+) -> list[StepView]:
+    """Newest step first; groups and members in the order they were logged; traces rendered while the
+    token ``budget`` lasts."""
+    by_step: dict[int, dict[int, GroupView]] = {}
+    for record in sorted(records, key=lambda r: -r.step):  # stable: the logged order within a step
+        groups = by_step.setdefault(record.step, {})
+        group = groups.get(record.group)
+        if group is None:
+            group = groups[record.group] = GroupView(record.group, record.task_name, record.task_index, [])
+        view = _rollout(record, text if budget > 0 else None)
+        budget -= view.roles.total()
+        group.rollouts.append(view)
+    return [StepView(step, metrics.get(step), list(groups.values())) for step, groups in by_step.items()]
+
+
+def _rollout(record: RolloutRecord, text: _TokenText | None) -> RolloutView:
+    """The rollout's view, its turns rendered unless ``text`` is None (the budget is spent)."""
+    from harness_trainer.trainer.rows import build_rows
+
+    view = RolloutView(record)
+    trace = record.trace
+    if trace is None:
+        return view
+    view.turn_count = len(trace.turns)
+    view.completion_tokens = sum(len(turn.completion_token_ids) for turn in trace.turns)
+    if text is None:
+        view.left_out = True
+        return view
+    view.rows = len(build_rows(trace))
+    for index, turn in enumerate(trace.turns):
+        shared_with, shared = _shared_prefix(trace, index)
+        tokens, roles = _tokens(turn, shared, text)
+        finish = (((turn.response.get("choices") or [{}])[0]) or {}).get("finish_reason")
+        view.turns.append(TurnView(index, turn.node_id, tokens, roles, shared, shared_with, finish))
+        view.roles.update(roles)
+    return view
+
+
+def _shared_prefix(trace: TrainingTrace, index: int) -> tuple[int | None, int]:
+    """The longest start of turn ``index``'s prompt already shown by an earlier turn: that turn's full
+    sequence (its parent, found first in an append-only history) or its prompt (a sibling)."""
+    prompt = trace.turns[index].prompt_token_ids
+    best: tuple[int | None, int] = (None, 0)
+    for earlier in range(index - 1, -1, -1):
+        other = trace.turns[earlier]
+        start = len(other.prompt_token_ids)
+        end = start + len(other.completion_token_ids)
+        if start > len(prompt) or prompt[:start] != other.prompt_token_ids:
+            continue
+        if end <= len(prompt) and prompt[start:end] == other.completion_token_ids:
+            if end > best[1]:
+                best = (earlier, end)
+            if earlier == index - 1:  # the previous call is the parent: the usual case, nothing longer
+                break
+        elif start > best[1]:
+            best = (earlier, start)
+    return best
+
+
+def _tokens(turn: TrainingTurn, shared: int, text: _TokenText) -> tuple[str, Counter[str]]:
+    prompt, completion = turn.prompt_token_ids, turn.completion_token_ids
+    mask = turn.loss_mask[len(prompt) :]
+    auxiliary = bool(completion) and not any(mask)
+    roles: Counter[str] = Counter(context=len(prompt) - shared)
+    parts = [f'<span class="context" title="id {token}">{text[token]}</span>' for token in prompt[shared:]]
+    for token, logp, bit in zip(completion, turn.per_token_logps, mask, strict=True):
+        role = "auxiliary" if auxiliary else "trained" if bit else "discarded"
+        roles[role] += 1
+        parts.append(f'<span class="{role}" title="id {token}, logp {logp:.4f}">{text[token]}</span>')
+    return "".join(parts), roles
+
+
+class _TokenText(dict[int, str]):
+    """Escaped display text of each token id, decoded alone on first use, newlines marked; ``⟨id⟩`` without
+    a tokenizer or for an id it cannot decode."""
+
+    def __init__(self, tokenizer_dir: str | os.PathLike[str] | None) -> None:
+        super().__init__()
+        self._tokenizer: Any = None
+        if tokenizer_dir is not None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+
+    def __missing__(self, token: int) -> str:
+        piece = ""
+        if self._tokenizer is not None:
+            try:
+                piece = self._tokenizer.decode([token])
+            # Slow tokenizers raise on an id past their vocabulary, fast ones give "": both show the id.
+            except (IndexError, KeyError, ValueError, OverflowError):
+                piece = ""
+        text = html.escape(piece).replace("\n", "↵\n") if piece else f"⟨{token}⟩"
+        self[token] = text
+        return text
+
+
+def _number(value: Any) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "—"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return str(value)
+    return f"{value:.4g}"
+
+
+def _finding(value: dict[str, Any] | str) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, sort_keys=True)
+
+
+def _template() -> Any:
+    import jinja2
+
+    source = resources.files("harness_trainer").joinpath(TEMPLATE).read_text(encoding="utf-8")
+    environment = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
+    environment.filters.update(num=_number, finding=_finding)
+    return environment.from_string(source)
+
+
+def default_tokenizer_dir(run_dir: str | os.PathLike[str]) -> Path | None:
+    """The newest ``checkpoint-*/model`` of the run that holds tokenizer files, or None."""
+    from harness_trainer.trainer.checkpoint import CHECKPOINT_PREFIX, MODEL_DIR  # imports torch: only here
+
+    candidates = []
+    for path in Path(run_dir).glob(f"{CHECKPOINT_PREFIX}*/{MODEL_DIR}"):
+        step = path.parent.name.removeprefix(CHECKPOINT_PREFIX)
+        if step.isdigit() and any((path / name).is_file() for name in TOKENIZER_FILES):
+            candidates.append((int(step), path))
+    return max(candidates)[1] if candidates else None
+
+
+def add_view_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``harness-trainer view RUN_DIR [--tokenizer DIR] [-o FILE] [--steps N]
+    [--max-tokens N]``."""
+    parser.add_argument("run_dir", type=Path, help="a training run's output folder (holds rollouts.jsonl)")
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        help="tokenizer folder to decode tokens (default: the run's newest checkpoint-*/model with tokenizer "
+        "files; without one, tokens show as ⟨id⟩)",
+    )
+    parser.add_argument(
+        "-o", "--output", type=Path, default=None, help=f"HTML file to write (default: RUN_DIR/{VIEWER_FILE})"
+    )
+    parser.add_argument("--steps", type=int, default=20, help="how many of the last steps to include")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=1_000_000,
+        help="tokens rendered at most, newest steps first; later traces are left out (about 40 bytes each)",
+    )
+
+
+def run_view(args: argparse.Namespace) -> int:
+    """``harness-trainer view``: print the HTML file's path; 2 with a message when the run cannot be read."""
+    tokenizer = args.tokenizer if args.tokenizer is not None else default_tokenizer_dir(args.run_dir)
+    try:
+        path = build_viewer(
+            args.run_dir,
+            tokenizer_dir=tokenizer,
+            out=args.output,
+            max_steps_shown=args.steps,
+            max_tokens_shown=args.max_tokens,
+        )
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0

@@ -1,0 +1,311 @@
+"""The trace viewer: a run folder written by RolloutLog becomes one static HTML file, checked as text and as
+rendered by a real headless Chromium.
+
+Chromium is found on PATH (``chromium``, ``chromium-browser``, ``google-chrome``); without it the rendering
+tests skip, unless ``HT_REQUIRE_CHROMIUM=1`` (CI), where they fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness_trainer.rollouts.session import VerifyResult
+from harness_trainer.trace import TrainingTrace, load_trace
+from harness_trainer.trainer.outcome import build_outcome
+from harness_trainer.trainer.reporting import MetricsReporter
+from harness_trainer.trainer.rollout_log import RolloutLog, rollout_record
+from harness_trainer.trainer.rows import build_rows
+from harness_trainer.trainer.scheduling import Rollout
+from harness_trainer.viewer import (
+    VIEWER_FILE,
+    add_view_arguments,
+    build_viewer,
+    default_tokenizer_dir,
+    run_view,
+)
+from tests.trainer.handmade import chain_trace
+
+ATTACK = "<script>document.body.dataset.pwned='1'</script>"
+EVIL_TASK = f"fix-{ATTACK}"
+EVIL_FINDING = {"message": "</li><img src=x onerror=\"document.body.dataset.pwned='1'\">"}
+EVIL_REASON = "RolloutUnscorable: <b onmouseover=\"document.body.dataset.pwned='1'\">sandbox</b> gone"
+STEPS = (1, 2, 3)
+
+
+def rich_trace(tokenizer) -> tuple[TrainingTrace, dict[str, int]]:
+    """An agent turn, a title-generation turn (all mask 0) and a follow-up turn with a partial mask; with
+    the role counts the viewer should show (the follow-up's prompt repeats turn 0, which is not shown)."""
+    prompt = tokenizer.encode(
+        f"<|im_start|>user\n{ATTACK} Fix the failing test<|im_end|>\n<|im_start|>assistant\n"
+    )
+    answer = tokenizer.encode("I will run the tests first.<|im_end|>")
+    title_prompt = tokenizer.encode("<|im_start|>system\nGenerate a short title<|im_end|>\n")
+    title = tokenizer.encode("Fixing tests<|im_end|>")
+    tool = tokenizer.encode("\n<|im_start|>tool\n2 failed<|im_end|>\n")
+    edit = tokenizer.encode("Now edit the file.<|im_end|>")
+    follow = prompt + answer + tool
+    turns = [
+        turn("a", prompt, answer, [1] * len(answer)),
+        turn("title", title_prompt, title, [0] * len(title)),
+        turn("b", follow, edit, [1, 1, 1] + [0] * (len(edit) - 3)),
+    ]
+    roles = {
+        "trained": len(answer) + 3,
+        "context": len(prompt) + len(title_prompt) + len(tool),
+        "auxiliary": len(title),
+        "discarded": len(edit) - 3,
+    }
+    return load_trace({"turns": turns}), roles
+
+
+def turn(node_id: str, prompt: list[int], completion: list[int], mask: list[int]) -> dict:
+    return {
+        "node_id": node_id, "prompt_token_ids": prompt, "completion_token_ids": completion,
+        "per_token_logps": [-0.25] * len(completion), "loss_mask": [0] * len(prompt) + mask,
+        "response": {"choices": [{"finish_reason": "stop"}]},
+    }  # fmt: skip
+
+
+def rollout(group: int, member: int, trace: TrainingTrace, step: int) -> Rollout:
+    verify = VerifyResult(env_reward=0.75 * member, metrics={"phase_seconds": {"agent": 5.0}})
+    return Rollout(
+        group, member, policy_version=step - 1, reward=0.75 * member, trace=trace, rows=build_rows(trace),
+        outcome=build_outcome(trace, verify, timed_out=member == 2), timed_out=member == 2, seconds=6.5,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> tuple[Path, dict[str, int]]:
+    """Three steps; per step a group of 3 with the rich trace first, a group of 2 chain traces, and an
+    unscorable rollout; the role counts expected for one step."""
+    from transformers import AutoTokenizer
+
+    run_dir = tmp_path_factory.mktemp("run")
+    trace, expected = rich_trace(AutoTokenizer.from_pretrained(str(tiny_model_dir)))
+    expected = dict(expected)
+    with MetricsReporter(run_dir, "none") as reporter, RolloutLog(run_dir) as log:
+        for step in STEPS:
+            records = []
+            for group, members in ((0, 3), (1, 2)):
+                for member in range(members):
+                    used = trace if (group, member) == (0, 0) else load_trace(chain_trace(group, member))
+                    records.append(rollout_record(
+                        rollout(group, member, used, step), step=step,
+                        task_name=EVIL_TASK if group == 0 else "parse-config", task_index=group,
+                        advantage=None if member == 2 else member - 0.5, verify_metrics=None,
+                        findings=[EVIL_FINDING, "test_parse failed"] if member == 0 else None,
+                    ))  # fmt: skip
+            unscorable = Rollout(2, 0, unscorable=EVIL_REASON)
+            records.append(rollout_record(
+                unscorable, step=step, task_name="lint", task_index=2, advantage=None, verify_metrics=None,
+                findings=None,
+            ))  # fmt: skip
+            log.write(records)
+            reporter.log({"reward": 0.375, "reward_std": 0.5, "loss": 0.125 * step}, step)
+    # Four chain traces per step: each shows 6 trained tokens and 3 + 1 context ones (turn 1 repeats turn 0).
+    expected["trained"] += 4 * 6
+    expected["context"] += 4 * 4
+    return run_dir, expected
+
+
+def spans(page: str, role: str) -> int:
+    return page.count(f'<span class="{role}" title="id ')
+
+
+def test_every_token_is_shown_once_with_its_role(
+    run: tuple[Path, dict[str, int]], tiny_model_dir: Path
+) -> None:
+    run_dir, expected = run
+    page = build_viewer(run_dir, tokenizer_dir=tiny_model_dir).read_text()
+    for role, count in expected.items():
+        assert spans(page, role) == len(STEPS) * count, role
+        assert f'<span class="{role}">{role}</span> {len(STEPS) * count}' in page  # the legend's total
+    assert "⋯ 3 tokens as in turn 0 ⋯" not in page and "⋯ 6 tokens as in turn 0 ⋯" in page
+    assert '<span class="trained" title="id ' in page and ", logp -0.2500" in page
+
+
+def test_trained_tokens_are_those_the_rows_train(
+    run: tuple[Path, dict[str, int]], tiny_model_dir: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    trace, roles = rich_trace(AutoTokenizer.from_pretrained(str(tiny_model_dir)))
+    assert sum(row.n_targets for row in build_rows(trace)) == roles["trained"]
+
+
+def test_only_the_last_steps_are_included(run: tuple[Path, dict[str, int]], tmp_path: Path) -> None:
+    run_dir, _ = run
+    page = build_viewer(run_dir, tokenizer_dir=None, out=tmp_path / "v.html", max_steps_shown=2).read_text()
+    assert 'id="step-3"' in page and 'id="step-2"' in page and 'id="step-1"' not in page
+    assert page.index('id="step-3"') < page.index('id="step-2"')  # newest first, and only it open
+    assert '<details class="step" id="step-3" open>' in page and '<details class="step" id="step-2">' in page
+    assert page.count('<details class="turn">') == 2 * (3 + 4 * 2)  # every turn collapsed
+
+
+def test_traces_past_the_token_budget_are_left_out_newest_step_first(
+    run: tuple[Path, dict[str, int]], tmp_path: Path
+) -> None:
+    page = build_viewer(run[0], tokenizer_dir=None, out=tmp_path / "v.html", max_tokens_shown=1).read_text()
+    assert page.count('<details class="turn">') == 3  # the first rollout of step 3, the rich trace
+    assert page.count("(trace left out: the page already shows 1 tokens") == len(STEPS) * 5 - 1
+    assert page.count("(no trace captured)") == len(STEPS)  # the unscorable rollouts have none to leave out
+    assert page.count("<td>0.75</td>") == len(STEPS) * 2 * 2  # member 1s reward, env reward: in the tables
+
+
+def test_untrusted_text_is_escaped(run: tuple[Path, dict[str, int]], tiny_model_dir: Path) -> None:
+    run_dir, _ = run
+    page = build_viewer(run_dir, tokenizer_dir=tiny_model_dir).read_text()
+    assert page.count("<script") == 1  # the viewer's own
+    assert "<img" not in page and "<b " not in page
+    assert "task fix-&lt;script&gt;document.body.dataset.pwned=&#39;1&#39;&lt;/script&gt;" in page
+    assert "&lt;b onmouseover=&#34;document.body.dataset.pwned=&#39;1&#39;&#34;&gt;sandbox" in page
+    assert "onerror=\\&#34;document.body" in page  # the finding, as its JSON text
+
+
+def test_without_a_tokenizer_tokens_show_as_their_ids(
+    run: tuple[Path, dict[str, int]], tmp_path: Path
+) -> None:
+    page = build_viewer(run[0], tokenizer_dir=None, out=tmp_path / "ids.html").read_text()
+    assert '<span class="context" title="id 13">⟨13⟩</span>' in page
+    assert "shown as ⟨id⟩ (no tokenizer)" in page
+
+
+def test_a_folder_without_rollouts_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"has no rollouts\.jsonl"):
+        build_viewer(tmp_path, tokenizer_dir=None)
+    for limits in ({"max_steps_shown": 0}, {"max_tokens_shown": -1}):
+        with pytest.raises(ValueError, match="max_steps_shown must be at least 1"):
+            build_viewer(tmp_path, tokenizer_dir=None, **limits)
+
+
+# -- the view command --------------------------------------------------------------------------------------
+
+
+def view_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="harness-trainer view")
+    add_view_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_the_cli_can_import_the_view_and_plot_commands_without_heavy_libraries() -> None:
+    code = (
+        "import sys, harness_trainer.viewer, harness_trainer.plots; "
+        "print(sorted({'pydantic', 'jinja2', 'transformers', 'torch', 'matplotlib'} & set(sys.modules)))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+def test_the_view_command_writes_the_file_and_prints_its_path(
+    run: tuple[Path, dict[str, int]], tiny_model_dir: Path, tmp_path: Path, capsys
+) -> None:
+    out = tmp_path / "out" / "page.html"
+    assert (
+        run_view(view_args(str(run[0]), "--tokenizer", str(tiny_model_dir), "-o", str(out), "--steps", "1"))
+        == 0
+    )
+    assert capsys.readouterr().out.strip() == str(out)
+    page = out.read_text()
+    assert 'id="step-3"' in page and 'id="step-2"' not in page and "⟨13⟩" not in page
+
+
+def test_the_view_command_decodes_with_the_newest_checkpoint_that_has_a_tokenizer(
+    run: tuple[Path, dict[str, int]], tiny_model_dir: Path, tmp_path: Path, capsys
+) -> None:
+    run_dir = tmp_path / "run"
+    shutil.copytree(run[0], run_dir)
+    for step, with_tokenizer in ((1, True), (2, True), (3, False)):
+        model = run_dir / f"checkpoint-{step}" / "model"
+        model.mkdir(parents=True)
+        if with_tokenizer:
+            for name in ("tokenizer.json", "tokenizer_config.json"):
+                shutil.copy(tiny_model_dir / name, model / name)
+    assert default_tokenizer_dir(run_dir) == run_dir / "checkpoint-2" / "model"
+    assert default_tokenizer_dir(tmp_path / "elsewhere") is None
+    assert run_view(view_args(str(run_dir))) == 0
+    assert capsys.readouterr().out.strip() == str(run_dir / VIEWER_FILE)
+    page = (run_dir / VIEWER_FILE).read_text()
+    assert "⟨13⟩" not in page and str(run_dir / "checkpoint-2" / "model") in page
+
+
+def test_the_view_command_reports_a_bad_run_and_exits_2(tmp_path: Path, capsys) -> None:
+    assert run_view(view_args(str(tmp_path))) == 2
+    assert "has no rollouts.jsonl" in capsys.readouterr().err
+
+
+# -- rendered by a real browser ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chromium() -> str:
+    found = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
+    if found is None:
+        reason = "chromium is not installed (apt-get install -y chromium)"
+        if os.environ.get("HT_REQUIRE_CHROMIUM") == "1":
+            pytest.fail(f"HT_REQUIRE_CHROMIUM=1 but {reason}")
+        pytest.skip(reason)
+    return found
+
+
+def browse(chromium: str, page: Path, profile: Path, *flags: str) -> str:
+    command = [
+        chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+        "--hide-scrollbars", f"--user-data-dir={profile}", *flags, page.resolve().as_uri(),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_chromium_renders_the_page_with_the_run_in_it(
+    run: tuple[Path, dict[str, int]], tiny_model_dir: Path, chromium: str, tmp_path: Path
+) -> None:
+    page = build_viewer(run[0], tokenizer_dir=tiny_model_dir, out=tmp_path / "viewer.html")
+    dom = browse(chromium, page, tmp_path / "profile", "--dump-dom")
+    assert '<body class="js">' in dom  # the page's own script ran under its Content-Security-Policy
+    assert "data-pwned" not in dom
+    text = html.unescape(re.sub(r"<[^>]+>", "", dom))
+    assert EVIL_TASK in text and "task parse-config" in text and "lint" in text  # task names, as text
+    assert "<td>0.75</td>" in dom and "<td>0.375</td>" in dom  # a reward, the step's mean reward
+    assert "I will run the tests first.<|im_end|>" in text and "Fix the failing test" in text  # tokens
+
+    shot = tmp_path / "shot.png"
+    browse(chromium, page, tmp_path / "profile", f"--screenshot={shot}", "--window-size=1200,900")
+    data = shot.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", data[16:24]) == (1200, 900)
+    assert len(data) > 20_000
+    try:
+        from PIL import Image
+    except ImportError:  # the header and size checks above are what we can do without Pillow
+        return
+    with Image.open(shot) as image:
+        colours = {colour for _, colour in image.convert("RGB").getcolors(maxcolors=1 << 20)}
+    assert len(colours) > 50  # text, tables, the legend: not a blank page
+    assert {
+        (0xBF, 0xEA, 0xC4),
+        (0xD9, 0xD2, 0xF6),
+        (0xF8, 0xCA, 0xCA),
+    } <= colours  # the legend's role colours
+
+
+def test_escaping_alone_keeps_the_attack_inert(
+    run: tuple[Path, dict[str, int]], tiny_model_dir: Path, chromium: str, tmp_path: Path
+) -> None:
+    page = build_viewer(run[0], tokenizer_dir=tiny_model_dir, out=tmp_path / "viewer.html")
+    no_policy = tmp_path / "no-csp.html"
+    no_policy.write_text(re.sub(r'<meta http-equiv="Content-Security-Policy"[^>]*>', "", page.read_text()))
+    assert "Content-Security-Policy" not in no_policy.read_text()
+    expanded = no_policy.read_text().replace("<details ", "<details open ")
+    no_policy.write_text(expanded)
+    dom = browse(chromium, no_policy, tmp_path / "profile", "--dump-dom")
+    assert '<body class="js">' in dom and "data-pwned" not in dom

@@ -1,0 +1,202 @@
+"""rollouts.jsonl: one record per rollout of a trained step, read back on the latest timeline."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from harness_trainer.rollouts.session import VerifyResult
+from harness_trainer.trace import load_trace
+from harness_trainer.trainer.batch import assemble
+from harness_trainer.trainer.outcome import build_outcome
+from harness_trainer.trainer.rollout_log import (
+    ROLLOUTS_FILE,
+    RolloutLog,
+    latest_steps,
+    read_rollout_log,
+    rollout_record,
+)
+from harness_trainer.trainer.rows import build_rows
+from harness_trainer.trainer.scheduling import Rollout, RolloutScheduler, SchedulerConfig
+from tests.trainer.handmade import HandmadeFactory, chain_trace
+
+
+def finished(group: int, member: int, *, reward: float | None = 1.0, metrics: dict | None = None) -> Rollout:
+    """A rollout as the scheduler leaves it after scoring a hand-made session."""
+    trace = load_trace(chain_trace(group, member))
+    verify = VerifyResult(env_reward=reward, metrics=metrics or {})
+    outcome = build_outcome(trace, verify, timed_out=False)
+    return Rollout(
+        group, member, policy_version=3, reward=reward, outcome=outcome, trace=trace,
+        rows=build_rows(trace), seconds=1.5,
+    )  # fmt: skip
+
+
+def record(rollout: Rollout, step: int = 1, **overrides):
+    arguments = dict(
+        step=step, task_name=f"t{rollout.group}", task_index=rollout.group, advantage=0.5,
+        verify_metrics=None, findings=None,
+    )  # fmt: skip
+    arguments.update(overrides)
+    return rollout_record(rollout, **arguments)
+
+
+def test_a_record_round_trips_through_the_log_with_its_trace(tmp_path: Path) -> None:
+    rollout = finished(0, 1, metrics={"phase_seconds": {"agent": 2.0, "verify": 0.5}})
+    findings = [{"check": "tests", "passed": False}, "lint: 2 warnings"]
+    with RolloutLog(tmp_path) as log:
+        log.write(
+            [record(rollout, step=4, findings=findings, verify_metrics={"phase_seconds": {"agent": 2}})]
+        )
+    [back] = read_rollout_log(tmp_path / ROLLOUTS_FILE)
+    assert (back.step, back.group, back.member, back.task_name, back.task_index) == (4, 0, 1, "t0", 0)
+    assert (back.reward, back.env_reward, back.advantage, back.policy_version) == (1.0, 1.0, 0.5, 3)
+    assert back.unscorable is None and back.timed_out is False and back.seconds == 1.5
+    assert back.tool_calls_by_name == {"bash": 2} and back.tool_call_count == 2
+    assert back.phase_seconds == {"agent": 2.0}
+    assert back.findings == findings
+    assert back.trace == rollout.trace
+
+
+def test_traces_can_be_read_as_written_without_validating_them_again(tmp_path: Path) -> None:
+    rollouts = [finished(0, 0), Rollout(0, 1, unscorable="gone")]
+    with RolloutLog(tmp_path) as log:
+        log.write([record(rollout) for rollout in rollouts])
+    fast = read_rollout_log(tmp_path, validate_traces=False)
+    assert fast == read_rollout_log(tmp_path)
+    assert fast[0].trace is not None and fast[0].trace.turns[1].completion_token_ids == [100, 201, 300]
+    assert fast[1].trace is None
+
+
+def test_an_unscorable_rollout_is_logged_without_trace_reward_or_advantage(tmp_path: Path) -> None:
+    rollout = Rollout(2, 0, unscorable="RolloutUnscorable: sandbox 3 would not start", seconds=0.2)
+    with RolloutLog(tmp_path) as log:
+        log.write([record(rollout, advantage=None)])
+    [back] = read_rollout_log(tmp_path)
+    assert back.unscorable == "RolloutUnscorable: sandbox 3 would not start"
+    assert back.trace is None and back.reward is None and back.env_reward is None and back.advantage is None
+    assert back.tool_call_count == 0 and back.tool_calls_by_name == {}
+
+
+def test_tool_counts_come_from_the_outcome_else_from_the_verify_metrics() -> None:
+    reported = {"tool_calls_by_name": {"edit": 3, "bash": 1}, "tool_failure_count": 2}
+    from_outcome = record(finished(0, 0, metrics=reported), verify_metrics={"tool_calls_by_name": {"x": 9}})
+    assert from_outcome.tool_calls_by_name == {"edit": 3, "bash": 1}
+    assert (from_outcome.tool_call_count, from_outcome.tool_failure_count) == (4, 2)
+    no_outcome = record(Rollout(0, 1, unscorable="reward function failed"), verify_metrics=reported)
+    assert no_outcome.tool_calls_by_name == {"edit": 3, "bash": 1}
+    assert (no_outcome.tool_call_count, no_outcome.tool_failure_count) == (4, 2)
+
+
+def test_findings_that_are_neither_dicts_nor_strings_are_kept_as_text(tmp_path: Path) -> None:
+    odd = record(finished(0, 0), findings=[Path("/tmp/report.txt"), 7, {"at": Path("a.py")}])
+    assert odd.findings[:2] == ["/tmp/report.txt", "7"]
+    with RolloutLog(tmp_path) as log:
+        log.write([odd])
+    assert read_rollout_log(tmp_path)[0].findings == ["/tmp/report.txt", "7", {"at": "a.py"}]
+
+
+def test_each_step_is_on_disk_once_written_and_close_is_idempotent(tmp_path: Path) -> None:
+    log = RolloutLog(tmp_path)
+    log.write([record(finished(0, m), step=1) for m in range(2)])
+    assert [r.member for r in read_rollout_log(tmp_path)] == [0, 1]
+    log.write([record(finished(1, m), step=2) for m in range(2)])
+    assert len(read_rollout_log(tmp_path)) == 4
+    log.close()
+    log.close()
+    with pytest.raises(RuntimeError, match="after close"):
+        log.write([record(finished(0, 0))])
+
+
+def test_a_resumed_run_supersedes_the_steps_it_writes_again(tmp_path: Path) -> None:
+    with RolloutLog(tmp_path) as log:
+        for step in (1, 2, 3):
+            log.write([record(finished(step, m), step=step, advantage=-1.0) for m in range(2)])
+    with RolloutLog(tmp_path) as log:  # resumed from the checkpoint of step 1: steps 2 and 3 again
+        log.write([record(finished(2, m), step=2, advantage=1.0) for m in range(2)])
+    records = read_rollout_log(tmp_path)
+    assert [(r.step, r.advantage) for r in records] == [(1, -1.0), (1, -1.0), (2, 1.0), (2, 1.0)]
+    with RolloutLog(tmp_path) as log:  # and again from step 2: the same step, the same rollouts
+        log.write([record(finished(2, m), step=2, advantage=2.0) for m in range(2)])
+    assert [r.advantage for r in read_rollout_log(tmp_path) if r.step == 2] == [2.0, 2.0]
+
+
+def test_a_resumed_log_drops_the_line_a_crash_cut_short(tmp_path: Path) -> None:
+    with RolloutLog(tmp_path) as log:
+        log.write([record(finished(0, 0), step=1)])
+    path = tmp_path / ROLLOUTS_FILE
+    complete = path.read_bytes()
+    with open(path, "ab") as file:
+        file.write(b'{"step":2,"group":1,"member":0,"trace":{"turns":[{"node_id":"n0","prompt_token_ids":[1,')
+    with RolloutLog(tmp_path) as log:
+        assert path.read_bytes() == complete
+        log.write([record(finished(1, 0), step=2)])
+    assert [(r.step, r.group) for r in read_rollout_log(path)] == [(1, 0), (2, 1)]
+
+
+def test_only_the_last_steps_are_kept_when_asked() -> None:
+    entries = [(step, member, f"{step}.{member}") for step in range(1, 6) for member in range(2)]
+    assert list(latest_steps(entries, last=2).items()) == [(4, ["4.0", "4.1"]), (5, ["5.0", "5.1"])]
+    metrics = [(1, None, "a"), (2, None, "b"), (2, None, "b again"), (3, None, "c")]
+    assert latest_steps(metrics) == {1: ["a"], 2: ["b again"], 3: ["c"]}
+
+
+def test_a_write_cut_short_is_skipped_but_a_malformed_line_names_the_file_and_line(tmp_path: Path) -> None:
+    with RolloutLog(tmp_path) as log:
+        log.write([record(finished(0, 0))])
+    path = tmp_path / ROLLOUTS_FILE
+    with open(path, "a") as file:
+        file.write('{"step": 2, "group": 1, "member": 0, "trace": {"schema_ver')
+    assert len(read_rollout_log(path)) == 1
+    path.write_text(path.read_text() + "\n" + json.dumps({"step": 3}) + "\n")
+    with pytest.raises(ValueError, match=rf"{ROLLOUTS_FILE}:2: not valid JSON"):
+        read_rollout_log(path)
+    path.write_text(json.dumps({"step": 3, "group": 0, "member": 0, "reward": "high"}) + "\n")
+    with pytest.raises(ValueError, match=rf"{ROLLOUTS_FILE}:1: not a rollout record"):
+        read_rollout_log(path)
+    path.write_text(json.dumps({"step": 3}) + "\n")
+    with pytest.raises(ValueError, match=rf"{ROLLOUTS_FILE}:1: .*integer step, group and member"):
+        read_rollout_log(path)
+
+
+def test_a_scheduled_step_logs_every_rollout_with_its_trained_advantage(tmp_path: Path) -> None:
+    # Member 2 of each group is ungraded: it is logged, but has no advantage; group 1 has a single scored
+    # member and is dropped: all of its rollouts are logged without one.
+    def reward(task: int, member: int) -> float | None:
+        return None if member == 2 or (task == 1 and member) else float(member % 2)
+
+    factory = HandmadeFactory(num_tasks=2, reward=reward)
+    config = SchedulerConfig(num_generations=3, max_concurrent_rollouts=3, admission_limit=2,
+                             agent_timeout=30.0, seed=0, close_timeout_s=10.0)  # fmt: skip
+    scheduler = RolloutScheduler(factory, factory.prompt_rows(), config)
+    scheduler.start()
+    try:
+        groups = [scheduler.next_group(timeout=30) for _ in range(2)]
+    finally:
+        scheduler.stop()
+    batch = assemble(groups, advantage_epsilon=1e-4, keep_zero_advantage=False)
+    advantages = {(r.group, r.member): batch.advantages[i] for i, r in enumerate(batch.rollouts)}
+    with RolloutLog(tmp_path) as log:
+        log.write(
+            rollout_record(
+                rollout,
+                step=1,
+                task_name=group.row["task_name"],
+                task_index=group.row["task_index"],
+                advantage=advantages.get((rollout.group, rollout.member)),
+                verify_metrics=None,
+                findings=None,
+            )
+            for group in groups
+            for rollout in group.rollouts
+        )
+    records = read_rollout_log(tmp_path)
+    assert [(r.group, r.member, r.task_name) for r in records] == [
+        (0, 0, "t0"), (0, 1, "t0"), (0, 2, "t0"), (1, 0, "t1"), (1, 1, "t1"), (1, 2, "t1"),
+    ]  # fmt: skip
+    assert [r.reward for r in records] == [0.0, 1.0, None, 0.0, None, None]
+    assert [r.advantage is not None for r in records] == [True, True, False, False, False, False]
+    assert all(r.trace is not None and r.trace == rollout.trace for r, rollout in
+               zip(records, [r for g in groups for r in g.rollouts], strict=True))  # fmt: skip
