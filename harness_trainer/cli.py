@@ -143,6 +143,12 @@ def _dev(args: argparse.Namespace) -> int:
     return run_dev(args)
 
 
+def _jobs_submit(args: argparse.Namespace) -> int:
+    from harness_trainer.jobs.submit import run_submit
+
+    return run_submit(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="harness-trainer", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -232,6 +238,13 @@ def build_parser() -> argparse.ArgumentParser:
     plot = sub.add_parser("plot", help="draw a run's reward / length / tool-call / loss curves as a PNG")
     add_plot_arguments(plot)
     plot.set_defaults(func=run_plot)
+
+    from harness_trainer.jobs.submit import add_submit_arguments
+
+    jobs = sub.add_parser("jobs", help="Hugging Face Jobs").add_subparsers(dest="jobs_command", required=True)
+    submit = jobs.add_parser("submit", help="submit a training run to Hugging Face Jobs")
+    add_submit_arguments(submit)
+    submit.set_defaults(func=_jobs_submit)
     return parser
 
 

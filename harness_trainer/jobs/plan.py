@@ -1,0 +1,256 @@
+"""The job launcher's plan: which processes run, with which command line, environment and secrets. Pure.
+
+Also the contract between ``jobs submit`` and the job: the ports, the environment variables the submitter
+sets (:data:`RUN_ID_ENV`, :data:`SECRET_NAMES_ENV`, :data:`NAMESPACE_ENV`), the job's :data:`RUN_LABEL`,
+and the engine options both command lines share (:func:`add_engine_arguments`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from collections.abc import Iterable, Mapping, Sequence
+
+from pydantic import BaseModel, ConfigDict
+
+from harness_trainer.jobs.supervisor import LaunchError
+
+DEFAULT_VLLM_PORT = 8000
+DEFAULT_SERVER_PORT = 8200
+DEFAULT_CAPTURE_PORT = 8300
+RUN_ID_ENV = "HT_RUN_ID"
+"""Set by ``jobs submit``: the value of the job's :data:`RUN_LABEL`, how the launcher finds its own job."""
+SECRET_NAMES_ENV = "HT_SECRET_NAMES"
+"""Set by ``jobs submit``: the comma-separated names (never the values) of the job's secrets."""
+NAMESPACE_ENV = "HT_JOB_NAMESPACE"
+RUN_LABEL = "harness-trainer-run"
+SECRET_ROUTES: dict[str, tuple[str, ...]] = {
+    "HF_TOKEN": ("vllm", "serve", "trainer"),
+    "HUGGING_FACE_HUB_TOKEN": ("vllm", "serve", "trainer"),
+    "E2B_API_KEY": ("serve", "warm"),
+}
+"""Which steps receive which secret; a secret not listed goes to the trainer only."""
+VLLM_FLAGS = (
+    "--logprobs-mode",
+    "processed_logprobs",
+    "--return-tokens-as-token-ids",
+    "--weight-transfer-config",
+    '{"backend": "nccl"}',
+    "--enable-auto-tool-choice",
+)
+"""``docs/gpu-checks.md``'s flags, plus automatic tool choice for the agents (the parser is an option)."""
+LOOPBACK = "127.0.0.1"
+_SET_BY_LAUNCHER = ("--server", "--vllm-url")
+
+
+class TrainerSettings(BaseModel):
+    """What the launcher reads from the trainer's arguments (which it passes on unchanged); the defaults
+    are :mod:`harness_trainer.launch.harbor_run`'s."""
+
+    model: str
+    sandbox: str = "e2b"
+    max_concurrent_rollouts: int = 8
+    lora: bool = False
+    output_dir: str = "outputs/async_grpo_harbor"
+
+
+def trainer_settings(argv: Sequence[str]) -> TrainerSettings:
+    """:class:`TrainerSettings` from the trainer's arguments; raises LaunchError when they cannot work."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    defaults = TrainerSettings(model="")
+    parser.add_argument("--model")
+    parser.add_argument("--sandbox", default=defaults.sandbox)
+    parser.add_argument("--max-concurrent-rollouts", type=int, default=defaults.max_concurrent_rollouts)
+    parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--output-dir", default=defaults.output_dir)
+    for flag in _SET_BY_LAUNCHER:
+        parser.add_argument(flag)
+    try:
+        known, _ = parser.parse_known_args(list(argv))
+    except argparse.ArgumentError as exc:
+        raise LaunchError(f"trainer arguments: {exc}") from exc
+    given = [flag for flag in _SET_BY_LAUNCHER if getattr(known, flag[2:].replace("-", "_")) is not None]
+    if given:
+        raise LaunchError(f"the launcher sets {', '.join(given)}: leave them out of the trainer arguments")
+    if not known.model:
+        raise LaunchError("the trainer arguments need --model (vLLM serves it and the trainer trains it)")
+    return TrainerSettings(
+        model=known.model,
+        sandbox=known.sandbox,
+        max_concurrent_rollouts=known.max_concurrent_rollouts,
+        lora=known.lora,
+        output_dir=known.output_dir,
+    )
+
+
+class Step(BaseModel):
+    """One process the launcher runs: its command, what it adds to the environment, when it counts as up."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    argv: list[str]
+    env: dict[str, str] = {}
+    """Set for this process on top of the launcher's environment, from which every secret is removed."""
+    secrets: list[str] = []
+    """Names of the secrets this process gets back from the launcher's environment."""
+    health: list[str] = []
+    """URLs that must answer 200 before the next step starts."""
+    ready_timeout_s: float = 0.0
+    """How long the health URLs (or a one-shot step's run) may take."""
+    stop_timeout_s: float = 30.0
+    """SIGTERM to SIGKILL grace when stopping."""
+
+
+class LaunchPlan(BaseModel):
+    """Everything the launcher will run, in order; ``--dry-run`` prints it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    public_url: str | None
+    """How sandboxes reach the capture proxy; None keeps it on loopback (local sandboxes)."""
+    secret_names: list[str]
+    vllm: Step
+    serve: Step
+    warm: Step | None
+    trainer: Step
+
+
+def secret_names(environ: Mapping[str, str]) -> list[str]:
+    """The job's secret names: those in ``$HT_SECRET_NAMES``, plus the known ones that are set."""
+    listed = [name.strip() for name in environ.get(SECRET_NAMES_ENV, "").split(",") if name.strip()]
+    return list(dict.fromkeys([*listed, *(name for name in SECRET_ROUTES if name in environ)]))
+
+
+def step_env(step: Step, environ: Mapping[str, str], secrets: Iterable[str]) -> dict[str, str]:
+    """The full environment of ``step``: the launcher's without any secret, its own additions, its secrets."""
+    hidden = {*secrets, *SECRET_ROUTES}
+    env = {key: value for key, value in environ.items() if key not in hidden}
+    env.update(step.env)
+    env.update({name: environ[name] for name in step.secrets if name in environ})
+    return env
+
+
+def build_plan(
+    options: argparse.Namespace,
+    trainer_argv: Sequence[str],
+    environ: Mapping[str, str],
+    public_url: str | None,
+) -> LaunchPlan:
+    """The launch plan for the launcher's ``options`` and the trainer's arguments; raises LaunchError."""
+    settings = trainer_settings(trainer_argv)
+    needed = settings.max_concurrent_rollouts + 1
+    capacity = options.max_concurrent_envs or needed
+    if capacity < needed:
+        raise LaunchError(f"--max-concurrent-envs {capacity} < --max-concurrent-rollouts + 1 = {needed}")
+    if settings.sandbox == "e2b" and not public_url:
+        raise LaunchError(
+            f"--sandbox e2b needs a public URL for the capture proxy: run as a job submitted by "
+            f"`harness-trainer jobs submit` (${RUN_ID_ENV} set) or pass --public-url"
+        )
+    names = secret_names(environ)
+    warm = None
+    if settings.sandbox == "e2b" and public_url:
+        warm_argv = ["--public-url", public_url, "--template", options.warm_template]
+        warm = Step(
+            name="warm",
+            argv=[*shlex.split(options.warm_command), *warm_argv],
+            env={"CUDA_VISIBLE_DEVICES": ""},
+            secrets=_secrets_for("warm", names),
+            ready_timeout_s=options.warm_timeout,
+            stop_timeout_s=options.stop_timeout,
+        )
+    urls = ["--server", _url(options.server_port), "--vllm-url", _url(options.vllm_port)]
+    trainer = Step(
+        name="trainer",
+        argv=[*shlex.split(options.trainer_command), *trainer_argv, *urls],
+        env={"CUDA_VISIBLE_DEVICES": options.trainer_gpus},
+        secrets=_secrets_for("trainer", names),
+        stop_timeout_s=options.trainer_stop_timeout,
+    )
+    return LaunchPlan(
+        public_url=public_url,
+        secret_names=names,
+        vllm=_vllm_step(options, settings, names),
+        serve=_serve_step(options, settings, names, capacity, public_url),
+        warm=warm,
+        trainer=trainer,
+    )
+
+
+def _vllm_step(options: argparse.Namespace, settings: TrainerSettings, names: list[str]) -> Step:
+    argv = [*shlex.split(options.vllm_command), settings.model, "--host", LOOPBACK]
+    argv += ["--port", str(options.vllm_port), *VLLM_FLAGS, "--tool-call-parser", options.tool_call_parser]
+    env = {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": options.vllm_gpus}
+    gpus = [gpu for gpu in options.vllm_gpus.split(",") if gpu.strip()]
+    if len(gpus) > 1:
+        argv += ["--tensor-parallel-size", str(len(gpus))]
+    if settings.lora:
+        argv += ["--enable-lora", "--max-lora-rank", str(options.max_lora_rank)]
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+    return Step(
+        name="vllm",
+        argv=[*argv, *options.vllm_arg],
+        env=env,
+        secrets=_secrets_for("vllm", names),
+        health=[f"{_url(options.vllm_port)}/health"],
+        ready_timeout_s=options.vllm_ready_timeout,
+        stop_timeout_s=options.stop_timeout,
+    )
+
+
+def _serve_step(
+    options: argparse.Namespace,
+    settings: TrainerSettings,
+    names: list[str],
+    capacity: int,
+    public_url: str | None,
+) -> Step:
+    # Off loopback only when sandboxes elsewhere must reach it; serve then makes its own random admin key.
+    capture_host = "0.0.0.0" if public_url else LOOPBACK
+    capture_dir = options.capture_dir or f"{settings.output_dir.rstrip('/')}/capture"
+    argv = [*shlex.split(options.serve_command), "--dataset", options.dataset]
+    argv += ["--upstream", _url(options.vllm_port), "--host", LOOPBACK, "--port", str(options.server_port)]
+    argv += ["--capture-host", capture_host, "--capture-port", str(options.capture_port)]
+    argv += ["--data-dir", capture_dir, *(["--public-url", public_url] if public_url else [])]
+    return Step(
+        name="serve",
+        argv=argv,
+        env={"MAX_CONCURRENT_ENVS": str(capacity), "CUDA_VISIBLE_DEVICES": ""},
+        secrets=_secrets_for("serve", names),
+        health=[f"{_url(options.server_port)}/health", f"{_url(options.capture_port)}/health"],
+        ready_timeout_s=options.serve_ready_timeout,
+        stop_timeout_s=options.stop_timeout,
+    )
+
+
+def _secrets_for(step: str, names: list[str]) -> list[str]:
+    return [name for name in names if step in SECRET_ROUTES.get(name, ("trainer",))]
+
+
+def _url(port: int) -> str:
+    return f"http://{LOOPBACK}:{port}"
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The GPU split and vLLM options, shared with ``jobs submit`` (which passes them to the launcher)."""
+    parser.add_argument(
+        "--vllm-gpus", default="0", help="CUDA_VISIBLE_DEVICES of vLLM (several: tensor parallel)"
+    )
+    parser.add_argument("--trainer-gpus", default="1", help="CUDA_VISIBLE_DEVICES of the trainer")
+    parser.add_argument(
+        "--tool-call-parser", default="hermes", help="vLLM's parser of the model's tool calls"
+    )
+    parser.add_argument("--max-lora-rank", type=int, default=64, help="vLLM's --max-lora-rank, with --lora")
+    parser.add_argument("--vllm-ready-timeout", type=float, default=1800.0, help="seconds (model download)")
+    parser.add_argument(
+        "--vllm-arg", action="append", default=[], help="extra vLLM flag: --vllm-arg=--max-model-len=32768"
+    )
+
+
+def engine_arguments(options: argparse.Namespace) -> list[str]:
+    """The options of :func:`add_engine_arguments` as a command line again."""
+    argv = ["--vllm-gpus", options.vllm_gpus, "--trainer-gpus", options.trainer_gpus]
+    argv += ["--tool-call-parser", options.tool_call_parser, "--max-lora-rank", str(options.max_lora_rank)]
+    argv += ["--vllm-ready-timeout", f"{options.vllm_ready_timeout:g}"]
+    return argv + [f"--vllm-arg={flag}" for flag in options.vllm_arg]

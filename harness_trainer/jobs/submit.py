@@ -1,0 +1,309 @@
+"""Submit a training run to Hugging Face Jobs: ``harness-trainer jobs submit [options] -- TRAINER_ARGS``.
+
+It uses ``HfApi.run_job`` (an image and a command), not ``run_uv_job``: the run needs vLLM and a CUDA
+torch that match each other and the GPU, which an image ships ready (default ``vllm/vllm-openai``), where
+a uv script would resolve and download several GB of wheels at every start; and the job is a tree of
+long-lived processes (vLLM, the rollout server, the trainer), not one script. The command installs this
+package (``--install``, a pip requirement) and execs :mod:`harness_trainer.jobs.job_launcher` with the
+trainer arguments, which it passes to the trainer launcher unchanged.
+
+Secrets (``--secret NAME``, repeatable, added to ``HF_TOKEN`` and ``E2B_API_KEY``): the values are read
+from the local environment and go straight into ``run_job(secrets=...)``; they never enter the
+:class:`JobSpec`, are never printed or logged (a dry run shows the names with the values redacted), and a
+missing one is one error line naming it (exit 2). In the job, only their names travel as plain
+environment (``HT_SECRET_NAMES``), so the launcher knows what to keep from processes that do not need it.
+
+Volumes (``--volume``, repeatable, the syntax of ``hf jobs run -v``): ``hf://buckets/ORG/NAME[/PATH]:/MOUNT``
+mounts a bucket read-write (where outputs go: ``--output-dir /outputs/run1`` after ``--volume
+hf://buckets/ORG/NAME:/outputs``); ``hf://[datasets/|spaces/]ID:/MOUNT`` mounts a repo read-only; and
+``LOCAL_DIR:/MOUNT[:ro|:rw]`` syncs a local folder to the namespace's ``jobs-artifacts`` bucket at submit
+(``HfApi.sync_job_volume``; a dry run syncs nothing) and mounts it, e.g. a wheel of this package for
+``--install`` or a folder of tasks for ``--dataset``.
+
+The job exposes the capture proxy's port publicly (``expose_public``) and is labelled
+``harness-trainer-run=<run id>`` so the launcher can find its own public URL; the job launcher's docstring
+says why. ``--flavor`` is checked against the flavors the installed ``huggingface_hub`` knows
+(``JobHardware``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import re
+import shlex
+import sys
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path, PurePosixPath
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from harness_trainer.jobs.plan import (
+    DEFAULT_CAPTURE_PORT,
+    NAMESPACE_ENV,
+    RUN_ID_ENV,
+    RUN_LABEL,
+    SECRET_NAMES_ENV,
+    TrainerSettings,
+    add_engine_arguments,
+    engine_arguments,
+    trainer_settings,
+)
+from harness_trainer.jobs.supervisor import LaunchError
+
+DEFAULT_IMAGE = "vllm/vllm-openai:v0.32.0"
+DEFAULT_FLAVOR = "h200x2"
+DEFAULT_TIMEOUT = "8h"
+DEFAULT_INSTALL = "harness-trainer[e2b,train]"
+DEFAULT_SECRETS = ("HF_TOKEN", "E2B_API_KEY")
+REDACTED = "<redacted>"
+_SECRET_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_TIMEOUT = re.compile(r"\d+(\.\d+)?[smhd]?")
+
+
+class SubmitError(ValueError):
+    """Submission options that cannot work; the message names the option."""
+
+
+class VolumeSpec(BaseModel):
+    """One volume of the job: a Hub bucket or repo, or a local folder synced to a bucket at submit."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["bucket", "model", "dataset", "space", "local"]
+    source: str
+    """The bucket or repo id, or the local folder."""
+    mount_path: str
+    read_only: bool | None = None
+    """None: the Hub's default (buckets read-write, repos read-only); local folders default to read-only."""
+    path: str | None = None
+    """A subfolder of the bucket or repo."""
+    revision: str | None = None
+
+    @property
+    def writable(self) -> bool:
+        if self.type == "bucket":
+            return self.read_only is not True
+        return self.type == "local" and self.read_only is False
+
+
+class JobSpec(BaseModel):
+    """What is submitted, all but the secrets' values (which never enter this model)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    image: str
+    command: list[str]
+    flavor: str
+    timeout: str
+    env: dict[str, str]
+    secrets: list[str]
+    """Names only; the values are read from the environment at submit."""
+    volumes: list[VolumeSpec]
+    expose_public: list[int]
+    labels: dict[str, str]
+    name: str
+    namespace: str | None
+
+    def redacted(self) -> dict[str, Any]:
+        """The spec as the dry run prints it: each secret's name with its value redacted."""
+        return {**self.model_dump(), "secrets": {name: REDACTED for name in self.secrets}}
+
+
+def parse_volume(spec: str) -> VolumeSpec:
+    """``hf://[TYPE/]SOURCE[/PATH]:/MOUNT[:ro|:rw]`` or ``LOCAL_DIR:/MOUNT[:ro|:rw]``; raises SubmitError."""
+    if spec.startswith("hf://"):
+        from huggingface_hub.utils import parse_hf_mount
+
+        try:
+            mount = parse_hf_mount(spec)
+        except ValueError as exc:
+            raise SubmitError(f"--volume {spec}: {exc}") from exc
+        return VolumeSpec(
+            type=mount.source.type,
+            source=mount.source.id,
+            mount_path=mount.mount_path,
+            read_only=mount.read_only,
+            path=mount.source.path_in_repo or None,
+            revision=mount.source.revision or None,
+        )
+    body, read_only = spec, None
+    if body.endswith((":ro", ":rw")):
+        body, read_only = body[:-3], body.endswith(":ro")
+    source, sep, mount_path = body.partition(":/")
+    if not sep or not source:
+        raise SubmitError(f"--volume {spec}: expected hf://…:/MOUNT or LOCAL_DIR:/MOUNT[:ro|:rw]")
+    if not Path(source).expanduser().is_dir():
+        raise SubmitError(f"--volume {spec}: {source} is not a local folder (a Hub volume starts with hf://)")
+    return VolumeSpec(type="local", source=source, mount_path="/" + mount_path, read_only=read_only)
+
+
+def build_job_spec(
+    args: argparse.Namespace, trainer_args: Sequence[str], *, run_id: str
+) -> tuple[JobSpec, TrainerSettings]:
+    """The job for ``args`` (see :func:`add_submit_arguments`) and the trainer's arguments; pure but for
+    reading the local folders of ``--volume``. Raises SubmitError."""
+    from huggingface_hub import JobHardware
+
+    flavors = [flavor.value for flavor in JobHardware]
+    if args.flavor not in flavors:
+        raise SubmitError(f"--flavor {args.flavor!r} is not a Jobs flavor; known: {', '.join(flavors)}")
+    if not _TIMEOUT.fullmatch(args.timeout):
+        raise SubmitError(f"--timeout {args.timeout!r}: a number and an optional unit s, m, h, d (e.g. 8h)")
+    secrets = job_secret_names(args.secret)
+    try:
+        settings = trainer_settings(trainer_args)
+    except LaunchError as exc:
+        raise SubmitError(str(exc)) from exc
+    launcher = ["python3", "-m", "harness_trainer.jobs.job_launcher", "--dataset", args.dataset]
+    launcher += ["--capture-port", str(DEFAULT_CAPTURE_PORT), *engine_arguments(args)]
+    script = (
+        f"python3 -m pip install --no-cache-dir {shlex.quote(args.install)} && "
+        f"exec {shlex.join([*launcher, '--', *trainer_args])}"
+    )
+    env = {RUN_ID_ENV: run_id, SECRET_NAMES_ENV: ",".join(secrets), "PYTHONUNBUFFERED": "1"}
+    if args.namespace:
+        env[NAMESPACE_ENV] = args.namespace
+    spec = JobSpec(
+        image=args.image,
+        command=["bash", "-c", script],
+        flavor=args.flavor,
+        timeout=args.timeout,
+        env=env,
+        secrets=secrets,
+        volumes=[parse_volume(volume) for volume in args.volume],
+        expose_public=[DEFAULT_CAPTURE_PORT],
+        labels={RUN_LABEL: run_id},
+        name=f"harness-trainer-{run_id[:8]}",
+        namespace=args.namespace,
+    )
+    return spec, settings
+
+
+def job_secret_names(extra: Sequence[str]) -> list[str]:
+    """The defaults plus ``extra``, in order, once each; raises SubmitError for a name no shell could set."""
+    names = list(dict.fromkeys([*DEFAULT_SECRETS, *extra]))
+    bad = [name for name in names if not _SECRET_NAME.fullmatch(name)]
+    if bad:
+        raise SubmitError(f"--secret {bad[0]!r} is not an environment variable name")
+    return names
+
+
+def output_warning(spec: JobSpec, settings: TrainerSettings) -> str | None:
+    """A warning when the trainer's ``--output-dir`` is not on a writable volume (lost with the job)."""
+    out = PurePosixPath(settings.output_dir)
+    if out.is_absolute() and any(v.writable and out.is_relative_to(v.mount_path) for v in spec.volumes):
+        return None
+    return (
+        f"warning: --output-dir {settings.output_dir} is not on a writable volume, so checkpoints and "
+        "metrics end with the job: add --volume hf://buckets/ORG/NAME:/outputs and --output-dir /outputs/RUN"
+    )
+
+
+def submit(spec: JobSpec, secrets: Mapping[str, str], api: Any) -> Any:
+    """Sync local volumes, then ``api.run_job`` the spec with ``secrets``; returns the ``JobInfo``."""
+    from huggingface_hub import Volume
+
+    volumes = []
+    for volume in spec.volumes:
+        if volume.type == "local":
+            read_only = True if volume.read_only is None else volume.read_only
+            synced = api.sync_job_volume(
+                volume.source, volume.mount_path, read_only=read_only, namespace=spec.namespace
+            )
+            volumes.append(synced)
+        else:
+            fields = volume.model_dump(exclude_none=True)
+            volumes.append(Volume(**fields))
+    return api.run_job(
+        image=spec.image,
+        command=spec.command,
+        env=spec.env,
+        secrets=dict(secrets),
+        flavor=spec.flavor,
+        timeout=spec.timeout,
+        name=spec.name,
+        labels=spec.labels,
+        volumes=volumes or None,
+        expose_public=spec.expose_public,
+        namespace=spec.namespace,
+    )
+
+
+def add_submit_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``jobs submit``'s options, and the trainer arguments after ``--``, to ``parser``."""
+    parser.add_argument("--flavor", default=DEFAULT_FLAVOR, help="Jobs hardware (2 GPUs: vLLM + trainer)")
+    parser.add_argument("--image", default=DEFAULT_IMAGE, help="Docker image with vLLM and CUDA torch")
+    parser.add_argument("--timeout", default=DEFAULT_TIMEOUT, help="the job's limit, e.g. 90m, 8h, 2d")
+    parser.add_argument(
+        "--secret",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help=f"a secret taken from this environment (repeatable; always {', '.join(DEFAULT_SECRETS)})",
+    )
+    parser.add_argument(
+        "--volume",
+        action="append",
+        default=[],
+        help="hf://buckets/ORG/NAME:/MOUNT (outputs), hf://[datasets/]ID:/MOUNT, LOCAL_DIR:/MOUNT[:ro|:rw]",
+    )
+    parser.add_argument("--namespace", default=None, help="user or org running the job (default: yours)")
+    parser.add_argument("--dataset", required=True, help="task folder (on a volume) or Hub dataset id")
+    parser.add_argument("--install", default=DEFAULT_INSTALL, help="pip requirement for this package")
+    add_engine_arguments(parser)
+    parser.add_argument("--dry-run", action="store_true", help="print the job spec as JSON, submit nothing")
+    parser.add_argument("trainer_args", nargs="*", help="after --: the trainer launcher's arguments")
+
+
+def run_submit(args: argparse.Namespace, api: Any = None) -> int:
+    """Submit (with ``--dry-run``: print) the job; returns the exit status. ``api``: default ``HfApi()``."""
+    try:
+        spec, settings = build_job_spec(args, args.trainer_args, run_id=uuid.uuid4().hex)
+    except SubmitError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    missing = [name for name in spec.secrets if not os.environ.get(name)]
+    if missing:
+        print(
+            f"error: secret {', '.join(missing)} is not set in this environment: export it", file=sys.stderr
+        )
+        return 2
+    secrets = {name: os.environ[name] for name in spec.secrets}
+    warning = output_warning(spec, settings)
+    if warning:
+        print(warning, file=sys.stderr)
+    if args.dry_run:
+        print(json.dumps(spec.redacted(), indent=2))
+        return 0
+    if api is None:
+        from huggingface_hub import HfApi
+
+        api = HfApi()
+    if "expose_public" not in inspect.signature(api.run_job).parameters:
+        print("error: this huggingface_hub cannot expose a job's port publicly; upgrade it", file=sys.stderr)
+        return 1
+    try:
+        job = submit(spec, secrets, api)
+    except Exception as exc:  # any Hub or network failure: one line, with no secret value in it
+        print(f"error: the job was not submitted: {_without(str(exc), secrets.values())}", file=sys.stderr)
+        return 1
+    print(f"submitted job {job.id}: {job.url}")
+    return 0
+
+
+def _without(text: str, values: Iterable[str]) -> str:
+    for value in values:
+        text = text.replace(value, REDACTED)
+    return text
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``jobs/submit.py``'s entry point: the same options as ``harness-trainer jobs submit``."""
+    parser = argparse.ArgumentParser(prog="jobs/submit.py", description=__doc__.split("\n")[0])
+    add_submit_arguments(parser)
+    return run_submit(parser.parse_args(argv))

@@ -1,0 +1,374 @@
+"""Preflight of a real run: every check that can fail cheaply, before a sandbox starts or a weight moves.
+
+:func:`run_preflight` checks, in this order, and raises :class:`PreflightError` (one line: what is wrong
+and how to fix it) at the first failure:
+
+1. the harness and sandbox names are registered (``HARNESSES``, ``SANDBOXES``);
+2. ``E2B_API_KEY`` is set when the sandbox is ``e2b``;
+3. the output directory: a fresh run refuses a directory that already holds a checkpoint; ``--resume``
+   needs a complete checkpoint there, made from the same ``--model`` (``launch.json``, written by the
+   launcher beside the checkpoints) with the same LoRA settings (``trainer_state.json``'s
+   ``extra.config``);
+4. the engine: reachable; its kind (``auto``: the dev engine answers ``GET /weight_version``, vLLM does
+   not); one chat completion with a tool, ``logprobs=true, top_logprobs=0, return_token_ids=true,
+   max_tokens=1`` returns what the capture proxy records (DESIGN.md § Capture proxy): the engine's
+   ``prompt_token_ids``, the sampled ``token_ids``, one ``"token_id:N"`` logprob entry per sampled id
+   with a finite logprob ≤ 0; for vLLM also, from its dev-mode ``GET /server_info``, that it runs with
+   ``VLLM_SERVER_DEV_MODE=1``, ``--logprobs-mode processed_logprobs`` and a ``--weight-transfer-config``;
+5. the rollout server: reachable; ``GET /health``'s ``max_concurrent_envs`` (its ``MAX_CONCURRENT_ENVS``)
+   is at least ``max_concurrent_rollouts + 1`` (the session factory keeps one session for metadata) and
+   that many sessions are free now; its agents call a model the engine serves (so the engine that takes
+   the weights is the one that samples); the split exists and the chosen tasks are in it.
+
+Nothing here opens a rollout session, starts a sandbox or loads a model: only ``GET`` requests and the
+one ``max_tokens=1`` completion.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+LAUNCH_FILE = "launch.json"
+"""What the launcher writes into the output directory: the ``--model`` and the run's other choices."""
+FINGERPRINT_FIELDS = ("use_peft", "lora_r", "lora_alpha", "lora_target_modules")
+"""Config fields a checkpoint's weights depend on; the LoRA ones only matter when ``use_peft`` is on."""
+PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "bash",
+        "description": "Run a shell command.",
+        "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": []},
+    },
+}
+
+
+class PreflightError(Exception):
+    """A check failed; the message is one line saying what is wrong and how to fix it."""
+
+
+@dataclass(frozen=True)
+class PreflightOptions:
+    """What the run is about to use."""
+
+    engine_url: str
+    server_url: str
+    model: str
+    harness: str
+    sandbox: str
+    output_dir: Path
+    engine: str = "auto"
+    """``auto``, ``vllm`` or ``dev``."""
+    split: str = "train"
+    max_concurrent_rollouts: int = 1
+    task_indices: list[int] | None = None
+    num_tasks: int | None = None
+    resume: str | None = None
+    """None (a fresh run), ``"latest"``, or a checkpoint folder."""
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+    """This run's values of ``FINGERPRINT_FIELDS``."""
+    timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class PreflightReport:
+    """What the checks found out."""
+
+    engine_kind: str
+    served_model: str
+    server_capacity: int
+    open_sessions: int
+    tasks: int
+    resume_from: Path | None
+
+    def summary(self, options: PreflightOptions) -> str:
+        resume = f"; resuming from {self.resume_from}" if self.resume_from else ""
+        return (
+            f"preflight ok: {self.engine_kind} engine at {options.engine_url} serves {self.served_model!r}; "
+            f"rollout server at {options.server_url}: {self.server_capacity - self.open_sessions} of "
+            f"{self.server_capacity} sessions free, {options.max_concurrent_rollouts + 1} needed; "
+            f"{self.tasks} task(s) in split {options.split!r}{resume}"
+        )
+
+
+def run_preflight(options: PreflightOptions) -> PreflightReport:
+    """Run every check (module docstring) and report what they found.
+
+    Raises:
+        PreflightError: the first check that failed.
+    """
+    check_names(options.harness, options.sandbox)
+    check_credentials(options.sandbox, os.environ)
+    resume_from = check_output_dir(options.output_dir, options.resume, options.model, options.fingerprint)
+    engine_url = options.engine_url.rstrip("/").removesuffix("/v1")
+    with httpx.Client(timeout=options.timeout_s) as client:
+        kind = detect_engine(client, engine_url) if options.engine == "auto" else options.engine
+        served = check_engine(client, engine_url, kind)
+        capacity, open_sessions = check_capacity(
+            client, options.server_url.rstrip("/"), options.max_concurrent_rollouts + 1, served, engine_url
+        )
+        tasks = check_tasks(client, options.server_url.rstrip("/"), options)
+    return PreflightReport(kind, served[0], capacity, open_sessions, tasks, resume_from)
+
+
+def check_names(harness: str, sandbox: str) -> None:
+    """Both names are registered."""
+    from harness_trainer.harnesses import HARNESSES
+    from harness_trainer.sandboxes import SANDBOXES
+
+    if harness not in HARNESSES:
+        raise PreflightError(f"unknown harness {harness!r}; known: {', '.join(sorted(HARNESSES))}")
+    if sandbox not in SANDBOXES:
+        raise PreflightError(f"unknown sandbox {sandbox!r}; known: {', '.join(sorted(SANDBOXES))}")
+
+
+def check_credentials(sandbox: str, environ: Mapping[str, str]) -> None:
+    """The sandbox provider's key is set where it is needed."""
+    if sandbox == "e2b" and not environ.get("E2B_API_KEY"):
+        raise PreflightError(
+            "--sandbox e2b needs E2B_API_KEY in the environment (here, and where `harness-trainer serve` "
+            "runs)"
+        )
+
+
+def check_output_dir(
+    output_dir: Path, resume: str | None, model: str, fingerprint: Mapping[str, Any]
+) -> Path | None:
+    """The checkpoint to resume from (None for a fresh run), after checking it belongs to this run."""
+    from harness_trainer.trainer.checkpoint import STATE_FILE, latest_checkpoint, resolve_resume
+
+    if resume is None:
+        found = latest_checkpoint(output_dir)
+        if found is not None:
+            raise PreflightError(
+                f"{output_dir} already holds {found.name}: pass --resume to continue that run, or choose "
+                "another --output-dir"
+            )
+        return None
+    try:
+        checkpoint = resolve_resume(resume, output_dir)
+    except (FileNotFoundError, ValueError) as exc:
+        raise PreflightError(f"--resume: {exc}") from exc
+    assert checkpoint is not None  # resolve_resume gives None only for resume=None
+    record = _read_json(checkpoint.parent / LAUNCH_FILE)
+    if record.get("model") not in (None, model):
+        raise PreflightError(
+            f"{checkpoint} was trained from --model {record['model']!r}, not {model!r}: pass that --model "
+            "to resume it, or choose another --output-dir"
+        )
+    saved = (_read_json(checkpoint / STATE_FILE).get("extra") or {}).get("config") or {}
+    compared = FINGERPRINT_FIELDS if fingerprint.get("use_peft") else FINGERPRINT_FIELDS[:1]
+    for key in compared:
+        if key in saved and key in fingerprint and saved[key] != fingerprint[key]:
+            raise PreflightError(
+                f"{checkpoint} was trained with {key}={saved[key]!r}, this run asks for "
+                f"{key}={fingerprint[key]!r}: its weights do not fit; match it or choose another --output-dir"
+            )
+    return checkpoint
+
+
+def detect_engine(client: httpx.Client, engine_url: str) -> str:
+    """``dev`` when the engine answers ``GET /weight_version`` (only the dev engine has it), else ``vllm``."""
+    reply = _get(client, engine_url, "/weight_version", "engine")
+    if reply.status_code == 200 and "weight_version" in _json_or_empty(reply):
+        return "dev"
+    return "vllm"
+
+
+def check_engine(client: httpx.Client, engine_url: str, kind: str) -> list[str]:
+    """The engine's served model names, after checking that it gives the capture proxy what it records."""
+    models = _get(client, engine_url, "/v1/models", "engine")
+    served = [str(m.get("id")) for m in _json_or_empty(models).get("data") or [] if isinstance(m, dict)]
+    if models.status_code != 200 or not served:
+        raise PreflightError(
+            f"engine at {engine_url} lists no model on GET /v1/models ({models.status_code})"
+        )
+    body = {
+        "model": served[0],
+        "messages": [{"role": "user", "content": "Say OK."}],
+        "tools": [PROBE_TOOL],
+        "max_tokens": 1,
+        "temperature": 1.0,
+        "seed": 0,
+        "logprobs": True,
+        "top_logprobs": 0,
+        "return_token_ids": True,
+    }
+    try:
+        reply = client.post(f"{engine_url}/v1/chat/completions", json=body)
+    except httpx.HTTPError as exc:
+        raise PreflightError(f"engine at {engine_url} failed a one-token chat completion: {exc!r}") from exc
+    if reply.status_code != 200:
+        raise PreflightError(
+            f"engine at {engine_url} refused a one-token chat completion with a tool and logprobs "
+            f"({reply.status_code}: {_error_text(reply)}); vLLM needs --enable-auto-tool-choice "
+            "--tool-call-parser <parser>"
+        )
+    check_capture_shapes(_json_or_empty(reply), engine_url)
+    if kind == "vllm":
+        check_vllm_config(client, engine_url)
+    return served
+
+
+def check_capture_shapes(reply: Mapping[str, Any], engine_url: str) -> None:
+    """A chat completion carries the engine's prompt ids, the sampled ids and one logprob per sampled id."""
+    if not _ids(reply.get("prompt_token_ids")):
+        raise PreflightError(
+            f"engine at {engine_url} returned no prompt_token_ids for return_token_ids=true: the capture "
+            "proxy records the engine's own prompt ids (use a vLLM that honours return_token_ids)"
+        )
+    choice = (reply.get("choices") or [{}])[0]
+    sampled = _ids(choice.get("token_ids"))
+    if not sampled:
+        raise PreflightError(
+            f"engine at {engine_url} returned no completion token_ids for return_token_ids=true"
+        )
+    entries = (choice.get("logprobs") or {}).get("content") or []
+    if len(entries) != len(sampled):
+        raise PreflightError(
+            f"engine at {engine_url} returned {len(entries)} logprob entries for {len(sampled)} sampled "
+            "token(s) with logprobs=true"
+        )
+    for token_id, entry in zip(sampled, entries, strict=True):
+        if entry.get("token") != f"token_id:{token_id}":
+            raise PreflightError(
+                f"engine at {engine_url} names sampled token {token_id} {entry.get('token')!r} in its "
+                "logprobs, not 'token_id:N': start vLLM with --return-tokens-as-token-ids"
+            )
+        logprob = entry.get("logprob")
+        if isinstance(logprob, bool) or not isinstance(logprob, int | float) or not logprob <= 0:
+            raise PreflightError(f"engine at {engine_url} returned logprob {logprob!r}, not a number ≤ 0")
+        if not math.isfinite(logprob):
+            raise PreflightError(f"engine at {engine_url} returned logprob {logprob!r}, not a finite number")
+
+
+def check_vllm_config(client: httpx.Client, engine_url: str) -> None:
+    """vLLM runs in dev mode, with processed logprobs and a weight transfer engine (``GET /server_info``).
+
+    A field that this vLLM version does not report is not held against it.
+    """
+    reply = _get(client, engine_url, "/server_info", "engine", params={"config_format": "json"})
+    if reply.status_code == 404:
+        raise PreflightError(
+            f"vLLM at {engine_url} has no dev-mode routes (GET /server_info is 404): start it with "
+            "VLLM_SERVER_DEV_MODE=1, the trainer pauses it and pushes weights through them"
+        )
+    config = _json_or_empty(reply).get("vllm_config")
+    if reply.status_code != 200 or not isinstance(config, dict):
+        raise PreflightError(f"vLLM at {engine_url} answered GET /server_info with {reply.status_code}")
+    mode = (config.get("model_config") or {}).get("logprobs_mode", "processed_logprobs")
+    if mode != "processed_logprobs":
+        raise PreflightError(
+            f"vLLM at {engine_url} returns {mode}: start it with --logprobs-mode processed_logprobs (the "
+            "trainer's importance ratio compares against the policy's logprobs after temperature)"
+        )
+    if "weight_transfer_config" in config and not config["weight_transfer_config"]:
+        raise PreflightError(
+            f"vLLM at {engine_url} cannot take weights: start it with "
+            """--weight-transfer-config '{"backend": "nccl"}'"""
+        )
+
+
+def check_capacity(
+    client: httpx.Client, server_url: str, needed: int, served: list[str], engine_url: str
+) -> tuple[int, int]:
+    """The rollout server's capacity and open sessions, after checking ``needed`` sessions are free and
+    that its agents call a model the engine serves."""
+    reply = _get(client, server_url, "/health", "rollout server")
+    health = _json_or_empty(reply)
+    limit, open_sessions = health.get("max_concurrent_envs"), health.get("sessions", 0)
+    if reply.status_code != 200 or not isinstance(limit, int) or not isinstance(open_sessions, int):
+        raise PreflightError(
+            f"rollout server at {server_url} does not report its capacity (GET /health: {reply.status_code}, "
+            "no max_concurrent_envs): is it `harness-trainer serve`?"
+        )
+    if limit < needed:
+        raise PreflightError(
+            f"rollout server at {server_url} holds at most {limit} sessions (MAX_CONCURRENT_ENVS) but "
+            f"--max-concurrent-rollouts {needed - 1} needs {needed} (the session factory keeps one for task "
+            f"metadata): serve with MAX_CONCURRENT_ENVS={needed} or more, or lower --max-concurrent-rollouts"
+        )
+    if limit - open_sessions < needed:
+        raise PreflightError(
+            f"rollout server at {server_url} already has {open_sessions} of {limit} sessions open (another "
+            f"run, or one that died without closing them); this run needs {needed} free: wait, or restart it"
+        )
+    model = health.get("model")
+    if model and model not in served:
+        raise PreflightError(
+            f"the rollout server's agents call model {model!r}, which the engine at {engine_url} does not "
+            f"serve ({', '.join(served)}): start `harness-trainer serve` with --upstream {engine_url}"
+        )
+    return limit, open_sessions
+
+
+def check_tasks(client: httpx.Client, server_url: str, options: PreflightOptions) -> int:
+    """How many tasks the run will use, after checking the split and the task indices exist."""
+    reply = _get(client, server_url, f"/splits/{options.split}/tasks", "rollout server")
+    if reply.status_code != 200:
+        raise PreflightError(f"rollout server at {server_url}: {_error_text(reply)}")
+    indices = [int(t["index"]) for t in _json_or_empty(reply).get("tasks") or []]
+    chosen = indices
+    if options.task_indices is not None:
+        missing = sorted(set(options.task_indices) - set(indices))
+        if missing:
+            raise PreflightError(
+                f"--task-indices {missing} are not in split {options.split!r} (its indices: {_span(indices)})"
+            )
+        chosen = [i for i in indices if i in set(options.task_indices)]
+    if options.num_tasks is not None:
+        chosen = chosen[: options.num_tasks]
+    if not chosen:
+        raise PreflightError(f"no task to train on in split {options.split!r} of {server_url}")
+    return len(chosen)
+
+
+def _get(client: httpx.Client, base_url: str, path: str, what: str, **kwargs: Any) -> httpx.Response:
+    try:
+        return client.get(base_url + path, **kwargs)
+    except httpx.HTTPError as exc:
+        raise PreflightError(f"{what} at {base_url} unreachable (GET {path}): {exc!r}") from exc
+
+
+def _json_or_empty(reply: httpx.Response) -> dict[str, Any]:
+    try:
+        body = reply.json()
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def _error_text(reply: httpx.Response) -> str:
+    """The server's own error message on one line (OpenAI, vLLM and rollout-server shapes)."""
+    body = _json_or_empty(reply)
+    error = body.get("error", body.get("detail", reply.text))
+    message = error.get("message", error) if isinstance(error, dict) else error
+    return " ".join(str(message).split())[:300]
+
+
+def _ids(value: Any) -> list[int]:
+    """``value`` as a non-empty list of token ids, or empty when it is not one."""
+    if not isinstance(value, list) or not value:
+        return []
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value):
+        return []
+    return value
+
+
+def _span(indices: list[int]) -> str:
+    return f"{min(indices)}–{max(indices)}" if indices else "none"
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        body = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return body if isinstance(body, dict) else {}

@@ -1,0 +1,79 @@
+"""The launcher end to end on CPU: ``examples/async_grpo_harbor/train.py`` as a user runs it, against a
+scripted dev engine and a real rollout server (``harness-trainer serve``, local sandboxes, the toy agent)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from harness_trainer.launch.harbor_run import main
+from harness_trainer.launch.preflight import LAUNCH_FILE
+from harness_trainer.launch.rewards import TOOL_BONUS, TOOL_CALL_BUDGET
+from harness_trainer.trainer.checkpoint import latest_checkpoint
+from tests.conftest import start_engine
+from tests.rollouts.conftest import bash_call, live_sandbox_processes
+from tests.rollouts.test_server import Server
+
+TRAIN = Path(__file__).resolve().parents[2] / "examples" / "async_grpo_harbor" / "train.py"
+PROBE = [{"content": "OK"}]  # preflight's one-token completion takes the first scripted reply
+SOLVE = [bash_call("printf 'Hello, Harbor!\\n' > /app/hello.txt"), {"content": "Done."}]
+GIVE_UP = [{"content": "I cannot do this."}]
+
+
+@pytest.mark.slow
+def test_the_launcher_trains_two_steps_through_a_real_rollout_server(
+    tiny_model_dir, tmp_path, capsys
+) -> None:
+    script = tmp_path / "script.jsonl"
+    script.write_text("\n".join(json.dumps(reply) for reply in PROBE + (SOLVE + GIVE_UP) * 6))
+    engine = start_engine(tiny_model_dir, "--script", str(script))
+    try:
+        # Two slots: one rollout at a time, plus the factory's metadata session.
+        server = Server(engine.url, tmp_path / "capture", limit=2)
+        try:
+            tasks = httpx.get(f"{server.url}/splits/train/tasks").json()["tasks"]
+            hello = next(t["index"] for t in tasks if t["name"] == "hello-file")
+            out = tmp_path / "out"
+            argv = [
+                *("--server", server.url, "--vllm-url", engine.url, "--model", str(tiny_model_dir)),
+                *("--harness", "toy", "--sandbox", "local", "--engine", "dev", "--task-indices", str(hello)),
+                *("--num-generations", "2", "--max-concurrent-rollouts", "1", "--max-steps", "2"),
+                *("--max-staleness", "0", "--learning-rate", "1e-4", "--agent-timeout", "120"),
+            ]
+            result = subprocess.run(
+                [sys.executable, str(TRAIN), *argv, "--output-dir", str(out)],
+                capture_output=True,
+                text=True,
+                timeout=240,
+                env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            )
+            assert result.returncode == 0, result.stderr[-4000:]
+            assert result.stdout.startswith("preflight ok: dev engine")
+
+            steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+            assert len(steps) == 2
+            solved = 1.0 + TOOL_BONUS * (1 - 1 / TOOL_CALL_BUDGET)  # one bash call
+            assert all(step["reward"] == pytest.approx(solved / 2) for step in steps)
+            checkpoint = latest_checkpoint(out)
+            assert checkpoint is not None and checkpoint.name == "checkpoint-2"
+            assert json.loads((out / LAUNCH_FILE).read_text())["model"] == str(tiny_model_dir)
+            assert httpx.get(f"{engine.url}/weight_version").json()["weight_version"] == 2
+            health = httpx.get(f"{server.url}/health").json()
+            assert health["sessions"] == 0 and health["capture_sessions"] == 0
+            assert live_sandbox_processes() == []
+
+            # The checkpoint it left is refused to another model, and accepted for the same one.
+            assert main([*argv, "--output-dir", str(out), "--resume", "--model", "other"]) == 2
+            assert "trained from --model" in capsys.readouterr().err
+            assert main([*argv, "--output-dir", str(out), "--resume", "--preflight-only"]) == 0
+            assert f"resuming from {checkpoint}" in capsys.readouterr().out
+        finally:
+            server.stop()
+    finally:
+        engine.stop()
