@@ -82,16 +82,23 @@ class Reference:
 
 @torch.no_grad()
 def engine_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The full weights under the base model's names: LoRA is merged into a copy, the module is unchanged."""
+    """The full weights under the base model's names. LoRA deltas are added to copies of the base weights;
+    the module itself is never touched (merging in place and out again would round the frozen weights)."""
     if not is_peft(model):
         return {name: tensor.detach() for name, tensor in model.state_dict().items()}
-    model.merge_adapter()
-    try:
-        weights = {}
-        for name, tensor in model.get_base_model().state_dict().items():
-            if "lora_" in name:
-                continue
-            weights[name.replace(".base_layer.", ".")] = tensor.detach().clone()
-        return weights
-    finally:
-        model.unmerge_adapter()
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    weights = {
+        name.replace(".base_layer.", "."): tensor.detach()
+        for name, tensor in base.state_dict().items()
+        if "lora_" not in name
+    }
+    for module_name, module in base.named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        key = f"{module_name}.weight"
+        for adapter in module.active_adapters:
+            if adapter in module.lora_A:
+                weights[key] = weights[key] + module.get_delta_weight(adapter).to(weights[key].dtype)
+    return weights

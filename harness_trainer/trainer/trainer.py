@@ -5,11 +5,17 @@ finished groups → rows and advantages → packed micro-batches → clipped, im
 optimizer step → push weights → log, checkpoint), :meth:`cleanup` (close every session and tracker).
 Rollouts run on the scheduler's thread the whole time, so the engine keeps sampling while the trainer
 trains; it only waits for a weight push.
+
+Several processes (``accelerate launch`` / ``torchrun``: DDP, or FSDP) train one policy together. Rank 0
+alone builds the session factory, runs the rollouts, talks to the engine and writes metrics and
+checkpoints; each step it deals the micro-batches to every rank and decides when all stop
+(:mod:`harness_trainer.trainer.distributed`). In one process everything runs as if it were alone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import random
@@ -25,19 +31,27 @@ import torch
 from torch import nn
 
 from harness_trainer.engines import EngineUnavailable, make_engine
-from harness_trainer.trainer.batch import StepBatch, assemble, rollout_metrics
+from harness_trainer.trainer.batch import assemble, rollout_metrics
 from harness_trainer.trainer.checkpoint import (
     TrainerState,
-    load_checkpoint,
     resolve_resume,
     save_checkpoint,
 )
 from harness_trainer.trainer.config import AsyncGRPOConfig
+from harness_trainer.trainer.distributed import (
+    Collective,
+    StepShare,
+    checkpoint_parts,
+    engine_state,
+    prepare,
+    savable_model,
+    split_step,
+)
 from harness_trainer.trainer.logprobs import token_logprobs
 from harness_trainer.trainer.loss import LossConfig, LossStats, policy_loss
 from harness_trainer.trainer.outcome import HarnessRolloutOutcome
-from harness_trainer.trainer.packing import collate, plan_micro_batches
-from harness_trainer.trainer.policy import Reference, engine_weights, load_policy, vocab_size
+from harness_trainer.trainer.packing import MicroBatch, collate
+from harness_trainer.trainer.policy import Reference, load_policy, vocab_size
 from harness_trainer.trainer.reporting import MetricsReporter
 from harness_trainer.trainer.scheduling import Group, RolloutScheduler, SchedulerConfig
 
@@ -91,6 +105,10 @@ class HarnessAsyncGRPOTrainer:
         self.engine = engine
         self.state = TrainerState(step=0, groups_consumed=0, policy_version=0, rng={}, extra={})
         self.model: nn.Module | None = None
+        """The policy itself (for LoRA, the PeftModel), trained in place."""
+        self._trained: nn.Module | None = None  # the model as trained: its DDP or FSDP wrapper, or itself
+        self.accelerator: Any = None
+        self.collective = Collective(rank=0, world_size=1)
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: Any = None
         self.factory: Any = None
@@ -100,39 +118,60 @@ class HarnessAsyncGRPOTrainer:
         self.last_metrics: dict[str, float] = {}
         self.trained_groups: list[int] = []
         self._stop = threading.Event()
+        self._pushes = False
         self._counters = {"rollout/unscorable_total": 0, "rollout/dropped_groups_total": 0}
 
     # -- setup ---------------------------------------------------------------------------------------
 
     def setup(self) -> None:
-        """Build the policy, optimizer, engine client and factory; resume; start rolling out."""
-        args = self.args
-        _seed_everything(args.seed)
-        self.output_dir = Path(args.output_dir)
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        self.model = load_policy(self.model_source, args, self.peft_config)
-        self.model.train()
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
+        """Build the policy, optimizer, engine client and factory; resume; start rolling out.
+
+        Every rank builds and (on resume) restores the policy; rank 0 alone builds the engine client,
+        the factory and the metrics reporter, and starts the rollouts.
+        """
+        from accelerate import Accelerator
         from transformers import get_scheduler
 
+        args = self.args
+        _seed_everything(args.seed)
+        self.accelerator = Accelerator()
+        self.collective = Collective(self.accelerator.process_index, self.accelerator.num_processes)
+        self.output_dir = Path(args.output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        # On this rank's device before the reference copies it, so both sit where the forwards run.
+        model = load_policy(self.model_source, args, self.peft_config).to(self.accelerator.device)
+        model.train()
+        self.reference = Reference(model) if args.beta > 0 else None
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
         self.lr_scheduler = get_scheduler(
-            args.lr_scheduler_type, self.optimizer, num_warmup_steps=args.warmup_steps,
+            args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_steps,
             num_training_steps=args.max_steps,
         )  # fmt: skip
         self.loss_config = LossConfig(
             epsilon=args.epsilon, epsilon_high=float(args.epsilon_high or args.epsilon),
             is_mode=args.importance_sampling, is_cap=args.importance_sampling_cap, beta=args.beta,
         )  # fmt: skip
-        self.reference = Reference(self.model) if args.beta > 0 else None
-        if self.engine is None and args.engine != "none":
-            self.engine = self._make_engine()
-
         resume = resolve_resume(_resume_flag(args.resume_from_checkpoint), self.output_dir)
-        if resume is not None:
-            self.state = load_checkpoint(resume, self.model, self.optimizer, self.lr_scheduler)
+        self._trained, self.optimizer, resumed = prepare(
+            self.accelerator, model, optimizer, self.lr_scheduler, resume
+        )
+        self.model = model
+        if not self.collective.is_main:
+            self.engine = None  # rank 0 alone talks to the engine
+        elif self.engine is None and args.engine != "none":
+            self.engine = self._make_engine()
+        self._pushes = self.collective.broadcast(self.engine is not None)
+        if resumed is not None:
+            self.state = resumed
             logger.info("resumed from %s at step %d", resume, self.state.step)
             self._push_weights()
+        if self.collective.is_main:
+            self._start_rollouts()
+
+    def _start_rollouts(self) -> None:
+        args = self.args
+        assert self.model is not None
         self.factory = self.factory_builder(sampling=args.sampling)
         rows = self._rows()
         self.reporter = MetricsReporter(
@@ -199,22 +238,25 @@ class HarnessAsyncGRPOTrainer:
         )
 
     def stop(self) -> None:
-        """Ask the loop to stop after the current step (what SIGTERM does)."""
+        """Ask the loop to stop after the current step (what SIGTERM does); on rank 0, every rank stops."""
         self._stop.set()
 
     def _loop(self) -> None:
         from tqdm.auto import tqdm
 
         args = self.args
-        bar = tqdm(total=args.max_steps, initial=self.state.step, desc="train", disable=args.disable_tqdm)
+        bar = tqdm(
+            total=args.max_steps, initial=self.state.step, desc="train",
+            disable=args.disable_tqdm or not self.collective.is_main,
+        )  # fmt: skip
         try:
-            while self.state.step < args.max_steps and not self._stop.is_set():
+            while self.state.step < args.max_steps:
                 started = time.monotonic()
-                groups = self._take_groups()
-                if groups is None:
+                share = self.collective.deal(self._deal_step)
+                if share is None:
                     break
                 waited = time.monotonic() - started
-                metrics = self._step(groups)
+                metrics = self._step(share)
                 metrics["perf/wait_s"] = waited
                 metrics["perf/step_s"] = time.monotonic() - started
                 self.last_metrics = metrics
@@ -260,66 +302,73 @@ class HarnessAsyncGRPOTrainer:
             group.index, len(group.scored), len(group.rollouts),
         )  # fmt: skip
 
-    def _step(self, groups: list[Group]) -> dict[str, float]:
+    def _deal_step(self) -> list[StepShare] | None:
+        """Rank 0: the next groups as rows, advantages and metrics, a share per rank; None to stop."""
         assert self.scheduler is not None
         args = self.args
+        groups = None if self._stop.is_set() else self._take_groups()
+        if groups is None:
+            return None
         metrics = rollout_metrics(
             groups, policy_version=self.state.policy_version, reward_name=_reward_name(self.rollout_reward_fn)
         )
         self.trained_groups.extend(group.index for group in groups)
         batch = assemble(groups, advantage_epsilon=args.advantage_epsilon, keep_zero_advantage=args.beta > 0)
-        trained = time.monotonic()
-        loss_metrics, forwarded = self._optimize(batch)
-        train_s = time.monotonic() - trained
-        self.state.step += 1
-        self.state.groups_consumed = self.scheduler.next_to_take
-        sync_s = 0.0
-        if self.state.step % args.weight_sync_steps == 0:
-            sync_s = self._push_weights(version=self.state.step)
         self._counters["rollout/unscorable_total"] += int(metrics["rollout/unscorable"])
-        metrics.update(loss_metrics)
         metrics.update(self._counters)
         metrics.update({
             "rollout/dropped_groups": float(batch.dropped_groups),
-            "learning_rate": float(self.lr_scheduler.get_last_lr()[0]),
             "num_tokens": float(batch.trained_tokens),
+            "epoch": self.scheduler.next_to_take / max(len(self.scheduler.rows), 1),
+        })  # fmt: skip
+        return split_step(
+            batch, token_budget=args.token_budget, world_size=self.collective.world_size, metrics=metrics,
+            groups_consumed=self.scheduler.next_to_take,
+        )  # fmt: skip
+
+    def _step(self, share: StepShare) -> dict[str, float]:
+        trained = time.monotonic()
+        loss_metrics, forwarded = self._optimize(share)
+        train_s = time.monotonic() - trained
+        self.state.step += 1
+        self.state.groups_consumed = share.groups_consumed
+        sync_s = 0.0
+        if self.state.step % self.args.weight_sync_steps == 0:
+            sync_s = self._push_weights(version=self.state.step)
+        metrics = dict(share.metrics)
+        metrics.update(loss_metrics)
+        metrics.update({
+            "learning_rate": float(self.lr_scheduler.get_last_lr()[0]),
             "perf/train_s": train_s,
             "perf/tokens_per_s": forwarded / train_s if train_s > 0 else 0.0,
             "perf/weight_sync_s": sync_s,
             "policy_version": float(self.state.policy_version),
-            "epoch": self.state.groups_consumed / max(len(self.scheduler.rows), 1),
         })  # fmt: skip
         return metrics
 
-    def _optimize(self, batch: StepBatch) -> tuple[dict[str, float], int]:
-        """One optimizer step over ``batch``: packed micro-batches, backward on each, clip, step."""
-        assert self.model is not None and self.optimizer is not None
+    def _optimize(self, share: StepShare) -> tuple[dict[str, float], int]:
+        """One optimizer step: backward on this rank's micro-batches, gradients averaged across ranks at
+        the last one, stats summed across ranks, clip, step."""
+        assert self._trained is not None and self.optimizer is not None and self.model is not None
         args = self.args
-        total: LossStats | None = None
-        forwarded = 0
+        total, forwarded = LossStats(), 0
         device = next(self.model.parameters()).device
-        for rows in plan_micro_batches(batch.rows, args.token_budget):
-            micro = collate(rows, batch.advantages, batch.weights).to(device)
-            forwarded += micro.n_tokens
-            logps, entropy = token_logprobs(self.model, micro, args.temperature, targets_only=True)
-            ref_logps = None
-            if self.reference is not None:
-                with torch.no_grad(), self.reference.model() as reference:
-                    ref_logps, _ = token_logprobs(
-                        reference, micro, args.temperature, with_entropy=False, targets_only=True
-                    )
-            loss, stats = policy_loss(logps, micro, self.loss_config, ref_logps=ref_logps, entropy=entropy)
-            loss.backward()
-            total = stats if total is None else total.merge(stats)
+        last = len(share.micro_batches) - 1
+        for i, plan in enumerate(share.micro_batches):
+            micro = collate(plan.rows, share.advantages, share.weights).to(device)
+            if plan.padding:
+                micro.token_weights.zero_()
+            with self.accelerator.no_sync(self._trained) if i < last else contextlib.nullcontext():
+                stats = self._backward(micro)
+            if not plan.padding:
+                total = total.merge(stats)
+                forwarded += micro.n_tokens
+        total, forwarded = self.collective.sum_stats(total, forwarded)
         grad_norm = 0.0
-        if total is not None:
-            params = [p for p in self.model.parameters() if p.requires_grad]
-            if args.max_grad_norm > 0:
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm))
-            else:
-                grad_norm = float(
-                    torch.norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
-                )
+        if share.micro_batches:  # as many on every rank, so every rank steps or none does
+            # An infinite max norm measures without clipping (the gradients are scaled by exactly 1).
+            max_norm = args.max_grad_norm if args.max_grad_norm > 0 else math.inf
+            grad_norm = float(self.accelerator.clip_grad_norm_(self._trained.parameters(), max_norm))
             if not math.isfinite(grad_norm):
                 logger.warning(
                     "non-finite gradient norm at step %d; the update is skipped", self.state.step + 1
@@ -329,57 +378,91 @@ class HarnessAsyncGRPOTrainer:
                 self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = total.metrics() if total is not None else {}
+        metrics = total.metrics() if share.micro_batches else {}
         metrics.setdefault("loss", 0.0)
         metrics["grad_norm"] = grad_norm
         return metrics, forwarded
 
+    def _backward(self, micro: MicroBatch) -> LossStats:
+        assert self._trained is not None
+        args = self.args
+        logps, entropy = token_logprobs(self._trained, micro, args.temperature, targets_only=True)
+        ref_logps = None
+        if self.reference is not None:
+            with torch.no_grad(), self.reference.model() as reference:
+                ref_logps, _ = token_logprobs(
+                    reference, micro, args.temperature, with_entropy=False, targets_only=True
+                )
+        loss, stats = policy_loss(logps, micro, self.loss_config, ref_logps=ref_logps, entropy=entropy)
+        # The backend averages gradients over ranks; the step's gradient is their sum.
+        self.accelerator.backward(loss * self.collective.world_size)
+        return stats
+
     # -- weights, checkpoints, cleanup ---------------------------------------------------------------
 
     def _push_weights(self, version: int | None = None) -> float:
-        """Pause the engine, push the weights as ``version``, resume; seconds spent. Retries, then stops."""
+        """Pause the engine, push the weights as ``version``, resume; seconds spent. Retries, then stops.
+
+        Rank 0 pushes (the weights gathered first under FSDP); the other ranks wait for its outcome.
+        """
         version = self.state.step if version is None else version
-        if self.engine is None:
+        if not self._pushes:
             self.state.policy_version = version
             return 0.0
-        assert self.model is not None
+        assert self._trained is not None and self.model is not None
         started = time.monotonic()
-        weights = engine_weights(self.model)
+        weights = engine_state(self.accelerator, self._trained, self.model)
+        served, error = self._push_to_engine(weights, version) if weights is not None else (None, None)
+        served = self.collective.broadcast(served)
+        if served is None:
+            self._save()
+            raise WeightSyncError(
+                f"the engine did not take weights version {version} after {self.args.weight_sync_retries} "
+                f"attempts ({error or 'see rank 0'}); a checkpoint of step {self.state.step} is in "
+                f"{self.output_dir}"
+            ) from error
+        self.state.policy_version = served
+        return time.monotonic() - started
+
+    def _push_to_engine(
+        self, weights: dict[str, torch.Tensor], version: int
+    ) -> tuple[int | None, Exception | None]:
+        """The version the engine serves after the push, or None and the last error."""
         error: Exception | None = None
         for attempt in range(self.args.weight_sync_retries):
             try:
-                served = asyncio.run(_pause_push_resume(self.engine, weights, version))
+                return asyncio.run(_pause_push_resume(self.engine, weights, version)), None
             except EngineUnavailable as exc:
                 error = exc
                 logger.warning(
                     "weight push %d/%d failed: %s", attempt + 1, self.args.weight_sync_retries, exc
                 )
                 time.sleep(min(2.0**attempt, 10.0))
-                continue
-            self.state.policy_version = served
-            return time.monotonic() - started
-        self._save()
-        raise WeightSyncError(
-            f"the engine did not take weights version {version} after {self.args.weight_sync_retries} "
-            f"attempts ({error}); a checkpoint of step {self.state.step} is in {self.output_dir}"
-        ) from error
+        return None, error
 
     def _save(self) -> Path | None:
-        if self.model is None or self.optimizer is None or self.state.step == 0:
+        """Write ``checkpoint-{step}`` on rank 0 (every rank takes part: FSDP gathers); its path there."""
+        if self._trained is None or self.model is None or self.optimizer is None or self.state.step == 0:
             return None
-        existing = self.output_dir / f"checkpoint-{self.state.step}"
-        if existing.exists():
-            return existing
+        path = self.output_dir / f"checkpoint-{self.state.step}"
+        if self.collective.broadcast(self.collective.is_main and path.exists()):
+            return path if self.collective.is_main else None
         self.state.extra = {"config": self.args.to_dict(), "counters": dict(self._counters)}
+        model, optimizer = checkpoint_parts(self.accelerator, self._trained, self.model, self.optimizer)
+        if not self.collective.is_main:
+            return None
         return save_checkpoint(
-            self.output_dir, self.state, self.model, self.optimizer, self.lr_scheduler,
+            self.output_dir, self.state, model, optimizer, self.lr_scheduler,
             save_total_limit=self.args.save_total_limit,
         )  # fmt: skip
 
     def save_model(self, path: str | Path) -> None:
-        """Save the policy (or its adapter) with ``save_pretrained``."""
-        assert self.model is not None
-        self.model.save_pretrained(str(path))
+        """Save the policy (or its adapter) with ``save_pretrained``. With several processes, call it on
+        every rank: rank 0 writes (under FSDP, what the ranks gathered)."""
+        assert self._trained is not None and self.model is not None
+        model = savable_model(self.accelerator, self._trained, self.model)
+        if self.collective.is_main:
+            model.save_pretrained(str(path))
 
     def cleanup(self) -> None:
         """Close every session, the factory, the trackers. Safe to call more than once."""
