@@ -95,6 +95,10 @@ class AsyncGRPOConfig:
     run_name: str | None = field(default=None, metadata=_help("Run name for the trackers."))
     logging_steps: int = field(default=1, metadata=_help("Log metrics every N steps."))
     seed: int = field(default=42, metadata=_help("Seed of torch, the data order and the rollout seeds."))
+    rollout_log_steps: int = field(
+        default=1,
+        metadata=_help("Write each rollout (trace included) to rollouts.jsonl every N steps; 0: never."),
+    )
     disable_tqdm: bool = field(default=False, metadata=_help("No progress bar."))
 
     # Engine and weight sync.
@@ -176,6 +180,8 @@ def _problems(c: AsyncGRPOConfig) -> Sequence[str]:
         yield "advantage_epsilon must be positive"
     if c.max_steps < 1:
         yield "max_steps must be at least 1"
+    if c.rollout_log_steps < 0:
+        yield "rollout_log_steps must be ≥ 0"
     if c.save_steps < 0 or c.logging_steps < 1:
         yield "save_steps must be ≥ 0 and logging_steps ≥ 1"
     if c.save_total_limit is not None and c.save_total_limit < 1:

@@ -57,6 +57,8 @@ class Rollout:
     unscorable: str | None = None
     timed_out: bool = False
     seconds: float = 0.0
+    verify_metrics: dict[str, Any] = field(default_factory=dict)
+    findings: list[Any] | None = None
 
     @property
     def scored(self) -> bool:
@@ -286,6 +288,8 @@ class RolloutScheduler:
         session_id = getattr(session, "session_id", None)
         rollout.trace = trace
         rollout.rows = build_rows(trace, vocab_size=self.config.vocab_size, session_id=session_id)
+        rollout.verify_metrics = dict(getattr(verify, "metrics", None) or {})
+        rollout.findings = (getattr(verify, "artifacts", None) or {}).get("findings")
         rollout.outcome = build_outcome(trace, verify, timed_out=rollout.timed_out)
         rollout.timed_out = rollout.outcome.timed_out
         try:

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from harness_trainer.engines import EngineUnavailable, make_engine
-from harness_trainer.trainer.batch import assemble, rollout_metrics
+from harness_trainer.trainer.batch import StepBatch, assemble, rollout_metrics
 from harness_trainer.trainer.checkpoint import (
     TrainerState,
     resolve_resume,
@@ -53,6 +53,7 @@ from harness_trainer.trainer.outcome import HarnessRolloutOutcome
 from harness_trainer.trainer.packing import MicroBatch, collate
 from harness_trainer.trainer.policy import Reference, load_policy, vocab_size
 from harness_trainer.trainer.reporting import MetricsReporter
+from harness_trainer.trainer.rollout_log import RolloutLog, rollout_record
 from harness_trainer.trainer.scheduling import Group, RolloutScheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
@@ -114,6 +115,8 @@ class HarnessAsyncGRPOTrainer:
         self.factory: Any = None
         self.scheduler: RolloutScheduler | None = None
         self.reporter: MetricsReporter | None = None
+        self.rollout_log: RolloutLog | None = None
+        self._dropped: list[Group] = []
         self.reference: Reference | None = None
         self.last_metrics: dict[str, float] = {}
         self.trained_groups: list[int] = []
@@ -177,6 +180,7 @@ class HarnessAsyncGRPOTrainer:
         self.reporter = MetricsReporter(
             self.output_dir, args.report_to, run_name=args.run_name, config=args.to_dict()
         )
+        self.rollout_log = RolloutLog(self.output_dir)
         self.scheduler = RolloutScheduler(
             self.factory,
             rows,
@@ -263,7 +267,10 @@ class HarnessAsyncGRPOTrainer:
                 if self.state.step % args.logging_steps == 0 and self.reporter is not None:
                     self.reporter.log(metrics, self.state.step)
                 bar.update(1)
-                bar.set_postfix(reward=f"{metrics['reward']:.3f}", step_s=f"{metrics['perf/step_s']:.1f}")
+                live = self.scheduler.live_sessions() if self.scheduler is not None else 0
+                bar.set_postfix(
+                    reward=f"{metrics['reward']:.3f}", step_s=f"{metrics['perf/step_s']:.1f}", rollouts=live
+                )
                 if args.save_steps and self.state.step % args.save_steps == 0:
                     self._save()
         finally:
@@ -285,6 +292,7 @@ class HarnessAsyncGRPOTrainer:
                 dropped_in_a_row = 0
                 continue
             self._note_dropped(group)
+            self._dropped.append(group)
             dropped_in_a_row += 1
             if dropped_in_a_row >= MAX_CONSECUTIVE_DROPPED_GROUPS:
                 reasons = sorted({r.unscorable or "ungraded" for r in group.rollouts})
@@ -293,6 +301,27 @@ class HarnessAsyncGRPOTrainer:
                     f"rollouts failed with: {reasons}"
                 )
         return taken
+
+    def _log_rollouts(self, groups: list[Group], batch: StepBatch) -> None:
+        """Rank 0: every rollout of the step's groups (dropped ones too) to rollouts.jsonl, for the viewer."""
+        step = self.state.step + 1
+        every = self.args.rollout_log_steps
+        if self.rollout_log is None or not every or step % every:
+            return
+        advantages = {(r.group, r.member): batch.advantages[i] for i, r in enumerate(batch.rollouts)}
+        self.rollout_log.write(
+            rollout_record(
+                r,
+                step=step,
+                task_name=g.row.get("task_name"),
+                task_index=g.row.get("task_index"),
+                advantage=advantages.get((r.group, r.member)),
+                verify_metrics=r.verify_metrics,
+                findings=r.findings,
+            )
+            for g in groups
+            for r in g.rollouts
+        )
 
     def _note_dropped(self, group: Group) -> None:
         self._counters["rollout/dropped_groups_total"] += 1
@@ -314,6 +343,8 @@ class HarnessAsyncGRPOTrainer:
         )
         self.trained_groups.extend(group.index for group in groups)
         batch = assemble(groups, advantage_epsilon=args.advantage_epsilon, keep_zero_advantage=args.beta > 0)
+        self._log_rollouts([*self._dropped, *groups], batch)
+        self._dropped.clear()
         self._counters["rollout/unscorable_total"] += int(metrics["rollout/unscorable"])
         metrics.update(self._counters)
         metrics.update({
@@ -476,6 +507,8 @@ class HarnessAsyncGRPOTrainer:
             self.factory = None
         if self.reporter is not None:
             self.reporter.close()
+        if self.rollout_log is not None:
+            self.rollout_log.close()
 
     def _install_sigterm(self) -> Any:
         if threading.current_thread() is not threading.main_thread():

@@ -309,3 +309,16 @@ def test_metrics_reach_tensorboard_through_report_to(tmp_path, tiny_model_dir):
     events = EventAccumulator(str(run))
     events.Reload()
     assert [event.step for event in events.Scalars("reward")] == [1, 2]
+
+
+def test_every_rollout_of_every_step_goes_to_the_rollout_log(tmp_path, tiny_model_dir):
+    from harness_trainer.trainer.rollout_log import read_rollout_log
+
+    factory = HandmadeFactory(fail_start=lambda n: n in (0, 1, 2))  # the first group is dropped
+    trainer = HarnessAsyncGRPOTrainer(str(tiny_model_dir), builder(factory), config(tmp_path, max_steps=2))
+    trainer.train()
+    records = read_rollout_log(tmp_path / "out")
+    assert [(r.step, r.group) for r in records] == [(1, 0)] * 4 + [(1, 1)] * 4 + [(2, 2)] * 4
+    assert [r.unscorable is not None for r in records[:4]] == [True, True, True, False]
+    trained = [r for r in records if r.advantage is not None]
+    assert len(trained) == 8 and all(r.trace is not None for r in trained)
