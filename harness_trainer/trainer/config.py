@@ -71,6 +71,10 @@ class AsyncGRPOConfig:
     max_grad_norm: float = field(default=1.0, metadata=_help("Gradient clipping norm (0 turns it off)."))
     token_budget: int = field(default=8192, metadata=_help("Tokens per packed micro-batch."))
     temperature: float = field(default=1.0, metadata=_help("Sampling temperature (the session policy)."))
+    max_completion_length: int | None = field(
+        default=None,
+        metadata=_help("Cap on the tokens of each model call (the capture session's output cap)."),
+    )
     epsilon: float = field(default=0.2, metadata=_help("Lower clip range of the surrogate."))
     epsilon_high: float | None = field(default=None, metadata=_help("Upper clip range (default: epsilon)."))
     importance_sampling: str = field(
@@ -128,9 +132,13 @@ class AsyncGRPOConfig:
             raise ValueError("invalid AsyncGRPOConfig: " + "; ".join(problems))
 
     @property
-    def sampling(self) -> dict[str, float]:
-        """The session sampling policy: temperature only (top_p 1, top_k off, no penalties upstream)."""
-        return {"temperature": float(self.temperature)}
+    def sampling(self) -> dict[str, float | int]:
+        """The session sampling policy: temperature (top_p 1, top_k off, no penalties upstream), and the
+        output cap when one is set."""
+        policy: dict[str, float | int] = {"temperature": float(self.temperature)}
+        if self.max_completion_length is not None:
+            policy["max_tokens"] = int(self.max_completion_length)
+        return policy
 
     @property
     def admission_limit(self) -> int:
@@ -164,6 +172,8 @@ def _problems(c: AsyncGRPOConfig) -> Sequence[str]:
         yield f"lr_scheduler_type {c.lr_scheduler_type!r} is not one of {LR_SCHEDULERS}"
     if c.warmup_steps < 0 or c.weight_decay < 0 or c.max_grad_norm < 0:
         yield "warmup_steps, weight_decay and max_grad_norm must be ≥ 0"
+    if c.max_completion_length is not None and c.max_completion_length < 1:
+        yield "max_completion_length must be at least 1"
     if c.token_budget < 1:
         yield "token_budget must be positive"
     if not 0 < c.temperature < float("inf"):

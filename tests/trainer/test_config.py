@@ -13,6 +13,7 @@ def test_defaults_are_a_valid_config_with_a_temperature_only_policy() -> None:
     assert config.epsilon_high == config.epsilon
     assert config.admission_limit == (config.max_staleness + 1) * config.groups_per_step
     assert config.beta == 0.0 and config.importance_sampling == "truncate"
+    assert AsyncGRPOConfig(max_completion_length=64).sampling == {"temperature": 1.0, "max_tokens": 64}
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,163 @@
+"""``harness-trainer dev``: the whole product on one laptop, without a GPU, in a few minutes.
+
+Builds (or reuses) the tiny model and, by default, its warm-up (:mod:`harness_trainer.devloop.warmup`);
+starts the dev engine on it; rolls out a **real** agent (mini-swe-agent by default) on the bundled toy
+tasks in local sandboxes through the capture proxy (the in-process ``LocalSessionFactory``); trains with
+``HarnessAsyncGRPOTrainer``, pushing each step's weights back into the engine; and leaves in the output
+directory ``metrics.jsonl``, ``rollouts.jsonl``, ``curves.png``, ``viewer.html`` and the last checkpoint.
+Everything it starts is stopped on every path, Ctrl-C included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+EXAMPLE_TASKS = Path(__file__).resolve().parents[2] / "examples" / "tasks"
+HARNESS_CHOICES = ("mini-swe-agent", "opencode", "toy")
+
+
+@dataclass
+class DevLoopOptions:
+    output_dir: Path = Path("dev-run")
+    harness: str = "mini-swe-agent"
+    tasks: Path = EXAMPLE_TASKS
+    split: str = "train"
+    max_steps: int = 20
+    num_generations: int = 4
+    max_concurrent_rollouts: int = 2
+    learning_rate: float = 1e-3
+    temperature: float = 1.0
+    max_completion_length: int = 256
+    warmup: bool = True
+    target_probability: float = 0.3
+    agent_timeout: float = 120.0
+    agent_step_limit: int = 4
+    seed: int = 0
+    resume: bool = False
+
+
+def add_dev_arguments(parser: argparse.ArgumentParser) -> None:
+    d = DevLoopOptions()
+    parser.add_argument("--output-dir", type=Path, default=d.output_dir, help="where the run's files go")
+    parser.add_argument("--harness", choices=HARNESS_CHOICES, default=d.harness, help="the agent to train")
+    parser.add_argument(
+        "--tasks", type=Path, default=d.tasks, help="a folder of Harbor tasks (splits inside)"
+    )
+    parser.add_argument("--split", default=d.split)
+    parser.add_argument("--max-steps", type=int, default=d.max_steps)
+    parser.add_argument("--num-generations", type=int, default=d.num_generations)
+    parser.add_argument("--max-concurrent-rollouts", type=int, default=d.max_concurrent_rollouts)
+    parser.add_argument("--learning-rate", type=float, default=d.learning_rate)
+    parser.add_argument("--temperature", type=float, default=d.temperature)
+    parser.add_argument("--max-completion-length", type=int, default=d.max_completion_length,
+                        help="tokens per model call at most (a sampled ramble stops there)")  # fmt: skip
+    parser.add_argument(
+        "--no-warmup", dest="warmup", action="store_false", help="train the random tiny model"
+    )
+    parser.add_argument("--target-probability", type=float, default=d.target_probability,
+                        help="warm-up stops when the solver transcripts have this probability")  # fmt: skip
+    parser.add_argument("--agent-timeout", type=float, default=d.agent_timeout)
+    parser.add_argument("--agent-step-limit", type=int, default=d.agent_step_limit)
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument(
+        "--resume", action="store_true", help="continue from the output dir's last checkpoint"
+    )
+
+
+def options_from(args: argparse.Namespace) -> DevLoopOptions:
+    return DevLoopOptions(**{name: getattr(args, name) for name in DevLoopOptions.__dataclass_fields__})
+
+
+def run_dev(args: argparse.Namespace) -> int:
+    """The ``harness-trainer dev`` command."""
+    options = options_from(args)
+    try:
+        return run_dev_loop(options)
+    except KeyboardInterrupt:
+        print("dev loop: interrupted; everything it started is stopped", file=sys.stderr)
+        return 130
+    except (ValueError, RuntimeError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _say(text: str) -> None:
+    print(f"[dev] {text}", flush=True)
+
+
+def run_dev_loop(options: DevLoopOptions) -> int:
+    import torch
+
+    from harness_trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer, LocalSessionFactory
+    from harness_trainer.dev_engine.process import start_engine
+    from harness_trainer.devloop.warmup import WarmupRecipe, ensure_warm_model
+    from harness_trainer.models.tiny import ensure_tiny_model
+    from harness_trainer.tasks.sources import LocalTaskSource
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if not options.tasks.is_dir():
+        raise ValueError(f"no task folder at {options.tasks} (pass --tasks DIR)")
+    source = LocalTaskSource(options.tasks)
+    rows = source.prompt_rows(options.split)
+    output = options.output_dir
+    output.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    base = ensure_tiny_model()
+    _say(f"tiny model: {base}")
+    model_dir = base
+    if options.warmup:
+        recipe = WarmupRecipe(options.harness, options.target_probability, seed=options.seed)
+        model_dir = ensure_warm_model(source, options.split, base, recipe, log=_say)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    with (output / "engine.log").open("ab") as engine_log:
+        engine = start_engine(model_dir, "--seed", str(options.seed), output=engine_log)
+    try:
+        _say(f"engine up: {engine.url} serving {model_dir.name}")
+        config = AsyncGRPOConfig(
+            output_dir=str(output), engine="dev", vllm_server_base_url=engine.url,
+            num_generations=options.num_generations, max_concurrent_rollouts=options.max_concurrent_rollouts,
+            max_staleness=1, max_steps=options.max_steps, learning_rate=options.learning_rate,
+            temperature=options.temperature, max_completion_length=options.max_completion_length,
+            agent_timeout=options.agent_timeout, seed=options.seed,
+            token_budget=8192, save_steps=0, resume_from_checkpoint="latest" if options.resume else None,
+        )  # fmt: skip
+        builder = partial(
+            LocalSessionFactory, source, upstream=engine.url, split=options.split, harness=options.harness,
+            agent_step_limit=options.agent_step_limit, data_dir=output / "capture",
+        )  # fmt: skip
+        _say(
+            f"training {options.harness} on {len(rows)} toy tasks: {options.max_steps} steps, "
+            f"{options.num_generations} rollouts per group, {options.max_concurrent_rollouts} at once"
+        )
+        trainer = HarnessAsyncGRPOTrainer(str(model_dir), builder, config, train_dataset=rows)
+        trainer.train()
+    finally:
+        engine.stop()
+    _finish(output, model_dir, time.monotonic() - started)
+    return 0
+
+
+def _finish(output: Path, model_dir: Path, seconds: float) -> None:
+    """The pictures, and the reward curve's first and last steps, said plainly."""
+    from harness_trainer.plots import plot_metrics
+    from harness_trainer.viewer import build_viewer
+
+    curves = plot_metrics(output / "metrics.jsonl")
+    viewer = build_viewer(output, tokenizer_dir=model_dir)
+    lines = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+    rewards = [line["reward"] for line in lines]
+    k = max(1, len(rewards) // 3)
+    first, last = statistics.fmean(rewards[:k]), statistics.fmean(rewards[-k:])
+    _say(
+        f"done in {seconds / 60:.1f} min: mean reward {first:.2f} over the first {k} steps, "
+        f"{last:.2f} over the last {k}"
+    )
+    _say(f"metrics {output / 'metrics.jsonl'}; curves {curves}; viewer {viewer}")

@@ -1,0 +1,50 @@
+"""Scripted solver transcripts: what a model that knows the toy tasks would write, in each harness's format.
+
+Each task's reference ``solution/solve.sh`` becomes one shell command (its comments, shebang and ``set``
+line dropped); the transcript is that command as the harness's own shell tool call, then the harness's way
+of finishing. Served by the dev engine in scripted mode, these make a real agent solve the task, and the
+capture proxy records them as the agent's own token ids: warm-up data in exactly the format the agent
+sends and parses.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from harness_trainer.tasks.task import HarborTask
+
+MINI_SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+
+
+def solve_command(task: HarborTask) -> str:
+    """The task's reference solution as one shell command."""
+    script = task.path / "solution" / "solve.sh"
+    if not script.is_file():
+        raise ValueError(f"task {task.name} has no solution/solve.sh to learn from")
+    lines = [
+        line
+        for line in script.read_text().splitlines()
+        if line.strip() and not line.startswith("#") and not line.startswith("set ")
+    ]
+    return "\n".join(lines)
+
+
+def _bash(**arguments: Any) -> dict[str, Any]:
+    return {
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "bash", "arguments": arguments}}],
+    }
+
+
+def solver_replies(harness: str, task: HarborTask) -> list[dict[str, Any]]:
+    """The scripted replies that solve ``task`` through ``harness`` (one tool call, then finish)."""
+    command = solve_command(task)
+    if harness == "mini-swe-agent":
+        return [_bash(command=command), _bash(command=MINI_SUBMIT)]
+    if harness == "opencode":
+        return [_bash(command=command, description="Solve the task"), {"content": "Done."}]
+    if harness == "toy":
+        return [_bash(command=command), {"content": "Done."}]
+    raise ValueError(
+        f"no solver transcript format for harness {harness!r} (known: mini-swe-agent, opencode, toy)"
+    )

@@ -1,0 +1,100 @@
+"""``harness-trainer dev`` as a user runs it: a real process, its files, and Ctrl-C at any moment."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.rollouts.conftest import EXAMPLES
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def one_task(tmp_path: Path) -> Path:
+    shutil.copytree(EXAMPLES / "train" / "hello-file", tmp_path / "tasks" / "train" / "hello-file")
+    return tmp_path / "tasks"
+
+
+def dev(tmp_path: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "harness_trainer.cli", "dev", "--harness", "toy", "--no-warmup",
+        "--tasks", str(one_task(tmp_path) if not (tmp_path / "tasks").exists() else tmp_path / "tasks"),
+        "--output-dir", str(tmp_path / "run"), "--num-generations", "2", "--max-concurrent-rollouts", "2",
+        "--max-completion-length", "32", *extra,
+    ]  # fmt: skip
+
+
+def descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pids: set[int]) -> set[int]:
+    return {pid for pid in pids if Path(f"/proc/{pid}").exists()}
+
+
+def test_the_dev_loop_runs_to_the_end_and_leaves_metrics_curves_viewer_and_checkpoint(tmp_path):
+    done = subprocess.run(
+        dev(tmp_path, "--max-steps", "2"), cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run = tmp_path / "run"
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
+    assert (run / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "hello-file" in (run / "viewer.html").read_text()
+    assert (run / "checkpoint-2" / "trainer_state.json").exists()
+    assert "engine up" in done.stdout and "mean reward" in done.stdout
+
+
+def test_ctrl_c_stops_everything_and_leaves_a_checkpoint_the_next_run_resumes(tmp_path):
+    process = subprocess.Popen(
+        dev(tmp_path, "--max-steps", "50"), cwd=ROOT, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().strip()):
+            assert process.poll() is None, process.stdout.read()
+            time.sleep(0.2)
+        started = descendants(process.pid)
+        assert started, "the dev loop started no engine"
+        os.killpg(process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        output, _ = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 130, output[-3000:]
+    time.sleep(1.0)
+    assert alive(started) == set()
+    steps = len(metrics.read_text().splitlines())
+    assert (tmp_path / "run" / f"checkpoint-{steps}" / "trainer_state.json").exists()
+
+    resumed = subprocess.run(
+        dev(tmp_path, "--max-steps", str(steps + 1), "--resume"), cwd=ROOT, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(range(1, steps + 2))

@@ -1,0 +1,46 @@
+"""The dev loop's warm-up: solver transcripts through a real agent, then a fine-tune to a set probability."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from harness_trainer.devloop.solver import MINI_SUBMIT, solve_command, solver_replies
+from harness_trainer.devloop.warmup import WarmupRecipe, collect_transcripts, fine_tune
+from harness_trainer.tasks.sources import LocalTaskSource
+from tests.rollouts.conftest import EXAMPLES, live_sandbox_processes
+
+
+def test_solver_transcripts_use_each_harness_shell_tool_and_way_of_finishing() -> None:
+    task = LocalTaskSource(EXAMPLES).task("train", 3)
+    command = solve_command(task)
+    assert "#" not in command and "set -euo" not in command and command.strip()
+    mini = solver_replies("mini-swe-agent", task)
+    assert mini[0]["tool_calls"][0]["function"]["arguments"] == {"command": command}
+    assert mini[1]["tool_calls"][0]["function"]["arguments"] == {"command": MINI_SUBMIT}
+    assert solver_replies("opencode", task)[1] == {"content": "Done."}
+    with pytest.raises(ValueError, match="no solver transcript format"):
+        solver_replies("codex", task)
+
+
+def test_transcripts_solve_their_tasks_and_the_fine_tune_reaches_its_target(tmp_path, tiny_model_dir):
+    tasks = tmp_path / "tasks" / "train"
+    shutil.copytree(EXAMPLES / "train" / "hello-file", tasks / "hello-file")
+    shutil.copytree(EXAMPLES / "train" / "count-lines", tasks / "count-lines")
+    source = LocalTaskSource(tmp_path / "tasks")
+    work = tmp_path / "work"
+    work.mkdir()
+    traces = collect_transcripts(source, "train", "toy", tiny_model_dir, work)
+    assert sorted(traces) == ["count-lines", "hello-file"]
+    assert all(len(trace.turns) == 2 for trace in traces.values())
+    assert live_sandbox_processes() == []
+
+    seen = []
+    recipe = WarmupRecipe("toy", target_probability=0.3, learning_rate=3e-3, max_steps=150)
+    report = fine_tune(tiny_model_dir, traces, tmp_path / "warm", recipe, on_step=lambda s, p: seen.append(p))
+    assert report.probability >= 0.3 and seen[0] < 1e-3 and report.steps < 150
+    assert set(report.per_task) == {"count-lines", "hello-file"}
+    AutoModelForCausalLM.from_pretrained(tmp_path / "warm")
+    assert (tmp_path / "warm" / "tokenizer_config.json").exists()
