@@ -33,7 +33,7 @@ class DevLoopOptions:
     max_steps: int = 20
     num_generations: int = 4
     max_concurrent_rollouts: int = 2
-    learning_rate: float = 1e-3
+    learning_rate: float = 1e-4
     temperature: float = 1.0
     max_completion_length: int = 256
     warmup: bool = True

@@ -88,3 +88,12 @@ async def retry_unreachable(call: Callable[[], Awaitable[T]], policy: RetryPolic
             logger.warning("%s: engine unreachable (%r); retry %d in %.2fs", what, exc, attempt, delay)
             await asyncio.sleep(delay)
             attempt += 1
+
+
+async def answers_health(base_url: str, timeout: float = 10.0) -> bool:
+    """Whether ``GET {base_url}/health`` answers 200 (False when unreachable)."""
+    try:
+        async with httpx.AsyncClient(timeout=timeout) as client:
+            return (await client.get(f"{base_url}/health")).status_code == 200
+    except httpx.TransportError:
+        return False

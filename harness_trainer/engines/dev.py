@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from harness_trainer.engines.base import EngineUnavailable, RetryPolicy, retry_unreachable
+from harness_trainer.engines.base import EngineUnavailable, RetryPolicy, answers_health, retry_unreachable
 
 
 class DevEngine:
@@ -60,11 +60,7 @@ class DevEngine:
         return int(reply["weight_version"])
 
     async def health(self) -> bool:
-        try:
-            async with httpx.AsyncClient(timeout=10) as client:
-                return (await client.get(f"{self.base_url}/health")).status_code == 200
-        except httpx.TransportError:
-            return False
+        return await answers_health(self.base_url)
 
 
 def _unshared(named_tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

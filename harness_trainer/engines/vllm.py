@@ -55,7 +55,7 @@ from typing import Any
 import httpx
 import torch
 
-from harness_trainer.engines.base import EngineUnavailable, RetryPolicy, retry_unreachable
+from harness_trainer.engines.base import EngineUnavailable, RetryPolicy, answers_health, retry_unreachable
 from harness_trainer.engines.nccl import WeightTransport
 
 logger = logging.getLogger(__name__)
@@ -119,11 +119,7 @@ class VLLMEngine:
 
     async def health(self) -> bool:
         """Whether ``GET /health`` answers 200."""
-        try:
-            async with httpx.AsyncClient(timeout=10) as client:
-                return (await client.get(f"{self.base_url}/health")).status_code == 200
-        except httpx.TransportError:
-            return False
+        return await answers_health(self.base_url)
 
     async def pause(self) -> None:
         """Drain: stop admitting generations, return once those in flight have finished.

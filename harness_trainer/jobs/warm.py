@@ -20,7 +20,7 @@ from typing import Any
 
 from harness_trainer.sandboxes.base import SandboxError
 from harness_trainer.sandboxes.e2b import E2BSandboxBackend
-from harness_trainer.tasks.task import EnvironmentSpec, HarborTask
+from harness_trainer.tasks.task import bare_task
 
 _PROBE = (
     "if command -v curl >/dev/null 2>&1; then curl -fsS --max-time 30 {url}; else python3 -c "
@@ -40,15 +40,7 @@ async def warm_sandbox(public_url: str, *, template: str = "base", sandbox_class
     """
     url = public_url.rstrip("/") + "/health"
     with tempfile.TemporaryDirectory() as folder:
-        task = HarborTask(
-            name="job-warmup",
-            path=Path(folder),
-            instruction="",
-            config={},
-            agent_timeout_sec=60,
-            verifier_timeout_sec=60,
-            environment=EnvironmentSpec(),
-        )
+        task = bare_task("job-warmup", Path(folder))
         backend = E2BSandboxBackend(template=template, sandbox_class=sandbox_class)
         try:
             sandbox = await backend.start(task, lifetime_s=120)

@@ -101,7 +101,9 @@ class LocalSessionFactory:
         self._sessions.add(session)
         return session
 
-    async def acreate(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> LocalSession:
+    async def acreate(
+        self, task: Any, seed: int | None = None, episode_id: str | None = None
+    ) -> LocalSession:
         """``create`` for a caller on another event loop (the trainer's scheduler): nothing blocks."""
         return self.create(task, seed=seed, episode_id=episode_id)
 

@@ -18,21 +18,13 @@ import tempfile
 from pathlib import Path
 
 from harness_trainer.sandboxes.e2b import E2BSandboxBackend
-from harness_trainer.tasks.task import EnvironmentSpec, HarborTask
+from harness_trainer.tasks.task import bare_task
 
 
 async def smoke(template: str) -> int:
     """Start one real E2B sandbox, exercise it, close it; prints each check. Returns the exit status."""
     with tempfile.TemporaryDirectory() as folder:
-        task = HarborTask(
-            name="e2b-smoke",
-            path=Path(folder),
-            instruction="",
-            config={},
-            agent_timeout_sec=60,
-            verifier_timeout_sec=60,
-            environment=EnvironmentSpec(),
-        )
+        task = bare_task("e2b-smoke", Path(folder))
         backend = E2BSandboxBackend(template=template)
         sandbox = await backend.start(task, lifetime_s=120, env={"HT_SMOKE": "1"})
         try:

@@ -68,3 +68,11 @@ class HarborTask:
     def solution(self) -> Path | None:
         candidate = self.path / "solution" / "solve.sh"
         return candidate if candidate.is_file() else None
+
+
+def bare_task(name: str, folder: Path) -> HarborTask:
+    """A task with no instruction, files or environment: for starting a plain sandbox (smoke checks)."""
+    return HarborTask(
+        name=name, path=folder, instruction="", config={}, agent_timeout_sec=60, verifier_timeout_sec=60,
+        environment=EnvironmentSpec(),
+    )  # fmt: skip

@@ -65,6 +65,13 @@ def test_the_dev_loop_runs_to_the_end_and_leaves_metrics_curves_viewer_and_check
     assert "hello-file" in (run / "viewer.html").read_text()
     assert (run / "checkpoint-2" / "trainer_state.json").exists()
     assert "engine up" in done.stdout and "mean reward" in done.stdout
+    for command in (["plot", str(run), "-o", str(tmp_path / "again.png")],
+                    ["view", str(run), "-o", str(tmp_path / "again.html")]):  # fmt: skip
+        again = subprocess.run(
+            [sys.executable, "-m", "harness_trainer.cli", *command], cwd=ROOT, capture_output=True, text=True
+        )
+        assert again.returncode == 0, again.stderr
+    assert (tmp_path / "again.png").exists() and "hello-file" in (tmp_path / "again.html").read_text()
 
 
 def test_ctrl_c_stops_everything_and_leaves_a_checkpoint_the_next_run_resumes(tmp_path):

@@ -13,10 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
-import subprocess
-import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,11 +22,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from harness_trainer.demo import free_port
 from harness_trainer.engines import VLLMEngine, gpu_check
 from tests.engines.conftest import Served
+from tests.vllm_cpu_server import VLLM_PYTHON, serve_vllm_cpu
 
-VLLM_PYTHON = os.environ.get("HT_VLLM_CPU_PYTHON", "")
 TEMPERATURE = 0.7
 
 pytestmark = [
@@ -44,52 +39,21 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def vllm_url(tiny_model_dir: Path) -> Iterator[str]:
+def vllm_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """vLLM served the way docs/gpu-checks.md says, minus the GPU."""
-    port = free_port()
     env = {
-        **os.environ,
         "HF_HUB_OFFLINE": "1",
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
         "VLLM_SERVER_DEV_MODE": "1",
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
     }
-    # `vllm serve` is broken in vllm-cpu 0.32.0 (its CLI asks for the distribution "vllm"); the module
-    # entry point takes the same arguments.
-    argv = [
-        *(VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model_dir)),
+    flags = [
         *("--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager"),
         *("--logprobs-mode", "processed_logprobs", "--return-tokens-as-token-ids"),
         *("--weight-transfer-config", '{"backend": "nccl"}', "--enable-lora", "--max-lora-rank", "8"),
-        *("--host", "127.0.0.1", "--port", str(port)),
     ]
-    log = Path(tempfile.mkstemp(prefix="ht-vllm-cpu-control-", suffix=".log")[1])
-    with log.open("w") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while not _healthy(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"vllm-cpu did not come up:\n{log.read_text()[-4000:]}")
-            time.sleep(0.5)
+    with serve_vllm_cpu(tiny_model_dir, flags, env, tmp_path_factory.mktemp("vllm") / "vllm.log") as url:
         yield url
-    finally:
-        # vLLM runs EngineCore as a child in the same session: stop the whole group.
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.unlink(missing_ok=True)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 def shape(value: Any) -> Any:

