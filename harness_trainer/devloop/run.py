@@ -108,6 +108,11 @@ def run_dev_loop(options: DevLoopOptions) -> int:
     source = LocalTaskSource(options.tasks)
     rows = source.prompt_rows(options.split)
     output = options.output_dir
+    if not options.resume and any(output.glob("checkpoint-*")):
+        raise ValueError(
+            f"{output} already holds checkpoints of an earlier run: pass --resume to continue it, or choose "
+            "another --output-dir"
+        )
     output.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     base = ensure_tiny_model()

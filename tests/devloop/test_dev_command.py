@@ -105,3 +105,13 @@ def test_ctrl_c_stops_everything_and_leaves_a_checkpoint_the_next_run_resumes(tm
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [line["step"] for line in lines] == list(range(1, steps + 2))
+
+
+def test_an_output_dir_with_an_earlier_runs_checkpoints_is_refused_before_anything_starts(tmp_path):
+    (tmp_path / "run" / "checkpoint-3").mkdir(parents=True)
+    done = subprocess.run(
+        dev(tmp_path, "--max-steps", "1"), cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2
+    assert "already holds checkpoints" in done.stderr and "--resume" in done.stderr
+    assert "engine up" not in done.stdout
