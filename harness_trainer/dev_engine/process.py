@@ -31,10 +31,15 @@ class EngineProcess:
 
 
 def start_engine(
-    model_dir: str | Path, *extra: str, name: str = "tiny", output: IO[bytes] | int | None = None
+    model_dir: str | Path,
+    *extra: str,
+    name: str = "tiny",
+    output: IO[bytes] | int | None = None,
+    own_session: bool = False,
 ) -> EngineProcess:
     """Start a dev engine serving ``model_dir`` as ``name`` (``extra``: more ``engine`` flags); returns once
-    it answers ``/health``. ``output`` takes the engine's stdout and stderr (default: inherited)."""
+    it answers ``/health``. ``output`` takes the engine's stdout and stderr (default: inherited);
+    ``own_session`` keeps a terminal's Ctrl-C away from it, so its owner decides when it stops."""
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "harness_trainer.cli", "engine", "--model", str(model_dir),
@@ -42,6 +47,7 @@ def start_engine(
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
         stdout=output,
         stderr=subprocess.STDOUT if output is not None else None,
+        start_new_session=own_session,
     )  # fmt: skip
     engine = EngineProcess(url=f"http://127.0.0.1:{port}", process=process, model=name)
     try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import statistics
 import sys
 import time
@@ -36,6 +37,7 @@ class DevLoopOptions:
     learning_rate: float = 1e-4
     temperature: float = 1.0
     max_completion_length: int = 256
+    loss_normalization: str = "rollout"
     warmup: bool = True
     target_probability: float = 0.3
     agent_timeout: float = 120.0
@@ -59,6 +61,10 @@ def add_dev_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=d.temperature)
     parser.add_argument("--max-completion-length", type=int, default=d.max_completion_length,
                         help="tokens per model call at most (a sampled ramble stops there)")  # fmt: skip
+    parser.add_argument(
+        "--loss-normalization", choices=("rollout", "step"), default=d.loss_normalization,
+        help="per-rollout token means, or tokens over the step's longest rollout",
+    )  # fmt: skip
     parser.add_argument(
         "--no-warmup", dest="warmup", action="store_false", help="train the random tiny model"
     )
@@ -123,7 +129,8 @@ def run_dev_loop(options: DevLoopOptions) -> int:
         model_dir = ensure_warm_model(source, options.split, base, recipe, log=_say)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     with (output / "engine.log").open("ab") as engine_log:
-        engine = start_engine(model_dir, "--seed", str(options.seed), output=engine_log)
+        engine = start_engine(model_dir, "--seed", str(options.seed), output=engine_log, own_session=True)
+    interrupted = False
     try:
         _say(f"engine up: {engine.url} serving {model_dir.name}")
         config = AsyncGRPOConfig(
@@ -131,6 +138,7 @@ def run_dev_loop(options: DevLoopOptions) -> int:
             num_generations=options.num_generations, max_concurrent_rollouts=options.max_concurrent_rollouts,
             max_staleness=1, max_steps=options.max_steps, learning_rate=options.learning_rate,
             temperature=options.temperature, max_completion_length=options.max_completion_length,
+            loss_normalization=options.loss_normalization,
             agent_timeout=options.agent_timeout, seed=options.seed,
             token_budget=8192, save_steps=0, resume_from_checkpoint="latest" if options.resume else None,
         )  # fmt: skip
@@ -143,9 +151,25 @@ def run_dev_loop(options: DevLoopOptions) -> int:
             f"{options.num_generations} rollouts per group, {options.max_concurrent_rollouts} at once"
         )
         trainer = HarnessAsyncGRPOTrainer(str(model_dir), builder, config, train_dataset=rows)
-        trainer.train()
+
+        def on_ctrl_c(signum: int, frame: object) -> None:
+            # The first Ctrl-C ends the run after the step in hand (checkpoint, every session closed); a
+            # second one interrupts at once.
+            nonlocal interrupted
+            interrupted = True
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            _say("Ctrl-C: stopping after this step (again to stop at once)")
+            trainer.stop()
+
+        previous = signal.signal(signal.SIGINT, on_ctrl_c)
+        try:
+            trainer.train()
+        finally:
+            signal.signal(signal.SIGINT, previous)
     finally:
         engine.stop()
+    if interrupted:
+        raise KeyboardInterrupt
     _finish(output, model_dir, time.monotonic() - started)
     return 0
 

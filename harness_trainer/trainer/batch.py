@@ -4,7 +4,8 @@ Pure functions (no torch). A group with fewer than two scored members gives no s
 each scored rollout gets one advantage, broadcast to all its rows; rollouts whose advantage is exactly 0
 carry no policy gradient and are left out when nothing else (a KL term) needs their tokens. Each kept
 rollout weighs ``1 / (N_r · R)`` per trained token (``N_r`` its trained tokens, ``R`` the kept rollouts),
-so a rollout that split into many rows counts once, and micro-batch losses simply add up.
+or, with ``normalization="step"``, ``1 / (max N_r · R)``; either way a rollout that split into many rows
+counts once, and micro-batch losses simply add up.
 """
 
 from __future__ import annotations
@@ -33,8 +34,20 @@ class StepBatch:
         return sum(row.n_targets for row in self.rows)
 
 
-def assemble(groups: Sequence[Group], *, advantage_epsilon: float, keep_zero_advantage: bool) -> StepBatch:
-    """Score the groups and lay their rollouts out as rows with advantages and weights."""
+def assemble(
+    groups: Sequence[Group],
+    *,
+    advantage_epsilon: float,
+    keep_zero_advantage: bool,
+    normalization: str = "rollout",
+) -> StepBatch:
+    """Score the groups and lay their rollouts out as rows with advantages and weights.
+
+    ``normalization="rollout"``: each rollout's tokens weigh ``1 / (N_r · R)`` (its token mean; every
+    rollout counts the same). ``"step"``: every token weighs ``1 / (max_r N_r · R)`` (Dr. GRPO's constant
+    denominator), so a long failed rollout is pushed down per token as hard as a short success is pushed
+    up; a rollout split into many rows still counts once.
+    """
     batch = StepBatch()
     kept: list[tuple[Rollout, float]] = []
     for group in groups:
@@ -52,10 +65,12 @@ def assemble(groups: Sequence[Group], *, advantage_epsilon: float, keep_zero_adv
             kept.append((rollout, advantage))
     trained = [(rollout, advantage, sum(r.n_targets for r in rollout.rows)) for rollout, advantage in kept]
     trained = [item for item in trained if item[2] > 0]
+    longest = max((n for _, _, n in trained), default=1)
     for index, (rollout, advantage, n_targets) in enumerate(trained):
         batch.rollouts.append(rollout)
         batch.advantages[index] = advantage
-        batch.weights[index] = 1.0 / (n_targets * len(trained))
+        denominator = n_targets if normalization == "rollout" else longest
+        batch.weights[index] = 1.0 / (denominator * len(trained))
         batch.rows.extend(replace(row, rollout=index) for row in rollout.rows)
     return batch
 

@@ -18,6 +18,7 @@ IMPORTANCE_SAMPLING_MODES = ("truncate", "mask", "none")
 ENGINE_KINDS = ("vllm", "dev", "none")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 REPORT_TO = ("none", "all", "tensorboard", "wandb", "trackio")
+LOSS_NORMALIZATIONS = ("rollout", "step")
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 
 
@@ -83,6 +84,13 @@ class AsyncGRPOConfig:
     )
     importance_sampling_cap: float = field(default=2.0, metadata=_help("Cap of the importance ratio."))
     beta: float = field(default=0.0, metadata=_help("KL (k3) coefficient to the reference policy."))
+    loss_normalization: str = field(
+        default="rollout",
+        metadata=_help(
+            "'rollout': each rollout's token mean (every rollout counts the same); 'step': tokens over the "
+            "step's longest rollout (Dr. GRPO; no pull toward long failures)."
+        ),
+    )
     advantage_epsilon: float = field(default=1e-4, metadata=_help("Added to the group std."))
 
     # Length of the run, checkpoints, logging.
@@ -184,6 +192,8 @@ def _problems(c: AsyncGRPOConfig) -> Sequence[str]:
         yield f"importance_sampling {c.importance_sampling!r} is not one of {IMPORTANCE_SAMPLING_MODES}"
     if not c.importance_sampling_cap > 1:
         yield "importance_sampling_cap must be greater than 1"
+    if c.loss_normalization not in LOSS_NORMALIZATIONS:
+        yield f"loss_normalization {c.loss_normalization!r} is not one of {LOSS_NORMALIZATIONS}"
     if c.beta < 0:
         yield "beta must be ≥ 0"
     if c.advantage_epsilon <= 0:

@@ -342,7 +342,10 @@ class HarnessAsyncGRPOTrainer:
             groups, policy_version=self.state.policy_version, reward_name=_reward_name(self.rollout_reward_fn)
         )
         self.trained_groups.extend(group.index for group in groups)
-        batch = assemble(groups, advantage_epsilon=args.advantage_epsilon, keep_zero_advantage=args.beta > 0)
+        batch = assemble(
+            groups, advantage_epsilon=args.advantage_epsilon, keep_zero_advantage=args.beta > 0,
+            normalization=args.loss_normalization,
+        )  # fmt: skip
         self._log_rollouts([*self._dropped, *groups], batch)
         self._dropped.clear()
         self._counters["rollout/unscorable_total"] += int(metrics["rollout/unscorable"])

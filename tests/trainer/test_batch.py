@@ -56,3 +56,11 @@ def test_metrics_count_failures_and_staleness() -> None:
     assert metrics["rollout/timed_out_frac"] == pytest.approx(1 / 3)
     assert metrics["staleness/mean"] == 0.5 and metrics["staleness/max"] == 1.0  # scored members only
     assert metrics["completions/mean_length"] == 6.0
+
+
+def test_step_normalization_weighs_every_token_alike_and_still_counts_a_split_rollout_once() -> None:
+    group = Group(0, {}, 0, [rollout(0, 0, 1.0, turns=1), rollout(0, 1, 0.0, turns=3)])
+    batch = assemble([group], advantage_epsilon=1e-4, keep_zero_advantage=False, normalization="step")
+    assert batch.weights[0] == batch.weights[1]
+    longest = max(sum(r.n_targets for r in batch.rows if r.rollout == i) for i in (0, 1))
+    assert batch.weights[0] == pytest.approx(1 / (longest * 2))
