@@ -72,6 +72,10 @@ async def create_session(request: web.Request) -> web.Response:
         spec = SessionSpec.model_validate_json(raw or b"{}")
     except ValidationError as exc:
         raise AdminError(400, f"invalid session spec: {exc.errors(include_url=False)}") from exc
+    try:  # what the session file will hold: refuse it here, before anything is written
+        orjson.dumps(spec.model_dump(mode="json"))
+    except orjson.JSONEncodeError as exc:
+        raise AdminError(400, f"invalid session spec: {exc} (integers must fit in 64 bits)") from exc
     session = await asyncio.get_running_loop().run_in_executor(state.executor, state.store.create, spec)
     return _json({"session_id": session.id, **_urls(state, session)}, status=201)
 

@@ -19,6 +19,9 @@ Routes (JSON):
 - ``GET /sessions/{id}/trace`` → the TrainingTrace (409 until done, or when the rollout was unscorable).
 - ``DELETE /sessions/{id}`` → cancels a running rollout (sandbox and capture session closed) and frees
   the slot.
+
+Every error is ``{"error": {"message", "code"}}`` with a 4xx status (unknown routes and methods included);
+a body over ``MAX_BODY_BYTES`` gets 413.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -43,6 +47,8 @@ from harness_trainer.tasks.task import HarborTask
 
 log = logging.getLogger(__name__)
 MAX_WAIT_S = 60.0
+MAX_BODY_BYTES = 4 * 1024 * 1024
+"""Request bodies over this get 413 (a rollout request is options and at most one task instruction)."""
 
 
 @dataclass
@@ -67,7 +73,7 @@ class RolloutServer:
         self.slots: dict[str, Slot] = {}
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[_errors])
+        app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
         app.cleanup_ctx.append(self._lifecycle)
         app.router.add_get("/health", self.health)
         app.router.add_get("/splits", self.splits)
@@ -136,19 +142,30 @@ class RolloutServer:
         return web.json_response({"status": "running", "task": task.name}, status=202)
 
     def _find_task(self, body: dict[str, Any]) -> HarborTask:
-        split = body.get("split", "")
+        split, index, instruction = body.get("split", ""), body.get("index"), body.get("instruction")
+        if not isinstance(split, str):
+            raise _error(400, "'split' must be a string")
+        if index is not None and (isinstance(index, bool) or not isinstance(index, (int, str))):
+            raise _error(400, "'index' must be an integer")
+        if instruction is not None and not isinstance(instruction, str):
+            raise _error(400, "'instruction' must be a string")
         try:
-            if body.get("index") is not None:
-                return self.tasks.task(split, int(body["index"]))
-            if isinstance(body.get("instruction"), str):
-                return self.tasks.find(split, body["instruction"])
+            if index is not None:
+                return self.tasks.task(split, int(index))
+            if instruction is not None:
+                return self.tasks.find(split, instruction)
         except (KeyError, IndexError, LookupError, ValueError) as exc:
             raise _error(404, f"no such task: {exc}") from exc
         raise _error(400, "say which task: 'index' or 'instruction' (and 'split')")
 
     async def session_status(self, request: web.Request) -> web.Response:
         slot = self._slot(request)
-        wait = min(float(request.query.get("wait", 0) or 0), MAX_WAIT_S)
+        try:
+            wait = min(float(request.query.get("wait", 0) or 0), MAX_WAIT_S)
+        except ValueError:
+            wait = math.nan
+        if math.isnan(wait):
+            raise _error(400, f"'wait' must be a number of seconds (at most {MAX_WAIT_S:g})")
         if slot.job is not None and wait > 0:
             await asyncio.wait({slot.job}, timeout=wait)
         body: dict[str, Any] = {"session_id": slot.id, "status": slot.status}
@@ -204,31 +221,49 @@ _ERRORS: dict[int, type[web.HTTPException]] = {
     400: web.HTTPBadRequest,
     404: web.HTTPNotFound,
     409: web.HTTPConflict,
+    413: web.HTTPRequestEntityTooLarge,
     429: web.HTTPTooManyRequests,
 }
 
 
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> web.HTTPException:
     body = json.dumps({"error": {"message": message, "code": status}})
+    if status == 413:
+        return web.HTTPRequestEntityTooLarge(
+            MAX_BODY_BYTES, 0, headers=headers, text=body, content_type="application/json"
+        )
     return _ERRORS[status](headers=headers, text=body, content_type="application/json")
 
 
 async def _json(request: web.Request) -> dict[str, Any]:
     try:
-        body = await request.json()
-    except ValueError as exc:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise _error(413, f"request body exceeds the server's limit of {MAX_BODY_BYTES} bytes") from exc
+    try:
+        body = orjson.loads(raw)  # orjson refuses nesting deeper than 1024 (json.loads would recurse)
+    except orjson.JSONDecodeError as exc:
         raise _error(400, f"request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise _error(400, "request body must be a JSON object")
     return body
 
 
+def _allow(exc: web.HTTPException) -> dict[str, str]:
+    return {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else {}
+
+
 @web.middleware
 async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
     try:
         return await handler(request)
-    except web.HTTPException:
-        raise
+    except web.HTTPException as exc:
+        if exc.status < 400 or exc.content_type == "application/json":
+            raise
+        # aiohttp's own rejections (unknown route, wrong method): the same JSON error shape as ours
+        message = f"{exc.reason}: {request.method} {request.path}"
+        body = {"error": {"message": message, "code": exc.status}}
+        return web.json_response(body, status=exc.status, headers=_allow(exc))
     except Exception:  # answer and log, never kill the server
         log.exception("error on %s %s", request.method, request.path)
         return web.json_response({"error": {"message": "internal error", "code": 500}}, status=500)
