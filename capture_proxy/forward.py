@@ -88,8 +88,12 @@ async def forward(
             reply = terminal_reply(CONTEXT_MESSAGE)
             await journal_terminal(state, session, call, CONTEXT_EXHAUSTED, reply, finding, body, timings)
             return Outcome(reply=reply, upstream_ms=result.upstream_ms)
-        status = 400 if 400 <= result.status < 500 and result.status not in (408, 429) else 502
-        finding = Finding("upstream_error", result.error or "the engine failed")
+        refused = 400 <= result.status < 500 and result.status not in (408, 429)
+        # A refusal answers the agent's own request; anything else is the engine failing past retries,
+        # which cut the agent's episode short (its reward then says nothing about the policy).
+        code = "upstream_error" if refused else "engine_unavailable"
+        status = 400 if refused else 502
+        finding = Finding(code, result.error or "the engine failed")
         await journal_terminal(state, session, call, UPSTREAM_ERROR, None, finding, body, timings)
         return Outcome(status=status, error=result.error, upstream_ms=result.upstream_ms)
     reply_json = result.reply

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,9 +36,15 @@ class CaptureClient:
     """Admin calls to one capture proxy. ``public_url`` is what agents are told (may differ from ``url``)."""
 
     def __init__(
-        self, url: str, admin_key: str | None, public_url: str | None = None, timeout_s: float = 60.0
+        self,
+        url: str,
+        admin_key: str | None,
+        public_url: str | None = None,
+        timeout_s: float = 60.0,
+        reconnect_s: float = 20.0,
     ):
         self.url = url.rstrip("/")
+        self.reconnect_s = reconnect_s
         self.public_url = (public_url or url).rstrip("/")
         headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
         # No connection cap: hundreds of rollouts finish together, and httpcore's wait queue for a free
@@ -48,10 +56,24 @@ class CaptureClient:
         await self._client.aclose()
 
     async def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        try:
-            response = await self._client.request(method, path, **kwargs)
-        except httpx.HTTPError as exc:
-            raise CaptureError(f"capture proxy at {self.url} unreachable: {exc!r}") from exc
+        # A proxy that is restarting (crashed, redeployed) reloads its sessions from disk within a second
+        # or two: keep trying for ``reconnect_s`` rather than fail the rollout's export or leak its session
+        # on a failed delete. Only failures where the proxy cannot have acted twice are retried: the
+        # connection was refused, or the call reads or deletes.
+        deadline = time.monotonic() + self.reconnect_s
+        delay = 0.25
+        while True:
+            try:
+                response = await self._client.request(method, path, **kwargs)
+                break
+            except httpx.HTTPError as exc:
+                safe = isinstance(exc, httpx.ConnectError) or (
+                    method in ("GET", "DELETE") and isinstance(exc, httpx.TransportError)
+                )
+                if not safe or time.monotonic() + delay > deadline:
+                    raise CaptureError(f"capture proxy at {self.url} unreachable: {exc!r}") from exc
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
         if response.status_code == 409:
             raise NothingTrainable(_message(response))
         if response.status_code >= 400:

@@ -2,9 +2,10 @@
 
 ``run_rollout`` never raises for what an agent or sandbox does: a crash, a hang past the timeout (the
 agent is killed, its captured turns kept, ``timed_out`` set) or a spent step budget are results, and a
-sandbox, install or proxy failure makes the result unscorable (``error`` set, reward None). It raises
-only :class:`~harness_trainer.trace.CaptureContractError`, for a malformed capture: that is a bug and
-stops training. Every path closes the sandbox and deletes the capture session (after the trace is read).
+sandbox, install or proxy failure, or an engine that failed a model call past retries, makes the result
+unscorable (``error`` set, reward None). It raises only
+:class:`~harness_trainer.trace.CaptureContractError`, for a malformed capture: that is a bug and stops
+training. Every path closes the sandbox and deletes the capture session (after the trace is read).
 """
 
 from __future__ import annotations
@@ -111,6 +112,14 @@ async def run_rollout(
             list(summary.get("findings", [])),
             int(summary.get("model_calls", 0)),
         )
+        # The engine failed a model call past the proxy's retries (5xx, dropped connections, timeouts) or
+        # answered unusably: the agent's episode was cut short by the infrastructure, so its reward says
+        # nothing about the policy. Unscorable (excluded from the group baseline), never a zero. An engine
+        # 4xx refusal of the agent's request is not retried and stays the agent's result.
+        failed = [f for f in result.findings if _engine_failure(f)]
+        if failed:
+            detail = str(failed[0].get("detail", ""))
+            result.error = f"EngineFailure: the engine failed {len(failed)} model call(s): {detail}"
     except CaptureContractError:
         raise
     except (SandboxError, HarnessError, CaptureError) as exc:
@@ -124,6 +133,11 @@ async def run_rollout(
     if result.error is not None:
         result.reward, result.trace = None, None
     return result
+
+
+def _engine_failure(finding: dict[str, Any]) -> bool:
+    """A capture finding saying the engine failed a call past the proxy's retries, or replied unusably."""
+    return finding.get("code") in ("engine_unavailable", "malformed_reply")
 
 
 async def _until_stopped(agent: Coroutine[Any, Any, AgentRun], stop: asyncio.Event | None) -> AgentRun | None:

@@ -1,10 +1,10 @@
 """The rollout runtime: a capture proxy, sandbox backends and a task source, shared by every rollout.
 
 Used by the rollout server (``harness-trainer serve``) and by the in-process session factory. It starts
-the capture proxy in its own event loop (or uses one already running), learns the engine's served model
-name, creates sandbox backends on first use, and closes everything it started in :meth:`aclose`: running
-rollouts are cancelled (which closes their sandboxes and capture sessions), then the backends and the
-proxy are shut down.
+the capture proxy in its own event loop (or, with ``capture_url``, uses one already running as its own
+process), learns the engine's served model name, creates sandbox backends on first use, and closes
+everything it started in :meth:`aclose`: running rollouts are cancelled (which closes their sandboxes and
+capture sessions), then the backends and the proxy it started are shut down (an external one keeps running).
 """
 
 from __future__ import annotations
@@ -34,14 +34,20 @@ class RuntimeConfig:
     """The engine's base URL (vLLM or the dev engine)."""
     data_dir: Path
     """Capture journals live here."""
+    capture_url: str | None = None
+    """An already-running capture proxy (``python -m capture_proxy``) to use instead of starting one; its
+    admin key goes in ``admin_key``. The runtime neither starts nor stops it, so it can outlive (or be
+    restarted under) the runtime. ``capture_host``/``capture_port`` are then unused."""
     capture_host: str = "127.0.0.1"
     capture_port: int = 8300
     public_url: str | None = None
-    """How agents in sandboxes reach the capture proxy (default ``http://capture_host:capture_port``)."""
+    """How agents in sandboxes reach the capture proxy (default ``capture_url``, else
+    ``http://capture_host:capture_port``)."""
     served_model: str | None = None
     """Model name for agents and upstream; default: the engine's first ``/v1/models`` entry."""
     admin_key: str | None = None
-    """Capture proxy admin key; a random one by default (the runtime is its only admin client)."""
+    """Capture proxy admin key; a random one by default (the runtime is its only admin client), required
+    with ``capture_url``."""
     sandbox_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Constructor options per sandbox backend name, e.g. ``{"e2b": {"template": "..."}}``."""
     sandbox_starts_per_s: float | None = None
@@ -50,6 +56,8 @@ class RuntimeConfig:
 
 class RolloutRuntime:
     def __init__(self, config: RuntimeConfig) -> None:
+        if config.capture_url is not None and not config.admin_key:
+            raise ValueError("an external capture proxy (capture_url) needs its admin key (admin_key)")
         self.config = config
         self.admin_key = config.admin_key or secrets.token_urlsafe(24)
         self.model = config.served_model or ""
@@ -60,10 +68,27 @@ class RolloutRuntime:
 
     @property
     def capture_url(self) -> str:
+        if self.config.capture_url is not None:
+            return self.config.capture_url.rstrip("/")
         return f"http://{self.config.capture_host}:{self.config.capture_port}"
 
     async def start(self) -> None:
-        """Start the capture proxy and learn the served model name."""
+        """Start the capture proxy (unless an external one is configured) and learn the served model name."""
+        if self.config.capture_url is not None:
+            public = self.config.public_url or self.capture_url
+            self.capture = CaptureClient(self.capture_url, self.admin_key, public_url=public)
+            try:
+                await self.capture.sessions()  # fail at start, not in every rollout, on a wrong URL or key
+            except Exception:
+                await self.capture.aclose()
+                self.capture = None
+                raise
+        else:
+            await self._start_proxy()
+        if not self.model:
+            self.model = await served_model(self.config.upstream)
+
+    async def _start_proxy(self) -> None:
         proxy = ProxyConfig(
             upstream=self.config.upstream,
             data_dir=self.config.data_dir,
@@ -77,8 +102,6 @@ class RolloutRuntime:
         await self._runner.setup()
         await web.TCPSite(self._runner, self.config.capture_host, self.config.capture_port).start()
         self.capture = CaptureClient(self.capture_url, self.admin_key, public_url=proxy.base_url)
-        if not self.model:
-            self.model = await served_model(self.config.upstream)
 
     def backend(self, name: str) -> SandboxBackend:
         """The backend ``name``, made on first use, behind a supervisor (start-rate limit, close-all)."""
