@@ -104,6 +104,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from aiohttp import web
 
+    from capture_proxy.app import tune_gc
     from harness_trainer.rollouts.runtime import RolloutRuntime, RuntimeConfig
     from harness_trainer.rollouts.server import RolloutServer
     from harness_trainer.tasks.sources import open_task_source
@@ -117,9 +118,16 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"error: cannot load tasks from {args.dataset}: {exc}", file=sys.stderr)
         return 2
     limit = args.max_concurrent_envs or int(os.environ.get("MAX_CONCURRENT_ENVS", "8"))
+    admin_key = args.capture_admin_key or os.environ.get("CAPTURE_PROXY_ADMIN_KEY") or None
+    if args.capture_url and not admin_key:
+        print("error: --capture-url needs the proxy's admin key (--capture-admin-key or "
+              "$CAPTURE_PROXY_ADMIN_KEY)", file=sys.stderr)  # fmt: skip
+        return 2
     config = RuntimeConfig(
         upstream=args.upstream,
         data_dir=args.data_dir,
+        capture_url=args.capture_url,
+        admin_key=admin_key,
         capture_host=args.capture_host,
         capture_port=args.capture_port,
         public_url=args.public_url,
@@ -128,8 +136,11 @@ def _serve(args: argparse.Namespace) -> int:
     )
     server = RolloutServer(RolloutRuntime(config), tasks, max_concurrent_envs=limit)
     _watch_children_with_pidfds()
+    # The server's hot path is the in-process proxy's: the same collector settings pay off here.
+    tune_gc()
     print(
-        f"rollout server: http://{args.host}:{args.port} (capture proxy on port {args.capture_port}, "
+        f"rollout server: http://{args.host}:{args.port} (capture proxy "
+        f"{args.capture_url or f'on port {args.capture_port}'}, "
         f"engine {args.upstream}, at most {limit} sessions)",
         flush=True,
     )
@@ -208,6 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--capture-host", default="127.0.0.1", help="where the capture proxy binds")
     serve.add_argument("--capture-port", type=int, default=8300)
     serve.add_argument("--public-url", default=None, help="how agents in sandboxes reach the capture proxy")
+    serve.add_argument(
+        "--capture-url", default=None, help="use this running capture proxy instead of starting one"
+    )
+    serve.add_argument(
+        "--capture-admin-key", default=None, help="its admin key (default: $CAPTURE_PROXY_ADMIN_KEY)"
+    )
     serve.add_argument("--served-model", default=None, help="model name (default: the engine's first)")
     serve.add_argument("--data-dir", type=Path, default=Path("runs/capture"), help="capture journals")
     serve.add_argument(
