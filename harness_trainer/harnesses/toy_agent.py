@@ -10,11 +10,11 @@ model calls, or on a model error. Each step is printed as one JSON line (``{"ste
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import subprocess
 import sys
-import urllib.error
-import urllib.request
+import urllib.parse
 
 BASH_TOOL = {
     "type": "function",
@@ -31,15 +31,37 @@ BASH_TOOL = {
 SYSTEM = "You are a coding agent. Use the bash tool to change files. Reply without a tool call when done."
 
 
-def chat(args: argparse.Namespace, messages: list[dict]) -> dict:
+class Endpoint:
+    """One kept-alive HTTP connection to the model endpoint, as the SDKs real agents use keep them."""
+
+    def __init__(self, base_url: str, timeout: float) -> None:
+        url = urllib.parse.urlsplit(base_url.rstrip("/"))
+        kind = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
+        self.connection = kind(url.netloc, timeout=timeout)
+        self.path = url.path + "/chat/completions"
+
+    def post(self, body: bytes, headers: dict[str, str]) -> bytes:
+        while True:
+            reused = self.connection.sock is not None
+            try:
+                self.connection.request("POST", self.path, body=body, headers=headers)
+                response = self.connection.getresponse()
+                data = response.read()
+                break
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+                self.connection.close()
+                if not reused:
+                    raise
+                # The server had closed the idle kept-alive connection: one try on a fresh one.
+        if response.status != 200:
+            raise ValueError(f"HTTP {response.status}: {data[:500].decode('utf-8', 'replace')}")
+        return data
+
+
+def chat(args: argparse.Namespace, endpoint: Endpoint, messages: list[dict]) -> dict:
     body = json.dumps({"model": args.model, "messages": messages, "tools": [BASH_TOOL]}).encode()
-    request = urllib.request.Request(
-        args.base_url.rstrip("/") + "/chat/completions",
-        data=body,
-        headers={"Content-Type": "application/json", "Authorization": f"Bearer {args.api_key}"},
-    )
-    with urllib.request.urlopen(request, timeout=args.request_timeout) as response:
-        return json.loads(response.read())["choices"][0]["message"]
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {args.api_key}"}
+    return json.loads(endpoint.post(body, headers))["choices"][0]["message"]
 
 
 def run_tool(call: dict, timeout: float) -> tuple[str, int]:
@@ -68,10 +90,11 @@ def main() -> int:
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": args.instruction},
     ]
+    endpoint = Endpoint(args.base_url, args.request_timeout)
     for step in range(args.steps):
         try:
-            message = chat(args, messages)
-        except (urllib.error.URLError, OSError, ValueError, KeyError) as exc:
+            message = chat(args, endpoint, messages)
+        except (http.client.HTTPException, OSError, ValueError, KeyError) as exc:
             print(json.dumps({"step": step, "error": str(exc)}), flush=True)
             return 1
         calls = message.get("tool_calls") or []

@@ -90,7 +90,8 @@ def test_an_agent_killed_mid_rollout_and_one_that_hangs_keep_their_turns_and_the
     tmp_path,
 ) -> None:
     """Member 0's agent is SIGKILLed right after its first model call (its tool command kills it: ``kill
-    -9 $PPID``, after writing the answer file); member 1's agent hangs in ``sleep 60`` past its 3 s timeout.
+    -9 $PPID``, after writing the answer file); member 1's agent hangs in ``sleep 60`` past its 10 s
+    timeout (long enough for the other agent to start and solve on a loaded 2-core machine).
     Both keep their one captured turn, the hang is ``timed_out``, the killed one is a plain (scored)
     result, the group is scored (rewards 1 and 0) and trained, and the ``sleep`` is gone."""
     engine = scripted_engine([bash_call(f"{SOLVE_CMD}; kill -9 $PPID"), bash_call("sleep 60")])
@@ -100,7 +101,7 @@ def test_an_agent_killed_mid_rollout_and_one_that_hangs_keep_their_turns_and_the
     builder = recording_builder(
         engine.url,
         made,
-        agent_timeout_sec=3,
+        agent_timeout_sec=10,
         data_dir=capture,
         sandbox_options={"local": {"base_dir": sandboxes}},
     )
