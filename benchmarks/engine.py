@@ -19,7 +19,9 @@ baseline, server, baseline, server... so both sides share the machine's noise. T
 and range of each side's tokens/s, the per-repeat ratio server/baseline, and the overhead ``1 - ratio``
 against the target (overhead < 10 %). The server is stopped on every path (terminate, then kill).
 
-Run: ``python -m benchmarks.engine [--prompts 8 --max-tokens 128 --repeats 3 --threads N --json OUT]``.
+Run: ``python -m benchmarks.engine [--quick] [--prompts 8 --max-tokens 128 --repeats 3 --threads N]
+[--json OUT]``; ``--quick`` is a tiny configuration (2 prompts x 16 tokens, 2 repeats), the one
+``python -m benchmarks --quick`` runs.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -40,6 +43,9 @@ from typing import Any
 from benchmarks.common import positive
 
 TARGET_OVERHEAD = 0.10
+TARGET_NAME = f"server overhead < {TARGET_OVERHEAD:.0%} of plain generate's tok/s"
+FULL = {"prompts": 8, "max_tokens": 128, "repeats": 3}
+QUICK = {"prompts": 2, "max_tokens": 16, "repeats": 2}
 # Sampling at temperature 1 from the full distribution; generate's default top-k of 50 is switched off.
 GENERATE = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
 CAPTURE = {"temperature": 1.0, "logprobs": True, "top_logprobs": 0, "return_token_ids": True}
@@ -48,9 +54,22 @@ CAPTURE = {"temperature": 1.0, "logprobs": True, "top_logprobs": 0, "return_toke
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="model directory (default: the tiny model)")
-    parser.add_argument("--prompts", type=positive, default=8, help="prompts per repeat")
-    parser.add_argument("--max-tokens", type=positive, default=128, help="tokens to generate per prompt")
-    parser.add_argument("--repeats", type=positive, default=3, help="interleaved baseline/server repeats")
+    parser.add_argument("--quick", action="store_true", help=f"tiny configuration: {QUICK}")
+    parser.add_argument(
+        "--prompts", type=positive, default=None, help=f"prompts per repeat ({FULL['prompts']})"
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=positive,
+        default=None,
+        help=f"tokens to generate per prompt ({FULL['max_tokens']})",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=positive,
+        default=None,
+        help=f"interleaved baseline/server repeats ({FULL['repeats']})",
+    )
     parser.add_argument("--threads", type=positive, default=1, help="torch threads, both sides (see above)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     return parser
@@ -166,6 +185,10 @@ def print_report(result: dict[str, Any]) -> None:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the benchmark, print the table, return the results (also written to ``--json``)."""
     args = build_parser().parse_args(argv)
+    for key, value in (QUICK if args.quick else FULL).items():  # --quick or the full defaults, flags on top
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    started = time.perf_counter()
     import httpx
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -201,7 +224,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 f"server {sample['server_tps']:.1f} tok/s ({s_tokens} of {b_tokens} tokens)",
                 flush=True,
             )
-    result = summarize(samples, config, engine.pid)
+    result = summarize(samples, config | {"quick": args.quick}, engine.pid)
+    result["elapsed_s"] = time.perf_counter() - started
+    measured = f"{result['overhead']:.1%} (median; ratio server/baseline {result['ratio']['median']:.3f})"
+    result["verdicts"] = [{"target": TARGET_NAME, "pass": result["meets_target"], "measured": measured}]
+    result["all_pass"] = result["meets_target"]
     print_report(result)
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
@@ -209,4 +236,5 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops the engine server too
     main()

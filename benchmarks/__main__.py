@@ -1,0 +1,188 @@
+"""``python -m benchmarks``: run every benchmark of the project and write one report, ``BENCHMARKS.md``.
+
+Each benchmark (engine, proxy, rollouts, trainer, soak) runs as its own subprocess, ``python -m
+benchmarks.<name> [--quick] --json FILE``, one after the other so they never compete for the machine,
+with the same settings every time (their defaults, or their ``--quick`` configurations). Its output is
+streamed here line by line, prefixed with its name. The report (``benchmarks/report.py``) describes the
+machine (CPU, cores, RAM, OS, Python, torch, date, git commit), then each benchmark's measurements as
+ratios against its own baseline with medians and spreads and its PASS/MISS verdicts, then the soak.
+
+A benchmark that fails (non-zero exit, no JSON) gets a section saying so with the end of its output; the
+others still run, and the exit status is 1. A MISS is a result, not a failure. Ctrl-C or SIGTERM stops
+the running benchmark (with one SIGTERM, on which it stops its own servers) and writes nothing; so does a
+benchmark running past its time limit (then it counts as failed).
+
+Run: ``python -m benchmarks [--quick] [--only engine,soak] [--output BENCHMARKS.md] [--json-dir DIR]
+[--update-readme] [--readme README.md]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.report import BENCHMARKS, readme_block, render_report, replace_block, section
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT_S = {"quick": 600.0, "full": 7200.0}  # per benchmark
+
+
+def machine(quick: bool) -> dict[str, str]:
+    """What the numbers were measured on."""
+    cpuinfo = {key: value for key, _, value in map(field, read("/proc/cpuinfo").splitlines())}
+    meminfo = {key: value.split()[0] for key, _, value in map(field, read("/proc/meminfo").splitlines())}
+    release = {
+        key: value.strip('"')
+        for key, _, value in (line.partition("=") for line in read("/etc/os-release").splitlines())
+    }
+    try:
+        torch = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch = "not installed"
+    cores, usable = os.cpu_count() or 0, len(os.sched_getaffinity(0))
+    mode = "quick (every benchmark's --quick configuration)" if quick else "full (every benchmark's defaults)"
+    return {
+        "CPU": cpuinfo.get("model name") or platform.processor() or platform.machine(),
+        "cores": f"{cores}" + (f" ({usable} usable by this process)" if usable != cores else ""),
+        "RAM": f"{int(meminfo.get('MemTotal', 0)) / 1024**2:.1f} GiB",
+        "OS": f"{release.get('PRETTY_NAME') or platform.system()}, kernel {platform.release()}",
+        "Python": platform.python_version(),
+        "torch": torch,
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "git commit": git_commit(),
+        "mode": mode,
+    }
+
+
+def field(line: str) -> tuple[str, str, str]:
+    """``key: value`` split at the first colon (``/proc`` files)."""
+    key, sep, value = line.partition(":")
+    return key.strip(), sep, value.strip()
+
+
+def read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def git(*command: str) -> str:
+    done = subprocess.run(["git", *command], cwd=ROOT, capture_output=True, text=True, timeout=30, check=True)
+    return done.stdout.strip()
+
+
+def git_commit() -> str:
+    """The short commit, ``+ changes`` when tracked files differ from it."""
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return commit + (" + uncommitted changes" if dirty else "")
+
+
+def run_one(name: str, quick: bool, json_dir: Path) -> tuple[dict[str, Any] | None, str, float]:
+    """Run benchmark ``name``; its result (None when it failed), what went wrong ('' if nothing), seconds."""
+    out = json_dir / f"{name}.json"
+    out.unlink(missing_ok=True)
+    command = [sys.executable, "-m", f"benchmarks.{name}", "--json", str(out)] + (
+        ["--quick"] if quick else []
+    )
+    print(f"== {name}: {' '.join(command[1:])}", flush=True)
+    started, tail = time.perf_counter(), collections.deque(maxlen=40)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    pipe, merged = subprocess.PIPE, subprocess.STDOUT
+    # Its own session: a Ctrl-C reaches only this process, which then stops the benchmark with one TERM
+    # (a second signal in the middle of its clean-up could leave its servers behind).
+    process = subprocess.Popen(
+        command, cwd=ROOT, stdout=pipe, stderr=merged, text=True, env=env, start_new_session=True
+    )
+    watchdog = threading.Timer(TIMEOUT_S["quick" if quick else "full"], process.terminate)
+    watchdog.start()
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:
+            tail.append(line.rstrip("\n"))
+            print(f"[{name}] {line}", end="", flush=True)
+        code = process.wait()
+    finally:
+        watchdog.cancel()
+        if process.poll() is None:  # interrupted: TERM makes the benchmark stop its servers and exit
+            process.terminate()
+            try:
+                process.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+    seconds = time.perf_counter() - started
+    result = json.loads(out.read_text()) if out.is_file() else None
+    error = f"exit code {code}; the end of its output:\n" + "\n".join(tail)
+    print(f"== {name}: {seconds:.0f} s, exit code {code}", flush=True)
+    return result, "" if code == 0 and result is not None else error, seconds
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
+    add = parser.add_argument
+    add("--quick", action="store_true", help="every benchmark in its quick configuration (for tests)")
+    add("--only", default=",".join(BENCHMARKS), help=f"comma-separated, from {','.join(BENCHMARKS)}")
+    add("--output", type=Path, default=ROOT / "BENCHMARKS.md", help="the report (default BENCHMARKS.md)")
+    add("--json-dir", type=Path, default=None, help="keep each benchmark's JSON result here")
+    add("--update-readme", action="store_true", help="replace the README's benchmark block with the summary")
+    add("--readme", type=Path, default=ROOT / "README.md", help="the README to update (default README.md)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmarks, write the report (and the README block); 0, or 1 when one failed."""
+    args = build_parser().parse_args(argv)
+    names = [name.strip() for name in args.only.split(",") if name.strip()]
+    names = sorted(set(names), key=lambda name: BENCHMARKS.index(name) if name in BENCHMARKS else -1)
+    if unknown := [name for name in names if name not in BENCHMARKS]:
+        build_parser().error(f"unknown benchmark(s) {unknown}; choose from {', '.join(BENCHMARKS)}")
+    if args.update_readme and not args.readme.is_file():
+        build_parser().error(f"no README at {args.readme}")
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops the running benchmark too
+    command = "python -m benchmarks" + (" --quick" if args.quick else "")
+    started, sections, failed = time.perf_counter(), [], False
+    try:
+        with tempfile.TemporaryDirectory(prefix="benchmarks-") as scratch:
+            json_dir = args.json_dir or Path(scratch)
+            json_dir.mkdir(parents=True, exist_ok=True)
+            description = machine(args.quick)
+            for name in names:
+                result, error, seconds = run_one(name, args.quick, json_dir)
+                sections.append(section(name, result, error, seconds))
+                failed = failed or bool(error)
+    except KeyboardInterrupt:
+        print("interrupted: the running benchmark was stopped; no report written", file=sys.stderr)
+        return 130
+    description["total time"] = f"{time.perf_counter() - started:.0f} s"
+    args.output.write_text(render_report(description, sections, command))
+    print(f"wrote {args.output}")
+    if args.update_readme:
+        text = args.readme.read_text()
+        args.readme.write_text(
+            replace_block(text, readme_block(description, sections, command + " --update-readme"))
+        )
+        print(f"updated the benchmark block of {args.readme}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,341 @@
+"""The benchmark report: every benchmark's JSON result as ratios against its own baseline, in Markdown.
+
+Pure functions, no processes (``benchmarks/__main__.py`` runs the benchmarks and calls these). Each
+benchmark measures its subject against a baseline measured in the same run, and each row here is one
+measurement as that ratio, with the median and the spread (min-max) over the benchmark's repeats:
+
+- **engine**: the dev engine's decode tok/s against a plain ``model.generate`` on the same model and
+  prompts (per-repeat ratio);
+- **proxy**: the capture proxy's req/s against a thin aiohttp pass-through, and its p50 latency against
+  the engine called directly (per-repeat ratios, every concurrency point);
+- **rollouts**: a whole rollout's seconds against the same agent started directly (median rollout over
+  median direct run; spread: each rollout over that median), and sessions held against sessions asked;
+- **trainer**: packed micro-batches' trained tok/s against padded batches (per-repeat ratio), and the
+  tokens rows forward against the unique tokens of the traces;
+- **soak**: the long-lived processes at the end against the start (after a warm-up wave), and the journal
+  bytes written against the bytes expected from the first wave's bytes per call.
+
+:func:`render_report` makes the whole ``BENCHMARKS.md``; :func:`readme_block` the README's short summary
+table, which :func:`replace_block` puts between ``<!-- benchmarks:start -->`` and ``<!-- benchmarks:end -->``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
+COLUMNS = ("measure", "value", "baseline", "ratio (median)", "spread (min-max)", "n")
+BENCHMARKS = ("engine", "proxy", "rollouts", "trainer", "soak")
+BASELINES = {
+    "engine": "plain `model.generate`",
+    "proxy": "thin pass-through / direct engine",
+    "rollouts": "agent started directly",
+    "trainer": "padded batches",
+    "soak": "start of the soak (after its warm-up)",
+}
+TITLES = {
+    "engine": "Dev engine: decode throughput",
+    "proxy": "Capture proxy: cost per model call",
+    "rollouts": "Rollout server: cost per rollout, concurrent sessions",
+    "trainer": "Trainer: packed micro-batches, rows",
+    "soak": "Soak: hundreds of rollouts, leak checks",
+}
+
+
+@dataclass
+class Row:
+    """One measurement: its value and its baseline's (formatted, with units), and their ratio."""
+
+    measure: str
+    value: str
+    baseline: str = "-"
+    ratios: list[float] = field(default_factory=list)  # one per repeat (or one in all)
+
+    def cells(self) -> tuple[str, ...]:
+        if not self.ratios:
+            return (self.measure, self.value, self.baseline, "-", "-", "-")
+        low, high = min(self.ratios), max(self.ratios)
+        spread = f"{low:.2f}-{high:.2f}" if len(self.ratios) > 1 else "-"
+        median = statistics.median(self.ratios)
+        return (self.measure, self.value, self.baseline, f"{median:.2f}x", spread, str(len(self.ratios)))
+
+
+@dataclass
+class Section:
+    """One benchmark's part of the report."""
+
+    name: str
+    headline: str = ""
+    rows: list[Row] = field(default_factory=list)
+    verdicts: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    extra: str = ""  # more Markdown after the table (the soak's waves)
+    error: str = ""  # why there is no result, when there is none
+    seconds: float | None = None  # the benchmark's wall time, start to exit
+
+
+def spread_of(values: Sequence[float]) -> str:
+    return f"{statistics.median(values):.2f}x [{min(values):.2f}-{max(values):.2f}]"
+
+
+# ---------------------------------------------------------------------------------------------- sections
+
+
+def engine_section(result: dict[str, Any]) -> Section:
+    ratios = [r["server_tps"] / r["baseline_tps"] for r in result["repeats"]]
+    b, s, c = result["baseline_tps"], result["server_tps"], result["config"]
+    row = Row(
+        "decode tok/s, server vs generate", f"{s['median']:.1f} tok/s", f"{b['median']:.1f} tok/s", ratios
+    )
+    note = f"{c['prompts']} prompts x {c['max_tokens']} tokens per repeat, {c['threads']} torch thread(s)"
+    return Section("engine", f"server {spread_of(ratios)} of generate's tok/s", [row], notes=[note])
+
+
+def proxy_section(result: dict[str, Any]) -> Section:
+    rows, worst = [], (float("inf"), "")
+    for name, point in result["points"].items():
+        t = point["targets"]
+        proxy, passthrough, direct = t["proxy"], t["passthrough"], t["direct"]
+        ratios = [r["vs_passthrough"] for r in proxy["repeats"]]
+        if not point["paced"] and statistics.median(ratios) < worst[0]:
+            worst = (statistics.median(ratios), name)
+        rows.append(
+            Row(f"{name}: req/s vs pass-through", f"{proxy['rps']:.0f}", f"{passthrough['rps']:.0f}", ratios)
+        )
+        latency = [
+            p["p50_ms"] / d["p50_ms"] for p, d in zip(proxy["repeats"], direct["repeats"], strict=True)
+        ]
+        value = f"{proxy['p50_ms']:.2f} ms ({proxy['added_p50_ms']:+.2f}, p99 {proxy['added_p99_ms']:+.2f})"
+        rows.append(Row(f"{name}: p50 latency vs direct", value, f"{direct['p50_ms']:.2f} ms", latency))
+    memory = result["memory"]
+    rows.append(Row("finished session, resident", f"{memory['per_session_mb']:.3f} MB"))
+    rows.append(Row("trace export (median)", f"{memory['trace_export_ms']['median']:.1f} ms"))
+    c = result["config"]
+    notes = [f"{c['turns']}-turn conversations, {c['repeats']} repeat(s), agents {c['agents']}"]
+    headline = f"proxy >= {worst[0]:.2f}x pass-through req/s (worst: {worst[1]})" if worst[1] else ""
+    return Section("proxy", headline, rows, notes=notes)
+
+
+def rollouts_section(result: dict[str, Any]) -> Section:
+    raw, rollout = result["raw"]["median_s"], result["rollout"]
+    steps = result["config"]["steps"]
+    ratios = [seconds / raw for seconds in rollout["runs_s"]]
+    rollout_ms, raw_ms = f"{rollout['median_s'] * 1e3:.0f} ms", f"{raw * 1e3:.0f} ms"
+    rows = [Row(f"rollout ({steps} calls) vs agent alone", rollout_ms, raw_ms, ratios)]
+    parts = ", ".join(f"{name} {value * 1e3:.0f}" for name, value in result["overhead_parts_s"].items())
+    notes = [f"overhead {result['overhead_s'] * 1e3:.0f} ms per rollout, in ms: {parts}"]
+    held = ""
+    for p in result["points"]:
+        value = f"{p['held']} held, {p['failed']} failed, CPU {p['cpu_pct_core']:.1f} % of a core"
+        asked = f"{p['sessions']} asked"
+        rows.append(
+            Row(f"{p['sessions']} concurrent sessions held", value, asked, [p["held"] / p["sessions"]])
+        )
+        held = f"; {p['held']}/{p['sessions']} sessions held"
+    headline = (
+        f"rollout {statistics.median(ratios):.2f}x the agent alone (+{result['overhead_s'] * 1e3:.0f} ms)"
+    )
+    return Section("rollouts", headline + held, rows, notes=notes)
+
+
+def trainer_section(result: dict[str, Any]) -> Section:
+    variants, rows_part = result["packing"]["variants"], result["rows"]
+    padded = variants["padded"]["tps"]["median"]
+    rows = [
+        Row(
+            f"{name}: trained tok/s vs padded",
+            f"{v['tps']['median']:.0f}",
+            f"{padded:.0f}",
+            [r["vs_padded"] for r in v["repeats"]],
+        )
+        for name, v in variants.items()
+    ]
+    rows.append(
+        Row(
+            "tokens forwarded vs unique",
+            str(rows_part["forwarded_tokens"]),
+            str(rows_part["unique_tokens"]),
+            [rows_part["forwarded_per_unique"]],
+        )
+    )
+    rows.append(Row("build_rows per million trace tokens", f"{rows_part['ms_per_million_input']:.1f} ms"))
+    packed = [r["vs_padded"] for r in variants["packed"]["repeats"]]
+    w = result["packing"]["workload"]
+    notes = [f"{w['rows']} rows, {w['tokens']} tokens, token budget {result['config']['token_budget']}"]
+    return Section("trainer", f"packed {spread_of(packed)} padded tok/s", rows, notes=notes)
+
+
+def soak_section(result: dict[str, Any]) -> Section:
+    rows = []
+    for name, p in result["processes"].items():
+        if p["rss_mb_start"] is None or p["rss_mb_end"] is None:
+            continue
+        rss = (
+            f"{p['rss_mb_end']:.1f} MB",
+            f"{p['rss_mb_start']:.1f} MB",
+            [p["rss_mb_end"] / p["rss_mb_start"]],
+        )
+        rows.append(Row(f"{name} RSS, end vs start", *rss))
+        slope, half = p["rss_slope_mb_per_100"], p.get("rss_slope_second_half")
+        value = "-" if slope is None else f"{slope:+.2f} MB per 100 rollouts"
+        value += "" if half is None else f" (second half: {half:+.2f})"
+        rows.append(Row(f"{name} RSS slope", value))
+        fds = [p["fds_end"] / max(p["fds_start"], 1)]
+        rows.append(Row(f"{name} open fds, end vs start", str(p["fds_end"]), str(p["fds_start"]), fds))
+        rows.append(Row(f"{name} threads, end vs start", str(p["threads_end"]), str(p["threads_start"])))
+    j = result["journal"]
+    if j["expected_bytes"]:
+        first = j["bytes_per_call_first"]
+        waves = [w["bytes_per_call"] / first for w in result["waves"] if w["counted"] and w["bytes_per_call"]]
+        value, expected = f"{j['written_bytes'] / 1e6:.2f} MB", f"{j['expected_bytes'] / 1e6:.2f} MB"
+        rows.append(
+            Row(
+                "journal bytes, written vs expected",
+                value,
+                expected,
+                [j["written_bytes"] / j["expected_bytes"]],
+            )
+        )
+        rows.append(
+            Row("journal bytes per call, each wave vs the first", f"{first:.0f} B", f"{first:.0f} B", waves)
+        )
+    end = result["end"]
+    left = ", ".join(f"{key} {value}" for key, value in end.items())
+    rows.append(
+        Row("left after the last wave", left + f", leftover processes {len(result['leftover_processes'])}")
+    )
+    c = result["config"]
+    notes = [f"{result['counted_rollouts']} rollouts after {c['warmup']} warm-up ones, "]
+    notes[0] += f"waves of {c['concurrency']}, {c['steps']} model calls each"
+    server = result["processes"]["server"]
+    slope = server["rss_slope_mb_per_100"]
+    headline = f"server RSS {'-' if slope is None else f'{slope:+.2f}'} MB/100 rollouts, "
+    headline += f"fds {server['fds_start']}->{server['fds_end']}"
+    if j["expected_bytes"]:
+        headline += f", journal {j['written_bytes'] / j['expected_bytes']:.2f}x expected"
+    return Section("soak", headline, rows, notes=notes, extra=soak_waves(result["waves"]))
+
+
+def soak_waves(waves: list[dict[str, Any]]) -> str:
+    """The soak's per-wave table, folded."""
+    header = ("wave", "rollouts", "seconds", "failed", "journal B/call", "server RSS MB", "server fds")
+    rows = []
+    for w in waves:
+        server = w.get("server") or {}
+        per_call = "-" if w["bytes_per_call"] is None else f"{w['bytes_per_call']:.0f}"
+        rss = "-" if server.get("rss_mb") is None else f"{server['rss_mb']:.1f}"
+        cells = (w["wave"], str(w["rollouts"]), f"{w['seconds']:.1f}", str(w["failed"]), per_call, rss)
+        rows.append((*cells, str(server.get("fds", "-"))))
+    return f"<details><summary>per wave</summary>\n\n{table(header, rows)}\n</details>\n"
+
+
+SECTIONS: dict[str, Callable[[dict[str, Any]], Section]] = {
+    "engine": engine_section,
+    "proxy": proxy_section,
+    "rollouts": rollouts_section,
+    "trainer": trainer_section,
+    "soak": soak_section,
+}
+
+
+def section(
+    name: str, result: dict[str, Any] | None, error: str = "", seconds: float | None = None
+) -> Section:
+    """``name``'s section from its JSON result; without one (the benchmark failed), one that says why."""
+    if result is None:
+        return Section(name, "no result", error=error or "the benchmark wrote no result", seconds=seconds)
+    built = SECTIONS[name](result)
+    built.verdicts = result.get("verdicts") or ([result["verdict"]] if "verdict" in result else [])
+    built.error, built.seconds = error, seconds
+    return built
+
+
+# --------------------------------------------------------------------------------------------- rendering
+
+
+def cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A Markdown table."""
+    lines = ["| " + " | ".join(cell(h) for h in header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def targets_summary(verdicts: Sequence[dict[str, Any]]) -> str:
+    """``PASS 3/5 (MISS: a; b)`` or ``-`` when there are no targets."""
+    if not verdicts:
+        return "-"
+    passed = sum(bool(v["pass"]) for v in verdicts)
+    missed = "; ".join(v["target"] for v in verdicts if not v["pass"])
+    return f"PASS {passed}/{len(verdicts)}" + (f" (MISS: {missed})" if missed else "")
+
+
+def machine_table(machine: dict[str, str]) -> str:
+    return table(("", ""), [(key, value) for key, value in machine.items()])
+
+
+def summary_table(sections: Sequence[Section]) -> str:
+    """One line per benchmark: the baseline, the headline ratio, the targets."""
+    rows = []
+    for s in sections:
+        headline = f"FAILED: {s.error.splitlines()[0]}" if s.error else s.headline
+        seconds = "-" if s.seconds is None else f"{s.seconds:.0f} s"
+        rows.append((s.name, BASELINES.get(s.name, "-"), headline, targets_summary(s.verdicts), seconds))
+    return table(("benchmark", "baseline", "headline: median [min-max]", "targets", "time"), rows)
+
+
+def render_section(s: Section) -> str:
+    parts = [
+        f"## {s.name}: {TITLES.get(s.name, s.name)}\n",
+        f"Baseline: {BASELINES.get(s.name, '-')}. {s.headline}.\n",
+    ]
+    if s.error:
+        parts.append(f"**FAILED**: {s.error.splitlines()[0] if s.error.strip() else 'no detail'}\n")
+        if len(s.error.splitlines()) > 1:
+            parts.append("```\n" + s.error.strip() + "\n```\n")
+    if s.rows:
+        parts.append(table(COLUMNS, [row.cells() for row in s.rows]))
+    if s.verdicts:
+        rows = [("PASS" if v["pass"] else "MISS", v["target"], v["measured"]) for v in s.verdicts]
+        parts.append(table(("verdict", "target", "measured"), rows))
+    parts += [s.extra] if s.extra else []
+    parts += ["\n".join(f"- {note}" for note in s.notes) + "\n"] if s.notes else []
+    return "\n".join(parts)
+
+
+def render_report(machine: dict[str, str], sections: Sequence[Section], command: str) -> str:
+    """The whole ``BENCHMARKS.md``."""
+    intro = (
+        "# Benchmarks\n\n"
+        f"Generated by `{command}`: every benchmark ran once, one after the other (so none competes with "
+        "another), each with its own baseline measured in the same run. A ratio is the measurement over "
+        "its baseline; the spread is the smallest and largest ratio over the benchmark's repeats; n is the "
+        "number of repeats (1: no spread). PASS/MISS is each benchmark's own verdict on its target.\n"
+    )
+    parts = [intro, "## Machine\n", machine_table(machine), "## Summary\n", summary_table(sections)]
+    parts += [render_section(s) for s in sections]
+    return "\n".join(parts)
+
+
+def readme_block(machine: dict[str, str], sections: Sequence[Section], command: str) -> str:
+    """The README's summary between the markers (markers excluded)."""
+    where = f"{machine.get('CPU', '?')}, {machine.get('cores', '?')} cores, {machine.get('date', '?')}"
+    where += f", commit {machine.get('git commit', '?')}"
+    return (
+        f"Measured by `{command}` on {where}; every table, spread and verdict is in "
+        f"[BENCHMARKS.md](BENCHMARKS.md).\n\n{summary_table(sections)}"
+    )
+
+
+def replace_block(text: str, block: str) -> str:
+    """``text`` with what lies between the benchmark markers replaced by ``block``."""
+    start, end = text.find(START), text.find(END)
+    if start < 0 or end < start:
+        raise ValueError(f"the README has no {START} ... {END} block")
+    return text[: start + len(START)] + "\n" + block.rstrip("\n") + "\n" + text[end:]

@@ -1,0 +1,228 @@
+"""The benchmark report: its pure rendering on hand-made results, and ``python -m benchmarks --quick`` end to
+end (every section, the machine, ratio columns, the README block replaced in a copy)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks import report
+
+ROOT = Path(__file__).parents[1]
+MACHINE_KEYS = ("CPU", "cores", "RAM", "OS", "Python", "torch", "date", "git commit")
+
+
+def verdict(target: str, ok: bool) -> dict[str, Any]:
+    return {"target": target, "pass": ok, "measured": f"measured {target}"}
+
+
+def engine_result() -> dict[str, Any]:
+    repeats = [{"baseline_tps": 100.0, "server_tps": 90.0}, {"baseline_tps": 100.0, "server_tps": 95.0}]
+    return {
+        "config": {"prompts": 2, "max_tokens": 16, "threads": 1},
+        "repeats": repeats,
+        "baseline_tps": {"median": 100.0, "min": 100.0, "max": 100.0},
+        "server_tps": {"median": 92.5, "min": 90.0, "max": 95.0},
+        "verdicts": [verdict("server overhead < 10%", True)],
+        "elapsed_s": 9.0,
+    }
+
+
+def proxy_result() -> dict[str, Any]:
+    def target(rps: float, p50: float, repeats: list[dict[str, float]]) -> dict[str, Any]:
+        return {"rps": rps, "p50_ms": p50, "added_p50_ms": 0.5, "added_p99_ms": 1.5, "repeats": repeats}
+
+    point = {
+        "paced": False,
+        "targets": {
+            "direct": target(1000, 1.0, [{"p50_ms": 1.0}, {"p50_ms": 2.0}]),
+            "passthrough": target(800, 1.2, [{}, {}]),
+            "proxy": target(
+                600, 2.0, [{"vs_passthrough": 0.7, "p50_ms": 2.0}, {"vs_passthrough": 0.8, "p50_ms": 3.0}]
+            ),
+        },
+    }
+    return {
+        "config": {"turns": 4, "repeats": 2, "agents": [1]},
+        "points": {"c1 json": point},
+        "memory": {"per_session_mb": 0.08, "trace_export_ms": {"median": 2.0}},
+        "verdicts": [verdict("throughput", False), verdict("cpu", True)],
+    }
+
+
+def rollouts_result() -> dict[str, Any]:
+    point = {"sessions": 8, "held": 6, "failed": 2, "cpu_pct_core": 3.5}
+    return {
+        "config": {"steps": 2},
+        "raw": {"median_s": 0.1},
+        "rollout": {"median_s": 0.15, "runs_s": [0.14, 0.16]},
+        "overhead_s": 0.05,
+        "overhead_parts_s": {"sandbox_start": 0.02, "rest": 0.03},
+        "points": [point],
+        "verdict": verdict(">= 512 sessions", False),
+    }
+
+
+def trainer_result() -> dict[str, Any]:
+    def variant(tps: float, ratio: float) -> dict[str, Any]:
+        return {"tps": {"median": tps}, "repeats": [{"vs_padded": ratio}]}
+
+    return {
+        "config": {"token_budget": 2048},
+        "packing": {
+            "workload": {"rows": 12, "tokens": 5000},
+            "variants": {"packed": variant(750.0, 1.5), "padded": variant(500.0, 1.0)},
+        },
+        "rows": {
+            "forwarded_tokens": 101,
+            "unique_tokens": 100,
+            "forwarded_per_unique": 1.01,
+            "ms_per_million_input": 3.4,
+        },
+        "verdicts": [verdict("packed >= 1.5x padded", True)],
+    }
+
+
+def soak_result() -> dict[str, Any]:
+    process = {"rss_mb_start": 60.0, "rss_mb_end": 61.0, "rss_slope_mb_per_100": 0.5}
+    process |= {"fds_start": 20, "fds_end": 21, "threads_start": 10, "threads_end": 10}
+
+    def wave(label: str, per_call: float, server: dict[str, float] | None) -> dict[str, Any]:
+        common = {"rollouts": 4, "seconds": 0.4, "failed": 0, "bytes_per_call": per_call, "server": server}
+        return {"wave": label, "counted": label.isdigit(), **common}
+
+    waves = [wave("warm-up 1", 5000.0, {"rss_mb": 60.0, "fds": 20}), wave("1", 5000.0, None)]
+    waves.append(wave("2", 5100.0, {"rss_mb": 61.0, "fds": 21}))
+    journal = {"bytes_per_call_first": 5000.0, "expected_bytes": 80000.0, "written_bytes": 80800.0}
+    end = {"sessions": 0, "capture_sessions": 0, "sandboxes": 0}
+    return {
+        "config": {"concurrency": 4, "steps": 4, "warmup": 4},
+        "counted_rollouts": 8,
+        "processes": {"server": process, "engine": dict(process)},
+        "journal": journal,
+        "waves": waves,
+        "end": end,
+        "leftover_processes": [],
+        "verdicts": [verdict("memory flat", True), verdict("no fd growth", True)],
+    }
+
+
+RESULTS = {
+    "engine": engine_result,
+    "proxy": proxy_result,
+    "rollouts": rollouts_result,
+    "trainer": trainer_result,
+    "soak": soak_result,
+}
+
+
+def test_rows_give_the_median_ratio_and_the_spread_over_repeats() -> None:
+    assert report.Row("m", "9", "10", [0.9, 1.1, 1.0]).cells() == ("m", "9", "10", "1.00x", "0.90-1.10", "3")
+    assert report.Row("m", "9", "10", [0.9]).cells()[3:] == ("0.90x", "-", "1")  # one repeat: no spread
+    assert report.Row("m", "9").cells()[2:] == ("-", "-", "-", "-")  # no baseline
+
+
+def test_each_section_has_ratio_rows_against_its_baseline_and_the_verdicts() -> None:
+    engine = report.section("engine", engine_result())
+    assert engine.rows[0].ratios == [0.9, 0.95] and engine.headline.startswith("server 0.93x [0.90-0.95]")
+    proxy = report.section("proxy", proxy_result())
+    assert proxy.rows[0].ratios == [0.7, 0.8]  # req/s against the pass-through, per repeat
+    assert proxy.rows[1].ratios == [2.0, 1.5]  # p50 latency against the direct engine, per repeat
+    assert "0.75x pass-through" in proxy.headline and [v["pass"] for v in proxy.verdicts] == [False, True]
+    rollouts = report.section("rollouts", rollouts_result())
+    assert rollouts.rows[0].ratios == pytest.approx([1.4, 1.6]) and rollouts.rows[1].ratios == [0.75]
+    assert rollouts.verdicts == [verdict(">= 512 sessions", False)]  # its single verdict, as a list
+    trainer = report.section("trainer", trainer_result())
+    assert [row.ratios for row in trainer.rows[:3]] == [[1.5], [1.0], [1.01]]
+    soak = report.section("soak", soak_result(), seconds=12.0)
+    measures = [row.measure for row in soak.rows]
+    assert "server RSS, end vs start" in measures and "journal bytes, written vs expected" in measures
+    assert soak.seconds == 12.0 and "+0.50 MB/100 rollouts" in soak.headline
+
+
+def test_the_report_has_the_machine_a_summary_and_every_section() -> None:
+    machine = {key: f"{key} value" for key in MACHINE_KEYS}
+    sections = [report.section(name, build()) for name, build in RESULTS.items()]
+    sections.append(report.section("engine", None, "exit code 1; the end of its output:\nTraceback"))
+
+    text = report.render_report(machine, sections, "python -m benchmarks")
+
+    assert text.startswith("# Benchmarks") and "## Machine" in text and "## Summary" in text
+    for key in MACHINE_KEYS:
+        assert f"| {key} | {key} value |" in text
+    for name in RESULTS:
+        assert f"## {name}: {report.TITLES[name]}" in text
+    assert text.count("| " + " | ".join(report.COLUMNS) + " |") == len(RESULTS)
+    assert "| PASS | memory flat |" in text and "| MISS | throughput |" in text
+    assert "<details><summary>per wave</summary>" in text
+    assert "**FAILED**: exit code 1" in text and "Traceback" in text
+    assert "FAILED: exit code 1" in report.summary_table(sections)  # the summary says so too
+
+
+def test_targets_summary_names_the_misses() -> None:
+    assert report.targets_summary([]) == "-"
+    assert report.targets_summary([verdict("a", True), verdict("b", False)]) == "PASS 1/2 (MISS: b)"
+
+
+def test_the_readme_block_is_replaced_between_the_markers_only() -> None:
+    text = f"intro\n{report.START}\nold table\n{report.END}\nrest\n"
+    block = report.readme_block({"CPU": "cpu"}, [report.section("engine", engine_result())], "cmd")
+
+    replaced = report.replace_block(text, block)
+
+    assert replaced.startswith(f"intro\n{report.START}\nMeasured by `cmd` on cpu")
+    assert replaced.endswith(f"{report.END}\nrest\n") and "old table" not in replaced
+    assert "| engine | plain `model.generate` |" in replaced
+    assert report.replace_block(replaced, block) == replaced  # idempotent
+    with pytest.raises(ValueError, match="no"):
+        report.replace_block("no markers here", block)
+
+
+def test_the_readme_has_the_markers() -> None:
+    text = (ROOT / "README.md").read_text()
+    assert text.count(report.START) == 1 and text.index(report.START) < text.index(report.END)
+
+
+@pytest.mark.slow
+def test_quick_run_writes_the_report_and_updates_a_readme_copy(tmp_path: Path) -> None:
+    out, json_dir, readme = tmp_path / "BENCHMARKS.md", tmp_path / "json", tmp_path / "README.md"
+    shutil.copy(ROOT / "README.md", readme)
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks",
+        "--quick",
+        "--output",
+        str(out),
+        "--json-dir",
+        str(json_dir),
+    ]
+    command += ["--update-readme", "--readme", str(readme)]
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        stdout, _ = process.communicate(timeout=420)
+    except subprocess.TimeoutExpired:
+        process.terminate()  # SIGTERM: it stops the running benchmark, which stops its servers
+        stdout, _ = process.communicate(timeout=150)
+        pytest.fail(f"python -m benchmarks --quick took over 420 s:\n{stdout[-4000:]}")
+
+    assert process.returncode == 0, stdout[-4000:]
+    text = out.read_text()
+    for key in MACHINE_KEYS:
+        assert f"| {key} | " in text, key
+    for name in report.BENCHMARKS:
+        assert f"## {name}: " in text, name
+        assert json.loads((json_dir / f"{name}.json").read_text())["elapsed_s"] > 0
+    assert text.count("| " + " | ".join(report.COLUMNS) + " |") == len(report.BENCHMARKS)
+    assert "FAILED" not in text and ("| PASS |" in text or "| MISS |" in text)
+    updated = readme.read_text()
+    assert updated != (ROOT / "README.md").read_text()  # the copy was updated, the README itself not
+    block = updated[updated.index(report.START) : updated.index(report.END)]
+    assert "Measured by `python -m benchmarks --quick --update-readme`" in block
+    assert all(f"| {name} | " in block for name in report.BENCHMARKS)
