@@ -13,7 +13,7 @@ from typing import Any
 MODEL = "model"
 BUDGET_EXHAUSTED = "budget_exhausted"  # terminal reply made by the proxy; never trained on
 CONTEXT_EXHAUSTED = "context_exhausted"  # the engine refused the prompt's length; terminal reply
-UPSTREAM_ERROR = "upstream_error"  # the engine refused or failed the call (see the finding); the agent got an error
+UPSTREAM_ERROR = "upstream_error"  # the engine refused or failed the call; the agent got an error
 
 
 @dataclass

@@ -5,7 +5,9 @@ starts the dev engine on it; rolls out a **real** agent (mini-swe-agent by defau
 tasks in local sandboxes through the capture proxy (the in-process ``LocalSessionFactory``); trains with
 ``HarnessAsyncGRPOTrainer``, pushing each step's weights back into the engine; and leaves in the output
 directory ``metrics.jsonl``, ``rollouts.jsonl``, ``curves.png``, ``viewer.html`` and the last checkpoint.
-Everything it starts is stopped on every path, Ctrl-C included.
+Everything it starts is stopped on every path. Ctrl-C (SIGINT) and SIGTERM (what a job scheduler sends)
+stop it the same way: during training, after the step in hand, with a checkpoint that ``--resume``
+continues; before or after training, at once. It then exits 130 (SIGINT) or 143 (SIGTERM).
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from harness_trainer import HarnessAsyncGRPOTrainer
 
 EXAMPLE_TASKS = Path(__file__).resolve().parents[2] / "examples" / "tasks"
 HARNESS_CHOICES = ("mini-swe-agent", "opencode", "toy")
@@ -39,7 +45,7 @@ class DevLoopOptions:
     max_completion_length: int = 256
     loss_normalization: str = "rollout"
     warmup: bool = True
-    target_probability: float = 0.3
+    target_probability: float = 0.4
     agent_timeout: float = 120.0
     agent_step_limit: int = 4
     seed: int = 0
@@ -69,7 +75,7 @@ def add_dev_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-warmup", dest="warmup", action="store_false", help="train the random tiny model"
     )
     parser.add_argument("--target-probability", type=float, default=d.target_probability,
-                        help="warm-up stops when the solver transcripts have this probability")  # fmt: skip
+                        help="warm-up stops when its transcripts have this mean probability")  # fmt: skip
     parser.add_argument("--agent-timeout", type=float, default=d.agent_timeout)
     parser.add_argument("--agent-step-limit", type=int, default=d.agent_step_limit)
     parser.add_argument("--seed", type=int, default=d.seed)
@@ -82,14 +88,25 @@ def options_from(args: argparse.Namespace) -> DevLoopOptions:
     return DevLoopOptions(**{name: getattr(args, name) for name in DevLoopOptions.__dataclass_fields__})
 
 
+class Stopped(KeyboardInterrupt):
+    """The dev loop was stopped by ``signum`` (SIGINT or SIGTERM); everything it started is closed on the
+    way out. A KeyboardInterrupt, so it unwinds like Ctrl-C always did."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 def run_dev(args: argparse.Namespace) -> int:
     """The ``harness-trainer dev`` command."""
     options = options_from(args)
     try:
         return run_dev_loop(options)
-    except KeyboardInterrupt:
-        print("dev loop: interrupted; everything it started is stopped", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        signum = getattr(exc, "signum", signal.SIGINT)
+        how = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+        print(f"dev loop: {how}; everything it started is stopped", file=sys.stderr)
+        return 128 + signum
     except (ValueError, RuntimeError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -100,6 +117,38 @@ def _say(text: str) -> None:
 
 
 def run_dev_loop(options: DevLoopOptions) -> int:
+    """The dev loop; raises :class:`Stopped` when a signal stopped it (after closing everything)."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    stopped_by: list[int] = []  # the stop signals received, first first
+    training: list[HarnessAsyncGRPOTrainer] = []  # the trainer while it trains
+
+    def on_stop(signum: int, frame: object) -> None:
+        # While training, the first signal ends the run after the step in hand (checkpoint, every session
+        # closed); a second Ctrl-C interrupts at once, a repeated SIGTERM changes nothing. Before or after
+        # training (tiny model, engine start, pictures), a signal unwinds at once, stopping the engine.
+        first = not stopped_by
+        stopped_by.append(signum)
+        if training and first:
+            name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+            again = " (again to stop at once)" if signum == signal.SIGINT else ""
+            _say(f"{name}: stopping after this step{again}")
+            training[0].stop()
+            return
+        if signum == signal.SIGTERM and not first:
+            return
+        raise Stopped(stopped_by[0])
+
+    previous = {signum: signal.signal(signum, on_stop) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _run_dev_loop(options, stopped_by, training)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _run_dev_loop(
+    options: DevLoopOptions, stopped_by: list[int], training: list[HarnessAsyncGRPOTrainer]
+) -> int:
     import torch
 
     from harness_trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer, LocalSessionFactory
@@ -108,7 +157,6 @@ def run_dev_loop(options: DevLoopOptions) -> int:
     from harness_trainer.models.tiny import ensure_tiny_model
     from harness_trainer.tasks.sources import LocalTaskSource
 
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if not options.tasks.is_dir():
         raise ValueError(f"no task folder at {options.tasks} (pass --tasks DIR)")
     source = LocalTaskSource(options.tasks)
@@ -130,7 +178,6 @@ def run_dev_loop(options: DevLoopOptions) -> int:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     with (output / "engine.log").open("ab") as engine_log:
         engine = start_engine(model_dir, "--seed", str(options.seed), output=engine_log, own_session=True)
-    interrupted = False
     try:
         _say(f"engine up: {engine.url} serving {model_dir.name}")
         config = AsyncGRPOConfig(
@@ -151,25 +198,19 @@ def run_dev_loop(options: DevLoopOptions) -> int:
             f"{options.num_generations} rollouts per group, {options.max_concurrent_rollouts} at once"
         )
         trainer = HarnessAsyncGRPOTrainer(str(model_dir), builder, config, train_dataset=rows)
-
-        def on_ctrl_c(signum: int, frame: object) -> None:
-            # The first Ctrl-C ends the run after the step in hand (checkpoint, every session closed); a
-            # second one interrupts at once.
-            nonlocal interrupted
-            interrupted = True
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            _say("Ctrl-C: stopping after this step (again to stop at once)")
-            trainer.stop()
-
-        previous = signal.signal(signal.SIGINT, on_ctrl_c)
+        training.append(trainer)
         try:
+            # The trainer handles SIGTERM itself while it trains (it stops after the step in hand).
             trainer.train()
         finally:
-            signal.signal(signal.SIGINT, previous)
+            training.clear()
+        if trainer.stop_requested and not stopped_by:
+            stopped_by.append(signal.SIGTERM)  # only its own SIGTERM handler stops it without us
     finally:
         engine.stop()
-    if interrupted:
-        raise KeyboardInterrupt
+    if stopped_by:
+        _say(f"{signal.Signals(stopped_by[0]).name}: stopped at step {trainer.state.step}, checkpoint kept")
+        raise Stopped(stopped_by[0])
     _finish(output, model_dir, time.monotonic() - started)
     return 0
 

@@ -3,7 +3,9 @@
 For the local dev loop and tests: a background thread runs a :class:`RolloutRuntime` (capture proxy,
 sandboxes) in its own event loop; ``create`` submits a rollout to it and returns a session with the same
 sync API (and the same exceptions) as a server-backed one. ``close()`` cancels what still runs and shuts
-the runtime down; the factory is also a context manager.
+the runtime down; the factory is also a context manager. With ``capture_url`` (and its ``admin_key``) the
+rollouts go through an already-running capture proxy (``python -m capture_proxy``), which the factory
+neither starts nor stops.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class LocalSessionFactory:
         reward_key: str = "",
         data_dir: str | Path | None = None,
         capture_port: int | None = None,
+        capture_url: str | None = None,
+        admin_key: str | None = None,
         sandbox_options: dict[str, dict[str, Any]] | None = None,
     ) -> None:
         from harness_trainer.demo import free_port
@@ -53,6 +57,8 @@ class LocalSessionFactory:
             upstream=upstream,
             data_dir=Path(data_dir) if data_dir is not None else Path(self._tmp.name),  # type: ignore[union-attr]
             capture_port=capture_port or free_port(),
+            capture_url=capture_url,
+            admin_key=admin_key,
             served_model=model,
             sandbox_options=sandbox_options or {},
         )
@@ -145,6 +151,13 @@ class LocalSession:
     def result(self) -> RolloutResult:
         return self.future.result()
 
+    @property
+    def session_id(self) -> str | None:
+        """The rollout's capture session id once it has finished (errors then name it), else None."""
+        if not self.future.done() or self.future.cancelled() or self.future.exception() is not None:
+            return None
+        return self.result.capture_session_id
+
     def wait_for_completion(self, timeout_s: float | None = None) -> int:
         try:
             self.future.result(timeout_s)
@@ -157,7 +170,7 @@ class LocalSession:
         return exit_code_of(self.result)
 
     def fetch_training_trace(self) -> TrainingTrace:
-        return trace_of(self.result)
+        return trace_of(self.result, self.session_id)
 
     def verify(self, completion: list[dict[str, Any]] | None = None, final_state: Any = None) -> VerifyResult:
         return verify_result(self.result)
@@ -175,7 +188,7 @@ class LocalSession:
         return exit_code_of(self.result)
 
     async def afetch_training_trace(self) -> TrainingTrace:
-        return trace_of(await asyncio.wrap_future(self.future))
+        return trace_of(await asyncio.wrap_future(self.future), self.session_id)
 
     async def averify(self, completion: list[dict[str, Any]] | None = None) -> VerifyResult:
         return verify_result(await asyncio.wrap_future(self.future))

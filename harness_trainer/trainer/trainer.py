@@ -245,6 +245,12 @@ class HarnessAsyncGRPOTrainer:
         """Ask the loop to stop after the current step (what SIGTERM does); on rank 0, every rank stops."""
         self._stop.set()
 
+    @property
+    def stop_requested(self) -> bool:
+        """Whether :meth:`stop` was called or SIGTERM arrived: the run ends (or ended) before ``max_steps``
+        unless the step in hand was the last."""
+        return self._stop.is_set()
+
     def _loop(self) -> None:
         from tqdm.auto import tqdm
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.hardening.faults import alive, descendants, wait_until
 from tests.rollouts.conftest import EXAMPLES
 
 pytestmark = pytest.mark.slow
@@ -31,27 +32,6 @@ def dev(tmp_path: Path, *extra: str) -> list[str]:
         "--output-dir", str(tmp_path / "run"), "--num-generations", "2", "--max-concurrent-rollouts", "2",
         "--max-completion-length", "32", *extra,
     ]  # fmt: skip
-
-
-def descendants(pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError):
-                continue
-            children.setdefault(parent, []).append(int(entry.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
-def alive(pids: set[int]) -> set[int]:
-    return {pid for pid in pids if Path(f"/proc/{pid}").exists()}
 
 
 def test_the_dev_loop_runs_to_the_end_and_leaves_metrics_curves_viewer_and_checkpoint(tmp_path):
@@ -93,8 +73,7 @@ def test_ctrl_c_stops_everything_and_leaves_a_checkpoint_the_next_run_resumes(tm
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
     assert process.returncode == 130, output[-3000:]
-    time.sleep(1.0)
-    assert alive(started) == set()
+    assert wait_until(lambda: not alive(started), 10), alive(started)
     steps = len(metrics.read_text().splitlines())
     assert (tmp_path / "run" / f"checkpoint-{steps}" / "trainer_state.json").exists()
 

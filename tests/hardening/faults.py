@@ -4,7 +4,8 @@
 - :func:`training_config` / :func:`local_builder`: a 1–3 step run of the toy agent on ``hello-file``;
 - :class:`FlakyStartBackend`: a local sandbox backend whose starts fail with a seeded probability;
 - :class:`FaultyUpstream`: an aiohttp pass-through between the capture proxy and the engine that answers
-  5xx or drops the connection for the next N chat calls;
+  5xx, drops the connection or rewrites the engine's reply (:func:`out_of_vocabulary`) for the next N
+  chat calls;
 - :class:`ProxyProcess`: the capture proxy as its own process, to SIGKILL and restart on the same data dir.
 """
 
@@ -20,6 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from copy import deepcopy
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -215,7 +217,8 @@ class FaultyUpstream:
 
     Every request is forwarded unchanged, except chat completions while faults are queued
     (:meth:`fail_next`): each such call takes the next fault, ``"5xx"`` (a 503 answer) or ``"drop"`` (the
-    connection is closed with no answer), and never reaches the engine.
+    connection is closed with no answer), and never reaches the engine; or a :data:`Rewrite`, and the
+    engine's JSON reply is passed through it on the way back (``injected`` then holds its name).
     """
 
     def __init__(self, target: str) -> None:
@@ -223,8 +226,9 @@ class FaultyUpstream:
 
         self.target = target.rstrip("/")
         self.port = free_port()
-        self.faults: list[str] = []
+        self.faults: list[str | Rewrite] = []
         self.injected: list[str] = []
+        self.rewritten: list[dict[str, Any]] = []  # each rewritten reply, as the proxy got it
         self.forwarded_chats = 0
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
@@ -236,7 +240,7 @@ class FaultyUpstream:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def fail_next(self, *faults: str) -> None:
+    def fail_next(self, *faults: str | Rewrite) -> None:
         with self._lock:
             self.faults.extend(faults)
 
@@ -259,7 +263,7 @@ class FaultyUpstream:
             with self._lock:
                 fault = self.faults.pop(0) if self.faults else None
                 if fault is not None:
-                    self.injected.append(fault)
+                    self.injected.append(fault if isinstance(fault, str) else fault.__name__)
                 else:
                     self.forwarded_chats += 1
             if fault == "5xx":
@@ -275,6 +279,10 @@ class FaultyUpstream:
             request.method, self.target + request.path_qs, data=body, headers=headers
         ) as upstream:
             payload = await upstream.read()
+            if callable(fault) and upstream.status == 200:
+                reply = fault(json.loads(payload))
+                self.rewritten.append(reply)
+                payload = json.dumps(reply).encode()
             return web.Response(
                 body=payload, status=upstream.status, content_type=upstream.content_type or None
             )
@@ -291,6 +299,26 @@ class FaultyUpstream:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(10)
         self._loop.close()
+
+
+Rewrite = Callable[[dict[str, Any]], dict[str, Any]]
+"""A change to an engine reply (a Chat Completions body with vLLM's ids and logprobs)."""
+
+
+def out_of_vocabulary(vocab_size: int, position: int = 0) -> Rewrite:
+    """A rewrite making the sampled id at ``position`` ``vocab_size + 5``, in ``choices[0].token_ids`` and in
+    the matching ``logprobs.content[position].token`` (``"token_id:N"``): ids and logprobs still pair up,
+    so the capture proxy records the call as trainable, but no model of that vocabulary sampled it."""
+    bad = vocab_size + 5
+
+    def out_of_vocabulary(reply: dict[str, Any]) -> dict[str, Any]:
+        reply = deepcopy(reply)
+        choice = reply["choices"][0]
+        choice["token_ids"][position] = bad
+        choice["logprobs"]["content"][position]["token"] = f"token_id:{bad}"
+        return reply
+
+    return out_of_vocabulary
 
 
 # -- the capture proxy as its own process --------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import httpx
 import pytest
 from transformers import AutoTokenizer
 
@@ -102,3 +103,43 @@ def test_closing_a_running_session_cleans_up(scripted_engine):
         session.close()
         session.close()
     assert live_sandbox_processes() == []
+
+
+def test_the_factory_rolls_out_through_an_external_capture_proxy_and_leaves_it_running(
+    scripted_engine, tmp_path
+):
+    """With ``capture_url`` and ``admin_key``, the in-process factory starts no proxy of its own: the
+    rollout's calls go through a ``python -m capture_proxy`` process (its metrics count the journaled
+    calls), the trace and session id come back as usual, the rollout's session is deleted there, and
+    closing the factory leaves the external proxy running."""
+    from harness_trainer.demo import free_port
+    from tests.hardening.faults import ProxyProcess
+
+    engine = scripted_engine(HELLO)
+    data = tmp_path / "capture"
+    proxy = ProxyProcess(engine.url, data, free_port(), "factory-admin-key", tmp_path / "proxy.log")
+    proxy.start()
+    try:
+        with factory_for(engine.url, capture_url=proxy.url, admin_key="factory-admin-key") as factory:
+            session = factory.create(hello_row(factory), seed=0, episode_id="e1")
+            assert session.wait_for_completion(timeout_s=120) == 0
+            assert session.session_id is not None
+            trace = session.fetch_training_trace()
+            assert session.verify([]).env_reward == 1.0
+            session.close()
+        assert len(trace.turns) == 2
+        assert proxy.open_sessions() == []  # answering, with the rollout's session deleted
+        metrics = httpx.get(proxy.url + "/metrics", timeout=5).text
+        journaled = next(
+            line for line in metrics.splitlines() if line.startswith("capture_proxy_journal_bytes")
+        )
+        assert float(journaled.split()[-1]) > 0
+    finally:
+        proxy.stop()
+    assert live_sandbox_processes() == []
+
+
+def test_an_external_capture_proxy_needs_its_admin_key():
+    """``capture_url`` without ``admin_key`` is refused when the factory is built, before anything runs."""
+    with pytest.raises(ValueError, match="admin key"):
+        factory_for("http://127.0.0.1:9", capture_url="http://127.0.0.1:9")
