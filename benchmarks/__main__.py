@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import stop_process
 from benchmarks.report import BENCHMARKS, readme_block, render_report, replace_block, section
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,13 +123,7 @@ def run_one(name: str, quick: bool, json_dir: Path) -> tuple[dict[str, Any] | No
         code = process.wait()
     finally:
         watchdog.cancel()
-        if process.poll() is None:  # interrupted: TERM makes the benchmark stop its servers and exit
-            process.terminate()
-            try:
-                process.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_process(process, 120.0)  # interrupted: TERM makes the benchmark stop its servers and exit
     seconds = time.perf_counter() - started
     result = json.loads(out.read_text()) if out.is_file() else None
     error = f"exit code {code}; the end of its output:\n" + "\n".join(tail)

@@ -1,4 +1,5 @@
-"""Shared by the benchmarks: server subprocesses on free loopback ports; a process's CPU and memory.
+"""Shared by the benchmarks: server subprocesses on free loopback ports; a process's CPU and memory; the
+report's table and verdict lines; the end of a run (report, ``--json``, exit status).
 
 Every process started through :func:`start_server` is stopped when its ``ExitStack`` closes (TERM, then
 KILL after a grace), before its captured output is closed.
@@ -12,9 +13,12 @@ import os
 import socket
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import orjson
 
 ROOT = Path(__file__).resolve().parent.parent
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -90,3 +94,38 @@ def positive(text: str) -> int:
     if (value := int(text)) < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def print_table(rows: list[tuple[str, ...]], left: int = 1) -> None:
+    """Print ``rows`` (the header first) in columns two spaces apart: the first ``left`` columns left-aligned,
+    the others right-aligned."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        pairs = enumerate(zip(row, widths, strict=True))
+        print("  ".join(text.ljust(w) if i < left else text.rjust(w) for i, (text, w) in pairs))
+
+
+def print_verdicts(result: dict[str, Any], width: int) -> None:
+    """Print ``result["verdicts"]`` as PASS/MISS lines (target names padded to ``width``), then the time."""
+    print("targets:")
+    for verdict in result["verdicts"]:
+        mark = "PASS" if verdict["pass"] else "MISS"
+        print(f"  {mark}  {verdict['target']:<{width}} {verdict['measured']}")
+    print(f"elapsed: {result['elapsed_s']:.0f} s")
+
+
+def finish(
+    result: dict[str, Any],
+    args: argparse.Namespace,
+    print_report: Callable[[dict[str, Any]], None],
+    leftovers_key: str | None = "leftover_processes",
+) -> int:
+    """The end of a benchmark's ``main``: print the report, write ``result`` to ``args.json`` (if given), and
+    return the exit status: 1 on leftover processes (``result[leftovers_key]``; none checked when ``None``),
+    else 1 on a missed target under ``args.strict``, else 0."""
+    print_report(result)
+    if args.json is not None:
+        args.json.write_text(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode() + "\n")
+    if leftovers_key is not None and result[leftovers_key]:
+        return 1
+    return 1 if args.strict and not result["all_pass"] else 0

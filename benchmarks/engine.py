@@ -40,7 +40,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import positive
+from benchmarks.common import positive, stop_process
 
 TARGET_OVERHEAD = 0.10
 TARGET_NAME = f"server overhead < {TARGET_OVERHEAD:.0%} of plain generate's tok/s"
@@ -143,12 +143,7 @@ def running_engine(model: str, threads: int) -> Iterator[tuple[str, subprocess.P
             print(log.read().decode(errors="replace")[-4000:], file=sys.stderr)
             raise
         finally:
-            engine.terminate()
-            try:
-                engine.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                engine.kill()
-                engine.wait()
+            stop_process(engine, 15.0)
 
 
 def summarize(samples: list[dict[str, float]], config: dict[str, Any], server_pid: int) -> dict[str, Any]:

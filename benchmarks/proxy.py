@@ -66,18 +66,21 @@ from typing import Any
 import aiohttp
 import orjson
 
-try:
-    from benchmarks.common import (
-        Server,
-        cpu_seconds,
-        free_port,
-        positive,
-        start_server,
-        status_value,
-        stop_process,
-    )
-except ImportError:  # run as a script (python benchmarks/x.py): the sibling module imports directly
-    from common import Server, cpu_seconds, free_port, positive, start_server, status_value, stop_process
+if not __package__:  # run as a script (python benchmarks/proxy.py): its siblings import from the package
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import (
+    Server,
+    cpu_seconds,
+    finish,
+    free_port,
+    positive,
+    print_table,
+    print_verdicts,
+    start_server,
+    status_value,
+    stop_process,
+)
 
 HERE = Path(__file__).resolve().parent
 TARGETS = ("direct", "passthrough", "proxy")
@@ -511,10 +514,7 @@ def print_report(result: dict[str, Any]) -> None:
         f"point; proxy rows vs direct (+) and pass-through (vs pass); CPU and RSS of the serving process"
     )
     rows = table_rows(result["points"])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
-    for row in rows:
-        pairs = enumerate(zip(row, widths, strict=True))
-        print("  ".join(text.ljust(w) if i < 2 else text.rjust(w) for i, (text, w) in pairs))
+    print_table(rows, left=2)
     export = memory["trace_export_ms"]
     print(
         f"proxy memory: {memory['sessions']} finished {memory['turns']}-turn sessions kept: RSS "
@@ -527,10 +527,7 @@ def print_report(result: dict[str, Any]) -> None:
         f"trace export: median {export['median']:.1f} ms, max {export['max']:.1f} ms "
         f"({memory['trace_bytes'] / 1e6:.1f} MB JSON, {memory['trace_turns']} turns, {chains})"
     )
-    print("targets:")
-    for verdict in result["verdicts"]:
-        print(f"  {'PASS' if verdict['pass'] else 'MISS'}  {verdict['target']:<56} {verdict['measured']}")
-    print(f"elapsed: {result['elapsed_s']:.0f} s")
+    print_verdicts(result, 56)
 
 
 # -------------------------------------------------------------------------------------------------- main
@@ -623,10 +620,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result["elapsed_s"] = time.perf_counter() - started
     result["verdicts"] = verdicts(result["points"], result["memory"])
     result["all_pass"] = all(verdict["pass"] for verdict in result["verdicts"])
-    print_report(result)
-    if args.json is not None:
-        args.json.write_text(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode() + "\n")
-    return 1 if args.strict and not result["all_pass"] else 0
+    return finish(result, args, print_report, leftovers_key=None)
 
 
 if __name__ == "__main__":

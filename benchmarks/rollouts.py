@@ -70,19 +70,20 @@ from typing import Any
 import aiohttp
 import orjson
 
-try:
-    from benchmarks.common import (
-        Server,
-        cpu_seconds,
-        free_port,
-        positive,
-        start_server,
-        status_value,
-        stop_process,
-    )
-except ImportError:  # run as a script (python benchmarks/x.py): the sibling module imports directly
-    from common import Server, cpu_seconds, free_port, positive, start_server, status_value, stop_process
+if not __package__:  # run as a script (python benchmarks/rollouts.py): its siblings import from the package
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.common import (
+    Server,
+    cpu_seconds,
+    finish,
+    free_port,
+    positive,
+    print_table,
+    start_server,
+    status_value,
+    stop_process,
+)
 from harness_trainer.rollouts.factory import HarborSessionFactory
 from harness_trainer.rollouts.session import RolloutUnscorable
 
@@ -533,10 +534,7 @@ def print_report(result: dict[str, Any]) -> None:
         f"{c['delay']} s; CPU, RSS and threads of the server process over the hold window; {CPUS} cores"
     )
     rows = table_rows(result)
-    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
-    for row in rows:
-        pairs = enumerate(zip(row, widths, strict=True))
-        print("  ".join(text.ljust(w) if i == 0 else text.rjust(w) for i, (text, w) in pairs))
+    print_table(rows)
     for failure in result["serial_failures"]:
         print(f"failed serial rollout (left out of the medians): {failure}")
     for p in result["points"]:
@@ -659,12 +657,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result["elapsed_s"] = time.perf_counter() - started
     result["verdict"] = verdict(result["points"])
     result["all_pass"] = result["verdict"]["pass"]
-    print_report(result)
-    if args.json is not None:
-        args.json.write_text(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode() + "\n")
-    if result["leftover_processes"]:
-        return 1
-    return 1 if args.strict and not result["all_pass"] else 0
+    return finish(result, args, print_report)
 
 
 if __name__ == "__main__":

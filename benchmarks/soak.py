@@ -55,28 +55,27 @@ from typing import Any
 import aiohttp
 import orjson
 
-try:
-    from benchmarks.common import Server, positive, status_value, stop_process
-    from benchmarks.rollouts import (
-        CALLS_METRIC,
-        SAMPLING,
-        SPLIT,
-        leftovers,
-        start_engine,
-        start_rollout_server,
-        task_index,
-    )
-except ImportError:  # run as a script (python benchmarks/soak.py): the sibling modules import directly
-    from common import Server, positive, status_value, stop_process
-    from rollouts import (
-        CALLS_METRIC,
-        SAMPLING,
-        SPLIT,
-        leftovers,
-        start_engine,
-        start_rollout_server,
-        task_index,
-    )
+if not __package__:  # run as a script (python benchmarks/soak.py): its siblings import from the package
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import (
+    Server,
+    finish,
+    positive,
+    print_table,
+    print_verdicts,
+    status_value,
+    stop_process,
+)
+from benchmarks.rollouts import (
+    CALLS_METRIC,
+    SAMPLING,
+    SPLIT,
+    leftovers,
+    start_engine,
+    start_rollout_server,
+    task_index,
+)
 
 MAX_SLOPE_MB = 5.0  # per 100 rollouts
 FD_SLACK = 8  # plus one per rollout of a wave: keep-alive connections come and go with the load
@@ -376,10 +375,7 @@ def print_report(result: dict[str, Any]) -> None:
         f"{c['steps']} model calls each; process values sampled after each wave (nothing in flight)"
     )
     rows = table_rows(result["waves"])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
-    for row in rows:
-        pairs = enumerate(zip(row, widths, strict=True))
-        print("  ".join(text.ljust(w) if i == 0 else text.rjust(w) for i, (text, w) in pairs))
+    print_table(rows)
     for name, p in result["processes"].items():
         slope, half = (fmt_slope(p[key]) for key in ("rss_slope_mb_per_100", "rss_slope_second_half"))
         print(
@@ -390,10 +386,7 @@ def print_report(result: dict[str, Any]) -> None:
     print(f"after the last wave: {result['end']}")
     for line in result["failures"][:10] + [f"LEFTOVER PROCESS: {x}" for x in result["leftover_processes"]]:
         print(line)
-    print("targets:")
-    for v in result["verdicts"]:
-        print(f"  {'PASS' if v['pass'] else 'MISS'}  {v['target']:<66} {v['measured']}")
-    print(f"elapsed: {result['elapsed_s']:.0f} s")
+    print_verdicts(result, 66)
 
 
 # -------------------------------------------------------------------------------------------------- main
@@ -446,12 +439,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result |= summarize(result)
     result["verdicts"] = verdicts(result)
     result["all_pass"] = all(v["pass"] for v in result["verdicts"])
-    print_report(result)
-    if args.json is not None:
-        args.json.write_text(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode() + "\n")
-    if result["leftover_processes"]:
-        return 1
-    return 1 if args.strict and not result["all_pass"] else 0
+    return finish(result, args, print_report)
 
 
 if __name__ == "__main__":

@@ -51,10 +51,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from harness_trainer.trainer.rows import Row
 
-try:
-    from benchmarks.common import positive
-except ImportError:  # run as a script (python benchmarks/x.py): the sibling module imports directly
-    from common import positive
+if not __package__:  # run as a script (python benchmarks/trainer.py): its siblings import from the package
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import positive, print_verdicts
 
 MIN_SPEEDUP = 1.5
 MAX_FORWARD_RATIO = 1.05
@@ -296,10 +296,7 @@ def print_report(result: dict[str, Any]) -> None:
         f"build_rows: {rows['build_seconds'] * 1e3:.1f} ms in all, {rows['ms_per_million_input']:.1f} ms per "
         f"million trace input tokens, {rows['ms_per_million_unique']:.1f} ms per million unique tokens"
     )
-    print("targets:")
-    for verdict in result["verdicts"]:
-        print(f"  {'PASS' if verdict['pass'] else 'MISS'}  {verdict['target']:<44} {verdict['measured']}")
-    print(f"elapsed: {result['elapsed_s']:.0f} s")
+    print_verdicts(result, 44)
 
 
 # -------------------------------------------------------------------------------------------------- main

@@ -3,20 +3,15 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import math
 import os
 from pathlib import Path
 
 import pytest
 
-# Loaded from its path: the repository root is not on sys.path under the `pytest` entry point.
-_SPEC = importlib.util.spec_from_file_location(
-    "benchmark_engine", Path(__file__).parents[1] / "benchmarks" / "engine.py"
-)
-assert _SPEC is not None and _SPEC.loader is not None
-benchmark_engine = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(benchmark_engine)
+from tests.benchmark_scripts import load_benchmark
+
+benchmark_engine = load_benchmark("engine")
 
 
 def live_children() -> set[int]:

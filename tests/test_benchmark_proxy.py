@@ -3,45 +3,25 @@ and leaves none of its servers behind."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parents[1]
-SCRIPT = ROOT / "benchmarks" / "proxy.py"
-# Loaded from its path for its constants: the repository root is not on sys.path under `pytest`.
-_SPEC = importlib.util.spec_from_file_location("benchmark_proxy", SCRIPT)
-assert _SPEC is not None and _SPEC.loader is not None
-benchmark_proxy = importlib.util.module_from_spec(_SPEC)
-sys.modules[_SPEC.name] = benchmark_proxy  # dataclasses look their module up while the class is built
-_SPEC.loader.exec_module(benchmark_proxy)
+from tests.benchmark_scripts import BENCHMARKS, load_benchmark, run_quick
+
+benchmark_proxy = load_benchmark("proxy")
 
 POINTS = ("c1 json", "c1 sse", "c4 json", "c4 sse", "paced c4 sse")
 SAMPLE_FIELDS = {"rps", "p50_ms", "p99_ms", "added_p50_ms", "added_p99_ms", "vs_passthrough", "repeats"}
 MEMORY_FIELDS = {"per_session_mb", "rss_before_mb", "rss_finished_mb", "trace_export_ms", "trace_chains"}
 
 
-def run_quick(out: Path) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, str(SCRIPT), "--quick", "--json", str(out)]
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        stdout, _ = process.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        process.terminate()  # SIGTERM: the benchmark stops its servers before it exits
-        stdout, _ = process.communicate(timeout=30)
-        pytest.fail(f"the quick benchmark took over 120 s:\n{stdout[-4000:]}")
-    return subprocess.CompletedProcess(command, process.returncode, stdout, "")
-
-
 @pytest.mark.slow
 def test_quick_proxy_benchmark_reports_every_target_and_stops_its_servers(tmp_path: Path) -> None:
     out = tmp_path / "result.json"
 
-    run = run_quick(out)
+    run = run_quick(BENCHMARKS / "proxy.py", out, 120, "the quick benchmark", stop_s=30)
 
     assert run.returncode == 0, run.stdout[-4000:]
     lines = run.stdout.splitlines()

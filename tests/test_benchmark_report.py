@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -13,8 +12,8 @@ from typing import Any
 import pytest
 
 from benchmarks import report
+from tests.benchmark_scripts import ROOT, run_to_end
 
-ROOT = Path(__file__).parents[1]
 MACHINE_KEYS = ("CPU", "cores", "RAM", "OS", "Python", "torch", "date", "git commit")
 
 
@@ -204,15 +203,9 @@ def test_quick_run_writes_the_report_and_updates_a_readme_copy(tmp_path: Path) -
         str(json_dir),
     ]
     command += ["--update-readme", "--readme", str(readme)]
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        stdout, _ = process.communicate(timeout=420)
-    except subprocess.TimeoutExpired:
-        process.terminate()  # SIGTERM: it stops the running benchmark, which stops its servers
-        stdout, _ = process.communicate(timeout=150)
-        pytest.fail(f"python -m benchmarks --quick took over 420 s:\n{stdout[-4000:]}")
+    run = run_to_end(command, 420, "python -m benchmarks --quick", stop_s=150)
 
-    assert process.returncode == 0, stdout[-4000:]
+    assert run.returncode == 0, run.stdout[-4000:]
     text = out.read_text()
     for key in MACHINE_KEYS:
         assert f"| {key} | " in text, key

@@ -3,22 +3,14 @@ leaves no server, agent or sandbox process behind."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parents[1]
-SCRIPT = ROOT / "benchmarks" / "rollouts.py"
-# Loaded from its path for its constants: the repository root is not on sys.path under `pytest`.
-_SPEC = importlib.util.spec_from_file_location("benchmark_rollouts", SCRIPT)
-assert _SPEC is not None and _SPEC.loader is not None
-benchmark_rollouts = importlib.util.module_from_spec(_SPEC)
-sys.modules[_SPEC.name] = benchmark_rollouts  # dataclasses look their module up while the class is built
-_SPEC.loader.exec_module(benchmark_rollouts)
+from tests.benchmark_scripts import BENCHMARKS, load_benchmark, run_quick
+
+benchmark_rollouts = load_benchmark("rollouts")
 
 ROWS = ("raw agent (2 calls)", "rollout (2 calls)", "overhead (rollout - raw)", "8 sessions")
 PARTS = ("capture_session", "sandbox_start", "install", "agent - raw", "verifier", "trace", "cleanup", "rest")
@@ -27,23 +19,11 @@ POINT_FIELDS |= {"rss_mb", "threads", "ramp_s", "drain_s", "wall_s", "limit", "o
 POINT_FIELDS |= {"ramp_cpu_ms_per_session", "drain_cpu_ms_per_session", "drain_phases_s"}
 
 
-def run_quick(out: Path) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, str(SCRIPT), "--quick", "--json", str(out)]
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        stdout, _ = process.communicate(timeout=90)
-    except subprocess.TimeoutExpired:
-        process.terminate()  # SIGTERM: the benchmark stops its servers (and their sandboxes) before it exits
-        stdout, _ = process.communicate(timeout=90)
-        pytest.fail(f"the quick benchmark took over 90 s:\n{stdout[-4000:]}")
-    return subprocess.CompletedProcess(command, process.returncode, stdout, "")
-
-
 @pytest.mark.slow
 def test_quick_rollout_benchmark_reports_every_row_and_leaves_nothing_running(tmp_path: Path) -> None:
     out = tmp_path / "result.json"
 
-    run = run_quick(out)
+    run = run_quick(BENCHMARKS / "rollouts.py", out, 90, "the quick benchmark", stop_s=90)
 
     assert run.returncode == 0, run.stdout[-4000:]
     lines = run.stdout.splitlines()

@@ -4,16 +4,13 @@ ran its leak checks, and leaves no server behind (whether the targets pass is th
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from benchmarks import soak as benchmark_soak
+from tests.benchmark_scripts import BENCHMARKS, load_benchmark, run_quick
 
-ROOT = Path(__file__).parents[1]
-SCRIPT = ROOT / "benchmarks" / "soak.py"
+benchmark_soak = load_benchmark("soak")
 
 PROCESS_FIELDS = {"rss_mb_start", "rss_mb_end", "fds_start", "fds_end", "threads_start", "threads_end"}
 PROCESS_FIELDS |= {"rss_slope_mb_per_100", "samples"}
@@ -21,23 +18,11 @@ END_FIELDS = {"sessions", "capture_sessions", "sandboxes", "data_dir_bytes", "da
 END_FIELDS |= {"server_children"}
 
 
-def run_quick(out: Path) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, str(SCRIPT), "--quick", "--json", str(out)]
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        stdout, _ = process.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        process.terminate()  # SIGTERM: the benchmark stops its servers (and their sandboxes) before it exits
-        stdout, _ = process.communicate(timeout=90)
-        pytest.fail(f"the quick soak took over 120 s:\n{stdout[-4000:]}")
-    return subprocess.CompletedProcess(command, process.returncode, stdout, "")
-
-
 @pytest.mark.slow
 def test_quick_soak_reports_every_wave_and_leak_check_and_leaves_nothing_running(tmp_path: Path) -> None:
     out = tmp_path / "result.json"
 
-    run = run_quick(out)
+    run = run_quick(BENCHMARKS / "soak.py", out, 120, "the quick soak", stop_s=90)
 
     assert run.returncode == 0, run.stdout[-4000:]
     lines = run.stdout.splitlines()

@@ -3,37 +3,23 @@ target (whether the targets pass is the benchmark's business, not this test's)."
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parents[1]
-SCRIPT = ROOT / "benchmarks" / "trainer.py"
-# Loaded from its path for its constants: the repository root is not on sys.path under `pytest`.
-_SPEC = importlib.util.spec_from_file_location("benchmark_trainer", SCRIPT)
-assert _SPEC is not None and _SPEC.loader is not None
-benchmark_trainer = importlib.util.module_from_spec(_SPEC)
-sys.modules[_SPEC.name] = benchmark_trainer  # dataclasses look their module up while the class is built
-_SPEC.loader.exec_module(benchmark_trainer)
+from tests.benchmark_scripts import BENCHMARKS, load_benchmark, run_quick
+
+benchmark_trainer = load_benchmark("trainer")
 
 
 @pytest.mark.slow
 def test_quick_trainer_benchmark_reports_both_parts_and_every_target(tmp_path: Path) -> None:
     out = tmp_path / "result.json"
 
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    run = run_quick(BENCHMARKS / "trainer.py", out, 180, "the quick benchmark", stop_s=30)
 
-    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    assert run.returncode == 0, run.stdout[-4000:]
     lines = run.stdout.splitlines()
     for variant in benchmark_trainer.VARIANTS:
         assert any(line.startswith(f"{variant} ") for line in lines), variant
