@@ -22,7 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--data-dir", type=Path, required=True, help="sessions and journals (reloaded on start)"
     )
     parser.add_argument(
-        "--admin-key", default=None, help="admin bearer key (default: $CAPTURE_PROXY_ADMIN_KEY)"
+        "--admin-key",
+        default=None,
+        help="admin bearer key (default: $CAPTURE_PROXY_ADMIN_KEY, else one kept in DATA_DIR/admin_key)",
     )
     parser.add_argument("--public-url", default=None, help="URL agents use to reach the proxy")
     parser.add_argument("--served-model", default=None, help="model name upstream (default: engine's first)")
@@ -37,17 +39,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def serve(args: argparse.Namespace) -> int:
     """Build the config from parsed flags and serve until interrupted."""
     import logging
+    import os
 
     from aiohttp import web
 
     from capture_proxy.app import build_app
-    from capture_proxy.config import ConfigError, ProxyConfig
+    from capture_proxy.config import (
+        ADMIN_KEY_ENV,
+        ADMIN_KEY_FILE,
+        ConfigError,
+        ProxyConfig,
+        is_loopback,
+        stored_admin_key,
+    )
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    admin_key = args.admin_key or os.environ.get(ADMIN_KEY_ENV) or None
+    if admin_key is None and is_loopback(args.host):  # off loopback, a key must be given (refused below)
+        try:
+            admin_key = stored_admin_key(args.data_dir)
+        except (ConfigError, OSError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(f"capture proxy: admin key in {args.data_dir / ADMIN_KEY_FILE}", flush=True)
     config = ProxyConfig(
         upstream=args.upstream,
         data_dir=args.data_dir,
-        admin_key=args.admin_key,
+        admin_key=admin_key,
         host=args.host,
         port=args.port,
         public_url=args.public_url,

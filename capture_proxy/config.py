@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
 ADMIN_KEY_ENV = "CAPTURE_PROXY_ADMIN_KEY"
+ADMIN_KEY_FILE = "admin_key"
 
 
 class ConfigError(ValueError):
@@ -65,3 +67,25 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def stored_admin_key(data_dir: Path) -> str:
+    """The admin key kept in ``data_dir/admin_key`` (mode 0600), made on first use.
+
+    For a proxy started without a key: agents in local sandboxes share the host's loopback, so admin routes
+    left open there would let any agent list and read every session. The file outlives restarts, so a
+    restarted proxy keeps its key, and only who can read the data directory can use it.
+    """
+    path = Path(data_dir) / ADMIN_KEY_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        key = path.read_text().strip()
+        if not key:
+            raise ConfigError(f"{path} is empty: delete it (a new key is made) or pass --admin-key") from None
+        return key
+    key = secrets.token_urlsafe(32)
+    with os.fdopen(fd, "w") as file:
+        file.write(key + "\n")
+    return key

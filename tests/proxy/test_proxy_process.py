@@ -153,3 +153,30 @@ def test_the_proxy_refuses_a_public_address_without_an_admin_key(tmp_path: Path)
         env=env,
     )
     assert result.returncode == 2 and "admin key" in result.stderr
+
+
+def test_a_proxy_started_without_a_key_keeps_one_in_its_data_dir_and_its_admin_routes_need_it(
+    tmp_path: Path,
+) -> None:
+    """Agents in local sandboxes share the host's loopback: a keyless proxy must not leave admin routes
+    open to them. It makes a key in DATA_DIR/admin_key (0600), requires it, and keeps it across a restart."""
+    env = {k: v for k, v in os.environ.items() if k != "CAPTURE_PROXY_ADMIN_KEY"}
+    data, port = tmp_path / "data", free_port()
+    command = [sys.executable, "-m", "capture_proxy", "--upstream", "http://127.0.0.1:9", "--port", str(port)]
+    command += ["--data-dir", str(data), "--served-model", "m"]
+    keys = []
+    for _ in range(2):
+        process = subprocess.Popen(command, env=env)
+        try:
+            wait_until_healthy(f"http://127.0.0.1:{port}", process)
+            key_file = data / "admin_key"
+            assert key_file.stat().st_mode & 0o777 == 0o600
+            keys.append(key_file.read_text().strip())
+            url = f"http://127.0.0.1:{port}/sessions"
+            assert httpx.get(url).status_code == 401
+            assert httpx.get(url, headers={"Authorization": "Bearer wrong"}).status_code == 401
+            assert httpx.get(url, headers={"Authorization": f"Bearer {keys[-1]}"}).status_code == 200
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
+    assert len(keys[0]) >= 40 and keys[0] == keys[1]
