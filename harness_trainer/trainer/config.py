@@ -20,6 +20,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 REPORT_TO = ("none", "all", "tensorboard", "wandb", "trackio")
 LOSS_NORMALIZATIONS = ("rollout", "step")
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
+OPTIMIZERS = ("adamw_torch", "sgd")
 
 
 def _help(text: str, **extra: Any) -> Any:
@@ -65,7 +66,11 @@ class AsyncGRPOConfig:
     dataset_shuffle: bool = field(default=False, metadata=_help("Shuffle rows each pass (seeded)."))
 
     # Optimisation.
-    learning_rate: float = field(default=1e-6, metadata=_help("Peak learning rate (AdamW)."))
+    learning_rate: float = field(default=1e-6, metadata=_help("Peak learning rate."))
+    optim: str = field(
+        default="adamw_torch",
+        metadata=_help(f"Optimizer, one of {OPTIMIZERS} (transformers' names; sgd is plain, no momentum)."),
+    )
     lr_scheduler_type: str = field(default="constant", metadata=_help(f"One of {LR_SCHEDULERS}."))
     warmup_steps: int = field(default=0, metadata=_help("Linear warm-up steps."))
     weight_decay: float = field(default=0.0, metadata=_help("AdamW weight decay."))
@@ -176,6 +181,8 @@ def _problems(c: AsyncGRPOConfig) -> Sequence[str]:
         yield "agent_timeout must be positive (or None for no limit)"
     if not c.learning_rate > 0:
         yield "learning_rate must be positive"
+    if c.optim not in OPTIMIZERS:
+        yield f"optim {c.optim!r} is not one of {OPTIMIZERS}"
     if c.lr_scheduler_type not in LR_SCHEDULERS:
         yield f"lr_scheduler_type {c.lr_scheduler_type!r} is not one of {LR_SCHEDULERS}"
     if c.warmup_steps < 0 or c.weight_decay < 0 or c.max_grad_norm < 0:

@@ -49,6 +49,7 @@ from harness_trainer.trainer.distributed import (
 )
 from harness_trainer.trainer.logprobs import token_logprobs
 from harness_trainer.trainer.loss import LossConfig, LossStats, policy_loss
+from harness_trainer.trainer.optim import build_optimizer
 from harness_trainer.trainer.outcome import HarnessRolloutOutcome
 from harness_trainer.trainer.packing import MicroBatch, collate
 from harness_trainer.trainer.policy import Reference, load_policy, vocab_size
@@ -146,7 +147,7 @@ class HarnessAsyncGRPOTrainer:
         model.train()
         self.reference = Reference(model) if args.beta > 0 else None
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
+        optimizer = build_optimizer(args.optim, params, args.learning_rate, args.weight_decay)
         self.lr_scheduler = get_scheduler(
             args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_steps,
             num_training_steps=args.max_steps,

@@ -29,6 +29,7 @@ def test_defaults_are_a_valid_config_with_a_temperature_only_policy() -> None:
         ({"engine": "dev", "vllm_server_base_url": None}, "needs vllm_server_base_url"),
         ({"engine": "sglang"}, "engine 'sglang'"),
         ({"lr_scheduler_type": "polynomial"}, "lr_scheduler_type"),
+        ({"optim": "adafactor"}, "optim 'adafactor'"),
         ({"dtype": "float8"}, "dtype 'float8'"),
         ({"model_init_kwargs": "{not json"}, "model_init_kwargs is not JSON"),
     ],
