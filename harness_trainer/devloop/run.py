@@ -41,11 +41,12 @@ class DevLoopOptions:
     num_generations: int = 4
     max_concurrent_rollouts: int = 2
     learning_rate: float = 1e-4
+    optim: str = "adamw_torch"
     temperature: float = 1.0
     max_completion_length: int = 256
     loss_normalization: str = "rollout"
     warmup: bool = True
-    target_probability: float = 0.4
+    target_probability: float = 0.3
     agent_timeout: float = 120.0
     agent_step_limit: int = 4
     seed: int = 0
@@ -64,6 +65,7 @@ def add_dev_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-generations", type=int, default=d.num_generations)
     parser.add_argument("--max-concurrent-rollouts", type=int, default=d.max_concurrent_rollouts)
     parser.add_argument("--learning-rate", type=float, default=d.learning_rate)
+    parser.add_argument("--optim", choices=("adamw_torch", "sgd"), default=d.optim)
     parser.add_argument("--temperature", type=float, default=d.temperature)
     parser.add_argument("--max-completion-length", type=int, default=d.max_completion_length,
                         help="tokens per model call at most (a sampled ramble stops there)")  # fmt: skip
@@ -75,7 +77,7 @@ def add_dev_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-warmup", dest="warmup", action="store_false", help="train the random tiny model"
     )
     parser.add_argument("--target-probability", type=float, default=d.target_probability,
-                        help="warm-up stops when its transcripts have this mean probability")  # fmt: skip
+                        help="warm-up stops when each of its transcripts has this probability")  # fmt: skip
     parser.add_argument("--agent-timeout", type=float, default=d.agent_timeout)
     parser.add_argument("--agent-step-limit", type=int, default=d.agent_step_limit)
     parser.add_argument("--seed", type=int, default=d.seed)
@@ -184,9 +186,9 @@ def _run_dev_loop(
             output_dir=str(output), engine="dev", vllm_server_base_url=engine.url,
             num_generations=options.num_generations, max_concurrent_rollouts=options.max_concurrent_rollouts,
             max_staleness=1, max_steps=options.max_steps, learning_rate=options.learning_rate,
-            temperature=options.temperature, max_completion_length=options.max_completion_length,
-            loss_normalization=options.loss_normalization,
-            agent_timeout=options.agent_timeout, seed=options.seed,
+            optim=options.optim, temperature=options.temperature,
+            max_completion_length=options.max_completion_length, seed=options.seed,
+            loss_normalization=options.loss_normalization, agent_timeout=options.agent_timeout,
             token_budget=8192, save_steps=0, resume_from_checkpoint="latest" if options.resume else None,
         )  # fmt: skip
         builder = partial(

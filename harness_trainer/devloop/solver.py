@@ -4,7 +4,8 @@ Each task's reference ``solution/solve.sh`` becomes one shell command (its comme
 line dropped); the transcript is that command as the harness's own shell tool call, then the harness's way
 of finishing. Served by the dev engine in scripted mode, these make a real agent solve the task, and the
 capture proxy records them as the agent's own token ids: warm-up data in exactly the format the agent
-sends and parses.
+sends and parses. A distractor transcript is the same with a harmless command that solves nothing
+(:data:`DISTRACTOR`): the wrong way to act, for a warm model that must learn which way the verifier rewards.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 from harness_trainer.tasks.task import HarborTask
 
 MINI_SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+DISTRACTOR = "ls -la"
 
 
 def solve_command(task: HarborTask) -> str:
@@ -38,7 +40,16 @@ def _bash(**arguments: Any) -> dict[str, Any]:
 
 def solver_replies(harness: str, task: HarborTask) -> list[dict[str, Any]]:
     """The scripted replies that solve ``task`` through ``harness`` (one tool call, then finish)."""
-    command = solve_command(task)
+    return command_replies(harness, solve_command(task))
+
+
+def distractor_replies(harness: str) -> list[dict[str, Any]]:
+    """The scripted replies of the wrong way: :data:`DISTRACTOR` as the tool call, then finish."""
+    return command_replies(harness, DISTRACTOR)
+
+
+def command_replies(harness: str, command: str) -> list[dict[str, Any]]:
+    """``command`` as ``harness``'s shell tool call, then the harness's way of finishing."""
     if harness == "mini-swe-agent":
         return [_bash(command=command), _bash(command=MINI_SUBMIT)]
     if harness == "opencode":

@@ -4,9 +4,14 @@ short supervised fine-tune of the tiny model on exactly those token ids.
 The random tiny model never solves a task, so GRPO on it would see only zero rewards. The recipe first
 records one solver transcript per task (the dev engine in scripted mode plays the solver, the real agent
 runs it in a local sandbox, the capture proxy keeps the ids the agent's own prompt format produced), then
-trains on the transcripts' sampled tokens until the model gives them a set probability (by default 30 %,
-so that GRPO has both successes and failures to learn from), and saves the result next to the tiny
-model, keyed by everything that decides its bytes.
+trains on the transcripts' sampled tokens until the model gives each of them a set probability, and saves
+the result next to the tiny model, keyed by everything that decides its bytes.
+
+With ``distractors`` (the default) each task also gets a distractor transcript: the same agent, the same
+format, a command that solves nothing. Trained on both at equal weight, the warm model acts either way at
+about even odds, so GRPO starts near half the reward with a clean signal: a solved and a failed rollout
+differ at the command the model picked, not in a ramble off a half-memorised transcript (without them,
+what GRPO pushed down was mostly noise, and the curve fell; see the README).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from pathlib import Path
 import torch
 
 from harness_trainer.dev_engine.process import start_engine
-from harness_trainer.devloop.solver import solver_replies
+from harness_trainer.devloop.solver import distractor_replies, solver_replies
 from harness_trainer.rollouts.local_factory import LocalSessionFactory
 from harness_trainer.tasks.sources import LocalTaskSource
 from harness_trainer.trace import TrainingTrace
@@ -32,7 +37,8 @@ from harness_trainer.trainer.logprobs import token_logprobs, use_packed_attentio
 from harness_trainer.trainer.packing import collate
 from harness_trainer.trainer.rows import Row, build_rows
 
-WARMUP_VERSION = 1
+WARMUP_VERSION = 3
+DISTRACTOR_SUFFIX = " (distractor)"
 
 
 @dataclass(frozen=True)
@@ -42,8 +48,9 @@ class WarmupRecipe:
     harness: str
     target_probability: float = 0.3
     learning_rate: float = 1e-3
-    max_steps: int = 200
+    max_steps: int = 300
     seed: int = 0
+    distractors: bool = True
 
     def fingerprint(self, base_model: Path, tasks: list[str]) -> str:
         payload = {**asdict(self), "base": base_model.name, "tasks": tasks, "version": WARMUP_VERSION}
@@ -65,15 +72,20 @@ def collect_transcripts(
     base_model: Path,
     work_dir: Path,
     *,
+    distractors: bool = False,
     agent_timeout: float = 180.0,
 ) -> dict[str, TrainingTrace]:
-    """One captured solver transcript per task of ``split``, through the real ``harness``."""
+    """One captured solver transcript per task of ``split``, through the real ``harness``; with
+    ``distractors`` also one distractor transcript per task, named ``task + DISTRACTOR_SUFFIX``."""
     rows = source.prompt_rows(split)
-    replies = [
-        reply for row in rows for reply in solver_replies(harness, source.task(split, row["task_index"]))
-    ]
+    plan: list[tuple[dict, str, list[dict]]] = []
+    for row in rows:
+        task = source.task(split, row["task_index"])
+        plan.append((row, row["task_name"], solver_replies(harness, task)))
+        if distractors:
+            plan.append((row, row["task_name"] + DISTRACTOR_SUFFIX, distractor_replies(harness)))
     script = work_dir / "solver-script.jsonl"
-    script.write_text("\n".join(json.dumps(reply) for reply in replies))
+    script.write_text("\n".join(json.dumps(reply) for _, _, replies in plan for reply in replies))
     with (work_dir / "solver-engine.log").open("wb") as log:
         engine = start_engine(base_model, "--script", str(script), output=log)
     traces: dict[str, TrainingTrace] = {}
@@ -82,17 +94,18 @@ def collect_transcripts(
             source, upstream=engine.url, split=split, harness=harness, sampling={"temperature": 1.0},
             data_dir=work_dir / "capture",
         ) as factory:  # fmt: skip
-            for row in rows:
+            for row, name, _ in plan:
                 session = factory.create(row, seed=0)
                 try:
                     session.wait_for_completion(timeout_s=agent_timeout)
                     reward = session.verify([]).env_reward
-                    if reward != 1.0:
+                    expected = 0.0 if name.endswith(DISTRACTOR_SUFFIX) else 1.0
+                    if reward != expected:
                         raise RuntimeError(
-                            f"the solver transcript for {row['task_name']} did not solve it through "
-                            f"{harness} (reward {reward}); see {work_dir}"
+                            f"the transcript {name!r} through {harness} got reward {reward}, not "
+                            f"{expected}; see {work_dir}"
                         )
-                    traces[row["task_name"]] = session.fetch_training_trace()
+                    traces[name] = session.fetch_training_trace()
                 finally:
                     session.close()
     finally:
@@ -106,11 +119,10 @@ def _rows(traces: dict[str, TrainingTrace]) -> tuple[list[Row], dict[int, float]
     for index, (name, trace) in enumerate(sorted(traces.items())):
         names[index] = name
         rows.extend(build_rows(trace, rollout=index))
-    weights = {}
-    for index in names:
-        n_targets = sum(r.n_targets for r in rows if r.rollout == index)
-        weights[index] = 1.0 / (n_targets * len(names))
-    return rows, weights, names
+    # Every sampled token weighs the same: where a solver and its distractor part ways, their two tokens
+    # pull equally (a per-transcript mean would favour the shorter transcript's choice).
+    total = sum(r.n_targets for r in rows)
+    return rows, {index: 1.0 / total for index in names}, names
 
 
 def _probabilities(
@@ -132,8 +144,8 @@ def fine_tune(
     *,
     on_step: Callable[[int, float], None] | None = None,
 ) -> WarmupReport:
-    """Train ``base_model`` on the transcripts' sampled tokens until their mean probability reaches the
-    recipe's target (or ``max_steps``); save the model and tokenizer to ``out``."""
+    """Train ``base_model`` on the transcripts' sampled tokens until the least likely transcript has the
+    recipe's target probability (or ``max_steps``); save the model and tokenizer to ``out``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     started = time.monotonic()
@@ -149,7 +161,7 @@ def fine_tune(
         logps, _ = token_logprobs(model, batch, 1.0, with_entropy=False, targets_only=True)
         per_task = _probabilities(logps.detach(), batch.rollouts, batch.targets, names)
         report.per_task, report.steps = per_task, step
-        report.probability = sum(per_task.values()) / len(per_task)
+        report.probability = min(per_task.values())
         if on_step is not None:
             on_step(step, report.probability)
         if report.probability >= recipe.target_probability or step == recipe.max_steps:
@@ -190,9 +202,17 @@ def ensure_warm_model(
         log(f"warm-up: reusing {out}")
         return out
     with tempfile.TemporaryDirectory(prefix="warmup-") as work:
-        log(f"warm-up: recording {len(tasks)} solver transcripts through {recipe.harness}")
-        traces = collect_transcripts(source, split, recipe.harness, base_model, Path(work))
-        log(f"warm-up: fine-tuning until the transcripts have probability {recipe.target_probability:.0%}")
-        report = fine_tune(base_model, traces, out, recipe)
+        extra = " and as many distractors" if recipe.distractors else ""
+        log(f"warm-up: recording {len(tasks)} solver transcripts{extra} through {recipe.harness}")
+        traces = collect_transcripts(
+            source, split, recipe.harness, base_model, Path(work), distractors=recipe.distractors
+        )
+        log(f"warm-up: fine-tuning until each transcript has probability {recipe.target_probability:.0%}")
+
+        def progress(step: int, probability: float) -> None:
+            if step % 25 == 0:
+                log(f"warm-up: step {step}, least likely transcript {probability:.3f}")
+
+        report = fine_tune(base_model, traces, out, recipe, on_step=progress)
     log(f"warm-up: {report.steps} steps in {report.seconds:.0f} s, probability {report.probability:.2f}")
     return out

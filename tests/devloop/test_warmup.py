@@ -7,8 +7,14 @@ import shutil
 import pytest
 from transformers import AutoModelForCausalLM
 
-from harness_trainer.devloop.solver import MINI_SUBMIT, solve_command, solver_replies
-from harness_trainer.devloop.warmup import WarmupRecipe, collect_transcripts, fine_tune
+from harness_trainer.devloop.solver import (
+    DISTRACTOR,
+    MINI_SUBMIT,
+    distractor_replies,
+    solve_command,
+    solver_replies,
+)
+from harness_trainer.devloop.warmup import DISTRACTOR_SUFFIX, WarmupRecipe, collect_transcripts, fine_tune
 from harness_trainer.tasks.sources import LocalTaskSource
 from tests.rollouts.conftest import EXAMPLES, live_sandbox_processes
 
@@ -21,19 +27,26 @@ def test_solver_transcripts_use_each_harness_shell_tool_and_way_of_finishing() -
     assert mini[0]["tool_calls"][0]["function"]["arguments"] == {"command": command}
     assert mini[1]["tool_calls"][0]["function"]["arguments"] == {"command": MINI_SUBMIT}
     assert solver_replies("opencode", task)[1] == {"content": "Done."}
+    wrong = distractor_replies("mini-swe-agent")
+    assert (
+        wrong[0]["tool_calls"][0]["function"]["arguments"] == {"command": DISTRACTOR} and wrong[1] == mini[1]
+    )
     with pytest.raises(ValueError, match="no solver transcript format"):
         solver_replies("codex", task)
 
 
-def test_transcripts_solve_their_tasks_and_the_fine_tune_reaches_its_target(tmp_path, tiny_model_dir):
+def test_transcripts_solve_their_tasks_distractors_fail_them_and_the_fine_tune_reaches_its_target(
+    tmp_path, tiny_model_dir
+):
     tasks = tmp_path / "tasks" / "train"
     shutil.copytree(EXAMPLES / "train" / "hello-file", tasks / "hello-file")
     shutil.copytree(EXAMPLES / "train" / "count-lines", tasks / "count-lines")
     source = LocalTaskSource(tmp_path / "tasks")
     work = tmp_path / "work"
     work.mkdir()
-    traces = collect_transcripts(source, "train", "toy", tiny_model_dir, work)
-    assert sorted(traces) == ["count-lines", "hello-file"]
+    traces = collect_transcripts(source, "train", "toy", tiny_model_dir, work, distractors=True)
+    names = ["count-lines", "hello-file"]
+    assert sorted(traces) == sorted(names + [name + DISTRACTOR_SUFFIX for name in names])
     assert all(len(trace.turns) == 2 for trace in traces.values())
     assert live_sandbox_processes() == []
 
@@ -41,6 +54,8 @@ def test_transcripts_solve_their_tasks_and_the_fine_tune_reaches_its_target(tmp_
     recipe = WarmupRecipe("toy", target_probability=0.3, learning_rate=3e-3, max_steps=150)
     report = fine_tune(tiny_model_dir, traces, tmp_path / "warm", recipe, on_step=lambda s, p: seen.append(p))
     assert report.probability >= 0.3 and seen[0] < 1e-3 and report.steps < 150
-    assert set(report.per_task) == {"count-lines", "hello-file"}
+    assert set(report.per_task) == set(traces)
+    # Equal weights: the model acts either way, neither transcript taking all the mass.
+    assert all(0.1 < report.per_task[name + DISTRACTOR_SUFFIX] < 0.6 for name in names)
     AutoModelForCausalLM.from_pretrained(tmp_path / "warm")
     assert (tmp_path / "warm" / "tokenizer_config.json").exists()
