@@ -40,11 +40,13 @@ class DevLoopOptions:
     max_steps: int = 20
     num_generations: int = 4
     max_concurrent_rollouts: int = 2
-    learning_rate: float = 1e-4
-    optim: str = "adamw_torch"
+    # One SGD step on a real warm-model group raised the solved transcripts' logprob and lowered the failed
+    # ones'; AdamW at 1e-4 lowered both (its first steps move every weight by ~lr). See the README.
+    learning_rate: float = 0.05
+    optim: str = "sgd"
     temperature: float = 1.0
     max_completion_length: int = 256
-    loss_normalization: str = "rollout"
+    loss_normalization: str = "step"
     warmup: bool = True
     target_probability: float = 0.3
     agent_timeout: float = 120.0
