@@ -134,7 +134,9 @@ def _serve(args: argparse.Namespace) -> int:
         served_model=args.served_model,
         sandbox_starts_per_s=args.sandbox_start_rate or None,
     )
-    server = RolloutServer(RolloutRuntime(config), tasks, max_concurrent_envs=limit)
+    server = RolloutServer(
+        RolloutRuntime(config), tasks, max_concurrent_envs=limit, idle_timeout_s=args.idle_timeout or None
+    )
     _watch_children_with_pidfds()
     # The server's hot path is the in-process proxy's: the same collector settings pay off here.
     tune_gc()
@@ -235,6 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="open sessions at most (default $MAX_CONCURRENT_ENVS or 8)",
+    )
+    serve.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=3600.0,
+        help="close a session no client asked about for this many seconds (0: never)",
     )
     serve.set_defaults(func=_serve)
 

@@ -32,6 +32,7 @@ import json
 import logging
 import math
 import secrets
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +58,8 @@ class Slot:
     task: HarborTask | None = None
     job: asyncio.Task[RolloutResult] | None = None
     stop: asyncio.Event = field(default_factory=asyncio.Event)
+    touched: float = field(default_factory=time.monotonic)
+    """When a client last asked about this session (the idle reaper's clock)."""
 
     @property
     def status(self) -> str:
@@ -66,11 +69,21 @@ class Slot:
 
 
 class RolloutServer:
-    def __init__(self, runtime: RolloutRuntime, tasks: TaskSource, max_concurrent_envs: int = 8) -> None:
+    def __init__(
+        self,
+        runtime: RolloutRuntime,
+        tasks: TaskSource,
+        max_concurrent_envs: int = 8,
+        idle_timeout_s: float | None = 3600.0,
+    ) -> None:
+        """``idle_timeout_s``: a session no client asked about for this long, and not running a rollout,
+        is closed (a crashed trainer's sessions would otherwise hold their slots until a restart)."""
         self.runtime = runtime
         self.tasks = tasks
         self.limit = max_concurrent_envs
+        self.idle_timeout_s = idle_timeout_s
         self.slots: dict[str, Slot] = {}
+        self.reaped = 0
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
@@ -88,13 +101,32 @@ class RolloutServer:
 
     async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         await self.runtime.start()
+        reaper = asyncio.ensure_future(self._reap_idle()) if self.idle_timeout_s else None
         yield
+        if reaper is not None:
+            reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reaper
         for slot in list(self.slots.values()):
             await self._close(slot)
         await self.runtime.aclose()
 
+    async def _reap_idle(self) -> None:
+        assert self.idle_timeout_s
+        while True:
+            await asyncio.sleep(min(60.0, self.idle_timeout_s / 4))
+            now = time.monotonic()
+            for slot in list(self.slots.values()):
+                if slot.status != "running" and now - slot.touched > self.idle_timeout_s:
+                    log.warning(
+                        "closing session %s: no client asked about it for %.0f s", slot.id, now - slot.touched
+                    )
+                    self.reaped += 1
+                    await self._close(slot)
+
     async def health(self, request: web.Request) -> web.Response:
         body = {"status": "ok", "sessions": len(self.slots), "max_concurrent_envs": self.limit}
+        body["reaped_idle_sessions"] = self.reaped
         body["capture_sessions"] = await self.runtime.open_capture_sessions()
         return web.json_response({**body, "model": self.runtime.model})
 
@@ -124,7 +156,8 @@ class RolloutServer:
     def _slot(self, request: web.Request) -> Slot:
         slot = self.slots.get(request.match_info["id"])
         if slot is None:
-            raise _error(404, "no such session (closed, or the server restarted)")
+            raise _error(404, "no such session (closed, idle too long, or the server restarted)")
+        slot.touched = time.monotonic()
         return slot
 
     async def start_rollout(self, request: web.Request) -> web.Response:
