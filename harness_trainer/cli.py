@@ -133,16 +133,17 @@ def _serve(args: argparse.Namespace) -> int:
         public_url=args.public_url,
         served_model=args.served_model,
         sandbox_starts_per_s=args.sandbox_start_rate or None,
+        proxy_process=args.proxy == "process",
     )
     server = RolloutServer(
         RolloutRuntime(config), tasks, max_concurrent_envs=limit, idle_timeout_s=args.idle_timeout or None
     )
     _watch_children_with_pidfds()
-    # The server's hot path is the in-process proxy's: the same collector settings pay off here.
+    # With the proxy in-process, the server's hot path is the proxy's: the same collector settings pay off.
     tune_gc()
     print(
         f"rollout server: http://{args.host}:{args.port} (capture proxy "
-        f"{args.capture_url or f'on port {args.capture_port}'}, "
+        f"{args.capture_url or f'on port {args.capture_port}, {args.proxy}'}, "
         f"engine {args.upstream}, at most {limit} sessions)",
         flush=True,
     )
@@ -227,6 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--capture-admin-key", default=None, help="its admin key (default: $CAPTURE_PROXY_ADMIN_KEY)"
     )
+    serve.add_argument(
+        "--proxy", choices=("process", "in-process"), default="process",
+        help="run the capture proxy as a child process (its own core; default) or in the server's loop",
+    )  # fmt: skip
     serve.add_argument("--served-model", default=None, help="model name (default: the engine's first)")
     serve.add_argument("--data-dir", type=Path, default=Path("runs/capture"), help="capture journals")
     serve.add_argument(

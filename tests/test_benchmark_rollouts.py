@@ -17,6 +17,7 @@ PARTS = ("capture_session", "sandbox_start", "install", "agent - raw", "verifier
 POINT_FIELDS = {"held", "failed", "cpu_pct_core", "cpu_pct_machine", "calls_per_s", "cpu_ms_per_call"}
 POINT_FIELDS |= {"rss_mb", "threads", "ramp_s", "drain_s", "wall_s", "limit", "ok", "agents_after"}
 POINT_FIELDS |= {"ramp_cpu_ms_per_session", "drain_cpu_ms_per_session", "drain_phases_s"}
+POINT_FIELDS |= {"proxy_process", "proxy_cpu_pct_core"}
 
 
 @pytest.mark.slow
@@ -45,6 +46,7 @@ def test_quick_rollout_benchmark_reports_every_row_and_leaves_nothing_running(tm
     assert POINT_FIELDS <= set(point)
     assert point["sessions"] == 8 and point["held"] <= 8 and point["limit"] == ""
     assert point["calls_per_s"] > 0 and point["cpu_pct_core"] > 0 and point["agents_after"] == 0
+    assert point["proxy_process"] and point["proxy_cpu_pct_core"] > 0  # serve's proxy child, measured apart
     assert result["verdict"]["target"] == benchmark_rollouts.TARGET_NAME and not result["verdict"]["pass"]
     assert result["leftover_processes"] == []
     for pid in result["pids"]:  # every engine and server it started is gone (terminated and reaped)

@@ -1,10 +1,11 @@
 """The rollout runtime: a capture proxy, sandbox backends and a task source, shared by every rollout.
 
 Used by the rollout server (``harness-trainer serve``) and by the in-process session factory. It starts
-the capture proxy in its own event loop (or, with ``capture_url``, uses one already running as its own
-process), learns the engine's served model name, creates sandbox backends on first use, and closes
-everything it started in :meth:`aclose`: running rollouts are cancelled (which closes their sandboxes and
-capture sessions), then the backends and the proxy it started are shut down (an external one keeps running).
+the capture proxy in its own event loop or, with ``proxy_process``, as a child process (or, with
+``capture_url``, uses one already running), learns the engine's served model name, creates sandbox
+backends on first use, and closes everything it started in :meth:`aclose`: running rollouts are
+cancelled (which closes their sandboxes and capture sessions), then the backends and the proxy it
+started are shut down (an external one keeps running).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from aiohttp import web
 from capture_proxy.app import build_app
 from capture_proxy.config import ProxyConfig
 from harness_trainer.rollouts.capture_client import CaptureClient
+from harness_trainer.rollouts.proxy_process import ProxyProcess
 from harness_trainer.rollouts.result import RolloutOptions, RolloutResult
 from harness_trainer.rollouts.run import run_rollout
 from harness_trainer.sandboxes import SandboxSupervisor, make_backend
@@ -52,6 +54,9 @@ class RuntimeConfig:
     """Constructor options per sandbox backend name, e.g. ``{"e2b": {"template": "..."}}``."""
     sandbox_starts_per_s: float | None = None
     """Start-rate limit per backend (sandbox providers throttle bursts); None = unlimited."""
+    proxy_process: bool = False
+    """Run the capture proxy the runtime starts as a child process (``python -m capture_proxy``) instead of
+    in this event loop: its own core and interpreter lock, and a crash of one does not take the other."""
 
 
 class RolloutRuntime:
@@ -63,8 +68,15 @@ class RolloutRuntime:
         self.model = config.served_model or ""
         self.capture: CaptureClient | None = None
         self._runner: web.AppRunner | None = None
+        self._proxy_process: ProxyProcess | None = None
         self._backends: dict[str, SandboxBackend] = {}
         self._running: set[asyncio.Task[RolloutResult]] = set()
+
+    @property
+    def proxy_pid(self) -> int | None:
+        """The capture proxy child's pid, with ``proxy_process`` while it runs."""
+        process = self._proxy_process.process if self._proxy_process is not None else None
+        return process.pid if process is not None else None
 
     @property
     def capture_url(self) -> str:
@@ -83,6 +95,8 @@ class RolloutRuntime:
                 await self.capture.aclose()
                 self.capture = None
                 raise
+        elif self.config.proxy_process:
+            await self._start_proxy_process()
         else:
             await self._start_proxy()
         if not self.model:
@@ -102,6 +116,25 @@ class RolloutRuntime:
         await self._runner.setup()
         await web.TCPSite(self._runner, self.config.capture_host, self.config.capture_port).start()
         self.capture = CaptureClient(self.capture_url, self.admin_key, public_url=proxy.base_url)
+
+    async def _start_proxy_process(self) -> None:
+        process = ProxyProcess(
+            self.config.upstream,
+            self.config.data_dir,
+            self.admin_key,
+            self.config.capture_host,
+            self.config.capture_port,
+            public_url=self.config.public_url,
+            served_model=self.config.served_model,
+        )
+        client = CaptureClient(self.capture_url, self.admin_key, public_url=self.config.public_url)
+        try:
+            await process.start(client)
+        except BaseException:
+            await process.stop()
+            await client.aclose()
+            raise
+        self._proxy_process, self.capture = process, client
 
     def backend(self, name: str) -> SandboxBackend:
         """The backend ``name``, made on first use, behind a supervisor (start-rate limit, close-all)."""
@@ -153,6 +186,9 @@ class RolloutRuntime:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self._proxy_process is not None:
+            await self._proxy_process.stop()
+            self._proxy_process = None
 
 
 async def served_model(upstream: str) -> str:
