@@ -113,3 +113,46 @@ def test_the_child_dies_with_a_sigkilled_parent(tmp_path: Path) -> None:
         if parent.poll() is None:
             parent.kill()
             parent.wait()
+
+
+def children(pid: int) -> list[str]:
+    """The argv (joined) of ``pid``'s children."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            found.append(Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+    return found
+
+
+@pytest.mark.parametrize("mode", ["process", "in-process"])
+def test_serve_runs_its_proxy_as_asked_and_stops_it_on_sigterm(tmp_path: Path, mode: str) -> None:
+    from tests.rollouts.conftest import EXAMPLES
+
+    port, capture = free_port(), free_port()
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "harness_trainer.cli", "serve", "--dataset", str(EXAMPLES), "--upstream",
+         "http://127.0.0.1:9", "--served-model", "m", "--port", str(port), "--capture-port", str(capture),
+         "--data-dir", str(tmp_path / "capture"), "--proxy", mode],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert serve.poll() is None and time.monotonic() < deadline, "serve did not come up"
+            time.sleep(0.1)
+        assert httpx.get(f"http://127.0.0.1:{capture}/health", timeout=2).status_code == 200
+        proxies = [argv for argv in children(serve.pid) if "capture_proxy" in argv]
+        assert len(proxies) == (1 if mode == "process" else 0)
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(30) == 0
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{capture}/health", timeout=2)
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
