@@ -13,7 +13,9 @@ measurement as that ratio, with the median and the spread (min-max) over the ben
 - **trainer**: packed micro-batches' trained tok/s against padded batches (per-repeat ratio), and the
   tokens rows forward against the unique tokens of the traces;
 - **soak**: the long-lived processes at the end against the start (after a warm-up wave), and the journal
-  bytes written against the bytes expected from the first wave's bytes per call.
+  bytes written against the bytes expected from the first wave's bytes per call;
+- **learning**: the dev loop's mean reward over its last steps against its first steps, and against the
+  same run with training switched off (learning rate 1e-9).
 
 :func:`render_report` makes the whole ``BENCHMARKS.md``; :func:`readme_block` the README's short summary
 table, which :func:`replace_block` puts between ``<!-- benchmarks:start -->`` and ``<!-- benchmarks:end -->``.
@@ -28,13 +30,14 @@ from typing import Any
 
 START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
 COLUMNS = ("measure", "value", "baseline", "ratio (median)", "spread (min-max)", "n")
-BENCHMARKS = ("engine", "proxy", "rollouts", "trainer", "soak")
+BENCHMARKS = ("engine", "proxy", "rollouts", "trainer", "soak", "learning")
 BASELINES = {
     "engine": "plain `model.generate`",
     "proxy": "thin pass-through / direct engine",
     "rollouts": "agent started directly",
     "trainer": "padded batches",
     "soak": "start of the soak (after its warm-up)",
+    "learning": "its first steps / the same run with training off",
 }
 TITLES = {
     "engine": "Dev engine: decode throughput",
@@ -42,6 +45,7 @@ TITLES = {
     "rollouts": "Rollout server: cost per rollout, concurrent sessions",
     "trainer": "Trainer: packed micro-batches, rows",
     "soak": "Soak: hundreds of rollouts, leak checks",
+    "learning": "Dev loop: does the reward rise?",
 }
 
 
@@ -130,6 +134,8 @@ def rollouts_section(result: dict[str, Any]) -> Section:
     held = ""
     for p in result["points"]:
         value = f"{p['held']} held, {p['failed']} failed, CPU {p['cpu_pct_core']:.1f} % of a core"
+        if p.get("proxy_process"):
+            value += f" (its proxy process {p['proxy_cpu_pct_core']:.1f} %, {p['calls_per_s']:.0f} calls/s)"
         asked = f"{p['sessions']} asked"
         rows.append(
             Row(f"{p['sessions']} concurrent sessions held", value, asked, [p["held"] / p["sessions"]])
@@ -232,12 +238,41 @@ def soak_waves(waves: list[dict[str, Any]]) -> str:
     return f"<details><summary>per wave</summary>\n\n{table(header, rows)}\n</details>\n"
 
 
+def learning_section(result: dict[str, Any]) -> Section:
+    trained, frozen = result["trained"], result.get("frozen")
+    k = trained["k"]
+    rows = [
+        Row(
+            f"trained: mean reward, last {k} steps vs first {k}",
+            f"{trained['last']:.2f}",
+            f"{trained['first']:.2f}",
+            [trained["last"] / trained["first"]] if trained["first"] else [],
+        )
+    ]
+    headline = f"reward {trained['first']:.2f} -> {trained['last']:.2f} over {len(trained['rewards'])} steps"
+    if frozen is not None:
+        ratio = [trained["last"] / frozen["last"]] if frozen["last"] else []
+        rows.append(
+            Row(
+                f"last {k} steps: trained vs frozen", f"{trained['last']:.2f}", f"{frozen['last']:.2f}", ratio
+            )
+        )
+        headline += f" (frozen: {frozen['first']:.2f} -> {frozen['last']:.2f})"
+    notes = []
+    for name, run in (("trained", trained), ("frozen", frozen)):
+        if run is not None:
+            rewards = ", ".join(f"{r:.2f}" for r in run["rewards"])
+            notes.append(f"{name}: {run['seconds'] / 60:.1f} min; reward per step: {rewards}")
+    return Section("learning", headline, rows, notes=notes)
+
+
 SECTIONS: dict[str, Callable[[dict[str, Any]], Section]] = {
     "engine": engine_section,
     "proxy": proxy_section,
     "rollouts": rollouts_section,
     "trainer": trainer_section,
     "soak": soak_section,
+    "learning": learning_section,
 }
 
 

@@ -44,7 +44,10 @@ class DevLoopOptions:
     # ones'; AdamW at 1e-4 lowered both (its first steps move every weight by ~lr). See the README.
     learning_rate: float = 0.05
     optim: str = "sgd"
-    temperature: float = 1.0
+    # At 1.0 the tiny model's tail tokens break a quarter of the rollouts into rambles no step can fix, and
+    # training on them wrecked the format; at 0.7 a rollout mostly picks between the solution and the
+    # distractor, which is what GRPO can learn from. See the README.
+    temperature: float = 0.7
     max_completion_length: int = 256
     loss_normalization: str = "step"
     warmup: bool = True
@@ -219,6 +222,18 @@ def _run_dev_loop(
     return 0
 
 
+def step_rewards(metrics: Path) -> list[float]:
+    """Each step's mean reward, from a run's ``metrics.jsonl``."""
+    return [json.loads(line)["reward"] for line in metrics.read_text().splitlines() if line.strip()]
+
+
+def reward_windows(rewards: list[float]) -> tuple[int, float, float]:
+    """``(k, first, last)``: the mean reward over the first and the last ``k`` steps, ``k`` a quarter of
+    them (5 of the default 20: each bundled task once, since a step trains one task's group)."""
+    k = max(1, len(rewards) // 4)
+    return k, statistics.fmean(rewards[:k]), statistics.fmean(rewards[-k:])
+
+
 def _finish(output: Path, model_dir: Path, seconds: float) -> None:
     """The pictures, and the reward curve's first and last steps, said plainly."""
     from harness_trainer.plots import plot_metrics
@@ -226,10 +241,7 @@ def _finish(output: Path, model_dir: Path, seconds: float) -> None:
 
     curves = plot_metrics(output / "metrics.jsonl")
     viewer = build_viewer(output, tokenizer_dir=model_dir)
-    lines = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
-    rewards = [line["reward"] for line in lines]
-    k = max(1, len(rewards) // 3)
-    first, last = statistics.fmean(rewards[:k]), statistics.fmean(rewards[-k:])
+    k, first, last = reward_windows(step_rewards(output / "metrics.jsonl"))
     _say(
         f"done in {seconds / 60:.1f} min: mean reward {first:.2f} over the first {k} steps, "
         f"{last:.2f} over the last {k}"

@@ -1,0 +1,158 @@
+"""Does the local dev loop learn? Its default run against the same run with training switched off.
+
+Set-up: ``harness-trainer dev`` run twice as real subprocesses, one after the other, each in its own output
+directory under one temporary directory (stopped with SIGTERM, then SIGKILL, on every path):
+
+- **trained**: the dev loop's defaults (``--seed``, default 0): the warm tiny model, real mini-swe-agent
+  rollouts in local sandboxes through the capture proxy, 20 GRPO steps of one task's 4 rollouts;
+- **frozen** (the baseline): the same command with ``--learning-rate 1e-9``: the same rollouts, rewards and
+  weight pushes, but the weights do not move, so its curve is what the warm model does on its own.
+
+Measured per run, from its ``metrics.jsonl``: each step's mean reward; the mean over the first and the last
+quarter of the steps (5 of 20: each bundled task once); its wall time, start to exit. Targets (the dev loop
+issue's): the trained run's last steps are clearly above its first steps (mean reward +0.2 or more), and
+above the frozen run's last steps by as much (the rise comes from training, not from the tasks' order);
+the default run takes under 10 minutes end to end on this machine (the warm model is built, once, before
+either run is timed). Output: one table, then PASS/MISS; a MISS exits 0 unless ``--strict``.
+
+Run: ``python benchmarks/learning.py [--quick] [--seed 0] [--no-frozen] [--json OUT] [--strict]``;
+``--quick`` is the test's configuration (the toy agent, 2 steps of 2 rollouts, no warm-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+if not __package__:  # run as a script (python benchmarks/learning.py): its siblings import from the package
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import ROOT, finish, print_table, print_verdicts, stop_process
+from harness_trainer.devloop.run import reward_windows, step_rewards
+
+FROZEN_LR = 1e-9
+MIN_RISE = 0.2
+MAX_MINUTES = 10.0
+TARGET_NAMES = (
+    f"trained: mean reward over the last steps >= the first steps' + {MIN_RISE}",
+    f"trained: last steps >= the frozen run's last steps + {MIN_RISE}",
+    f"default run under {MAX_MINUTES:g} minutes end to end",
+)
+QUICK_FLAGS = ["--harness", "toy", "--max-steps", "2", "--num-generations", "2", "--no-warmup"]
+COLUMNS = ("run", "steps", "first k", "last k", "last - first", "minutes", "rewards per step")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny configuration: " + " ".join(QUICK_FLAGS))
+    parser.add_argument("--seed", type=int, default=0, help="the dev loop's seed (0, its default)")
+    parser.add_argument("--no-frozen", dest="frozen", action="store_false", help="skip the frozen baseline")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
+    parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    return parser
+
+
+def dev_run(name: str, flags: list[str], tmp: Path) -> dict[str, Any]:
+    """One ``harness-trainer dev`` to its end; its rewards, windows and wall time."""
+    output = tmp / name
+    command = [sys.executable, "-m", "harness_trainer.cli", "dev", "--output-dir", str(output), *flags]
+    log = tmp / f"{name}.log"
+    started = time.perf_counter()
+    with log.open("wb") as sink:
+        process = subprocess.Popen(command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT)
+        try:
+            code = process.wait()
+        finally:
+            stop_process(process, 60.0)  # a Ctrl-C here stops the dev loop (it closes what it started)
+    seconds = time.perf_counter() - started
+    if code != 0:
+        tail = log.read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"harness-trainer dev ({name}) exited with {code}:\n{tail}")
+    rewards = step_rewards(output / "metrics.jsonl")
+    k, first, last = reward_windows(rewards)
+    print(f"{name}: {len(rewards)} steps, mean reward {first:.2f} first {k}, {last:.2f} last {k}", flush=True)
+    return {"flags": flags, "rewards": rewards, "k": k, "first": first, "last": last, "seconds": seconds}
+
+
+def leftovers(tmp: Path) -> list[str]:
+    """Processes that still name the temporary directory (the dev loops' engines, servers, agents)."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            with contextlib.suppress(OSError):
+                argv = Path(entry.path, "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                if str(tmp) in argv:
+                    found.append(f"{entry.name} {argv[:200]}")
+    return found
+
+
+def verdicts(result: dict[str, Any]) -> list[dict[str, Any]]:
+    trained, frozen = result["trained"], result.get("frozen")
+    rise = trained["last"] - trained["first"]
+    measured = f"{trained['first']:.2f} -> {trained['last']:.2f} ({rise:+.2f}), {trained['k']} steps each"
+    out = [{"target": TARGET_NAMES[0], "pass": rise >= MIN_RISE, "measured": measured}]
+    if frozen is not None:
+        gap = trained["last"] - frozen["last"]
+        measured = f"{trained['last']:.2f} vs frozen {frozen['last']:.2f} ({gap:+.2f})"
+        out.append({"target": TARGET_NAMES[1], "pass": gap >= MIN_RISE, "measured": measured})
+    minutes = trained["seconds"] / 60
+    measured = f"{minutes:.1f} min" + (" (quick configuration)" if result["config"]["quick"] else "")
+    out.append({"target": TARGET_NAMES[2], "pass": minutes < MAX_MINUTES, "measured": measured})
+    return out
+
+
+def print_report(result: dict[str, Any]) -> None:
+    rows = [COLUMNS]
+    for name in ("trained", "frozen"):
+        if (run := result.get(name)) is None:
+            continue
+        label = name if name == "trained" else f"frozen (lr {FROZEN_LR:g})"
+        rewards = " ".join(f"{r:.2f}".rstrip("0").rstrip(".") or "0" for r in run["rewards"])
+        rows.append(
+            (label, str(len(run["rewards"])), f"{run['first']:.2f}", f"{run['last']:.2f}",
+             f"{run['last'] - run['first']:+.2f}", f"{run['seconds'] / 60:.1f}", rewards)
+        )  # fmt: skip
+    k = result["trained"]["k"]
+    print(f"\nmean reward per step (each step: one task's group); first/last k: the first/last {k} steps")
+    print_table(rows, left=1)
+    for line in result["leftover_processes"]:
+        print(f"LEFTOVER PROCESS: {line}")
+    print_verdicts(result, max(len(name) for name in TARGET_NAMES))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops the dev loop too
+    flags = ["--seed", str(args.seed), *(QUICK_FLAGS if args.quick else [])]
+    result: dict[str, Any] = {"config": {"quick": args.quick, "seed": args.seed, "frozen": args.frozen}}
+    started = time.perf_counter()
+    try:
+        with tempfile.TemporaryDirectory(prefix="learning-bench-") as scratch:
+            tmp = Path(scratch)
+            if not args.quick:
+                # Build (once) and warm up the tiny model outside the timed runs: one step, thrown away.
+                dev_run("warm-up", [*flags, "--max-steps", "1"], tmp)
+            result["trained"] = dev_run("trained", flags, tmp)
+            if args.frozen:
+                result["frozen"] = dev_run("frozen", [*flags, "--learning-rate", str(FROZEN_LR)], tmp)
+            result["leftover_processes"] = leftovers(tmp)
+    except KeyboardInterrupt:
+        print("interrupted: the dev loop was stopped", file=sys.stderr)
+        return 130
+    result["elapsed_s"] = time.perf_counter() - started
+    result["verdicts"] = verdicts(result)
+    result["all_pass"] = all(v["pass"] for v in result["verdicts"])
+    return finish(result, args, print_report)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
