@@ -220,6 +220,10 @@ def soak_section(result: dict[str, Any]) -> Section:
     slope = server["rss_slope_mb_per_100"]
     headline = f"server RSS {'-' if slope is None else f'{slope:+.2f}'} MB/100 rollouts, "
     headline += f"fds {server['fds_start']}->{server['fds_end']}"
+    if (proxy := result["processes"].get("proxy")) is not None:
+        slope = proxy["rss_slope_mb_per_100"]
+        headline += f"; proxy RSS {'-' if slope is None else f'{slope:+.2f}'} MB/100 rollouts, "
+        headline += f"fds {proxy['fds_start']}->{proxy['fds_end']}"
     if j["expected_bytes"]:
         headline += f", journal {j['written_bytes'] / j['expected_bytes']:.2f}x expected"
     return Section("soak", headline, rows, notes=notes, extra=soak_waves(result["waves"]))

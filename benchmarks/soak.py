@@ -6,17 +6,17 @@ in one temporary directory):
 
 - **engine**: ``benchmarks/fake_vllm.py engine --command true``, the instant fake vLLM (every reply one
   ``bash`` tool call running ``true``, so an agent runs until its step limit);
-- **server**: ``harness-trainer serve`` on ``examples/tasks`` (the rollout server, with the capture proxy
-  in the same process), ``--max-concurrent-envs`` just above the concurrency;
+- **server**: ``harness-trainer serve`` on ``examples/tasks`` (the rollout server; its capture proxy runs as
+  its child process, **proxy** below), ``--max-concurrent-envs`` just above the concurrency;
 - **rollouts**: task ``hello-file``, the ``toy`` agent in ``local`` sandboxes, ``--steps`` model calls each,
   driven over the server's HTTP API from an asyncio client in **waves** of ``--concurrency`` rollouts
   (open → start → long-poll until done → fetch the trace → close; the next wave starts when the last one
   is closed). Warm-up waves first (``--warmup`` rollouts, not counted: allocator arenas, caches and
   connection pools fill), then waves until ``--rollouts`` have run.
 
-Measured, for the server and the engine: ``VmRSS`` and ``Threads`` (``/proc/<pid>/status``) and open fds
-(``/proc/<pid>/fd``), sampled every ``--interval`` seconds by a thread and once after every wave (when
-nothing is in flight). Reported: the values after the last warm-up wave (**start**) and after the last
+Measured, for the server, its proxy and the engine: ``VmRSS`` and ``Threads`` (``/proc/<pid>/status``) and
+open fds (``/proc/<pid>/fd``), sampled every ``--interval`` seconds by a thread and once after every wave
+(when nothing is in flight). Reported: the values after the last warm-up wave (**start**) and after the last
 wave (**end**); the RSS **slope** in MB per 100 rollouts, a least-squares fit of every sample after the
 warm-up against the rollouts closed so far, and the same fit over the second half of the run only (a
 cache that fills up and stops shows as a slope falling to ~0 there, a leak as a slope that stays). Per
@@ -25,10 +25,12 @@ wave: its wall time, failures, model calls and journal bytes per call (the proxy
 the first counted wave's bytes per call × every counted call. After the last wave: open rollout sessions
 and capture sessions (``GET /health``), sandbox roots under the server's ``TMPDIR``, bytes and session
 folders left under the capture ``--data-dir`` (journals are deleted with their sessions), the server's
-child processes; and after the servers stop, any process naming their ports or the temporary directory.
+child processes other than its proxy; and after the servers stop, any process naming their ports or the
+temporary directory.
 
-Verdicts (for the server, the process under test; the engine is a fixture, shown for the record):
-memory flat (RSS slope < 5 MB per 100 rollouts), no fd growth (end <= start + 8 + concurrency: pooled
+Verdicts (for the server and its proxy, the processes under test; the engine is a fixture, shown for the
+record): memory flat (each one's RSS slope < 5 MB per 100 rollouts), no fd growth (each one's end <= start
++ 8 + concurrency: pooled
 keep-alive connections come and go with the load, a leak grows with the rollouts), journal as expected
 (every counted wave's bytes per call within 10 % of the first's, nothing left on disk), nothing left
 (no session, capture session, sandbox, child or leftover process; no failed rollout). Output: one table,
@@ -72,6 +74,7 @@ from benchmarks.rollouts import (
     SAMPLING,
     SPLIT,
     leftovers,
+    proxy_pid,
     start_engine,
     start_rollout_server,
     task_index,
@@ -82,13 +85,13 @@ FD_SLACK = 8  # plus one per rollout of a wave: keep-alive connections come and 
 JOURNAL_TOLERANCE = 0.10
 BYTES_METRIC = "capture_proxy_journal_bytes_total"
 TARGET_NAMES = (
-    f"memory flat: server RSS slope < {MAX_SLOPE_MB:g} MB per 100 rollouts",
-    f"no fd growth: server fds at the end <= start + {FD_SLACK} + concurrency",
+    f"memory flat: server and proxy RSS slope < {MAX_SLOPE_MB:g} MB per 100 rollouts",
+    f"no fd growth: server and proxy fds at the end <= start + {FD_SLACK} + concurrency",
     f"journal as expected: bytes per call within {JOURNAL_TOLERANCE:.0%} every wave, none left on disk",
     "nothing left: no failed rollout, session, sandbox or process",
 )
 COLUMNS = ("wave", "rollouts", "seconds", "failed", "calls", "journal B/call", "server RSS MB", "fds")
-COLUMNS += ("threads", "engine RSS MB", "engine fds")
+COLUMNS += ("threads", "proxy RSS MB", "proxy fds", "engine RSS MB", "engine fds")
 FULL = {"rollouts": 500, "warmup": 32, "concurrency": 16, "steps": 4, "interval": 1.0}
 QUICK = {"rollouts": 20, "warmup": 12, "concurrency": 4, "steps": 3, "interval": 0.5}
 
@@ -232,6 +235,8 @@ def wave_plan(rollouts: int, concurrency: int, warmup: int) -> list[tuple[str, i
 async def run_waves(server: Server, engine: Server, tmp: Path, config: dict[str, Any]) -> dict[str, Any]:
     """The warm-up waves, then counted waves until ``config['rollouts']`` ran; a row per wave."""
     pids = {"server": server.process.pid, "engine": engine.process.pid}
+    if (proxy := proxy_pid(server)) is not None:
+        pids["proxy"] = proxy
     sampler = Sampler(pids, config["interval"])
     sampler.start()
     body = {"split": SPLIT, "index": config["task_index"], "harness": "toy", "sandbox": "local"}
@@ -271,7 +276,7 @@ async def run_waves(server: Server, engine: Server, tmp: Path, config: dict[str,
     end = {"sessions": health["sessions"], "capture_sessions": health.get("capture_sessions")}
     end |= {"sandboxes": len(list((tmp / "soak" / "sandboxes").iterdir()))}
     end |= {"data_dir_bytes": data_bytes, "data_dir_sessions": data_sessions}
-    end["server_children"] = len(children(server.process.pid))
+    end["server_children"] = len([pid for pid in children(server.process.pid) if pid != pids.get("proxy")])
     return {"waves": waves, "samples": sampler.samples, "failures": failures, "end": end}
 
 
@@ -283,7 +288,9 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
     warm = [w for w in run["waves"] if not w["counted"]][-1]
     counted = [w for w in run["waves"] if w["counted"]]
     processes: dict[str, Any] = {}
-    for name in ("server", "engine"):
+    for name in ("server", "proxy", "engine"):
+        if warm.get(name) is None:
+            continue  # no such process (a server with its proxy in process)
         start, end = warm.get(name) or {}, (counted[-1] if counted else warm).get(name) or {}
         processes[name] = {
             f"{key}_{edge}": side.get(key)
@@ -306,17 +313,24 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
 
 def verdicts(result: dict[str, Any]) -> list[dict[str, Any]]:
     """PASS/MISS for each of ``TARGET_NAMES``, with what was measured."""
-    server, journal, end = result["processes"]["server"], result["journal"], result["end"]
-    slope, deviation = server["rss_slope_mb_per_100"], journal["max_deviation"]
+    journal, end = result["journal"], result["end"]
+    tested = {name: p for name, p in result["processes"].items() if name != "engine"}
+    deviation = journal["max_deviation"]
     left = {key: value for key, value in end.items() if key != "data_dir_bytes" and value}
     left |= {"failed rollouts": len(result["failures"])} if result["failures"] else {}
     left |= {"leftover processes": len(result["leftover_processes"])} if result["leftover_processes"] else {}
     slack = FD_SLACK + result["config"]["concurrency"]
-    fds_ok = server["fds_start"] is not None and server["fds_end"] <= server["fds_start"] + slack
-    memory = "no slope (too few samples)"
-    if slope is not None:
-        memory = f"{slope:+.2f} MB per 100 rollouts (RSS {server['rss_mb_start']:.0f} -> "
-        memory += f"{server['rss_mb_end']:.0f} MB over {result['counted_rollouts']} rollouts)"
+    memory_ok, fds_ok, memory, fds = True, True, [], []
+    for name, p in tested.items():
+        slope = p["rss_slope_mb_per_100"]
+        memory_ok &= slope is not None and slope < MAX_SLOPE_MB
+        fds_ok &= p["fds_start"] is not None and p["fds_end"] <= p["fds_start"] + slack
+        if slope is None:
+            memory.append(f"{name} no slope (too few samples)")
+        else:
+            rss = f"RSS {p['rss_mb_start']:.0f} -> {p['rss_mb_end']:.0f} MB"
+            memory.append(f"{name} {slope:+.2f} MB per 100 rollouts ({rss})")
+        fds.append(f"{name} {p['fds_start']} -> {p['fds_end']} fds")
     written = "no journal bytes counted"
     if deviation is not None:
         written = f"{journal['bytes_per_call_first']:.0f} B/call, worst wave {deviation:.1%} off; "
@@ -326,8 +340,8 @@ def verdicts(result: dict[str, Any]) -> list[dict[str, Any]]:
         written += f"expected; {journal['left_sessions']} sessions, {journal['left_bytes']} B left on disk"
     journal_ok = deviation is not None and deviation <= JOURNAL_TOLERANCE and not journal["left_sessions"]
     checks = [
-        (slope is not None and slope < MAX_SLOPE_MB, memory),
-        (fds_ok, f"{server['fds_start']} -> {server['fds_end']} fds"),
+        (memory_ok, "; ".join(memory) + f" over {result['counted_rollouts']} rollouts"),
+        (fds_ok, "; ".join(fds)),
         (journal_ok, written),
         (not left, ", ".join(f"{key} {value}" for key, value in left.items()) or "nothing"),
     ]
@@ -363,6 +377,7 @@ def table_rows(waves: list[dict[str, Any]]) -> list[tuple[str, ...]]:
         per_call = "-" if w["bytes_per_call"] is None else f"{w['bytes_per_call']:.0f}"
         row = (w["wave"], str(w["rollouts"]), f"{w['seconds']:.1f}", str(w["failed"]), f"{w['calls']:.0f}")
         row += (per_call, *cells(w.get("server"), ("rss_mb", "fds", "threads")))
+        row += cells(w.get("proxy"), ("rss_mb", "fds"))
         rows.append(row + cells(w.get("engine"), ("rss_mb", "fds")))
     return rows
 
@@ -386,7 +401,7 @@ def print_report(result: dict[str, Any]) -> None:
     print(f"after the last wave: {result['end']}")
     for line in result["failures"][:10] + [f"LEFTOVER PROCESS: {x}" for x in result["leftover_processes"]]:
         print(line)
-    print_verdicts(result, 66)
+    print_verdicts(result, max(len(name) for name in TARGET_NAMES))
 
 
 # -------------------------------------------------------------------------------------------------- main

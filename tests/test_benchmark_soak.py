@@ -43,7 +43,8 @@ def test_quick_soak_reports_every_wave_and_leak_check_and_leaves_nothing_running
         assert wave["calls"] == wave["rollouts"] * config["steps"]  # every rollout made its calls
         assert wave["bytes_per_call"] > 0
         assert wave["server"]["rss_mb"] > 0 and wave["server"]["fds"] > 0 and wave["engine"]["rss_mb"] > 0
-    for name in ("server", "engine"):  # the leak checks ran on both long-lived processes
+        assert wave["proxy"]["rss_mb"] > 0 and wave["proxy"]["fds"] > 0  # serve's proxy child, watched too
+    for name in ("server", "proxy", "engine"):  # the leak checks ran on every long-lived process
         process = result["processes"][name]
         assert PROCESS_FIELDS <= set(process)
         assert process["samples"] > len(counted) and process["rss_slope_mb_per_100"] is not None
@@ -51,6 +52,7 @@ def test_quick_soak_reports_every_wave_and_leak_check_and_leaves_nothing_running
     assert journal["calls"] == config["rollouts"] * config["steps"]
     assert journal["written_bytes"] > 0 and journal["expected_bytes"] > 0 and journal["max_deviation"] >= 0
     assert END_FIELDS <= set(result["end"])
+    assert result["end"]["server_children"] == 0  # the proxy child is part of the server, not a leftover
     assert result["failures"] == [] and result["leftover_processes"] == []
     assert [v["target"] for v in result["verdicts"]] == list(benchmark_soak.TARGET_NAMES)
     assert isinstance(result["all_pass"], bool) and result["elapsed_s"] > 0
