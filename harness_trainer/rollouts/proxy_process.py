@@ -4,16 +4,16 @@
 so in the server's own process it would share one interpreter lock (and one core) with the server's
 bookkeeping, and a crash of either would take the other. The child gets the admin key through its
 environment (never its command line, which any process on the host can read), dies with its parent
-(``PR_SET_PDEATHSIG``), and is stopped with SIGTERM (then SIGKILL) when the runtime closes.
+(``setpriv --pdeathsig``, as the local sandboxes' init does, where util-linux is installed), and is stopped
+with SIGTERM (then SIGKILL) when the runtime closes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
-import signal
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -23,17 +23,9 @@ import httpx
 from capture_proxy.config import ADMIN_KEY_ENV
 from harness_trainer.rollouts.capture_client import CaptureClient
 
-_PR_SET_PDEATHSIG = 1
-
 
 class ProxyProcessError(RuntimeError):
     """The proxy child did not come up (it exited, or did not answer in time)."""
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the parent dies, so a SIGKILLed server leaves no proxy."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class ProxyProcess:
@@ -62,7 +54,10 @@ class ProxyProcess:
         return self.data_dir / "proxy.log"
 
     def argv(self) -> list[str]:
-        argv = [sys.executable, "-m", "capture_proxy", "--upstream", self.upstream, "--host", self.host]
+        # SIGTERM when the parent dies, so a SIGKILLed server leaves no proxy behind.
+        setpriv = shutil.which("setpriv")
+        argv = [setpriv, "--pdeathsig", "TERM"] if setpriv else []
+        argv += [sys.executable, "-m", "capture_proxy", "--upstream", self.upstream, "--host", self.host]
         argv += ["--port", str(self.port), "--data-dir", str(self.data_dir)]
         if self.public_url:
             argv += ["--public-url", self.public_url]
@@ -76,9 +71,8 @@ class ProxyProcess:
         env = {**os.environ, ADMIN_KEY_ENV: self.admin_key}
         with self.log_path.open("ab") as log:
             self.process = await asyncio.create_subprocess_exec(
-                *self.argv(), stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log, env=env,
-                preexec_fn=_die_with_parent,
-            )  # fmt: skip
+                *self.argv(), stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log, env=env
+            )
         deadline = time.monotonic() + timeout_s
         async with httpx.AsyncClient(timeout=2.0) as probe:
             while not await self._healthy(probe):
