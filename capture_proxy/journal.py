@@ -91,6 +91,8 @@ class Journal:
 
     def close(self) -> None:
         if self._fd is not None:
+            if self.writer is not None:
+                self.writer.forget(self._fd)
             os.close(self._fd)
             self._fd = None
         self.forget()
