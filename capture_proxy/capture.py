@@ -14,16 +14,14 @@ from __future__ import annotations
 import math
 from array import array
 from dataclasses import dataclass
-from operator import itemgetter
 from typing import Any
 
+import msgspec
 import orjson
 
 from capture_proxy.dialects.base import Reply, ToolCall
 from capture_proxy.records import Finding
-
-_token = itemgetter("token")
-_logprob = itemgetter("logprob")
+from capture_proxy.reply import LogprobEntry
 
 
 class MalformedReply(Exception):
@@ -41,11 +39,14 @@ class Capture:
     finding: Finding | None
 
 
-def capture(reply: dict[str, Any], prompt_text: bytes | None = None) -> Capture:
+def capture(
+    reply: dict[str, Any], prompt_text: bytes | None = None, entries: list[LogprobEntry] | None = None
+) -> Capture:
     """The ids and logprobs of ``reply``, with a finding when they cannot be trusted.
 
-    ``prompt_text`` is the reply's ``prompt_token_ids`` cut out of the raw body by
-    :func:`capture_proxy.upstream.split_prompt_ids`; without it they are read from ``reply``.
+    ``prompt_text`` and ``entries`` are the reply's ``prompt_token_ids`` and ``choices[0].logprobs.content``
+    as :func:`capture_proxy.reply.read_reply` cut them out of the raw body; without them they are read
+    from ``reply``.
     """
     choice = _first_choice(reply)
     completion_ids = choice.get("token_ids")
@@ -62,29 +63,41 @@ def capture(reply: dict[str, Any], prompt_text: bytes | None = None) -> Capture:
     if _packed(completion_ids) is None:
         detail = "sampled ids must be non-negative integers"
         return Capture(None, None, None, version, Finding("bad_token_ids", detail))
-    content = (choice.get("logprobs") or {}).get("content")
     try:
-        logprobs, finding = _check(completion_ids, content)
-    except (KeyError, TypeError, ValueError) as exc:
-        logprobs, finding = None, Finding("malformed_logprobs", f"logprobs could not be read: {exc!r}")
+        if entries is None:
+            entries = _entries(choice)
+        logprobs, finding = _check(completion_ids, entries)
+    except (msgspec.ValidationError, ValueError) as exc:
+        logprobs, finding = None, Finding("malformed_logprobs", f"logprobs could not be read: {exc}")
     if logprobs is None:
         # Context only: the completion is kept for the prompt tree, with zero logprobs it never trains on.
         logprobs = [0.0] * len(completion_ids)
     return Capture(prompt_text, completion_ids, logprobs, version, finding)
 
 
-def _check(completion_ids: list[int], content: Any) -> tuple[list[float] | None, Finding | None]:
-    if not isinstance(content, list):
+def _entries(choice: dict[str, Any]) -> list[LogprobEntry] | None:
+    """``choice``'s logprob entries, from a reply parsed whole (raises ``msgspec.ValidationError``)."""
+    content = (choice.get("logprobs") or {}).get("content")
+    return msgspec.convert(content, list[LogprobEntry]) if isinstance(content, list) else None
+
+
+def _check(
+    completion_ids: list[int], entries: list[LogprobEntry] | None
+) -> tuple[list[float] | None, Finding | None]:
+    if entries is None:
         return None, Finding("no_logprobs", "the engine returned no logprobs.content for the sampled ids")
-    if len(content) != len(completion_ids):
-        detail = f"{len(content)} logprob entries for {len(completion_ids)} sampled ids"
+    if len(entries) != len(completion_ids):
+        detail = f"{len(entries)} logprob entries for {len(completion_ids)} sampled ids"
         return None, Finding("logprob_count_mismatch", detail)
-    # One joined comparison instead of a per-token loop: both joins run in C.
-    if ",".join(map(_token, content)) != "token_id:" + ",token_id:".join(map(str, completion_ids)):
+    # One joined comparison instead of a per-token loop; the ids' text comes from orjson in one C call.
+    tokens = ",".join([entry.token for entry in entries])
+    expected = "token_id:" + orjson.dumps(completion_ids)[1:-1].decode().replace(",", ",token_id:")
+    if completion_ids and tokens != expected:
         detail = "logprobs.content[].token does not name the sampled ids (expected 'token_id:N' pairs)"
         return None, Finding("token_mismatch", detail)
-    logprobs = list(map(float, map(_logprob, content)))
-    if not math.isfinite(math.fsum(logprobs)) or (logprobs and max(logprobs) > 0):
+    logprobs = [entry.logprob for entry in entries]
+    # A sum is finite only if every term is (a NaN or an infinity anywhere makes it NaN or infinite).
+    if not math.isfinite(sum(logprobs)) or (logprobs and max(logprobs) > 0):
         return None, Finding("bad_logprobs", "logprobs must be finite and <= 0")
     return logprobs, None
 

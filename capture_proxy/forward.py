@@ -99,7 +99,7 @@ async def forward(
     reply_json = result.reply
     try:
         reply = normalise(reply_json)
-        captured = capture(reply_json, result.prompt_text)
+        captured = capture(reply_json, result.prompt_text, result.logprobs)
     except MalformedReply as exc:
         session.release()
         state.metrics.error("malformed_reply")

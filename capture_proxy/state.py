@@ -18,7 +18,7 @@ from capture_proxy.writer import JournalWriter
 class ProxyState:
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
-        # Session files, deletes and trace exports; journal lines go through the writer (synced by its helper process).
+        # Session files, deletes and trace exports. Journal lines: the writer, synced by its helper process.
         self.executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="proxy-io")
         self.writer = JournalWriter()
         self.store = SessionStore(config.data_dir, self.executor, self.writer)

@@ -9,7 +9,6 @@ so the proxy can end the agent's episode instead of failing it.
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import time
 from dataclasses import dataclass, field
@@ -17,6 +16,8 @@ from typing import Any
 
 import aiohttp
 import orjson
+
+from capture_proxy.reply import LogprobEntry, loads, read_reply
 
 RETRY_STATUSES = frozenset({408, 429}) | frozenset(range(500, 600))
 _CONTEXT = re.compile(
@@ -34,6 +35,7 @@ class UpstreamResult:
     status: int
     error: str | None = None
     prompt_text: bytes | None = None  # ``prompt_token_ids`` as raw JSON text, cut out of the reply
+    logprobs: list[LogprobEntry] | None = None  # ``choices[0].logprobs.content``, cut out of the reply
     context_exhausted: bool = False
     attempts: int = 1
     upstream_ms: float = 0.0
@@ -131,54 +133,11 @@ class Upstream:
             exhausted = status == 400 and bool(_CONTEXT.search(message))
             error = f"engine answered {status}: {message}"
             return UpstreamResult(None, status, error, context_exhausted=exhausted), retry_after
-        prompt_text, rest = split_prompt_ids(raw)
         try:
-            reply = loads(rest)
-        except ValueError:
-            prompt_text, reply = None, None
-        try:
-            reply = loads(raw) if reply is None else reply
+            reply = read_reply(raw)
         except ValueError as exc:
-            return UpstreamResult(None, 502, f"the engine's reply is not JSON: {exc}"), None
-        if not isinstance(reply, dict):
-            return UpstreamResult(None, 502, "the engine's reply is not a JSON object"), None
-        return UpstreamResult(reply, 200, prompt_text=prompt_text), None
-
-
-_PROMPT_KEY = b'"prompt_token_ids":['
-
-
-def split_prompt_ids(raw: bytes) -> tuple[bytes | None, bytes]:
-    """``(ids_text, rest)``: the top-level ``prompt_token_ids`` array's text cut out of a compact JSON reply.
-
-    Parsing thousands of prompt ids into Python ints is most of the cost of reading a reply, and the proxy
-    only needs them as text (the journal compares and stores them as text). The key can only appear
-    unescaped as an object key, and vLLM has it once, at the top level; anything else (absent, null,
-    spaced, twice) returns ``(None, raw)`` and the caller parses the whole reply. ``rest`` may still fail
-    to parse (unusual spacing around the member): the caller then falls back to the whole reply.
-    """
-    start = raw.find(_PROMPT_KEY)
-    if start < 0:
-        return None, raw
-    value = start + len(_PROMPT_KEY)
-    end = raw.find(b"]", value)
-    if end < 0 or raw.find(_PROMPT_KEY, end) >= 0:
-        return None, raw
-    if raw[end + 1 : end + 2] == b",":
-        rest = raw[:start] + raw[end + 2 :]
-    elif raw[start - 1 : start] == b",":
-        rest = raw[: start - 1] + raw[end + 1 :]
-    else:
-        rest = raw[:start] + raw[end + 1 :]
-    return raw[value:end], rest
-
-
-def loads(raw: bytes) -> Any:
-    """Parse JSON fast; fall back to the stdlib for NaN/Infinity, which some engines emit in logprobs."""
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return json.loads(raw)
+            return UpstreamResult(None, 502, str(exc)), None
+        return UpstreamResult(reply.body, 200, prompt_text=reply.prompt_text, logprobs=reply.logprobs), None
 
 
 def _retry_after(value: str | None) -> float | None:

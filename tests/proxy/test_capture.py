@@ -13,7 +13,7 @@ import pytest
 from capture_proxy.capture import capture
 from capture_proxy.journal import Journal, read_records
 from capture_proxy.records import MODEL, CallRecord
-from capture_proxy.upstream import split_prompt_ids
+from capture_proxy.reply import split_prompt_ids
 from tests.proxy.conftest import Stack
 
 

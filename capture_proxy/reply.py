@@ -1,0 +1,141 @@
+"""Reading the engine's raw reply cheaply: the big parts are cut out of the bytes before the JSON parse.
+
+A vLLM reply with capture fields is mostly two things the proxy never hands to the agent: the prompt's
+ids (thousands of integers) and one logprob object per sampled token. Parsed into Python objects they
+are most of the cost of a call, so they are cut out of the compact JSON first:
+
+- ``prompt_token_ids`` stays text (the journal compares and stores it as text);
+- ``choices[0].logprobs`` is decoded by msgspec into small structs holding only ``token`` and
+  ``logprob`` (vLLM's ``bytes`` and ``top_logprobs`` are skipped without being built);
+- the rest, now small, is parsed with orjson.
+
+A key can only match as a real object key: inside a JSON string every ``"`` is escaped, so the bytes
+``"logprobs":`` cannot occur there. Anything unexpected (a key absent, twice, spaced, NaN logprobs, a
+cut that does not parse) falls back to parsing the whole reply, where the checks in
+:mod:`capture_proxy.capture` say what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import orjson
+
+_PROMPT_KEY = b'"prompt_token_ids":['
+_LOGPROBS_KEY = b'"logprobs":{"content":['
+_LOGPROBS_END = b"}]}"  # the last entry, the content array and the logprobs object closing together
+
+
+class LogprobEntry(msgspec.Struct, gc=False):
+    """One sampled token's entry in ``choices[0].logprobs.content``: what the capture check reads."""
+
+    token: str
+    logprob: float
+
+
+class _Logprobs(msgspec.Struct, gc=False):
+    content: list[LogprobEntry] | None = None
+
+
+_decode_logprobs = msgspec.json.Decoder(_Logprobs).decode
+
+
+@dataclass
+class EngineReply:
+    """A 200 reply: the parsed JSON without the parts cut out, and those parts."""
+
+    body: dict[str, Any]  # without ``prompt_token_ids`` when cut, without choices[0].logprobs when cut
+    prompt_text: bytes | None = None  # ``prompt_token_ids`` as JSON text without brackets, when cut
+    logprobs: list[LogprobEntry] | None = None  # ``choices[0].logprobs.content``, when cut
+
+
+def read_reply(raw: bytes) -> EngineReply:
+    """The engine's reply; raises ``ValueError`` if it is not a JSON object."""
+    prompt_text, rest = split_prompt_ids(raw)
+    logprobs_text, small = split_logprobs(rest)
+    if logprobs_text is not None:
+        try:
+            body, decoded = loads(small), _decode_logprobs(logprobs_text)
+        except (ValueError, msgspec.DecodeError):
+            pass
+        else:
+            if _logprobs_were_cut(body) and decoded.content is not None:
+                return EngineReply(body, prompt_text, decoded.content)
+    try:
+        body = loads(rest)
+    except ValueError:
+        prompt_text = None
+        try:
+            body = loads(raw)
+        except ValueError as exc:
+            raise ValueError(f"the engine's reply is not JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise ValueError("the engine's reply is not a JSON object")
+    return EngineReply(body, prompt_text)
+
+
+def split_prompt_ids(raw: bytes) -> tuple[bytes | None, bytes]:
+    """``(ids_text, rest)``: the top-level ``prompt_token_ids`` array's text cut out of a compact JSON reply.
+
+    vLLM has the key once, at the top level; anything else (absent, null, spaced, twice) returns
+    ``(None, raw)``. ``rest`` may still fail to parse (unusual spacing around the member): the caller
+    then parses the whole reply.
+    """
+    start = raw.find(_PROMPT_KEY)
+    if start < 0:
+        return None, raw
+    value = start + len(_PROMPT_KEY)
+    end = raw.find(b"]", value)
+    if end < 0 or raw.find(_PROMPT_KEY, end) >= 0:
+        return None, raw
+    return raw[value:end], _without(raw, start, end + 1)
+
+
+def split_logprobs(raw: bytes) -> tuple[bytes | None, bytes]:
+    """``(logprobs_text, rest)``: the one ``"logprobs":{"content":[…]}`` member cut out, or ``(None, raw)``.
+
+    The member ends at the first ``}]}`` after it. With ``top_logprobs: 0`` no entry holds that sequence;
+    if one did (or the content were empty), the cut text would not be one JSON value and the caller
+    parses the whole reply instead.
+    """
+    start = raw.find(_LOGPROBS_KEY)
+    if start < 0:
+        return None, raw
+    end = raw.find(_LOGPROBS_END, start)
+    if end < 0 or raw.find(_LOGPROBS_KEY, end) >= 0:
+        return None, raw
+    end += len(_LOGPROBS_END)
+    return raw[start + len(b'"logprobs":') : end], _without(raw, start, end)
+
+
+def loads(raw: bytes) -> Any:
+    """Parse JSON fast; fall back to the stdlib for NaN/Infinity, which some engines emit in logprobs."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return json.loads(raw)
+
+
+def _without(raw: bytes, start: int, end: int) -> bytes:
+    """``raw`` without the object member at ``[start, end)`` and one comma beside it."""
+    if raw[end : end + 1] == b",":
+        return raw[:start] + raw[end + 1 :]
+    if raw[start - 1 : start] == b",":
+        return raw[: start - 1] + raw[end:]
+    return raw[:start] + raw[end:]
+
+
+def _logprobs_were_cut(body: Any) -> bool:
+    """Whether the cut member was ``choices[0].logprobs`` (it is gone from there, and nothing else is)."""
+    if not isinstance(body, dict):
+        return False
+    choices = body.get("choices")
+    return (
+        isinstance(choices, list)
+        and len(choices) >= 1
+        and isinstance(choices[0], dict)
+        and "logprobs" not in choices[0]
+    )
