@@ -29,8 +29,9 @@ they share the machine's noise), reported as the median over repeats:
 - req/s: calls / wall time of the run; ``vs pass``: the same-repeat ratio to the pass-through's req/s;
 - p50/p99 latency: request sent to last byte received (the client's parsing excluded);
 - ``+p50``/``+p99``: the same-repeat difference to the direct target's p50/p99: the latency added;
-- CPU ms/req: ``utime + stime`` of the server process (``/proc/<pid>/stat``, all threads, 10 ms ticks)
-  over the run, divided by its calls; peak RSS: the process's ``VmHWM`` after the run (so cumulative).
+- CPU ms/req: ``utime + stime`` of the server process and the processes below it (``/proc/<pid>/stat``,
+  all threads, 10 ms ticks: the proxy's fdatasync helper counts as the proxy) over the run, divided by its
+  calls; peak RSS: the process's ``VmHWM`` after the run (so cumulative).
 
 Then, on a second, fresh proxy (after a 2-session warm-up): ``VmRSS`` growth while ``--memory-sessions``
 sessions run all their turns and are kept (as while they wait for their trace to be fetched), divided by
@@ -71,7 +72,6 @@ if not __package__:  # run as a script (python benchmarks/proxy.py): its sibling
 
 from benchmarks.common import (
     Server,
-    cpu_seconds,
     finish,
     free_port,
     positive,
@@ -80,6 +80,7 @@ from benchmarks.common import (
     start_server,
     status_value,
     stop_process,
+    tree_cpu_seconds,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -345,11 +346,11 @@ async def drive(target: Target, point: Point, turns: int, keys: Sequence[str | N
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300)) as client:
         pid = target.server.process.pid if target.server else None
-        cpu_before = cpu_seconds(pid) if pid else 0.0
+        cpu_before = tree_cpu_seconds(pid) if pid else 0.0
         start = time.perf_counter()
         await asyncio.gather(*(agent(client) for _ in range(point.agents)))
         result.seconds = time.perf_counter() - start
-        result.cpu_s = cpu_seconds(pid) - cpu_before if pid else 0.0
+        result.cpu_s = tree_cpu_seconds(pid) - cpu_before if pid else 0.0
     return result
 
 

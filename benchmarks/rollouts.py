@@ -28,8 +28,8 @@ Measured:
    asyncio client, at most ``--start-window`` starting at once (started: its agent process runs) and none
    while the machine's ``MemAvailable`` is under ``--min-free-mb``. Once every agent runs, the **hold
    window** (``--hold`` seconds): the server process's CPU (``utime + stime`` of all its threads,
-   ``/proc/<pid>/stat``) as % of one core and of the machine; its proxy child's CPU the same way, as % of
-   one core; model calls per second through the proxy (``/metrics``) and the CPU ms per call of server and
+   ``/proc/<pid>/stat``) as % of one core and of the machine; its proxy child's CPU the same way (with the
+   proxy's own fdatasync helper), as % of one core; model calls per second through the proxy (``/metrics``) and the CPU ms per call of server and
    proxy together; the server's largest ``VmRSS`` sample and its threads. **held**: the fewest
    agent processes alive (``argv[1]`` is ``toy_agent.py``, pointed at this server's proxy) in any sample
    of the window, and never more than the fewest open sessions ``GET /health`` reported. Then every
@@ -85,6 +85,7 @@ from benchmarks.common import (
     start_server,
     status_value,
     stop_process,
+    tree_cpu_seconds,
 )
 from harness_trainer.rollouts.factory import HarborSessionFactory
 from harness_trainer.rollouts.session import RolloutUnscorable
@@ -399,7 +400,7 @@ async def hold(client: aiohttp.ClientSession, server: Server, seconds: float) ->
     """Sample the server while every session is held: CPU, model calls, RSS, threads, agents alive."""
     pid, proxy, alive, open_sessions, rss = server.process.pid, proxy_pid(server), [], [], []
     calls, cpu, start = await proxy_calls(client, server), cpu_seconds(pid), time.perf_counter()
-    proxy_cpu = cpu_seconds(proxy) if proxy is not None else 0.0
+    proxy_cpu = tree_cpu_seconds(proxy) if proxy is not None else 0.0
     while True:
         alive.append(await asyncio.to_thread(count_agents, server))
         async with client.get(server.url + "/health") as reply:
@@ -409,7 +410,7 @@ async def hold(client: aiohttp.ClientSession, server: Server, seconds: float) ->
             break
         await asyncio.sleep(min(1.0, left))
     cpu, calls = cpu_seconds(pid) - cpu, await proxy_calls(client, server) - calls
-    proxy_cpu = cpu_seconds(proxy) - proxy_cpu if proxy is not None else 0.0
+    proxy_cpu = tree_cpu_seconds(proxy) - proxy_cpu if proxy is not None else 0.0
     window = time.perf_counter() - start
     return {
         "window_s": window, "held": min(min(alive), min(open_sessions)), "agents_alive": alive,

@@ -62,6 +62,7 @@ if not __package__:  # run as a script (python benchmarks/soak.py): its siblings
 
 from benchmarks.common import (
     Server,
+    children,
     finish,
     positive,
     print_table,
@@ -106,15 +107,6 @@ def process_sample(pid: int) -> dict[str, float]:
         "threads": status_value(pid, "Threads"),
         "fds": len(os.listdir(f"/proc/{pid}/fd")),
     }
-
-
-def children(pid: int) -> list[int]:
-    """Direct children of ``pid`` (every thread's), from ``/proc``."""
-    found: list[int] = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(FileNotFoundError):
-            found += [int(child) for child in (task / "children").read_text().split()]
-    return found
 
 
 def tree_bytes(root: Path) -> tuple[int, int]:
