@@ -65,7 +65,7 @@ def receive(sock: socket.socket) -> list[tuple[bytes, list[int]]] | None:
     flags = 0
     while True:
         try:
-            # Not socket.recv_fds: before Python 3.12 it ignores ``flags``.
+            # Not socket.recv_fds: in Python 3.11 it never passes ``flags`` on to recvmsg.
             data, ancillary, _, _ = sock.recvmsg(MAX_MESSAGE, FD_SPACE, flags)
         except BlockingIOError:
             return messages
