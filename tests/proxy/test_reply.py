@@ -130,7 +130,8 @@ def test_a_reply_that_is_not_a_json_object_says_so(raw: bytes) -> None:
         read_reply(raw)
 
 
-texts = st.text(alphabet=st.sampled_from('ab"{}[]:,\\ \n') | st.characters(), max_size=40)
+# JSON text is UTF-8: lone surrogates cannot reach the proxy from an engine, so they are not generated.
+texts = st.text(alphabet=st.sampled_from('ab"{}[]:,\\ \n') | st.characters(codec="utf-8"), max_size=40)
 
 
 @settings(max_examples=300, deadline=None)
