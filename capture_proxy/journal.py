@@ -12,6 +12,14 @@ record therefore costs O(new tokens), hundreds of calls per session stay cheap t
 and any prefix that does not match is simply written in full. Reading expands every record; a torn last
 line (a crash mid-write) is ignored and cut off before the next append.
 
+An open journal keeps a zeroed reserve past its last line (``RESERVE_BYTES``), and each line overwrites
+the zeros in place: an fdatasync that does not change the file's size flushes the data alone, while one
+after an append also commits the file system's own journal (ext4, xfs). That measured 0.20 → 0.09 ms
+per sync here, and a sync is on the path of every reply. A new session's reserve is written when the
+session is created (:meth:`Journal.reserve`, off the event loop); a line that outgrows it is written
+with the next reserve behind it. A JSON line never holds a NUL byte, so readers stop at the first one;
+closing the journal cuts the reserve off, and a reload after a crash cuts it off with a torn line.
+
 The prefix test runs on the ids' JSON text as the engine sent it (``CallRecord.prompt_text``), so the
 hot path never turns thousands of prompt ids into Python ints: only the new suffix is parsed, which also
 validates it (non-negative integers below 2**32); the prefix is text already validated in an earlier
@@ -30,12 +38,14 @@ from typing import Any
 import orjson
 
 from capture_proxy.records import CallRecord, Finding
-from capture_proxy.writer import JournalWriter, write_all
+from capture_proxy.writer import JournalWriter
 
 FORMAT_VERSION = 1
 _COMMA = ord(",")
 CALLS = "calls.jsonl"
 SESSION = "session.json"
+RESERVE_BYTES = 256 * 1024
+_RESERVE = bytes(RESERVE_BYTES)
 
 
 class JournalError(Exception):
@@ -77,6 +87,8 @@ class Journal:
         self._last_messages: list[Any] | None = None
         self._pending_count = 0  # prompt length of the record being appended, known from its delta
         self._fd: int | None = None
+        self._end = 0  # where the next line goes: the end of the last line
+        self._reserved = 0  # the file's size: the zeroed reserve ends here
 
     def open(self) -> None:
         """Open for appending, after cutting off a torn last line; resumes ``next_seq``."""
@@ -87,14 +99,31 @@ class Journal:
             if record.has_ids and record.prompt_token_ids is not None:
                 self._remember(record, ids_text(record.prompt_token_ids), len(record.prompt_token_ids))
                 break
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)
+        self._end = self._reserved = os.fstat(self._fd).st_size
+
+    def reserve(self) -> None:
+        """Write the zeroed reserve and make it and the file's name durable now; blocking, so a new
+        session calls it off the event loop, and its first lines' syncs then flush only their data."""
+        if self._fd is None:
+            raise JournalError(f"journal {self.path} is not open")
+        if self._reserved == self._end:
+            self._pwrite(_RESERVE, self._end)
+            self._reserved = self._end + RESERVE_BYTES
+        os.fdatasync(self._fd)
+        _fsync_dir(self.path.parent)
 
     def close(self) -> None:
+        """Close the file, its zeroed reserve cut off (a crash before that leaves zeros readers skip)."""
         if self._fd is not None:
             if self.writer is not None:
                 self.writer.forget(self._fd)
-            os.close(self._fd)
-            self._fd = None
+            try:
+                if self._reserved > self._end:
+                    os.ftruncate(self._fd, self._end)
+            finally:
+                os.close(self._fd)
+                self._fd = None
         self.forget()
 
     def forget(self) -> None:
@@ -168,16 +197,32 @@ class Journal:
         if record.seq != self.next_seq:
             raise JournalError(f"record seq {record.seq} != next seq {self.next_seq}")
         data, text = self.encode(record)
+        self._write(data)
         if self.writer is not None:
-            await self.writer.write(self._fd, data, inline=alone)
+            await self.writer.sync(self._fd, inline=alone)
         else:
-            write_all(self._fd, data)
             os.fdatasync(self._fd)
         self.next_seq += 1
         self.bytes_written += len(data)
         if text is not None:
             self._remember(record, text, self._pending_count)
         return len(data)
+
+    def _write(self, data: bytes) -> None:
+        """Write ``data`` over the reserve's zeros; a line that does not fit brings a new reserve."""
+        offset = self._end
+        self._end += len(data)
+        if self._end > self._reserved:
+            data += _RESERVE  # a copy once per reserve, not per line
+            self._reserved = offset + len(data)
+        self._pwrite(data, offset)
+
+    def _pwrite(self, data: bytes, offset: int) -> None:
+        assert self._fd is not None
+        view = memoryview(data)
+        while view:
+            written = os.pwrite(self._fd, view, offset)
+            view, offset = view[written:], offset + written
 
     def _remember(self, record: CallRecord, prompt_text: bytes, prompt_count: int) -> None:
         completion = record.completion_token_ids or []
@@ -213,12 +258,16 @@ def _base_fields(record: CallRecord) -> dict[str, Any]:
 
 
 def read_records(path: Path, repair: bool = False) -> Iterator[CallRecord]:
-    """Every record of a journal, expanded, in file order. ``repair`` truncates a torn last line."""
+    """Every record of a journal, expanded, in file order (up to a NUL: an open journal's reserve).
+
+    ``repair`` truncates a torn last line and the reserve.
+    """
     try:
         data = path.read_bytes()
     except OSError as exc:
         raise JournalError(f"cannot read journal {path}: {exc}") from exc
-    end = data.rfind(b"\n") + 1
+    reserve = data.find(b"\0")
+    end = data.rfind(b"\n", 0, len(data) if reserve < 0 else reserve) + 1
     if repair and end < len(data):
         with open(path, "r+b") as handle:
             handle.truncate(end)

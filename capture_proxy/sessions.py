@@ -132,16 +132,25 @@ class SessionStore:
         self.sessions: dict[str, Session] = {}
 
     def create(self, spec: SessionSpec) -> Session:
+        """A new session, its files written and synced (blocking: callers run it off the event loop)."""
         session_id = SESSION_ID_PREFIX + secrets.token_urlsafe(32)
         directory = self.root / session_id
         created = time.time()
         meta = {"session_id": session_id, "created_at": created, **spec.model_dump(mode="json")}
         write_session_file(directory, meta)
-        return self._add(session_id, spec, created, directory)
+        return self._add(session_id, spec, created, directory, reserve=True)
 
-    def _add(self, session_id: str, spec: SessionSpec, created: float, directory: Path) -> Session:
+    def _add(
+        self, session_id: str, spec: SessionSpec, created: float, directory: Path, reserve: bool = False
+    ) -> Session:
         journal = Journal(directory, self.writer)
         journal.open()
+        if reserve:
+            try:
+                journal.reserve()
+            except BaseException:
+                journal.close()
+                raise
         session = Session(session_id, spec, created, directory, journal)
         self.sessions[session_id] = session
         return session

@@ -1,8 +1,9 @@
 """Durable appends without a thread in the proxy: the event loop writes, a helper process fdatasyncs.
 
 Every forwarded call must be on stable storage before its reply goes back. The event loop writes each
-journal line itself (into the page cache: microseconds), then asks the helper process
-(:mod:`capture_proxy.syncer`) to fdatasync the file, and answers the agent once the helper says it did.
+journal line itself (into the page cache: microseconds; see :mod:`capture_proxy.journal`), then asks the
+helper process (:mod:`capture_proxy.syncer`) to fdatasync the file, and answers the agent once the helper
+says it did.
 Requests made while the helper is busy are synced together, each file once.
 
 Why a process and not a thread: a Python thread that wants the GIL while the event loop is busy gets
@@ -52,12 +53,11 @@ class JournalWriter:
         self._closing: list[int] = []  # file ids to close after them
         self._flush_scheduled = False
 
-    async def write(self, fd: int, data: bytes, inline: bool = False) -> None:
-        """Append ``data`` to ``fd`` and fdatasync it (raises the ``OSError`` if that failed).
+    async def sync(self, fd: int, inline: bool = False) -> None:
+        """fdatasync ``fd``, whose new data the caller has written (raises the ``OSError`` if that failed).
 
         ``inline``: the caller knows nothing else waits on its event loop, so the loop may sync itself.
         """
-        write_all(fd, data)
         if inline and not self._pending:
             os.fdatasync(fd)
             return
@@ -235,9 +235,3 @@ class _Helper:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
-
-
-def write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]

@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-from capture_proxy.journal import Journal, read_records
+from capture_proxy.journal import RESERVE_BYTES, Journal, read_records
 from capture_proxy.records import MODEL, CallRecord
 from harness_trainer.trace import TrainingTrace
 from tests.proxy.conftest import Stack
@@ -44,9 +44,11 @@ def grow(turns: int, width: int = 400) -> list[CallRecord]:
     return records
 
 
-def write(directory: Path, records: list[CallRecord]) -> Journal:
+def write(directory: Path, records: list[CallRecord], reserve: bool = False) -> Journal:
     journal = Journal(directory)
     journal.open()
+    if reserve:
+        journal.reserve()
 
     async def append_all() -> None:
         for r in records:
@@ -73,6 +75,8 @@ def test_append_only_history_is_written_as_deltas_and_expands_back_exactly(tmp_p
 def test_journal_size_grows_linearly_with_calls(tmp_path: Path) -> None:
     small = write(tmp_path / "a", grow(50))
     large = write(tmp_path / "b", grow(200))
+    small.close()
+    large.close()
     per_call_small = small.path.stat().st_size / 50
     per_call_large = large.path.stat().st_size / 200
     assert per_call_large < per_call_small * 1.5
@@ -110,6 +114,52 @@ def test_a_reopened_journal_keeps_delta_encoding_from_its_last_record(tmp_path: 
     asyncio.run(reopened.append(records[3]))
     back = list(read_records(journal.path))
     assert [r.prompt_token_ids for r in back] == [r.prompt_token_ids for r in records]
+
+
+def test_lines_overwrite_the_zeroed_reserve_and_closing_cuts_it_off(tmp_path: Path) -> None:
+    records = grow(3)
+    journal = write(tmp_path, [], reserve=True)
+    assert journal.path.read_bytes() == bytes(RESERVE_BYTES)
+    asyncio.run(journal.append(records[0]))
+    asyncio.run(journal.append(records[1]))
+    # The lines went over the zeros: the file kept its size, so a sync had no size to commit.
+    assert journal.path.stat().st_size == RESERVE_BYTES
+    assert [r.seq for r in read_records(journal.path)] == [0, 1]  # readable while open
+    asyncio.run(journal.append(records[2]))
+    journal.close()
+    data = journal.path.read_bytes()
+    assert b"\0" not in data and data.endswith(b"\n") and data.count(b"\n") == 3
+    assert [r.prompt_token_ids for r in read_records(journal.path)] == [r.prompt_token_ids for r in records]
+
+
+def test_a_line_that_outgrows_the_reserve_brings_the_next_one(tmp_path: Path) -> None:
+    records = grow(60, width=2000)
+    journal = write(tmp_path, records, reserve=True)
+    lines = journal.bytes_written
+    assert lines > 2 * RESERVE_BYTES
+    assert lines < journal.path.stat().st_size <= lines + RESERVE_BYTES
+    assert [r.prompt_token_ids for r in read_records(journal.path)] == [r.prompt_token_ids for r in records]
+    journal.close()
+    assert journal.path.stat().st_size == lines
+
+
+def test_a_crash_inside_the_reserve_loses_only_the_torn_line(tmp_path: Path) -> None:
+    journal = write(tmp_path, grow(3), reserve=True)
+    end = journal.bytes_written
+    # A crash mid-line, with part of the line persisted past a block still zero: torn, then stray bytes.
+    with open(journal.path, "r+b") as handle:
+        handle.seek(end)
+        handle.write(b'{"v": 1, "seq": 3, "call_id": "call-0')
+        handle.seek(end + 8192)
+        handle.write(b'_id": "call-00003"}\n')
+    assert [r.seq for r in read_records(journal.path)] == [0, 1, 2]
+    reopened = Journal(tmp_path)
+    reopened.open()
+    assert reopened.next_seq == 3 and journal.path.stat().st_size == end
+    asyncio.run(reopened.append(record(3, [1, 2], [3], [])))
+    reopened.close()
+    assert [r.seq for r in read_records(journal.path)] == [0, 1, 2, 3]
+    assert b"\0" not in journal.path.read_bytes()
 
 
 def test_sessions_and_their_traces_survive_a_proxy_restart(stack: Stack) -> None:

@@ -26,6 +26,12 @@ def open_files(tmp_path: Path, count: int) -> list[int]:
     return [os.open(tmp_path / f"f{i}", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600) for i in range(count)]
 
 
+async def append(writer: JournalWriter, fd: int, data: bytes, inline: bool = False) -> None:
+    """What the journal does: write the line, then have it synced."""
+    os.write(fd, data)
+    await writer.sync(fd, inline=inline)
+
+
 def helper_files(pid: int) -> set[str]:
     """The paths of the regular files the helper holds open."""
     found = set()
@@ -57,7 +63,7 @@ def test_concurrent_lines_land_in_order_and_the_helper_holds_only_open_files(tmp
         writer = JournalWriter()
         fds = open_files(tmp_path, 4)
         try:
-            await asyncio.gather(*(writer.write(fd, b"line %d\n" % i) for i in range(5) for fd in fds))
+            await asyncio.gather(*(append(writer, fd, b"line %d\n" % i) for i in range(5) for fd in fds))
             pid = writer.helper_pid
             assert pid is not None
             held = helper_files(pid)
@@ -67,7 +73,7 @@ def test_concurrent_lines_land_in_order_and_the_helper_holds_only_open_files(tmp
             # A new file may get the closed descriptor's number: the helper must sync the new file.
             reused = os.open(tmp_path / "g", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
             fds[0] = reused
-            await asyncio.gather(*(writer.write(fd, b"more\n") for fd in fds))
+            await asyncio.gather(*(append(writer, fd, b"more\n") for fd in fds))
             held = helper_files(pid)
             assert str(tmp_path / "f0") not in held and str(tmp_path / "g") in held
         finally:
@@ -88,7 +94,7 @@ def test_a_lone_write_is_synced_on_the_loop_without_starting_a_helper(tmp_path: 
         writer = JournalWriter()
         (fd,) = open_files(tmp_path, 1)
         try:
-            await writer.write(fd, b"alone\n", inline=True)
+            await append(writer, fd, b"alone\n", inline=True)
             return writer.helper_pid
         finally:
             writer.close()
@@ -107,19 +113,19 @@ def test_a_killed_helper_leaves_nothing_waiting_and_is_replaced(
         writer = JournalWriter()
         fds = open_files(tmp_path, 2)
         try:
-            await asyncio.gather(*(writer.write(fd, b"a\n") for fd in fds))
+            await asyncio.gather(*(append(writer, fd, b"a\n") for fd in fds))
             first = writer.helper_pid
             assert first is not None
             os.kill(first, signal.SIGSTOP)  # it takes requests but cannot answer them
-            pending = [asyncio.ensure_future(writer.write(fd, b"b\n")) for fd in fds]
+            pending = [asyncio.ensure_future(append(writer, fd, b"b\n")) for fd in fds]
             await asyncio.sleep(0.1)
             assert not any(task.done() for task in pending)
             os.kill(first, signal.SIGKILL)
             await asyncio.wait_for(asyncio.gather(*pending), 10)  # synced on the loop instead
             assert gone(first)
-            await asyncio.gather(*(writer.write(fd, b"c\n") for fd in fds))  # on the loop, for now
+            await asyncio.gather(*(append(writer, fd, b"c\n") for fd in fds))  # on the loop, for now
             await asyncio.sleep(0.3)
-            await asyncio.gather(*(writer.write(fd, b"d\n") for fd in fds))
+            await asyncio.gather(*(append(writer, fd, b"d\n") for fd in fds))
             second = writer.helper_pid
             assert second is not None and second != first
             return first, second
@@ -140,7 +146,7 @@ def test_a_full_helper_socket_falls_back_to_syncing_on_the_loop(tmp_path: Path) 
         writer = JournalWriter()
         fds = open_files(tmp_path, 2)
         try:
-            await asyncio.gather(*(writer.write(fd, b"a\n") for fd in fds))
+            await asyncio.gather(*(append(writer, fd, b"a\n") for fd in fds))
             helper = writer._helper
             assert helper is not None
 
@@ -156,7 +162,7 @@ def test_a_full_helper_socket_falls_back_to_syncing_on_the_loop(tmp_path: Path) 
 
             real = helper.sock
             helper.sock = Full(real)  # type: ignore[assignment]
-            await asyncio.wait_for(asyncio.gather(*(writer.write(fd, b"b\n") for fd in fds)), 10)
+            await asyncio.wait_for(asyncio.gather(*(append(writer, fd, b"b\n") for fd in fds)), 10)
             helper.sock = real
         finally:
             writer.close()
@@ -219,7 +225,9 @@ async def main():
     writer = JournalWriter()
     paths = [os.path.join({str(tmp_path)!r}, f"f{{i}}") for i in range(3)]
     fds = [os.open(path, os.O_WRONLY | os.O_CREAT, 0o600) for path in paths]
-    await asyncio.gather(*(writer.write(fd, b"x") for fd in fds))
+    for fd in fds:
+        os.write(fd, b"x")
+    await asyncio.gather(*(writer.sync(fd) for fd in fds))
     print(writer.helper_pid, flush=True)
     await asyncio.sleep(60)
 asyncio.run(main())
