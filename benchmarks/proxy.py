@@ -12,8 +12,9 @@ Set-up (all real processes on loopback, free ports, stopped on every path, Ctrl-
 Workload: agents hold 20-turn conversations (``--turns``): an 8,000-character system prompt, two tool
 schemas, a task; each turn appends the reply's tool call and a ~400-character tool result, so prompts
 grow from ~2.3k to ~8k ids. Points: 1, 16 and 64 concurrent agents back to back (closed loop; a point
-runs at least ``--min-conversations`` conversations, so 1 agent holds 16 in a row), each with JSON and
-SSE replies, plus a **paced** point: 64 agents, SSE (what opencode, claude-code and codex ask for), a
+runs twice as many conversations as agents and at least ``--min-conversations``, so 1 agent holds 48 in a
+row and 64 agents start a new one as each ends: a run lasts about a second, not a tenth of one, and each
+agent's conversations are not all in lockstep), each with JSON and SSE replies, plus a **paced** point: 64 agents, SSE (what opencode, claude-code and codex ask for), a
 seeded pause of 0.25-0.75 s between turns and a seeded 0-0.5 s start, so turns do not arrive in lockstep.
 
 Targets: **direct** (the engine), **pass-through**, **proxy**. Direct and pass-through always get the
@@ -23,7 +24,7 @@ includes the SSE replay. Each conversation is one proxy session (minted before t
 after it). The load comes from this process (asyncio + aiohttp, one client session per run) on the same
 machine: on a small machine it competes with the servers for CPU, equally for every target.
 
-Measured per target and point, one run per repeat (``--repeats``, default 3; targets in rotating order so
+Measured per target and point, one run per repeat (``--repeats``, default 5; targets in rotating order so
 they share the machine's noise), reported as the median over repeats:
 
 - req/s: calls / wall time of the run; ``vs pass``: the same-repeat ratio to the pass-through's req/s;
@@ -42,7 +43,7 @@ session exported 64 times raises it as much as 64 sessions once), so that growth
 not memory a session holds.
 
 Output: one table, then PASS/MISS per target; a MISS does not fail the run (exit 0) unless ``--strict``.
-Run: ``python benchmarks/proxy.py [--quick] [--repeats 3] [--json OUT] [--strict]``; ``--quick`` is the tiny
+Run: ``python benchmarks/proxy.py [--quick] [--repeats 5] [--json OUT] [--strict]``; ``--quick`` is the tiny
 configuration the test uses (1 and 4 agents, 4 turns, 1 repeat).
 """
 
@@ -533,7 +534,7 @@ def print_report(result: dict[str, Any]) -> None:
 
 # -------------------------------------------------------------------------------------------------- main
 
-FULL = {"agents": "1,16,64", "turns": 20, "repeats": 3, "paced_agents": 64, "min_conversations": 16}
+FULL = {"agents": "1,16,64", "turns": 20, "repeats": 5, "paced_agents": 64, "min_conversations": 48}
 FULL |= {"memory_sessions": 64}
 QUICK = {"agents": "1,4", "turns": 4, "repeats": 1, "paced_agents": 4, "min_conversations": 2}
 QUICK |= {"memory_sessions": 4}
@@ -547,11 +548,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--turns", type=positive, default=None, help="calls per conversation (default 20)")
     parser.add_argument(
-        "--repeats", type=positive, default=None, help="runs per point and target (default 3)"
+        "--repeats", type=positive, default=None, help="runs per point and target (default 5)"
     )
     parser.add_argument("--paced-agents", type=positive, default=None, help="agents in the paced point (64)")
     parser.add_argument(
-        "--min-conversations", type=positive, default=None, help="conversations per point, at least (16)"
+        "--min-conversations", type=positive, default=None, help="conversations per point, at least (48)"
     )
     parser.add_argument("--memory-sessions", type=positive, default=None, help="sessions for memory (64)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
@@ -569,7 +570,7 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
 
 def make_points(config: dict[str, Any]) -> list[Point]:
     points = [
-        Point(f"c{n} {'sse' if stream else 'json'}", n, max(n, config["min_conversations"]), stream)
+        Point(f"c{n} {'sse' if stream else 'json'}", n, max(2 * n, config["min_conversations"]), stream)
         for n in config["agents"]
         for stream in (False, True)
     ]
