@@ -12,13 +12,16 @@ record therefore costs O(new tokens), hundreds of calls per session stay cheap t
 and any prefix that does not match is simply written in full. Reading expands every record; a torn last
 line (a crash mid-write) is ignored and cut off before the next append.
 
-An open journal keeps a zeroed reserve past its last line (``RESERVE_BYTES``), and each line overwrites
-the zeros in place: an fdatasync that does not change the file's size flushes the data alone, while one
-after an append also commits the file system's own journal (ext4, xfs). That measured 0.20 → 0.09 ms
-per sync here, and a sync is on the path of every reply. A new session's reserve is written when the
-session is created (:meth:`Journal.reserve`, off the event loop); a line that outgrows it is written
-with the next reserve behind it. A JSON line never holds a NUL byte, so readers stop at the first one;
-closing the journal cuts the reserve off, and a reload after a crash cuts it off with a torn line.
+An open journal keeps a zeroed reserve past its last line (``RESERVE_BYTES``, see
+:mod:`capture_proxy.zeroed`), and each line overwrites the zeros in place. A new session's reserve is
+written when the session is created (:meth:`Journal.reserve`, off the event loop). Readers stop at the
+first NUL; closing the journal cuts the reserve off, and a reload after a crash cuts it off with a torn
+line.
+
+Durability: a journal on its own fdatasyncs its file before :meth:`Journal.append` returns. In the proxy
+each journal has the shared write-ahead log (:mod:`capture_proxy.wal`): the line is also written there,
+and the log's sync, one for every line in flight in all sessions, is the one the reply waits for; the
+journal's own file is synced by the log's checkpoints and when it closes.
 
 The prefix test runs on the ids' JSON text as the engine sent it (``CallRecord.prompt_text``), so the
 hot path never turns thousands of prompt ids into Python ints: only the new suffix is parsed, which also
@@ -33,15 +36,20 @@ import os
 from array import array
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from capture_proxy.records import CallRecord, Finding
 from capture_proxy.writer import JournalWriter
+from capture_proxy.zeroed import ZeroedFile
+
+if TYPE_CHECKING:
+    from capture_proxy.wal import SharedLog
 
 FORMAT_VERSION = 1
 _COMMA = ord(",")
+SESSIONS = "sessions"  # DATA_DIR/sessions/<session id>/
 CALLS = "calls.jsonl"
 SESSION = "session.json"
 RESERVE_BYTES = 256 * 1024
@@ -61,10 +69,11 @@ def write_session_file(directory: Path, meta: dict[str, Any]) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, directory / SESSION)
-    _fsync_dir(directory)
+    fsync_dir(directory)
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """Make ``directory``'s entries (names created, renamed or removed in it) durable."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -75,9 +84,13 @@ def _fsync_dir(directory: Path) -> None:
 class Journal:
     """Appends the calls of one session. Callers serialise :meth:`append` (one writer per session)."""
 
-    def __init__(self, directory: Path, writer: JournalWriter | None = None) -> None:
+    def __init__(
+        self, directory: Path, writer: JournalWriter | None = None, wal: SharedLog | None = None
+    ) -> None:
         self.path = directory / CALLS
+        self.session_id = directory.name
         self.writer = writer
+        self.wal = wal
         self.next_seq = 0
         self.bytes_written = 0
         # The last record with ids: its seq, prompt+completion ids as JSON text and count, and messages.
@@ -86,9 +99,8 @@ class Journal:
         self._last_count = 0
         self._last_messages: list[Any] | None = None
         self._pending_count = 0  # prompt length of the record being appended, known from its delta
-        self._fd: int | None = None
-        self._end = 0  # where the next line goes: the end of the last line
-        self._reserved = 0  # the file's size: the zeroed reserve ends here
+        self._file: ZeroedFile | None = None
+        self._unsynced = False  # lines made durable by the write-ahead log only, so far
 
     def open(self) -> None:
         """Open for appending, after cutting off a torn last line; resumes ``next_seq``."""
@@ -99,31 +111,52 @@ class Journal:
             if record.has_ids and record.prompt_token_ids is not None:
                 self._remember(record, ids_text(record.prompt_token_ids), len(record.prompt_token_ids))
                 break
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)
-        self._end = self._reserved = os.fstat(self._fd).st_size
+        self._file = ZeroedFile(os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600), _RESERVE)
+
+    @property
+    def is_open(self) -> bool:
+        return self._file is not None
 
     def reserve(self) -> None:
         """Write the zeroed reserve and make it and the file's name durable now; blocking, so a new
         session calls it off the event loop, and its first lines' syncs then flush only their data."""
-        if self._fd is None:
+        if self._file is None:
             raise JournalError(f"journal {self.path} is not open")
-        if self._reserved == self._end:
-            self._pwrite(_RESERVE, self._end)
-            self._reserved = self._end + RESERVE_BYTES
-        os.fdatasync(self._fd)
-        _fsync_dir(self.path.parent)
+        self._file.reserve()
+        os.fdatasync(self._file.fd)
+        fsync_dir(self.path.parent)
 
-    def close(self) -> None:
-        """Close the file, its zeroed reserve cut off (a crash before that leaves zeros readers skip)."""
-        if self._fd is not None:
+    async def flush(self) -> None:
+        """fdatasync the file now (the write-ahead log's checkpoint); raises ``OSError`` if that fails."""
+        if self._file is None:
+            return
+        if self.writer is not None:
+            await self.writer.sync(self._file.fd)
+        else:
+            os.fdatasync(self._file.fd)
+
+    def close(self, durable: bool = True) -> None:
+        """Close the file, its zeroed reserve cut off (a crash before that leaves zeros readers skip).
+
+        ``durable``: first sync lines that only the write-ahead log holds; ``False`` for a journal about to
+        be deleted.
+        """
+        file, self._file = self._file, None
+        if file is not None:
+            kept = True
             if self.writer is not None:
-                self.writer.forget(self._fd)
+                self.writer.forget(file.fd)
             try:
-                if self._reserved > self._end:
-                    os.ftruncate(self._fd, self._end)
+                file.cut()
+                if durable and self._unsynced:
+                    os.fdatasync(file.fd)
+            except OSError:
+                kept = False
+                raise
             finally:
-                os.close(self._fd)
-                self._fd = None
+                os.close(file.fd)
+                if self.wal is not None:
+                    self.wal.release(self, kept or not durable)
         self.forget()
 
     def forget(self) -> None:
@@ -192,37 +225,25 @@ class Journal:
 
         ``alone``: nothing else is in flight in the caller's event loop, so the line may be synced inline.
         """
-        if self._fd is None:
+        file = self._file
+        if file is None:
             raise JournalError(f"journal {self.path} is not open")
         if record.seq != self.next_seq:
             raise JournalError(f"record seq {record.seq} != next seq {self.next_seq}")
         data, text = self.encode(record)
-        self._write(data)
-        if self.writer is not None:
-            await self.writer.sync(self._fd, inline=alone)
+        file.write(data)
+        if self.wal is not None:
+            self._unsynced = True
+            await self.wal.append(self, data, alone=alone)
+        elif self.writer is not None:
+            await self.writer.sync(file.fd, inline=alone)
         else:
-            os.fdatasync(self._fd)
+            os.fdatasync(file.fd)
         self.next_seq += 1
         self.bytes_written += len(data)
         if text is not None:
             self._remember(record, text, self._pending_count)
         return len(data)
-
-    def _write(self, data: bytes) -> None:
-        """Write ``data`` over the reserve's zeros; a line that does not fit brings a new reserve."""
-        offset = self._end
-        self._end += len(data)
-        if self._end > self._reserved:
-            data += _RESERVE  # a copy once per reserve, not per line
-            self._reserved = offset + len(data)
-        self._pwrite(data, offset)
-
-    def _pwrite(self, data: bytes, offset: int) -> None:
-        assert self._fd is not None
-        view = memoryview(data)
-        while view:
-            written = os.pwrite(self._fd, view, offset)
-            view, offset = view[written:], offset + written
 
     def _remember(self, record: CallRecord, prompt_text: bytes, prompt_count: int) -> None:
         completion = record.completion_token_ids or []
@@ -262,6 +283,27 @@ def read_records(path: Path, repair: bool = False) -> Iterator[CallRecord]:
 
     ``repair`` truncates a torn last line and the reserve.
     """
+    return parse_records(complete_lines(path, repair), str(path))
+
+
+def parse_records(lines: bytes, where: str) -> Iterator[CallRecord]:
+    """The records of complete journal ``lines``, expanded; ``where`` names them in errors."""
+    expander = _Expander()
+    for number, line in enumerate(lines.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            raw = orjson.loads(line)
+        except orjson.JSONDecodeError as exc:
+            raise JournalError(f"{where}:{number}: not JSON: {exc}") from exc
+        yield expander.expand(raw, f"{where}:{number}")
+
+
+def complete_lines(path: Path, repair: bool = False) -> bytes:
+    """The file's complete lines: up to the last newline before the first NUL (an open journal's reserve).
+
+    ``repair`` truncates the file there, cutting off a torn last line and the reserve.
+    """
     try:
         data = path.read_bytes()
     except OSError as exc:
@@ -271,15 +313,7 @@ def read_records(path: Path, repair: bool = False) -> Iterator[CallRecord]:
     if repair and end < len(data):
         with open(path, "r+b") as handle:
             handle.truncate(end)
-    expander = _Expander()
-    for number, line in enumerate(data[:end].splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            raw = orjson.loads(line)
-        except orjson.JSONDecodeError as exc:
-            raise JournalError(f"{path}:{number}: not JSON: {exc}") from exc
-        yield expander.expand(raw, f"{path}:{number}")
+    return data[:end]
 
 
 class _Expander:

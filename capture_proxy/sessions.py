@@ -11,6 +11,7 @@ and the journal's one-record delta cache.
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import shutil
 import time
@@ -22,10 +23,13 @@ from typing import Any
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
-from capture_proxy.journal import SESSION, Journal, JournalError, read_records, write_session_file
+from capture_proxy.journal import SESSION, SESSIONS, Journal, JournalError, read_records, write_session_file
 from capture_proxy.records import MODEL, CallRecord, Finding
 from capture_proxy.sampling import SamplingPolicy
+from capture_proxy.wal import SharedLog
 from capture_proxy.writer import JournalWriter
+
+log = logging.getLogger(__name__)
 
 _MAX_FINDINGS = 50
 SESSION_ID_PREFIX = "cs_"
@@ -124,11 +128,16 @@ class SessionStore:
     """Every session of one data dir."""
 
     def __init__(
-        self, data_dir: Path, executor: Executor | None = None, writer: JournalWriter | None = None
+        self,
+        data_dir: Path,
+        executor: Executor | None = None,
+        writer: JournalWriter | None = None,
+        wal: SharedLog | None = None,
     ) -> None:
-        self.root = data_dir / "sessions"
+        self.root = data_dir / SESSIONS
         self.executor = executor
         self.writer = writer
+        self.wal = wal
         self.sessions: dict[str, Session] = {}
 
     def create(self, spec: SessionSpec) -> Session:
@@ -143,7 +152,7 @@ class SessionStore:
     def _add(
         self, session_id: str, spec: SessionSpec, created: float, directory: Path, reserve: bool = False
     ) -> Session:
-        journal = Journal(directory, self.writer)
+        journal = Journal(directory, self.writer, self.wal)
         journal.open()
         if reserve:
             try:
@@ -185,14 +194,18 @@ class SessionStore:
         session.closed = True
         self.sessions.pop(session.id, None)
         async with session.lock:
-            session.journal.close()
+            session.journal.close(durable=False)
         await asyncio.get_running_loop().run_in_executor(
             self.executor, lambda: shutil.rmtree(session.directory, ignore_errors=True)
         )
 
     def close(self) -> None:
+        """Close every journal durably; one that cannot be synced is logged (the write-ahead log keeps it)."""
         for session in self.sessions.values():
-            session.journal.close()
+            try:
+                session.journal.close()
+            except OSError as exc:
+                log.warning("session %s: journal not closed cleanly: %s", session.id, exc)
 
     def records(self, session: Session) -> list[CallRecord]:
         return list(read_records(session.journal.path)) if session.journal.path.exists() else []

@@ -12,6 +12,7 @@ from capture_proxy.config import ProxyConfig
 from capture_proxy.metrics import Metrics
 from capture_proxy.sessions import SessionStore
 from capture_proxy.upstream import Upstream
+from capture_proxy.wal import SharedLog, replay
 from capture_proxy.writer import JournalWriter
 
 
@@ -21,7 +22,8 @@ class ProxyState:
         # Session files, deletes and trace exports. Journal lines: the writer, synced by its helper process.
         self.executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="proxy-io")
         self.writer = JournalWriter()
-        self.store = SessionStore(config.data_dir, self.executor, self.writer)
+        self.wal = SharedLog(config.data_dir, self.writer)
+        self.store = SessionStore(config.data_dir, self.executor, self.writer, self.wal)
         self.upstream = Upstream(
             config.upstream,
             timeout_s=config.upstream_timeout_s,
@@ -39,7 +41,9 @@ class ProxyState:
 
     async def start(self) -> None:
         await self.upstream.start()
-        self.load_problems = self.store.load_all()
+        self.load_problems = replay(self.config.data_dir, self.store.root)
+        self.load_problems += self.store.load_all()
+        self.wal.open()
 
     async def stop(self, grace_s: float = 10.0) -> None:
         """Let in-flight calls finish journaling (bounded), then close the pool and every journal."""
@@ -48,8 +52,10 @@ class ProxyState:
         for task in list(self._inflight):
             task.cancel()
         await self.upstream.close()
+        await self.wal.stop_checkpoints()
         self.writer.close()
         self.store.close()
+        self.wal.close()
         self.executor.shutdown(wait=True)
 
     @property

@@ -1,9 +1,9 @@
 """Durable appends without a thread in the proxy: the event loop writes, a helper process fdatasyncs.
 
 Every forwarded call must be on stable storage before its reply goes back. The event loop writes each
-journal line itself (into the page cache: microseconds; see :mod:`capture_proxy.journal`), then asks the
-helper process (:mod:`capture_proxy.syncer`) to fdatasync the file, and answers the agent once the helper
-says it did.
+journal line itself (into the page cache: microseconds; see :mod:`capture_proxy.journal` and
+:mod:`capture_proxy.wal`), then asks the helper process (:mod:`capture_proxy.syncer`) to fdatasync the
+file (in the proxy, the shared write-ahead log), and answers the agent once the helper says it did.
 Requests made while the helper is busy are synced together, each file once.
 
 Why a process and not a thread: a Python thread that wants the GIL while the event loop is busy gets

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -82,6 +83,23 @@ def agent_loop(base_url: str, session_id: str) -> list[str]:
     return [call.function.name, "".join(c.choices[0].delta.content or "" for c in second if c.choices)]
 
 
+def export_trace(session_dir: Path, out: Path | None = None) -> Any:
+    """``harness-trainer proxy-trace`` of ``session_dir``: the trace it writes."""
+    out = out or session_dir.parent.parent.parent / "trace.json"
+    command = [
+        sys.executable,
+        "-m",
+        "harness_trainer.cli",
+        "proxy-trace",
+        str(session_dir),
+        "--out",
+        str(out),
+    ]
+    exported = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert exported.returncode == 0, exported.stderr
+    return json.loads(out.read_text())
+
+
 def test_a_killed_proxy_restarts_with_every_call_and_the_same_trace(
     scripted_engine: EngineProcess, tmp_path: Path
 ) -> None:
@@ -95,28 +113,29 @@ def test_a_killed_proxy_restarts_with_every_call_and_the_same_trace(
         before = httpx.get(f"{url}/sessions/{session['session_id']}/trace", headers=admin).json()
         proxy.send_signal(signal.SIGKILL)
         proxy.wait()
+        # As after a machine crash: the journal's second line never left the page cache. The write-ahead
+        # log, synced before each reply, still has it; an offline export reads it from there.
+        journal = data_dir / "sessions" / session["session_id"] / "calls.jsonl"
+        whole = journal.read_bytes()
+        first_line = whole.index(b"\n") + 1
+        journal.write_bytes(whole[:first_line] + bytes(len(whole) - first_line))
+        offline = export_trace(data_dir / "sessions" / session["session_id"], tmp_path / "offline.json")
+        assert TrainingTrace.model_validate(offline) == TrainingTrace.model_validate(before)
         proxy = start_proxy(scripted_engine.url, data_dir, port)
         after = httpx.get(f"{url}/sessions/{session['session_id']}/trace", headers=admin).json()
+        assert journal.read_bytes() == whole.split(b"\0")[0]  # replayed into the journal
     finally:
         proxy.terminate()
         proxy.wait(timeout=20)
     assert after == before
+    assert sorted(p.name for p in (data_dir / "wal").iterdir()) == []  # the stop deleted the log
     trace = TrainingTrace.model_validate(after)
     first, second = trace.turns
     assert second.metadata["parent"] == first.node_id  # the real chat template appends: one chain
     assert sum(second.loss_mask) == len(second.completion_token_ids) > 0
     assert first.request["temperature"] == 0.8 and first.request["return_token_ids"] is True
 
-    out = tmp_path / "trace.json"
-    command = [sys.executable, "-m", "harness_trainer.cli", "proxy-trace"]
-    exported = subprocess.run(
-        [*command, str(data_dir / "sessions" / session["session_id"]), "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert exported.returncode == 0, exported.stderr
-    assert TrainingTrace.model_validate_json(out.read_text()) == trace
+    assert TrainingTrace.model_validate(export_trace(data_dir / "sessions" / session["session_id"])) == trace
     openenv_harness = pytest.importorskip("openenv.core.harness")
     openenv_harness.TrainingTrace.model_validate(after)
 
