@@ -93,9 +93,10 @@ class Journal:
         self.wal = wal
         self.next_seq = 0
         self.bytes_written = 0
-        # The last record with ids: its seq, prompt+completion ids as JSON text and count, and messages.
+        # The last record with ids: its seq, prompt and completion ids as JSON text, their count, messages.
         self._last_seq: int | None = None
-        self._last_text: bytes | None = None
+        self._last_prompt: bytes | None = None
+        self._last_completion = b""
         self._last_count = 0
         self._last_messages: list[Any] | None = None
         self._pending_count = 0  # prompt length of the record being appended, known from its delta
@@ -161,7 +162,8 @@ class Journal:
 
     def forget(self) -> None:
         """Drop the delta cache (the next record is written in full); frees memory of idle sessions."""
-        self._last_seq = self._last_text = self._last_messages = None
+        self._last_seq = self._last_prompt = self._last_messages = None
+        self._last_completion = b""
         self._last_count = 0
 
     def encode(self, record: CallRecord) -> tuple[bytes, bytes | None]:
@@ -202,13 +204,9 @@ class Journal:
 
         ``base`` is ``[seq, n]``: the prompt is the first ``n`` ids of record ``seq`` then ``ids``.
         """
-        last, base = self._last_text, None
-        if (
-            last is not None
-            and text.startswith(last)
-            and (len(text) == len(last) or text[len(last)] == _COMMA)
-        ):
-            base, text = [self._last_seq, self._last_count], text[len(last) + 1 :]
+        base, end = None, self._prefix_end(text)
+        if end is not None:
+            base, text = [self._last_seq, self._last_count], text[end + 1 :]
         if b"e" in text:  # true/false parse as ints to array(); integers never hold an "e"
             return None
         try:
@@ -219,6 +217,21 @@ class Journal:
         if base is None and not ids:
             return None
         return base, ids
+
+    def _prefix_end(self, text: bytes) -> int | None:
+        """Where the last record's prompt + completion ids end in ``text``, when they are its prefix
+        (compared in place: the two are never joined into one copy)."""
+        prompt, completion = self._last_prompt, self._last_completion
+        if prompt is None or not text.startswith(prompt):
+            return None
+        end = len(prompt)
+        if completion:
+            if text[end : end + 1] != b"," or not text.startswith(completion, end + 1):
+                return None
+            end += 1 + len(completion)
+        if len(text) != end and text[end] != _COMMA:
+            return None
+        return end
 
     async def append(self, record: CallRecord, alone: bool = False) -> int:
         """Write ``record`` durably; returns the bytes written. The caller holds the session's lock.
@@ -249,7 +262,8 @@ class Journal:
         completion = record.completion_token_ids or []
         messages = record.upstream_request.get("messages")
         self._last_seq = record.seq
-        self._last_text = prompt_text + (b"," + ids_text(completion) if completion else b"")
+        self._last_prompt = prompt_text
+        self._last_completion = ids_text(completion) if completion else b""
         self._last_count = prompt_count + len(completion)
         self._last_messages = messages if isinstance(messages, list) else None
 

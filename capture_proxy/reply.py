@@ -54,16 +54,17 @@ class EngineReply:
 
 def read_reply(raw: bytes) -> EngineReply:
     """The engine's reply; raises ``ValueError`` if it is not a JSON object."""
-    prompt_text, rest = split_prompt_ids(raw)
-    logprobs_text, small = split_logprobs(rest)
-    if logprobs_text is not None:
+    cut = _cut_both(raw)
+    if cut is not None:
+        small, prompt_text, logprobs_text = cut
         try:
             body, decoded = loads(small), _decode_logprobs(logprobs_text)
         except (ValueError, msgspec.DecodeError):
             pass
         else:
-            if _logprobs_were_cut(body) and decoded.content is not None:
+            if _logprobs_were_cut(body) and "prompt_token_ids" not in body and decoded.content is not None:
                 return EngineReply(body, prompt_text, decoded.content)
+    prompt_text, rest = split_prompt_ids(raw)
     try:
         body = loads(rest)
     except ValueError:
@@ -75,6 +76,42 @@ def read_reply(raw: bytes) -> EngineReply:
     if not isinstance(body, dict):
         raise ValueError("the engine's reply is not a JSON object")
     return EngineReply(body, prompt_text)
+
+
+def _cut_both(raw: bytes) -> tuple[bytes, bytes, memoryview] | None:
+    """``(rest, ids_text, logprobs_text)`` with both big members cut out in one pass, or None.
+
+    The fast path for a vLLM reply: the rest is assembled from the three pieces around the two members
+    (copying ~2 KB instead of the whole reply twice), and the logprobs stay a view into ``raw``. Each key
+    must occur once: the rest is checked to hold neither, and the parsed body to lack both members.
+    """
+    prompt = raw.find(_PROMPT_KEY)
+    logprobs = raw.find(_LOGPROBS_KEY)
+    if prompt < 0 or logprobs < 0:
+        return None
+    ids_start = prompt + len(_PROMPT_KEY)
+    ids_end = raw.find(b"]", ids_start)
+    logprobs_end = raw.find(_LOGPROBS_END, logprobs)
+    if ids_end < 0 or logprobs_end < 0:
+        return None
+    logprobs_end += len(_LOGPROBS_END)
+    first, second = sorted((_member(raw, prompt, ids_end + 1), _member(raw, logprobs, logprobs_end)))
+    if first[1] > second[0]:
+        return None
+    rest = raw[: first[0]] + raw[first[1] : second[0]] + raw[second[1] :]
+    if _PROMPT_KEY in rest or _LOGPROBS_KEY in rest:
+        return None
+    view = memoryview(raw)[logprobs + len(b'"logprobs":') : logprobs_end]
+    return rest, raw[ids_start:ids_end], view
+
+
+def _member(raw: bytes, start: int, end: int) -> tuple[int, int]:
+    """The span of the object member at ``[start, end)`` with one comma beside it."""
+    if raw[end : end + 1] == b",":
+        return start, end + 1
+    if raw[start - 1 : start] == b",":
+        return start - 1, end
+    return start, end
 
 
 def split_prompt_ids(raw: bytes) -> tuple[bytes | None, bytes]:
@@ -94,23 +131,6 @@ def split_prompt_ids(raw: bytes) -> tuple[bytes | None, bytes]:
     return raw[value:end], _without(raw, start, end + 1)
 
 
-def split_logprobs(raw: bytes) -> tuple[bytes | None, bytes]:
-    """``(logprobs_text, rest)``: the one ``"logprobs":{"content":[…]}`` member cut out, or ``(None, raw)``.
-
-    The member ends at the first ``}]}`` after it. With ``top_logprobs: 0`` no entry holds that sequence;
-    if one did (or the content were empty), the cut text would not be one JSON value and the caller
-    parses the whole reply instead.
-    """
-    start = raw.find(_LOGPROBS_KEY)
-    if start < 0:
-        return None, raw
-    end = raw.find(_LOGPROBS_END, start)
-    if end < 0 or raw.find(_LOGPROBS_KEY, end) >= 0:
-        return None, raw
-    end += len(_LOGPROBS_END)
-    return raw[start + len(b'"logprobs":') : end], _without(raw, start, end)
-
-
 def loads(raw: bytes) -> Any:
     """Parse JSON fast; fall back to the stdlib for NaN/Infinity, which some engines emit in logprobs."""
     try:
@@ -121,10 +141,7 @@ def loads(raw: bytes) -> Any:
 
 def _without(raw: bytes, start: int, end: int) -> bytes:
     """``raw`` without the object member at ``[start, end)`` and one comma beside it."""
-    if raw[end : end + 1] == b",":
-        return raw[:start] + raw[end + 1 :]
-    if raw[start - 1 : start] == b",":
-        return raw[: start - 1] + raw[end:]
+    start, end = _member(raw, start, end)
     return raw[:start] + raw[end:]
 
 
