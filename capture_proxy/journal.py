@@ -233,10 +233,10 @@ class Journal:
             return None
         return end
 
-    async def append(self, record: CallRecord, alone: bool = False) -> int:
+    async def append(self, record: CallRecord, quiet: bool = False) -> int:
         """Write ``record`` durably; returns the bytes written. The caller holds the session's lock.
 
-        ``alone``: nothing else is in flight in the caller's event loop, so the line may be synced inline.
+        ``quiet``: little else is in flight in the caller's event loop, so the line may be synced inline.
         """
         file = self._file
         if file is None:
@@ -247,9 +247,9 @@ class Journal:
         file.write(data)
         if self.wal is not None:
             self._unsynced = True
-            await self.wal.append(self, data, alone=alone)
+            await self.wal.append(self, data, quiet=quiet)
         elif self.writer is not None:
-            await self.writer.sync(file.fd, inline=alone)
+            await self.writer.sync(file.fd, inline=quiet)
         else:
             os.fdatasync(file.fd)
         self.next_seq += 1

@@ -2,9 +2,9 @@
 
 It owns no data: the proxy writes each journal line itself and sends the file descriptor once (over the
 ``AF_UNIX`` ``SOCK_SEQPACKET`` socket ``FD``), then one small message per line to make durable. The helper
-reads every message waiting, fdatasyncs each file named in them once (in parallel, so the file system can
-fold them into fewer commits), and answers with the tokens it made durable. It exits when the socket
-closes, which is also what happens when the proxy dies, however it dies.
+reads every message waiting, fdatasyncs each file named in them once (several in parallel, so the file
+system can fold them into fewer commits), and answers with the tokens it made durable. It exits when the
+socket closes, which is also what happens when the proxy dies, however it dies.
 
 Messages to the helper (one per datagram): ``o`` + id (8 bytes) with one descriptor attached: adopt it;
 ``s`` + (id, token) pairs (8 + 8 bytes each): make these files durable, then answer the tokens; ``c`` +
@@ -50,7 +50,10 @@ def main(argv: list[str]) -> int:
                         wanted.setdefault(file_id, []).append(token)
                 elif kind == b"c":
                     closing.append(ID.unpack_from(data, 1)[0])
-            errors = dict(pool.map(_sync, [(files.get(file_id), file_id) for file_id in wanted]))
+            items = [(files.get(file_id), file_id) for file_id in wanted]
+            # One file (the proxy's write-ahead log, nearly always) is synced here: a pool thread would
+            # only add two thread wake-ups to every batch.
+            errors = dict(pool.map(_sync, items) if len(items) > 1 else map(_sync, items))
             if not answer(sock, wanted, errors):
                 return 0
             for file_id in closing:

@@ -78,7 +78,7 @@ class SharedLog:
         self.directory.mkdir(parents=True, exist_ok=True)
         self._current = self._new_generation(max(generations(self.directory), default=0) + 1)
 
-    async def append(self, journal: Journal, line: bytes, alone: bool = False) -> None:
+    async def append(self, journal: Journal, line: bytes, quiet: bool = False) -> None:
         """Write ``journal``'s new ``line`` and return once it is durable (raises the ``OSError``)."""
         generation = self._current
         if generation is None:
@@ -91,7 +91,7 @@ class SharedLog:
         generation.syncing += 1
         try:
             if self.writer is not None:
-                await self.writer.sync(generation.file.fd, inline=alone)
+                await self.writer.sync(generation.file.fd, inline=quiet)
             else:
                 os.fdatasync(generation.file.fd)
         finally:

@@ -12,8 +12,9 @@ benchmark at 64 agents, a group-commit thread cost 0.25 ms of CPU per call and 3
 even with the fdatasync left out. The helper has its own interpreter; the loop sends it one small
 message per call and reads its answers when they arrive.
 
-When nothing else is in flight (``inline``), the loop syncs the line itself: a round trip to the helper
-would only add latency. When the helper cannot be reached (it died, or its socket is full), the loop
+When little else is in flight (``inline``, the caller's judgement) and the helper has nothing pending,
+the loop syncs the line itself: a round trip to the helper (two process wake-ups) would cost more than
+it lets the loop do meanwhile. When the helper cannot be reached (it died, or its socket is full), the loop
 syncs inline too, so a line is never acknowledged before it is durable.
 """
 
@@ -56,7 +57,7 @@ class JournalWriter:
     async def sync(self, fd: int, inline: bool = False) -> None:
         """fdatasync ``fd``, whose new data the caller has written (raises the ``OSError`` if that failed).
 
-        ``inline``: the caller knows nothing else waits on its event loop, so the loop may sync itself.
+        ``inline``: the caller knows little else waits on its event loop, so the loop may sync itself.
         """
         if inline and not self._pending:
             os.fdatasync(fd)
