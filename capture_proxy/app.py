@@ -22,11 +22,12 @@ import orjson
 from aiohttp import web
 
 from capture_proxy import admin
+from capture_proxy.answer import json_response
 from capture_proxy.config import ProxyConfig
 from capture_proxy.dialects import anthropic, chat, responses
 from capture_proxy.dialects.base import Dialect, DialectError
 from capture_proxy.dialects.count_tokens import count_tokens
-from capture_proxy.forward import json_response, model_call
+from capture_proxy.forward import model_call
 from capture_proxy.sessions import Session
 from capture_proxy.state import STATE, ProxyState
 

@@ -6,23 +6,23 @@ Order of work (the contract of this module):
    "step budget exhausted" reply in its dialect, journaled as ``budget_exhausted``, never trained on;
 3. the call is forwarded (non-streaming, with the session's sampling policy and the capture flags);
 4. ids and logprobs are captured and checked, the record is appended to the journal and fdatasync'd;
-5. only then the agent gets its reply: JSON, or an SSE replay in its dialect.
+5. only then the agent gets its reply: JSON, or an SSE replay in its dialect (:mod:`capture_proxy.answer`).
 Steps 3–4 run in their own task, so an agent that disconnects (or a cancelled handler) cannot lose or
-duplicate the record. A streaming client whose call takes longer than ``keepalive_s`` gets its headers
-and a keepalive comment every ``keepalive_s``; an error after that arrives as an SSE error event.
+duplicate the record.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable, Coroutine
 from typing import Any
 
-import orjson
 from aiohttp import web
 
+from capture_proxy.answer import Outcome, done, render, respond
 from capture_proxy.capture import MalformedReply, capture, normalise
 from capture_proxy.constraints import refuse_constrained
 from capture_proxy.dialects.base import ChatCall, Dialect, Reply
@@ -37,24 +37,14 @@ from capture_proxy.records import (
 from capture_proxy.sessions import Session
 from capture_proxy.state import ProxyState
 
+log = logging.getLogger(__name__)
 BUDGET_MESSAGE = "Step budget exhausted: this episode is over. Stop now."
 CONTEXT_MESSAGE = "Context length exhausted: the conversation no longer fits the model. Stop now."
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # With this many calls in flight or fewer, the event loop syncs a journal line itself. Measured on the
 # proxy benchmark (2 cores): the sync helper's round trip costs more than it overlaps up to about 4 calls
 # in flight (at 4 closed-loop agents, inline syncs gave 0.87 of the pass-through's req/s against 0.71;
 # at 8, 0.81 against 0.89), and 64 paced agents rarely have more than 2 in flight.
 QUIET_INFLIGHT = 4
-
-
-@dataclass
-class Outcome:
-    """What the agent is answered with: a reply to render, or an error status and message."""
-
-    reply: Reply | None = None
-    status: int = 200
-    error: str | None = None
-    upstream_ms: float = 0.0
 
 
 async def model_call(
@@ -66,19 +56,50 @@ async def model_call(
     if not session.reserve():
         outcome = Outcome(reply=terminal_reply(BUDGET_MESSAGE))
         await journal_terminal(state, session, call, BUDGET_EXHAUSTED, outcome.reply, None)
-        return await respond(request, state, dialect, call, _done(outcome))
+        return await respond(request, state, dialect, call, done(outcome))
     model = await state.model_name(call.model)
     upstream_body = session.spec.sampling.upstream_body(call, model)
-    task = asyncio.ensure_future(forward(state, session, call, upstream_body, started))
-    state.track(task)
-    response = await respond(request, state, dialect, call, task)
-    added = time.perf_counter() - started - task.result().upstream_ms / 1000
+    pending: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+    work = forward(state, session, dialect, call, upstream_body, started)
+    state.track(asyncio.ensure_future(_settle(state, pending, work)))
+    response = await respond(request, state, dialect, call, pending)
+    added = time.perf_counter() - started - pending.result().upstream_ms / 1000
     state.metrics.added.observe(max(added, 0.0))
     return response
 
 
+async def _settle(
+    state: ProxyState, outcome: asyncio.Future[Outcome], work: Coroutine[Any, Any, Outcome]
+) -> None:
+    """Run ``work`` (in its own task) and hand its result to ``outcome`` from inside that task.
+
+    The handler waiting on ``outcome`` then resumes at the next turn of the loop; waiting on the task
+    itself (``asyncio.wait``) takes two. A cancelled handler cancels ``outcome``, never the work.
+    """
+    try:
+        result = await work
+    except asyncio.CancelledError:
+        outcome.cancel()
+        raise
+    except Exception as exc:
+        state.finished(asyncio.current_task())
+        if outcome.done():
+            log.error("a model call failed after its agent went away", exc_info=exc)
+        else:
+            outcome.set_exception(exc)
+        return
+    state.finished(asyncio.current_task())
+    if not outcome.done():
+        outcome.set_result(result)
+
+
 async def forward(
-    state: ProxyState, session: Session, call: ChatCall, body: dict[str, Any], started: float
+    state: ProxyState,
+    session: Session,
+    dialect: Dialect,
+    call: ChatCall,
+    body: dict[str, Any],
+    started: float,
 ) -> Outcome:
     """Steps 3–4; owns the budget reservation from here on."""
     wall_start = time.time()
@@ -131,8 +152,10 @@ async def forward(
         finding=captured.finding,
         timings=timings,
     )
-    await append(state, session, record)
-    return Outcome(reply=reply, upstream_ms=result.upstream_ms)
+    rendered: list[bytes] = []
+    # The reply is rendered while its journal line goes to the disk, not after.
+    await append(state, session, record, meanwhile=lambda: rendered.append(render(dialect, call, reply)))
+    return Outcome(reply=reply, upstream_ms=result.upstream_ms, body=rendered[0] if rendered else None)
 
 
 def new_record(
@@ -161,15 +184,21 @@ def new_record(
     )
 
 
-async def append(state: ProxyState, session: Session, record: CallRecord) -> None:
-    """Journal ``record`` under the session's lock, assigning its seq and stable call id."""
+async def append(
+    state: ProxyState, session: Session, record: CallRecord, meanwhile: Callable[[], None] | None = None
+) -> None:
+    """Journal ``record`` under the session's lock, assigning its seq and stable call id.
+
+    ``meanwhile`` runs while the line is on its way to the disk (not at all if the session was closed).
+    """
     async with session.lock:
         if session.closed:
             return
         record.seq = session.journal.next_seq
         record.call_id = f"call-{record.seq:05d}"
         started = time.perf_counter()
-        written = await session.journal.append(record, quiet=state.inflight <= QUIET_INFLIGHT)
+        quiet = state.inflight <= QUIET_INFLIGHT
+        written = await session.journal.append(record, quiet=quiet, meanwhile=meanwhile)
         state.metrics.journal.observe(time.perf_counter() - started)
     state.metrics.journal_bytes += written
     session.note(record)
@@ -225,60 +254,3 @@ def _without_capture(reply: dict[str, Any]) -> dict[str, Any]:
         first = {k: v for k, v in choices[0].items() if k not in ("token_ids", "logprobs")}
         response["choices"] = [first, *choices[1:]]
     return response
-
-
-def _done(outcome: Outcome) -> asyncio.Future[Outcome]:
-    future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
-    future.set_result(outcome)
-    return future
-
-
-async def respond(
-    request: web.Request,
-    state: ProxyState,
-    dialect: Dialect,
-    call: ChatCall,
-    pending: asyncio.Future[Outcome],
-) -> web.StreamResponse:
-    """Answer once ``pending`` is done; a streaming client gets keepalives while it is not."""
-    stream: web.StreamResponse | None = None
-    interval = state.config.keepalive_s if call.stream else None
-    while not pending.done():
-        done, _ = await asyncio.wait({pending}, timeout=interval)
-        if done:
-            continue
-        try:
-            if stream is None:
-                stream = web.StreamResponse(headers=SSE_HEADERS)
-                await stream.prepare(request)
-            await stream.write(b": keepalive\n\n")
-        except (ConnectionError, RuntimeError):
-            # The agent went away; the forward task still journals the call once.
-            await asyncio.wait({pending})
-            return stream or web.Response(status=499)
-    outcome = pending.result()
-    if outcome.reply is None:
-        status, message = outcome.status, outcome.error or "error"
-        if stream is None:
-            return json_response(dialect.render_error(status, message), status)
-        return await _finish(stream, dialect.render_stream_error(status, message))
-    if not call.stream:
-        return json_response(dialect.render_reply(outcome.reply, call))
-    frames = b"".join(dialect.render_stream(outcome.reply, call))
-    if stream is None:
-        # Nothing sent yet: the whole event stream goes out as one body, in one write.
-        return web.Response(body=frames, headers=SSE_HEADERS)
-    return await _finish(stream, frames)
-
-
-async def _finish(stream: web.StreamResponse, data: bytes) -> web.StreamResponse:
-    try:
-        await stream.write(data)
-        await stream.write_eof()
-    except (ConnectionError, RuntimeError):
-        pass  # the agent disconnected; nothing left to deliver
-    return stream
-
-
-def json_response(payload: dict[str, Any], status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(payload), status=status, content_type="application/json")

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import os
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -233,10 +233,14 @@ class Journal:
             return None
         return end
 
-    async def append(self, record: CallRecord, quiet: bool = False) -> int:
+    async def append(
+        self, record: CallRecord, quiet: bool = False, meanwhile: Callable[[], None] | None = None
+    ) -> int:
         """Write ``record`` durably; returns the bytes written. The caller holds the session's lock.
 
         ``quiet``: little else is in flight in the caller's event loop, so the line may be synced inline.
+        ``meanwhile``: work to do while the line is on its way to the disk (after its writes, before the
+        sync), such as rendering the agent's reply.
         """
         file = self._file
         if file is None:
@@ -247,11 +251,14 @@ class Journal:
         file.write(data)
         if self.wal is not None:
             self._unsynced = True
-            await self.wal.append(self, data, quiet=quiet)
-        elif self.writer is not None:
-            await self.writer.sync(file.fd, inline=quiet)
+            await self.wal.append(self, data, quiet=quiet, meanwhile=meanwhile)
         else:
-            os.fdatasync(file.fd)
+            if meanwhile is not None:
+                meanwhile()
+            if self.writer is not None:
+                await self.writer.sync(file.fd, inline=quiet)
+            else:
+                os.fdatasync(file.fd)
         self.next_seq += 1
         self.bytes_written += len(data)
         if text is not None:

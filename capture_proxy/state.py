@@ -68,6 +68,10 @@ class ProxyState:
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
 
+    def finished(self, task: asyncio.Future[Any] | None) -> None:
+        """``task`` has no more work to do (it is about to hand its outcome over)."""
+        self._inflight.discard(task)
+
     async def model_name(self, asked: str) -> str:
         """The served model name: configured, else the engine's first model (asked once), else ``asked``."""
         if self._model is not None:

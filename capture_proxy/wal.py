@@ -25,13 +25,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
 
 from capture_proxy.journal import CALLS, Journal, JournalError, complete_lines, fsync_dir
-from capture_proxy.writer import JournalWriter
+from capture_proxy.writer import JournalWriter, start_writeback
 from capture_proxy.zeroed import ZeroedFile
 
 log = logging.getLogger(__name__)
@@ -78,18 +79,31 @@ class SharedLog:
         self.directory.mkdir(parents=True, exist_ok=True)
         self._current = self._new_generation(max(generations(self.directory), default=0) + 1)
 
-    async def append(self, journal: Journal, line: bytes, quiet: bool = False) -> None:
-        """Write ``journal``'s new ``line`` and return once it is durable (raises the ``OSError``)."""
+    async def append(
+        self,
+        journal: Journal,
+        line: bytes,
+        quiet: bool = False,
+        meanwhile: Callable[[], None] | None = None,
+    ) -> None:
+        """Write ``journal``'s new ``line`` and return once it is durable (raises the ``OSError``).
+
+        ``meanwhile`` runs after the line is written and its write-out started, before the sync.
+        """
         generation = self._current
         if generation is None:
             raise JournalError("the write-ahead log is not open")
+        start = generation.file.end
         generation.file.write(journal.session_id.encode() + b" " + line)
+        start_writeback(generation.file.fd, start, generation.file.end - start)
         generation.journals[id(journal)] = journal
         self.bytes_written += len(line)
         if generation.file.end >= self._rotate_at:
             self._rotate(generation)
         generation.syncing += 1
         try:
+            if meanwhile is not None:
+                meanwhile()
             if self.writer is not None:
                 await self.writer.sync(generation.file.fd, inline=quiet)
             else:

@@ -124,6 +124,37 @@ def test_a_slow_engine_gives_a_streaming_client_keepalive_comments(stack: Stack)
     assert lines.count(": keepalive") >= 2 and [line for line in lines if line][-1] == "data: [DONE]"
 
 
+def test_a_streaming_agent_gone_during_keepalives_is_journaled_once_and_leaves_nothing(stack: Stack) -> None:
+    stack.stop_proxy()
+    stack.config_overrides["keepalive_s"] = 0.1
+    stack.start_proxy()
+    session = stack.new_session()
+    httpx.post(stack.engine_url + "/_faults", json={"queue": [{"mode": "delay", "seconds": 0.8}]})
+    with httpx.stream(
+        "POST",
+        stack.url + "/v1/chat/completions",
+        json={**HELLO, "stream": True},
+        headers={"Authorization": f"Bearer {session['session_id']}"},
+        timeout=30,
+    ) as response:
+        assert next(response.iter_lines()) == ": keepalive"
+    deadline = time.monotonic() + 5
+    while not stack.calls(session["session_id"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    assert len(stack.calls(session["session_id"])) == 1
+    assert stack.state.inflight == 0
+    assert stack.admin.get(f"/sessions/{session['session_id']}").json()["model_calls"] == 1
+    follow_up = httpx.post(
+        stack.url + "/v1/chat/completions",
+        json={**HELLO, "stream": True},
+        headers={"Authorization": f"Bearer {session['session_id']}"},
+        timeout=30,
+    )
+    assert follow_up.status_code == 200 and follow_up.text.rstrip().endswith("data: [DONE]")
+    assert len(stack.calls(session["session_id"])) == 2
+
+
 def test_binding_a_public_address_without_an_admin_key_is_refused(
     tmp_path: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -185,3 +185,38 @@ def test_the_proxy_state_replays_at_start(tmp_path: Path) -> None:
     assert asyncio.run(start_and_stop()) == 3
     assert logs(tmp_path) == []  # replayed, then its own generation deleted on the clean stop
     assert wal_module.pending_lines(tmp_path) == {}
+
+
+@pytest.mark.parametrize("with_log", [True, False])
+def test_work_meanwhile_runs_after_the_lines_are_written_and_before_the_sync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, with_log: bool
+) -> None:
+    events: list[str] = []
+    real_fdatasync = os.fdatasync
+
+    def fdatasync(fd: int) -> None:
+        events.append("sync")
+        real_fdatasync(fd)
+
+    async def main() -> None:
+        log = SharedLog(tmp_path, reserve_bytes=4096) if with_log else None
+        if log is not None:
+            log.open()
+        journal = Journal(tmp_path / SESSIONS / "cs_a", wal=log)
+        journal.open()
+        monkeypatch.setattr(os, "fdatasync", fdatasync)
+
+        def meanwhile() -> None:
+            calls = (tmp_path / SESSIONS / "cs_a" / CALLS).read_bytes()
+            assert calls.split(b"\0")[0].count(b"\n") == 1
+            if log is not None:
+                assert list(pending_lines(tmp_path)["cs_a"]) == [0]
+            events.append("meanwhile")
+
+        await journal.append(grow(1)[0], meanwhile=meanwhile)
+        assert events == ["meanwhile", "sync"]
+        journal.close()
+        if log is not None:
+            log.close()
+
+    asyncio.run(main())
