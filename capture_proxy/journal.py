@@ -12,11 +12,11 @@ record therefore costs O(new tokens), hundreds of calls per session stay cheap t
 and any prefix that does not match is simply written in full. Reading expands every record; a torn last
 line (a crash mid-write) is ignored and cut off before the next append.
 
-An open journal keeps a zeroed reserve past its last line (``RESERVE_BYTES``, see
+A journal on its own keeps a zeroed reserve past its last line (``RESERVE_BYTES``, see
 :mod:`capture_proxy.zeroed`), and each line overwrites the zeros in place. A new session's reserve is
 written when the session is created (:meth:`Journal.reserve`, off the event loop). Readers stop at the
 first NUL; closing the journal cuts the reserve off, and a reload after a crash cuts it off with a torn
-line.
+line. A journal beside the write-ahead log has no reserve: it is not synced line by line.
 
 Durability: a journal on its own fdatasyncs its file before :meth:`Journal.append` returns. In the proxy
 each journal has the shared write-ahead log (:mod:`capture_proxy.wal`): the line is also written there,
@@ -112,7 +112,9 @@ class Journal:
             if record.has_ids and record.prompt_token_ids is not None:
                 self._remember(record, ids_text(record.prompt_token_ids), len(record.prompt_token_ids))
                 break
-        self._file = ZeroedFile(os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600), _RESERVE)
+        # Beside a write-ahead log the journal is synced only at checkpoints: no reserve to keep.
+        zeros = _RESERVE if self.wal is None else b""
+        self._file = ZeroedFile(os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600), zeros)
 
     @property
     def is_open(self) -> bool:
@@ -120,11 +122,13 @@ class Journal:
 
     def reserve(self) -> None:
         """Write the zeroed reserve and make it and the file's name durable now; blocking, so a new
-        session calls it off the event loop, and its first lines' syncs then flush only their data."""
+        session calls it off the event loop, and its first lines' syncs then flush only their data.
+        Beside a write-ahead log only the name is made durable (the log's lines are what is synced)."""
         if self._file is None:
             raise JournalError(f"journal {self.path} is not open")
-        self._file.reserve()
-        os.fdatasync(self._file.fd)
+        if self.wal is None:
+            self._file.reserve()
+            os.fdatasync(self._file.fd)
         fsync_dir(self.path.parent)
 
     async def flush(self) -> None:
