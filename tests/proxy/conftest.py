@@ -8,6 +8,7 @@ admin API and returns its JSON (``session_id``, ``base_url`` = ``…/v1``, ``roo
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,14 @@ class Stack:
         response = self.admin.get(f"/sessions/{session_id}/calls")
         assert response.status_code == 200, response.text
         return response.json()["calls"]
+
+    def settled_calls(self, session_id: str, timeout: float = 5.0) -> list[dict[str, Any]]:
+        """The session's calls once one is journaled and a further 0.3 s passed (for a second, if any)."""
+        deadline = time.monotonic() + timeout
+        while not self.calls(session_id) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        return self.calls(session_id)
 
     def trace(self, session_id: str) -> dict[str, Any]:
         response = self.admin.get(f"/sessions/{session_id}/trace")

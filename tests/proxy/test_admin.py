@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import re
 import time
+from contextlib import AbstractContextManager
 
 import httpx
 import pytest
@@ -101,21 +102,27 @@ def test_metrics_count_requests_errors_latency_sessions_and_journal_bytes(stack:
     assert journal_bytes == len(journal)  # beside the write-ahead log a journal keeps no zeroed reserve
 
 
-def test_a_slow_engine_gives_a_streaming_client_keepalive_comments(stack: Stack) -> None:
+def slow_streaming_session(stack: Stack, keepalive_s: float, engine_delay_s: float) -> dict[str, str]:
+    """A new session on a proxy restarted with ``keepalive_s``, its engine holding the next reply."""
     stack.stop_proxy()
-    stack.config_overrides["keepalive_s"] = 0.2
+    stack.config_overrides["keepalive_s"] = keepalive_s
     stack.start_proxy()
     session = stack.new_session()
-    httpx.post(stack.engine_url + "/_faults", json={"queue": [{"mode": "delay", "seconds": 1.0}]})
+    httpx.post(stack.engine_url + "/_faults", json={"queue": [{"mode": "delay", "seconds": engine_delay_s}]})
+    return session
+
+
+def stream(session: dict[str, str]) -> AbstractContextManager[httpx.Response]:
+    headers = {"Authorization": f"Bearer {session['session_id']}"}
+    url = session["base_url"] + "/chat/completions"
+    return httpx.stream("POST", url, json={**HELLO, "stream": True}, headers=headers, timeout=30)
+
+
+def test_a_slow_engine_gives_a_streaming_client_keepalive_comments(stack: Stack) -> None:
+    session = slow_streaming_session(stack, keepalive_s=0.2, engine_delay_s=1.0)
     started = time.monotonic()
     lines, first_line_at = [], None
-    with httpx.stream(
-        "POST",
-        stack.url + "/v1/chat/completions",
-        json={**HELLO, "stream": True},
-        headers={"Authorization": f"Bearer {session['session_id']}"},
-        timeout=30,
-    ) as response:
+    with stream(session) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         for line in response.iter_lines():
             first_line_at = first_line_at or time.monotonic() - started
@@ -125,32 +132,13 @@ def test_a_slow_engine_gives_a_streaming_client_keepalive_comments(stack: Stack)
 
 
 def test_a_streaming_agent_gone_during_keepalives_is_journaled_once_and_leaves_nothing(stack: Stack) -> None:
-    stack.stop_proxy()
-    stack.config_overrides["keepalive_s"] = 0.1
-    stack.start_proxy()
-    session = stack.new_session()
-    httpx.post(stack.engine_url + "/_faults", json={"queue": [{"mode": "delay", "seconds": 0.8}]})
-    with httpx.stream(
-        "POST",
-        stack.url + "/v1/chat/completions",
-        json={**HELLO, "stream": True},
-        headers={"Authorization": f"Bearer {session['session_id']}"},
-        timeout=30,
-    ) as response:
+    session = slow_streaming_session(stack, keepalive_s=0.1, engine_delay_s=0.8)
+    with stream(session) as response:
         assert next(response.iter_lines()) == ": keepalive"
-    deadline = time.monotonic() + 5
-    while not stack.calls(session["session_id"]) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.3)
-    assert len(stack.calls(session["session_id"])) == 1
+    assert len(stack.settled_calls(session["session_id"])) == 1
     assert stack.state.inflight == 0
     assert stack.admin.get(f"/sessions/{session['session_id']}").json()["model_calls"] == 1
-    follow_up = httpx.post(
-        stack.url + "/v1/chat/completions",
-        json={**HELLO, "stream": True},
-        headers={"Authorization": f"Bearer {session['session_id']}"},
-        timeout=30,
-    )
+    follow_up = call(session, {**HELLO, "stream": True}, timeout=30)
     assert follow_up.status_code == 200 and follow_up.text.rstrip().endswith("data: [DONE]")
     assert len(stack.calls(session["session_id"])) == 2
 
