@@ -14,6 +14,7 @@ duplicate the record.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -153,8 +154,14 @@ async def forward(
         timings=timings,
     )
     rendered: list[bytes] = []
-    # The reply is rendered while its journal line goes to the disk, not after.
-    await append(state, session, record, meanwhile=lambda: rendered.append(render(dialect, call, reply)))
+
+    def render_meanwhile() -> None:
+        # Rendered while the journal line goes to the disk, not after. A failure here would leave the
+        # line written but not counted: the reply is rendered again when it is sent, and fails there.
+        with contextlib.suppress(Exception):
+            rendered.append(render(dialect, call, reply))
+
+    await append(state, session, record, meanwhile=render_meanwhile)
     return Outcome(reply=reply, upstream_ms=result.upstream_ms, body=rendered[0] if rendered else None)
 
 

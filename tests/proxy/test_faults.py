@@ -211,3 +211,21 @@ def test_an_oversized_body_is_a_413(stack: Stack) -> None:
     response = post(stack, session, body)
     assert response.status_code == 413 and "limit" in response.json()["error"]["message"]
     assert stack.engine.requests == []
+
+
+def test_a_reply_that_fails_to_render_is_a_500_and_the_journal_stays_in_order(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from capture_proxy.dialects.chat import DIALECT
+
+    session = stack.new_session()
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("render bug")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(DIALECT, "render_reply", broken)
+        assert post(stack, session, HELLO).status_code == 500
+    assert post(stack, session, HELLO).status_code == 200
+    calls = stack.calls(session["session_id"])
+    assert [c["seq"] for c in calls] == [0, 1] and [c["kind"] for c in calls] == ["model", "model"]
