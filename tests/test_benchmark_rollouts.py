@@ -45,7 +45,9 @@ def test_quick_rollout_benchmark_reports_every_row_and_leaves_nothing_running(tm
     (point,) = result["points"]
     assert POINT_FIELDS <= set(point)
     assert point["sessions"] == 8 and point["held"] <= 8 and point["limit"] == ""
-    assert point["calls_per_s"] > 0 and point["cpu_pct_core"] > 0 and point["agents_after"] == 0
+    # The server itself may idle through a short window (its proxy child answers the calls), and /proc
+    # counts CPU in 10 ms ticks, so its share can read 0; the proxy's cannot while calls flow.
+    assert point["calls_per_s"] > 0 and point["cpu_pct_core"] >= 0 and point["agents_after"] == 0
     assert point["proxy_process"] and point["proxy_cpu_pct_core"] > 0  # serve's proxy child, measured apart
     assert result["verdict"]["target"] == benchmark_rollouts.TARGET_NAME and not result["verdict"]["pass"]
     assert result["leftover_processes"] == []
