@@ -85,13 +85,18 @@ def _cut_both(raw: bytes) -> tuple[bytes, bytes, memoryview] | None:
     (copying ~2 KB instead of the whole reply twice), and the logprobs stay a view into ``raw``. Each key
     must occur once: the rest is checked to hold neither, and the parsed body to lack both members.
     """
-    prompt = raw.find(_PROMPT_KEY)
+    prompt = raw.rfind(_PROMPT_KEY)  # vLLM sends it last but for a few short members
     logprobs = raw.find(_LOGPROBS_KEY)
     if prompt < 0 or logprobs < 0:
         return None
     ids_start = prompt + len(_PROMPT_KEY)
     ids_end = raw.find(b"]", ids_start)
-    logprobs_end = raw.find(_LOGPROBS_END, logprobs)
+    if logprobs < prompt:
+        # Scanning back from the prompt ids crosses a few short members, not every logprob entry; an
+        # end found too late (inside a string) leaves a cut that does not parse, so the reply is parsed whole.
+        logprobs_end = raw.rfind(_LOGPROBS_END, logprobs, prompt)
+    else:
+        logprobs_end = raw.find(_LOGPROBS_END, logprobs)
     if ids_end < 0 or logprobs_end < 0:
         return None
     logprobs_end += len(_LOGPROBS_END)

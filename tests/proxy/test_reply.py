@@ -88,11 +88,29 @@ def test_the_keys_inside_a_string_are_never_cut(content: str) -> None:
     same_capture(read, whole)
 
 
-def test_non_empty_top_logprobs_fall_back_to_the_full_parse() -> None:
+@pytest.mark.parametrize("where", [0, -1])
+def test_non_empty_top_logprobs_are_cut_and_read_the_same(where: int) -> None:
+    # An entry with top_logprobs holds "}]}" itself: the end of the logprobs is the last one before the ids.
     whole = vllm_reply([5, 6], [-0.5, -1.0])
-    whole["choices"][0]["logprobs"]["content"][0]["top_logprobs"] = [entry(5, -0.5)]
+    whole["choices"][0]["logprobs"]["content"][where]["top_logprobs"] = [entry(5, -0.5)]
     read = read_reply(orjson.dumps(whole))
-    assert read.logprobs is None and read.body["choices"][0]["logprobs"] == whole["choices"][0]["logprobs"]
+    assert read.logprobs is not None and "logprobs" not in read.body["choices"][0]
+    same_capture(read, whole)
+
+
+@pytest.mark.parametrize("stop", ["}]}", '"}]}', "x}]},"])
+def test_a_closing_in_a_string_after_the_logprobs_falls_back_to_the_full_parse(stop: str) -> None:
+    whole = vllm_reply([5, 6], [-0.5, -1.0], stop_reason=stop)
+    read = read_reply(orjson.dumps(whole))
+    assert read.body["choices"][0]["stop_reason"] == stop
+    same_capture(read, whole)
+
+
+def test_prompt_ids_before_the_choices_are_cut_too() -> None:
+    whole = vllm_reply([5, 6], [-0.5, -1.0])
+    whole = {"prompt_token_ids": whole.pop("prompt_token_ids"), **whole}
+    read = read_reply(orjson.dumps(whole))
+    assert read.prompt_text == b"1,2,3" and read.logprobs is not None
     same_capture(read, whole)
 
 
