@@ -6,6 +6,7 @@ trace exported both by the restarted proxy and offline by ``harness-trainer prox
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -18,7 +19,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import uvloop
 
+from capture_proxy.cli import new_event_loop
 from harness_trainer.demo import free_port, wait_until_healthy
 from harness_trainer.trace import TrainingTrace
 from tests.conftest import EngineProcess, start_engine
@@ -47,7 +50,7 @@ def scripted_engine(
     engine.stop()
 
 
-def start_proxy(upstream: str, data_dir: Path, port: int) -> subprocess.Popen:
+def start_proxy(upstream: str, data_dir: Path, port: int, loop: str = "auto") -> subprocess.Popen:
     command = [
         sys.executable,
         "-m",
@@ -58,8 +61,9 @@ def start_proxy(upstream: str, data_dir: Path, port: int) -> subprocess.Popen:
         "--port",
         str(port),
     ]
-    command += ["--data-dir", str(data_dir), "--admin-key", ADMIN]
-    process = subprocess.Popen(command, env={**os.environ})
+    command += ["--data-dir", str(data_dir), "--admin-key", ADMIN, "--loop", loop]
+    with open(data_dir.parent / f"proxy-{port}.log", "a") as log:
+        process = subprocess.Popen(command, env={**os.environ}, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_until_healthy(f"http://127.0.0.1:{port}", process)
     except BaseException:
@@ -67,6 +71,12 @@ def start_proxy(upstream: str, data_dir: Path, port: int) -> subprocess.Popen:
         process.wait()
         raise
     return process
+
+
+def started_loops(data_dir: Path, port: int) -> list[str]:
+    """The event loop each start of the proxy on ``port`` named in its first line."""
+    lines = (data_dir.parent / f"proxy-{port}.log").read_text().splitlines()
+    return [line.rsplit("event loop: ", 1)[1].rstrip(")") for line in lines if "event loop: " in line]
 
 
 def agent_loop(base_url: str, session_id: str) -> list[str]:
@@ -100,11 +110,12 @@ def export_trace(session_dir: Path, out: Path | None = None) -> Any:
     return json.loads(out.read_text())
 
 
+@pytest.mark.parametrize("loop", ["auto", "asyncio"])
 def test_a_killed_proxy_restarts_with_every_call_and_the_same_trace(
-    scripted_engine: EngineProcess, tmp_path: Path
+    scripted_engine: EngineProcess, tmp_path: Path, loop: str
 ) -> None:
     data_dir, port = tmp_path / "data", free_port()
-    proxy = start_proxy(scripted_engine.url, data_dir, port)
+    proxy = start_proxy(scripted_engine.url, data_dir, port, loop)
     admin = {"Authorization": f"Bearer {ADMIN}"}
     url = f"http://127.0.0.1:{port}"
     try:
@@ -121,7 +132,7 @@ def test_a_killed_proxy_restarts_with_every_call_and_the_same_trace(
         journal.write_bytes(whole[:first_line] + bytes(len(whole) - first_line))
         offline = export_trace(data_dir / "sessions" / session["session_id"], tmp_path / "offline.json")
         assert TrainingTrace.model_validate(offline) == TrainingTrace.model_validate(before)
-        proxy = start_proxy(scripted_engine.url, data_dir, port)
+        proxy = start_proxy(scripted_engine.url, data_dir, port, loop)
         after = httpx.get(f"{url}/sessions/{session['session_id']}/trace", headers=admin).json()
         assert journal.read_bytes() == whole.split(b"\0")[0]  # replayed into the journal
     finally:
@@ -129,6 +140,7 @@ def test_a_killed_proxy_restarts_with_every_call_and_the_same_trace(
         proxy.wait(timeout=20)
     assert after == before
     assert sorted(p.name for p in (data_dir / "wal").iterdir()) == []  # the stop deleted the log
+    assert started_loops(data_dir, port) == 2 * ["uvloop" if loop == "auto" else "asyncio"]
     trace = TrainingTrace.model_validate(after)
     first, second = trace.turns
     assert second.metadata["parent"] == first.node_id  # the real chat template appends: one chain
@@ -199,3 +211,22 @@ def test_a_proxy_started_without_a_key_keeps_one_in_its_data_dir_and_its_admin_r
             process.terminate()
             process.wait(timeout=30)
     assert len(keys[0]) >= 40 and keys[0] == keys[1]
+
+
+def test_the_event_loop_is_uvloops_where_installed_and_asyncios_when_asked_or_missing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for kind, expected in [
+        ("auto", uvloop.Loop),
+        ("uvloop", uvloop.Loop),
+        ("asyncio", asyncio.SelectorEventLoop),
+    ]:
+        loop = new_event_loop(kind)
+        loop.close()
+        assert isinstance(loop, expected), kind
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # as on a platform uvloop has no build for
+    loop = new_event_loop("auto")
+    loop.close()
+    assert isinstance(loop, asyncio.SelectorEventLoop)
+    with pytest.raises(ImportError, match="pip install uvloop"):
+        new_event_loop("uvloop")
