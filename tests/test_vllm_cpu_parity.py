@@ -29,17 +29,7 @@ from typing import Any
 
 import pytest
 
-VLLM_PYTHON = os.environ.get("HT_VLLM_CPU_PYTHON", "")
-
-pytestmark = [
-    pytest.mark.vllm_cpu,
-    pytest.mark.skipif(
-        not (VLLM_PYTHON and os.access(VLLM_PYTHON, os.X_OK)),
-        reason="vllm-cpu parity is opt-in: set HT_VLLM_CPU_PYTHON to the python of the vllm-cpu venv "
-        "(build it with scripts/setup_vllm_cpu.sh)",
-    ),
-    pytest.mark.timeout(900),
-]
+pytestmark = [pytest.mark.vllm_cpu, pytest.mark.timeout(900)]
 
 MODEL_NAME = "tiny"
 MAX_MODEL_LEN = 4096
@@ -402,35 +392,9 @@ def model_dir() -> Path:
 
 
 @pytest.fixture(scope="module")
-def vllm_url(model_dir: Path) -> Iterator[str]:
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-    }
-    # `vllm serve` is broken in vllm-cpu 0.32.0 (its CLI asks for the distribution "vllm"); the module
-    # entry point takes the same arguments.
-    argv = [
-        VLLM_PYTHON,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model_dir),
-        "--served-model-name",
-        MODEL_NAME,
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--logprobs-mode",
-        "processed_logprobs",
-        "--return-tokens-as-token-ids",
-        "--enable-auto-tool-choice",
-        "--tool-call-parser",
-        "hermes",
-        "--enforce-eager",
-    ]
-    yield from _serve(argv, "vllm-cpu", 600, env)
+def vllm_url(vllm_cpu_url: str) -> str:
+    """The session's real vLLM (tests/conftest.py): the same tiny model, name and context length."""
+    return vllm_cpu_url
 
 
 @pytest.fixture(scope="module")

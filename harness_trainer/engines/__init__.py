@@ -2,17 +2,19 @@
 
 ``InferenceEngine`` is the contract (DESIGN.md § Engine); ``ENGINES`` maps a kind to its client class and
 ``make_engine`` builds one. ``dev`` is the CPU dev engine (weights in the HTTP body); ``vllm`` is vLLM's
-control routes with weights over a :class:`~harness_trainer.engines.nccl.WeightTransport`.
+control routes with weights over a :class:`~harness_trainer.engines.nccl.WeightTransport` (NCCL) or
+through vLLM's in-place reload from a file (:mod:`harness_trainer.engines.weight_sync`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from harness_trainer.engines.base import EngineUnavailable, InferenceEngine, RetryPolicy
+from harness_trainer.engines.base import EngineUnavailable, InferenceEngine, PushRefused, RetryPolicy
 from harness_trainer.engines.dev import DevEngine
 from harness_trainer.engines.nccl import NcclTransport, WeightTransport, WeightTransportError
 from harness_trainer.engines.vllm import VLLMEngine
+from harness_trainer.engines.weight_sync import WEIGHT_SYNCS, FileWeightSync, choose_weight_sync
 
 ENGINES: dict[str, type] = {"dev": DevEngine, "vllm": VLLMEngine}
 
@@ -32,13 +34,17 @@ def make_engine(kind: str, base_url: str, **kwargs: Any) -> InferenceEngine:
 
 __all__ = [
     "ENGINES",
+    "WEIGHT_SYNCS",
     "DevEngine",
     "EngineUnavailable",
+    "FileWeightSync",
     "InferenceEngine",
     "NcclTransport",
+    "PushRefused",
     "RetryPolicy",
     "VLLMEngine",
     "WeightTransport",
     "WeightTransportError",
+    "choose_weight_sync",
     "make_engine",
 ]

@@ -28,6 +28,12 @@ class EngineUnavailable(RuntimeError):
     """The engine cannot be reached, or refused a control call."""
 
 
+class PushRefused(EngineUnavailable):
+    """A weight push was refused before anything loaded, or undone: the engine serves the weights it
+    served before, whole. It may sample again (nothing half-updated is served), but it does not have the
+    new version."""
+
+
 @runtime_checkable
 class InferenceEngine(Protocol):
     """What the trainer needs from an engine (vLLM on GPUs, the dev engine on CPU)."""

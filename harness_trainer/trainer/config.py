@@ -16,6 +16,7 @@ from typing import Any
 
 IMPORTANCE_SAMPLING_MODES = ("truncate", "mask", "none")
 ENGINE_KINDS = ("vllm", "dev", "none")
+WEIGHT_SYNCS = ("auto", "nccl", "file")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 REPORT_TO = ("none", "all", "tensorboard", "wandb", "trackio")
 LOSS_NORMALIZATIONS = ("rollout", "step")
@@ -127,6 +128,18 @@ class AsyncGRPOConfig:
     weight_sync_steps: int = field(default=1, metadata=_help("Push weights every N steps."))
     weight_sync_retries: int = field(default=3, metadata=_help("Attempts of a weight push before stopping."))
     weight_sync_timeout: float = field(default=300.0, metadata=_help("Seconds one weight push may take."))
+    weight_sync: str = field(
+        default="auto",
+        metadata=_help(
+            f"How weights reach vLLM, one of {WEIGHT_SYNCS}: 'nccl' (vLLM's NCCL weight transfer, trainer "
+            "and vLLM on different GPUs or hosts), 'file' (a safetensors file in weight_sync_dir that "
+            "vLLM reloads in place: CPU, one GPU), 'auto' ('file' for a vLLM on this host, else 'nccl')."
+        ),
+    )
+    weight_sync_dir: str | None = field(
+        default=None,
+        metadata=_help("Folder the 'file' path writes to, readable by vLLM (default: /dev/shm)."),
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.model_init_kwargs, str):
@@ -222,6 +235,8 @@ def _problems(c: AsyncGRPOConfig) -> Sequence[str]:
         yield f"engine {c.engine!r} is not one of {ENGINE_KINDS}"
     if c.engine != "none" and not c.vllm_server_base_url:
         yield f"engine {c.engine!r} needs vllm_server_base_url (or set engine='none' to push no weights)"
+    if c.weight_sync not in WEIGHT_SYNCS:
+        yield f"weight_sync {c.weight_sync!r} is not one of {WEIGHT_SYNCS}"
     if c.weight_sync_steps < 1 or c.weight_sync_retries < 1 or c.weight_sync_timeout <= 0:
         yield "weight_sync_steps and weight_sync_retries must be ≥ 1 and weight_sync_timeout positive"
     if c.use_peft and c.lora_r < 1:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from harness_trainer.engines import EngineUnavailable, make_engine
+from harness_trainer.engines import EngineUnavailable, PushRefused, make_engine
 from harness_trainer.trainer.batch import StepBatch, assemble, rollout_metrics
 from harness_trainer.trainer.checkpoint import (
     TrainerState,
@@ -204,15 +204,27 @@ class HarnessAsyncGRPOTrainer:
         args = self.args
         assert args.vllm_server_base_url is not None and self.model is not None
         if args.engine == "vllm":
-            from harness_trainer.engines import NcclTransport
-
             # LoRA is merged into the full weights before a push, so vLLM serves one model name throughout.
-            device = next(self.model.parameters()).device
             return make_engine(
                 "vllm", args.vllm_server_base_url, timeout=args.weight_sync_timeout,
-                weight_sync=NcclTransport(str(device)), weight_sync_timeout=args.weight_sync_timeout,
+                weight_sync=self._weight_sync(), weight_sync_timeout=args.weight_sync_timeout,
             )  # fmt: skip
         return make_engine(args.engine, args.vllm_server_base_url, timeout=args.weight_sync_timeout)
+
+    def _weight_sync(self) -> Any:
+        from harness_trainer.engines import FileWeightSync, NcclTransport, choose_weight_sync
+
+        args = self.args
+        assert args.vllm_server_base_url is not None and self.model is not None
+        path = choose_weight_sync(args.weight_sync, args.vllm_server_base_url)
+        logger.warning(
+            "weight sync to vLLM at %s: %s%s", args.vllm_server_base_url, path,
+            " (auto: vLLM is on this host)" if args.weight_sync == "auto" and path == "file"
+            else " (auto: vLLM is on another host)" if args.weight_sync == "auto" else "",
+        )  # fmt: skip
+        if path == "file":
+            return FileWeightSync(args.weight_sync_dir)
+        return NcclTransport(str(next(self.model.parameters()).device))
 
     def _rows(self) -> list[dict[str, Any]]:
         if self.train_dataset is None:
@@ -533,9 +545,14 @@ class HarnessAsyncGRPOTrainer:
 
 async def _pause_push_resume(engine: Any, weights: dict[str, torch.Tensor], version: int) -> int:
     # A failed push leaves the engine paused: better idle than sampling from half-updated weights; the
-    # retry (or the run's stop) follows.
+    # retry (or the run's stop) follows. A push the engine rolled back left the old weights whole, so it
+    # samples again meanwhile.
     await engine.pause()
-    served = await engine.push_weights(weights, version)
+    try:
+        served = await engine.push_weights(weights, version)
+    except PushRefused:
+        await engine.resume()
+        raise
     await engine.resume()
     return served
 

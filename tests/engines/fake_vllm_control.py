@@ -17,6 +17,13 @@ Routes, methods, query parameters, bodies, status codes and error shapes are vLL
 - ``POST /finish_weight_update {"weight_version": str | null}`` -> ``{"message": "Weight update
   finished"}``; a non-string version -> 400.
 - ``GET /weight_info`` -> ``{"weight_version": str}`` (``"default"`` before any push).
+- ``POST /update_weight_version {"new_version": str}`` -> ``{"success": true, "new_version": str}``.
+- ``POST /collective_rpc {"method", "args", "kwargs"}`` -> ``{"results": [null, ...]}`` (one per worker);
+  a missing ``method`` -> 400 ``{"detail": ...}``. ``reload_weights`` with ``kwargs.weights_path`` loads
+  that folder's ``model.safetensors`` into ``loaded``; a folder without one, or a tensor whose name or
+  shape is not in ``expected_shapes`` (when given), -> 500 ``{"error": ...}`` as vLLM's worker failure.
+- ``GET /is_paused`` -> ``{"is_paused": bool}``.
+- ``GET /v1/models`` -> ``{"object": "list", "data": [{"id", "root", ...}]}``.
 - ``POST /reset_prefix_cache`` -> ``{"success": true}``.
 - ``POST /v1/load_lora_adapter {"lora_name", "lora_path"}`` -> 200, plain text ``Success: LoRA adapter
   'NAME' added successfully.``; a name already loaded -> 400; no adapter at the path -> 404.
@@ -109,6 +116,11 @@ class FakeVLLM:
     received: dict[str, torch.Tensor] = field(default_factory=dict)
     weight_version: str = "default"
     adapters: dict[str, str] = field(default_factory=dict)
+    expected_shapes: dict[str, list[int]] | None = None
+    loaded: dict[str, torch.Tensor] = field(default_factory=dict)
+    reloads: list[str] = field(default_factory=list)
+    root: str = "/models/tiny"
+    served_model_name: str = "tiny"
     paused: bool = False
     updating: bool = False
     update_in_flight: bool = False
@@ -132,6 +144,10 @@ class FakeVLLM:
         get("/health", self._health)
         get("/get_world_size", self._world_size)
         get("/weight_info", self._weight_info)
+        get("/is_paused", self._is_paused)
+        get("/v1/models", self._models)
+        post("/update_weight_version", self._update_weight_version)
+        post("/collective_rpc", self._collective_rpc)
         post("/pause", self._pause)
         post("/resume", self._resume)
         post("/init_weight_transfer_engine", self._init)
@@ -168,6 +184,49 @@ class FakeVLLM:
 
     async def _weight_info(self, request: web.Request) -> web.Response:
         return web.json_response({"weight_version": self.weight_version})
+
+    async def _is_paused(self, request: web.Request) -> web.Response:
+        return web.json_response({"is_paused": self.paused})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        card = {"id": self.served_model_name, "object": "model", "created": 0, "owned_by": "vllm",
+                "root": self.root, "parent": None, "max_model_len": 4096, "permission": []}  # fmt: skip
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def _update_weight_version(self, request: web.Request) -> web.Response:
+        version = (request[BODY] or {}).get("new_version")
+        if not isinstance(version, str):
+            return _invalid("body.new_version", "Input should be a valid string")
+        self.weight_version = version
+        return web.json_response({"success": True, "new_version": version})
+
+    async def _collective_rpc(self, request: web.Request) -> web.Response:
+        body = request[BODY]
+        if not isinstance(body, dict) or "method" not in body:
+            return web.json_response({"detail": "Missing 'method' in request body"}, status=400)
+        if body["method"] == "reload_weights":
+            folder = (body.get("kwargs") or {}).get("weights_path")
+            self.reloads.append(str(folder))
+            try:
+                self.loaded = await asyncio.to_thread(self._read_weights, folder)
+            except (OSError, ValueError) as exc:
+                return _error(500, f"reload_weights failed: {exc}", "InternalServerError")
+        return web.json_response({"results": [None] * self.world_size})
+
+    def _read_weights(self, folder: str | None) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file
+
+        if folder == self.root:
+            return {}  # the served model's own weights
+        files = sorted(Path(str(folder)).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no safetensors in {folder}")
+        weights = {name: t for file in files for name, t in load_file(file).items()}
+        if self.expected_shapes is not None:
+            for name, tensor in weights.items():
+                if self.expected_shapes.get(name) != list(tensor.shape):
+                    raise ValueError(f"cannot load {name} of shape {list(tensor.shape)}")
+        return weights
 
     async def _pause(self, request: web.Request) -> web.Response:
         mode = request.query.get("mode", "abort")

