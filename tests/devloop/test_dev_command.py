@@ -94,3 +94,50 @@ def test_an_output_dir_with_an_earlier_runs_checkpoints_is_refused_before_anythi
     assert done.returncode == 2
     assert "already holds checkpoints" in done.stderr and "--resume" in done.stderr
     assert "engine up" not in done.stdout
+
+
+@pytest.mark.vllm_cpu
+@pytest.mark.timeout(900)
+def test_the_dev_loop_on_a_real_vllm_pushes_every_step_and_stops_it(tmp_path):
+    process = subprocess.Popen(
+        dev(tmp_path, "--max-steps", "2", "--engine", "vllm"), cwd=ROOT, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    commands: dict[int, str] = {}  # every process below the dev loop, gathered while it runs
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and process.poll() is None:
+            for pid in descendants(process.pid) - commands.keys():
+                commands[pid] = _cmdline(pid)
+            time.sleep(0.5)
+        output, _ = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    seen = set(commands)
+    started = {pid for pid, command in commands.items() if "vllm" in command.lower()}
+    assert process.returncode == 0, output[-4000:]
+    assert started, "the dev loop started no vLLM"
+    assert "engine up: vllm" in output and "mean reward" in output
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2]
+    assert all(line["perf/weight_sync_s"] > 0 for line in lines)  # a push into vLLM after every step
+    assert "Reloading weights inplace" in (tmp_path / "run" / "engine.log").read_text()
+    assert wait_until(lambda: not alive(seen), 30), alive(seen)  # vLLM's engine core and workers too
+
+
+def test_the_dev_loop_without_a_vllm_python_stops_before_anything_starts(tmp_path):
+    done = subprocess.run(
+        dev(tmp_path, "--max-steps", "1", "--engine", "vllm", "--vllm-python", str(tmp_path / "no" / "py")),
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and f"no vLLM python at {tmp_path / 'no' / 'py'}" in done.stderr
+    assert "scripts/setup_vllm_cpu.sh" in done.stderr and "engine up" not in done.stdout
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""

@@ -19,7 +19,7 @@ Routes, methods, query parameters, bodies, status codes and error shapes are vLL
 - ``GET /weight_info`` -> ``{"weight_version": str}`` (``"default"`` before any push).
 - ``POST /update_weight_version {"new_version": str}`` -> ``{"success": true, "new_version": str}``.
 - ``POST /collective_rpc {"method", "args", "kwargs"}`` -> ``{"results": [null, ...]}`` (one per worker);
-  a missing ``method`` -> 400 ``{"detail": ...}``. ``reload_weights`` with ``kwargs.weights_path`` loads
+  a missing ``method`` -> 400 (vLLM's error object). ``reload_weights`` with ``kwargs.weights_path`` loads
   that folder's ``model.safetensors`` into ``loaded``; a folder without one, or a tensor whose name or
   shape is not in ``expected_shapes`` (when given), -> 500 ``{"error": ...}`` as vLLM's worker failure.
 - ``GET /is_paused`` -> ``{"is_paused": bool}``.
@@ -203,7 +203,7 @@ class FakeVLLM:
     async def _collective_rpc(self, request: web.Request) -> web.Response:
         body = request[BODY]
         if not isinstance(body, dict) or "method" not in body:
-            return web.json_response({"detail": "Missing 'method' in request body"}, status=400)
+            return _error(400, "Missing 'method' in request body", "Bad Request")
         if body["method"] == "reload_weights":
             folder = (body.get("kwargs") or {}).get("weights_path")
             self.reloads.append(str(folder))

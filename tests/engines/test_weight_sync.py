@@ -1,8 +1,8 @@
 """The ``file`` weight-sync path (vLLM's in-place reload from a safetensors folder) and the ``auto`` choice.
 
-VLLMEngine drives the fake control plane (``fake_vllm_control.py``, whose ``/collective_rpc`` and
-``/update_weight_version`` answers are checked against real vLLM's recorded ones in
-``test_vllm_control_fixtures.py``); ``test_vllm_cpu_weight_sync.py`` runs the same path on a real vLLM.
+VLLMEngine drives the fake control plane (``fake_vllm_control.py``, whose ``/collective_rpc``,
+``/update_weight_version`` and ``/is_paused`` answers ``test_vllm_cpu_control.py`` replays against a real
+vLLM); ``test_vllm_cpu_weight_sync.py`` runs the same path on a real vLLM.
 """
 
 from __future__ import annotations
