@@ -30,7 +30,7 @@ from harness_trainer.launch.preflight import (
     run_preflight,
 )
 from harness_trainer.launch.rewards import correctness_with_tool_efficiency
-from harness_trainer.trainer.config import DTYPES, AsyncGRPOConfig
+from harness_trainer.trainer.config import DTYPES, WEIGHT_SYNCS, AsyncGRPOConfig
 
 WAIT_MARGIN_S = 600.0
 """Added to ``--agent-timeout`` for the trainer's own wait on a rollout. The server enforces the agent's
@@ -52,6 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("auto", "vllm", "dev"),
         default="auto",
         help="engine kind (auto: the dev engine if it answers GET /weight_version, else vLLM)",
+    )
+    where.add_argument(
+        "--weight-sync",
+        choices=WEIGHT_SYNCS,
+        default="auto",
+        help="how weights reach vLLM: file (its in-place reload from /dev/shm; same host), nccl (its NCCL "
+        "transfer; another GPU or host), auto (file for a vLLM on this host, else nccl)",
     )
     where.add_argument("--model", required=True, help="the policy to train: a model directory or hub id")
     where.add_argument("--dtype", choices=DTYPES, default="float32", help="training dtype")
@@ -117,6 +124,7 @@ def build_config(args: argparse.Namespace, **overrides: Any) -> AsyncGRPOConfig:
         "resume_from_checkpoint": args.resume,
         "vllm_server_base_url": args.vllm_url,
         "engine": "vllm" if args.engine == "auto" else args.engine,
+        "weight_sync": args.weight_sync,
     }
     return AsyncGRPOConfig(**{**fields, **overrides})
 
@@ -158,6 +166,7 @@ def preflight_options(args: argparse.Namespace, config: AsyncGRPOConfig) -> Pref
         num_tasks=args.num_tasks,
         resume=args.resume,
         fingerprint={key: settings[key] for key in FINGERPRINT_FIELDS},
+        weight_sync=config.weight_sync,
     )
 
 

@@ -75,6 +75,8 @@ class PreflightOptions:
     fingerprint: dict[str, Any] = field(default_factory=dict)
     """This run's values of ``FINGERPRINT_FIELDS``."""
     timeout_s: float = 60.0
+    weight_sync: str = "auto"
+    """The run's ``AsyncGRPOConfig.weight_sync``: only the ``nccl`` path needs vLLM's transfer engine."""
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,7 @@ def run_preflight(options: PreflightOptions) -> PreflightReport:
     engine_url = options.engine_url.rstrip("/").removesuffix("/v1")
     with httpx.Client(timeout=options.timeout_s) as client:
         kind = detect_engine(client, engine_url) if options.engine == "auto" else options.engine
-        served = check_engine(client, engine_url, kind)
+        served = check_engine(client, engine_url, kind, weight_sync=options.weight_sync)
         capacity, open_sessions = check_capacity(
             client, options.server_url.rstrip("/"), options.max_concurrent_rollouts + 1, served, engine_url
         )
@@ -182,8 +184,9 @@ def detect_engine(client: httpx.Client, engine_url: str) -> str:
     return "vllm"
 
 
-def check_engine(client: httpx.Client, engine_url: str, kind: str) -> list[str]:
-    """The engine's served model names, after checking that it gives the capture proxy what it records."""
+def check_engine(client: httpx.Client, engine_url: str, kind: str, *, weight_sync: str = "auto") -> list[str]:
+    """The engine's served model names, after checking that it gives the capture proxy what it records
+    (and, for vLLM, takes weights by the path ``weight_sync`` resolves to)."""
     models = _get(client, engine_url, "/v1/models", "engine")
     served = [str(m.get("id")) for m in _json_or_empty(models).get("data") or [] if isinstance(m, dict)]
     if models.status_code != 200 or not served:
@@ -213,7 +216,11 @@ def check_engine(client: httpx.Client, engine_url: str, kind: str) -> list[str]:
         )
     check_capture_shapes(_json_or_empty(reply), engine_url)
     if kind == "vllm":
-        check_vllm_config(client, engine_url)
+        from harness_trainer.engines.weight_sync import choose_weight_sync
+
+        check_vllm_config(
+            client, engine_url, needs_transfer_engine=choose_weight_sync(weight_sync, engine_url) == "nccl"
+        )
     return served
 
 
@@ -249,8 +256,9 @@ def check_capture_shapes(reply: Mapping[str, Any], engine_url: str) -> None:
             raise PreflightError(f"engine at {engine_url} returned logprob {logprob!r}, not a finite number")
 
 
-def check_vllm_config(client: httpx.Client, engine_url: str) -> None:
-    """vLLM runs in dev mode, with processed logprobs and a weight transfer engine (``GET /server_info``).
+def check_vllm_config(client: httpx.Client, engine_url: str, *, needs_transfer_engine: bool = True) -> None:
+    """vLLM runs in dev mode, with processed logprobs and, when the weights go by NCCL, a weight transfer
+    engine (``GET /server_info``; the ``file`` path needs dev mode only: its reload is a collective RPC).
 
     A field that this vLLM version does not report is not held against it.
     """
@@ -269,10 +277,10 @@ def check_vllm_config(client: httpx.Client, engine_url: str) -> None:
             f"vLLM at {engine_url} returns {mode}: start it with --logprobs-mode processed_logprobs (the "
             "trainer's importance ratio compares against the policy's logprobs after temperature)"
         )
-    if "weight_transfer_config" in config and not config["weight_transfer_config"]:
+    if needs_transfer_engine and "weight_transfer_config" in config and not config["weight_transfer_config"]:
         raise PreflightError(
-            f"vLLM at {engine_url} cannot take weights: start it with "
-            """--weight-transfer-config '{"backend": "nccl"}'"""
+            f"vLLM at {engine_url} cannot take weights by NCCL: start it with "
+            """--weight-transfer-config '{"backend": "nccl"}' (or --weight-sync file, same host only)"""
         )
 
 

@@ -120,14 +120,24 @@ ENGINE_FAILURES = {
         "start it with --weight-transfer-config",
     ),
 }
+# Flags a case runs with: the NCCL transfer engine is only needed when the weights go by NCCL.
+ENGINE_FAILURE_FLAGS = {"no_weight_transfer": ("--weight-sync", "nccl")}
 
 
 @pytest.mark.parametrize("case", ENGINE_FAILURES)
 def test_an_engine_that_breaks_a_capture_promise_is_refused(case, services, capsys) -> None:
     engine, expected = ENGINE_FAILURES[case]
     running = services(engine=engine)
-    assert_refused(run(running.argv(), capsys), expected)
+    assert_refused(run(running.argv(*ENGINE_FAILURE_FLAGS.get(case, ())), capsys), expected)
     running.assert_nothing_started()
+
+
+def test_a_vllm_without_a_transfer_engine_passes_when_weights_go_by_file(services, capsys) -> None:
+    engine = FakeEngine(server_info={"vllm_config": {"model_config": {}, "weight_transfer_config": None}})
+    running = services(engine=engine)
+    code, out, err = run(running.argv("--preflight-only"), capsys)
+    assert code == 0, err
+    assert "preflight ok: vllm engine" in out
 
 
 SERVER_FAILURES = {
