@@ -4,6 +4,9 @@
 ``GET /sessions``; ``GET /sessions/{id}`` (status, call count, errors, findings);
 ``GET /sessions/{id}/trace`` → TrainingTrace JSON, or 409 with the reason when nothing is trainable;
 ``GET /sessions/{id}/calls`` → the journal records, expanded; ``DELETE /sessions/{id}``.
+``PUT /policy {"model", "version"}`` → every call from then on goes to that served model, its turn
+recorded with that ``weight_version``; ``GET /policy`` → it (``{"policy": null}`` before any);
+``DELETE /policy`` → back to the configured or discovered model name.
 Without a configured admin key (loopback only) the admin routes are open.
 """
 
@@ -20,7 +23,7 @@ from pydantic import ValidationError
 
 from capture_proxy.assembly import UntrainableSession, assemble_trace
 from capture_proxy.journal import JournalError
-from capture_proxy.sessions import Session, SessionSpec
+from capture_proxy.sessions import Policy, Session, SessionSpec
 from capture_proxy.state import STATE, ProxyState
 
 
@@ -131,7 +134,31 @@ def _record_json(record: Any) -> dict[str, Any]:
     return data
 
 
+async def get_policy(request: web.Request) -> web.Response:
+    state = check_admin(request)
+    return _json({"policy": state.policy.model_dump() if state.policy else None})
+
+
+async def put_policy(request: web.Request) -> web.Response:
+    state = check_admin(request)
+    try:
+        policy = Policy.model_validate_json(await request.read() or b"{}")
+    except ValidationError as exc:
+        raise AdminError(400, f"invalid policy: {exc.errors(include_url=False)}") from exc
+    state.policy = policy
+    return _json({"policy": policy.model_dump()})
+
+
+async def delete_policy(request: web.Request) -> web.Response:
+    state = check_admin(request)
+    state.policy = None
+    return _json({"policy": None})
+
+
 def add_routes(app: web.Application) -> None:
+    app.router.add_get("/policy", get_policy)
+    app.router.add_put("/policy", put_policy)
+    app.router.add_delete("/policy", delete_policy)
     app.router.add_post("/sessions", create_session)
     app.router.add_get("/sessions", list_sessions)
     app.router.add_get("/sessions/{session_id}", get_session)

@@ -58,10 +58,13 @@ async def model_call(
         outcome = Outcome(reply=terminal_reply(BUDGET_MESSAGE))
         await journal_terminal(state, session, call, BUDGET_EXHAUSTED, outcome.reply, None)
         return await respond(request, state, dialect, call, done(outcome))
-    model = await state.model_name(call.model)
+    # The policy current when the call is made picks the served model and the version its turn records.
+    policy = state.policy
+    model = policy.model if policy is not None else await state.model_name(call.model)
     upstream_body = session.spec.sampling.upstream_body(call, model)
     pending: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
-    work = forward(state, session, dialect, call, upstream_body, started)
+    version = policy.version if policy is not None else None
+    work = forward(state, session, dialect, call, upstream_body, started, version)
     state.track(asyncio.ensure_future(_settle(state, pending, work)))
     response = await respond(request, state, dialect, call, pending)
     added = time.perf_counter() - started - pending.result().upstream_ms / 1000
@@ -101,8 +104,10 @@ async def forward(
     call: ChatCall,
     body: dict[str, Any],
     started: float,
+    policy_version: int | None = None,
 ) -> Outcome:
-    """Steps 3–4; owns the budget reservation from here on."""
+    """Steps 3–4; owns the budget reservation from here on. ``policy_version`` is recorded on the turn
+    when the engine's reply carries no ``weight_version`` of its own."""
     wall_start = time.time()
     result = await state.upstream.chat(body)
     state.metrics.upstream.observe(result.upstream_ms / 1000)
@@ -149,7 +154,7 @@ async def forward(
         prompt_text=captured.prompt_text,
         completion_token_ids=captured.completion_token_ids,
         logprobs=captured.logprobs,
-        weight_version=captured.weight_version,
+        weight_version=captured.weight_version if captured.weight_version is not None else policy_version,
         finding=captured.finding,
         timings=timings,
     )

@@ -48,6 +48,18 @@ class SessionSpec(BaseModel):
     """Free-form, returned by ``GET /sessions/{id}`` (e.g. task and episode ids)."""
 
 
+class Policy(BaseModel):
+    """The body of ``PUT /policy``: the served model every call is forwarded to from now on, and the policy
+    version it holds, recorded on each call's turn (``weight_version``) unless the engine's reply names
+    its own. A trainer that publishes each version under its own name (a LoRA adapter per version) sets
+    it after each push."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(min_length=1)
+    version: int = Field(ge=0)
+
+
 @dataclass
 class Session:
     id: str

@@ -10,7 +10,7 @@ from aiohttp import web
 
 from capture_proxy.config import ProxyConfig
 from capture_proxy.metrics import Metrics
-from capture_proxy.sessions import SessionStore
+from capture_proxy.sessions import Policy, SessionStore
 from capture_proxy.upstream import Upstream
 from capture_proxy.wal import SharedLog, replay
 from capture_proxy.writer import JournalWriter
@@ -36,6 +36,8 @@ class ProxyState:
         self.metrics = Metrics()
         self.load_problems: list[str] = []
         self._model: str | None = config.served_model
+        self.policy: Policy | None = None
+        """Set by ``PUT /policy``: overrides the served model name and stamps the version on each call."""
         self._model_lock = asyncio.Lock()
         self._inflight: set[asyncio.Future[Any]] = set()
 

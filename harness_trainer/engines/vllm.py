@@ -88,7 +88,7 @@ from harness_trainer.engines.weight_sync import (
 logger = logging.getLogger(__name__)
 
 _DEV_MODE_HINT = "start vLLM with VLLM_SERVER_DEV_MODE=1 (and --weight-transfer-config for weight pushes)"
-_LORA_HINT = "start vLLM with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"
+_LORA_HINT = "start vLLM with --enable-lora, --max-lora-rank R and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"
 
 
 class VLLMEngine:
@@ -301,6 +301,24 @@ class VLLMEngine:
                 await self._call("POST", "/v1/unload_lora_adapter", json={"lora_name": self._adapters[0]})
                 self._adapters.pop(0)
         return version
+
+    async def check_lora_rank(self, rank: int) -> None:
+        """Refuse, before any push, a LoRA adapter this vLLM cannot load: it serves no LoRA, or its
+        ``--max-lora-rank`` is below ``rank`` (``GET /server_info``, dev mode).
+
+        Raises:
+            ValueError: naming both ranks, or the flags to start vLLM with.
+        """
+        info = (await self._call("GET", "/server_info", params={"config_format": "json"})).json()
+        lora = (info.get("vllm_config") or {}).get("lora_config")
+        if not lora:
+            raise ValueError(f"vLLM at {self.base_url} serves no LoRA adapters: {_LORA_HINT}")
+        limit = lora.get("max_lora_rank")
+        if isinstance(limit, int) and rank > limit:
+            raise ValueError(
+                f"the LoRA adapter's rank {rank} is above vLLM's --max-lora-rank {limit} at {self.base_url}: "
+                f"start vLLM with --max-lora-rank {rank} or more, or train with lora_r <= {limit}"
+            )
 
     def close(self) -> None:
         """Drop the weight-transfer group (the next push opens a new one), or delete the file path's

@@ -84,6 +84,11 @@ class HarborSessionFactory:
             raise RolloutServerError(f"{method} {path}: {response.status_code} {response.text[:500]}")
         return response.json()
 
+    def set_policy(self, model: str, version: int) -> None:
+        """Send every model call of the server's rollouts from now on to served model ``model``, recording
+        ``version`` on its turn (the server's ``PUT /policy``, passed to its capture proxy)."""
+        self.request("PUT", "/policy", json={"model": model, "version": version})
+
     def tasks(self) -> list[dict[str, Any]]:
         """The split's tasks (``index``, ``name``, ``instruction``), narrowed by ``indices``/``num_tasks``."""
         if self._tasks is None:

@@ -84,6 +84,10 @@ class LocalSessionFactory:
     def prompt_rows(self) -> list[dict[str, Any]]:
         return self.tasks.prompt_rows(self.split)
 
+    def set_policy(self, model: str, version: int) -> None:
+        """Send every model call from now on to served model ``model``, recording ``version`` on its turn."""
+        self._call(self.runtime.set_policy(model, version))
+
     def _task(self, task: Any) -> Any:
         if isinstance(task, int):
             return self.tasks.task(self.split, task)

@@ -136,6 +136,15 @@ class RolloutRuntime:
             raise
         self._proxy_process, self.capture = process, client
 
+    async def set_policy(self, model: str, version: int) -> None:
+        """Every model call from now on goes to served model ``model`` and records ``version`` (the
+        capture proxy's ``PUT /policy``): how a trainer publishing a LoRA adapter per version moves the
+        rollouts to the newest one."""
+        if self.capture is None:
+            raise RuntimeError("the rollout runtime is not started")
+        await self.capture.set_policy(model, version)
+        self.model = model
+
     def backend(self, name: str) -> SandboxBackend:
         """The backend ``name``, made on first use, behind a supervisor (start-rate limit, close-all)."""
         if name not in self._backends:

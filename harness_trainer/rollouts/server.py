@@ -19,6 +19,8 @@ Routes (JSON):
 - ``GET /sessions/{id}/trace`` → the TrainingTrace (409 until done, or when the rollout was unscorable).
 - ``DELETE /sessions/{id}`` → cancels a running rollout (sandbox and capture session closed) and frees
   the slot.
+- ``PUT /policy {"model", "version"}`` → every later model call goes to that served model and records that
+  version (the capture proxy's own ``PUT /policy``; 400 on a bad body).
 
 Every error is ``{"error": {"message", "code"}}`` with a 4xx status (unknown routes and methods included);
 a body over ``MAX_BODY_BYTES`` gets 413.
@@ -41,6 +43,7 @@ import orjson
 from aiohttp import web
 from pydantic import ValidationError
 
+from capture_proxy.sessions import Policy
 from harness_trainer.rollouts.result import RolloutOptions, RolloutResult
 from harness_trainer.rollouts.runtime import RolloutRuntime
 from harness_trainer.tasks.sources import TaskSource
@@ -97,6 +100,7 @@ class RolloutServer:
         app.router.add_post("/sessions/{id}/stop", self.stop_rollout)
         app.router.add_get("/sessions/{id}/trace", self.session_trace)
         app.router.add_delete("/sessions/{id}", self.close_session)
+        app.router.add_put("/policy", self.put_policy)
         return app
 
     async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
@@ -129,6 +133,15 @@ class RolloutServer:
         body["reaped_idle_sessions"] = self.reaped
         body["capture_sessions"] = await self.runtime.open_capture_sessions()
         return web.json_response({**body, "model": self.runtime.model})
+
+    async def put_policy(self, request: web.Request) -> web.Response:
+        """``PUT /policy {"model", "version"}``: the capture proxy's policy, for every later model call."""
+        try:
+            policy = Policy.model_validate_json(await request.read() or b"{}")
+        except ValidationError as exc:
+            raise _error(400, f"invalid policy: {exc.errors(include_url=False)}") from exc
+        await self.runtime.set_policy(policy.model, policy.version)
+        return web.json_response({"policy": policy.model_dump()})
 
     async def splits(self, request: web.Request) -> web.Response:
         return web.json_response({"splits": self.tasks.splits()})

@@ -17,6 +17,7 @@ from typing import Any
 IMPORTANCE_SAMPLING_MODES = ("truncate", "mask", "none")
 ENGINE_KINDS = ("vllm", "dev", "none")
 WEIGHT_SYNCS = ("auto", "nccl", "file")
+LORA_SYNCS = ("adapter", "merged")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 REPORT_TO = ("none", "all", "tensorboard", "wandb", "trackio")
 LOSS_NORMALIZATIONS = ("rollout", "step")
@@ -48,6 +49,14 @@ class AsyncGRPOConfig:
     lora_target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
         metadata=_help("Modules LoRA adapts."),
+    )
+    lora_sync: str = field(
+        default="adapter",
+        metadata=_help(
+            f"How a LoRA policy reaches vLLM, one of {LORA_SYNCS}: 'adapter' (only the adapter, one served "
+            "name per version; vLLM needs --enable-lora and --max-lora-rank >= lora_r) or 'merged' (the "
+            "full weights with the adapter merged, by weight_sync)."
+        ),
     )
 
     # Rollouts.
@@ -239,6 +248,8 @@ def _problems(c: AsyncGRPOConfig) -> Sequence[str]:
         yield f"weight_sync {c.weight_sync!r} is not one of {WEIGHT_SYNCS}"
     if c.weight_sync_steps < 1 or c.weight_sync_retries < 1 or c.weight_sync_timeout <= 0:
         yield "weight_sync_steps and weight_sync_retries must be ≥ 1 and weight_sync_timeout positive"
+    if c.lora_sync not in LORA_SYNCS:
+        yield f"lora_sync {c.lora_sync!r} is not one of {LORA_SYNCS}"
     if c.use_peft and c.lora_r < 1:
         yield "lora_r must be at least 1"
 

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from harness_trainer.engines import EngineUnavailable, PushRefused, make_engine
+from harness_trainer.trainer.adapter_sync import AdapterFolders
 from harness_trainer.trainer.batch import StepBatch, assemble, rollout_metrics
 from harness_trainer.trainer.checkpoint import (
     TrainerState,
@@ -123,6 +124,11 @@ class HarnessAsyncGRPOTrainer:
         self.trained_groups: list[int] = []
         self._stop = threading.Event()
         self._pushes = False
+        self._adapter_sync = (
+            self.args.use_peft and self.args.lora_sync == "adapter" and self.args.engine == "vllm"
+        )
+        self._adapter_folders: AdapterFolders | None = None
+        self._policy: tuple[str, int] | None = None
         self._counters = {"rollout/unscorable_total": 0, "rollout/dropped_groups_total": 0}
 
     # -- setup ---------------------------------------------------------------------------------------
@@ -166,6 +172,11 @@ class HarnessAsyncGRPOTrainer:
         elif self.engine is None and args.engine != "none":
             self.engine = self._make_engine()
         self._pushes = self.collective.broadcast(self.engine is not None)
+        if self._adapter_sync and self.engine is not None:
+            if self.accelerator.num_processes > 1:
+                raise ValueError("lora_sync='adapter' runs on one process; use lora_sync='merged' with FSDP")
+            asyncio.run(self.engine.check_lora_rank(args.lora_r))
+            self._adapter_folders = AdapterFolders(args.weight_sync_dir, keep=args.max_staleness + 1)
         if resumed is not None:
             self.state = resumed
             logger.info("resumed from %s at step %d", resume, self.state.step)
@@ -177,6 +188,8 @@ class HarnessAsyncGRPOTrainer:
         args = self.args
         assert self.model is not None
         self.factory = self.factory_builder(sampling=args.sampling)
+        if self._policy is not None:  # an adapter pushed on resume, before the factory existed
+            self._publish_policy(*self._policy)
         rows = self._rows()
         self.reporter = MetricsReporter(
             self.output_dir, args.report_to, run_name=args.run_name, config=args.to_dict()
@@ -203,8 +216,14 @@ class HarnessAsyncGRPOTrainer:
     def _make_engine(self) -> Any:
         args = self.args
         assert args.vllm_server_base_url is not None and self.model is not None
+        if args.engine == "vllm" and self._adapter_sync:
+            # Only the adapter travels; vLLM keeps the versions a rollout may still be finishing on.
+            return make_engine(
+                "vllm", args.vllm_server_base_url, timeout=args.weight_sync_timeout, lora=True,
+                keep_adapters=args.max_staleness + 1, weight_sync_timeout=args.weight_sync_timeout,
+            )  # fmt: skip
         if args.engine == "vllm":
-            # LoRA is merged into the full weights before a push, so vLLM serves one model name throughout.
+            # A merged LoRA (or the full model) travels whole: vLLM serves one model name throughout.
             return make_engine(
                 "vllm", args.vllm_server_base_url, timeout=args.weight_sync_timeout,
                 weight_sync=self._weight_sync(), weight_sync_timeout=args.weight_sync_timeout,
@@ -464,8 +483,17 @@ class HarnessAsyncGRPOTrainer:
             return 0.0
         assert self._trained is not None and self.model is not None
         started = time.monotonic()
-        weights = engine_state(self.accelerator, self._trained, self.model)
-        served, error = self._push_to_engine(weights, version) if weights is not None else (None, None)
+        if self._adapter_folders is not None:
+            payload: Any = self._adapter_folders.save(self.model, version)
+        else:
+            payload = engine_state(self.accelerator, self._trained, self.model)
+        served, error = self._push_to_engine(payload, version) if payload is not None else (None, None)
+        if self._adapter_folders is not None:
+            if served is None:
+                self._adapter_folders.discard(payload)
+            else:
+                self._adapter_folders.served(payload)
+                self._publish_policy(self.engine.adapter_name(served), served)
         served = self.collective.broadcast(served)
         if served is None:
             self._save()
@@ -477,10 +505,23 @@ class HarnessAsyncGRPOTrainer:
         self.state.policy_version = served
         return time.monotonic() - started
 
+    def _publish_policy(self, model: str, version: int) -> None:
+        """Send the rollouts' later model calls to served model ``model`` (``version``'s adapter)."""
+        self._policy = (model, version)
+        if self.factory is not None:
+            if not hasattr(self.factory, "set_policy"):
+                raise ValueError(
+                    f"lora_sync='adapter' needs a session factory with set_policy(model, version) to move "
+                    f"the rollouts to each new adapter; {type(self.factory).__name__} has none: use "
+                    "lora_sync='merged'"
+                )
+            self.factory.set_policy(model, version)
+
     def _push_to_engine(
-        self, weights: dict[str, torch.Tensor], version: int
+        self, weights: dict[str, torch.Tensor] | Path, version: int
     ) -> tuple[int | None, Exception | None]:
-        """The version the engine serves after the push, or None and the last error."""
+        """The version the engine serves after the push (``weights``: the tensors, or an adapter's folder),
+        or None and the last error."""
         error: Exception | None = None
         for attempt in range(self.args.weight_sync_retries):
             try:
@@ -518,7 +559,8 @@ class HarnessAsyncGRPOTrainer:
             model.save_pretrained(str(path))
 
     def cleanup(self) -> None:
-        """Close every session, the factory, the trackers. Safe to call more than once."""
+        """Close every session, the factory, the trackers, the engine client's weight files. Safe to call
+        more than once."""
         if self.scheduler is not None:
             self.scheduler.stop()
         if self.factory is not None and hasattr(self.factory, "close"):
@@ -531,6 +573,11 @@ class HarnessAsyncGRPOTrainer:
             self.reporter.close()
         if self.rollout_log is not None:
             self.rollout_log.close()
+        # The weight files in /dev/shm (vLLM holds what it loaded in its own memory).
+        if self.engine is not None and hasattr(self.engine, "close"):
+            self.engine.close()
+        if self._adapter_folders is not None:
+            self._adapter_folders.close()
 
     def _install_sigterm(self) -> Any:
         if threading.current_thread() is not threading.main_thread():
@@ -543,10 +590,15 @@ class HarnessAsyncGRPOTrainer:
         return signal.signal(signal.SIGTERM, on_sigterm)
 
 
-async def _pause_push_resume(engine: Any, weights: dict[str, torch.Tensor], version: int) -> int:
+async def _pause_push_resume(engine: Any, weights: dict[str, torch.Tensor] | Path, version: int) -> int:
     # A failed push leaves the engine paused: better idle than sampling from half-updated weights; the
     # retry (or the run's stop) follows. A push the engine refused or rolled back left the old weights
     # whole, so it samples again meanwhile. What needs no pause (the file path's write) is done before it.
+    if isinstance(weights, Path):  # an adapter's folder
+        await engine.pause()
+        served = await engine.push_adapter(weights, version)
+        await engine.resume()
+        return served
     if hasattr(engine, "stage_weights"):
         await engine.stage_weights(weights, version)
     await engine.pause()

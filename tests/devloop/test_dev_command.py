@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -141,3 +142,69 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
     except OSError:
         return ""
+
+
+@pytest.mark.vllm_cpu
+@pytest.mark.timeout(900)
+def test_when_vllm_dies_mid_run_the_loop_stops_with_a_checkpoint_and_resume_continues(tmp_path):
+    process = subprocess.Popen(
+        dev(tmp_path, "--max-steps", "50", "--engine", "vllm"), cwd=ROOT, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    commands: dict[int, str] = {}
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().strip()):
+            assert process.poll() is None, process.stdout.read()
+            for pid in descendants(process.pid) - commands.keys():
+                commands[pid] = _cmdline(pid)
+            time.sleep(0.5)
+        server = next(pid for pid, command in commands.items() if "vllm.entrypoints" in command)
+        os.killpg(server, signal.SIGKILL)  # vLLM and its engine core die at once, as in an OOM kill
+        output, _ = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 2, output[-4000:]
+    error = output.strip().splitlines()[-1]
+    assert error.startswith("error: ") and re.search(r"reach the engine|engine did not take", error), error
+    assert wait_until(lambda: not alive(set(commands)), 30), alive(set(commands))
+    # Whichever noticed first (the next weight push, or a run of groups whose rollouts all failed to reach
+    # the engine), the run stopped on a checkpoint of the step in hand.
+    checkpoints = sorted((tmp_path / "run").glob("checkpoint-*/trainer_state.json"))
+    assert checkpoints, output[-4000:]
+    steps = max(int(path.parent.name.removeprefix("checkpoint-")) for path in checkpoints)
+    assert steps >= len(metrics.read_text().splitlines())
+
+    resumed = subprocess.run(
+        dev(tmp_path, "--max-steps", str(steps + 1), "--engine", "vllm", "--resume"), cwd=ROOT,
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert lines[-1]["step"] == steps + 1
+
+
+@pytest.mark.vllm_cpu
+@pytest.mark.timeout(900)
+def test_the_dev_loop_with_lora_on_vllm_pushes_adapters_and_routes_rollouts_to_the_newest(tmp_path):
+    before = set(Path("/dev/shm").glob("harness-trainer-*"))
+    done = subprocess.run(
+        dev(tmp_path, "--max-steps", "2", "--engine", "vllm", "--lora"), cwd=ROOT, capture_output=True,
+        text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    log = (tmp_path / "run" / "engine.log").read_text()
+    assert "Loaded new LoRA adapter: name 'policy-v1'" in log and "'policy-v2'" in log
+    assert "Reloading weights inplace" not in log  # only adapters travelled, never the full weights
+    rollouts = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    turns: dict[int, list[dict]] = {}
+    for rollout in rollouts:
+        turns.setdefault(rollout["step"], []).extend(rollout["trace"]["turns"])
+    # Step 1's rollouts ran on the base model; step 2's on the adapter pushed after step 1, recorded.
+    assert all(t["request"]["model"] == "tiny" and t["metadata"]["weight_version"] is None for t in turns[1])
+    assert all(
+        t["request"]["model"] == "policy-v1" and t["metadata"]["weight_version"] == 1 for t in turns[2]
+    )
+    assert set(Path("/dev/shm").glob("harness-trainer-*")) == before  # the adapter folders are gone

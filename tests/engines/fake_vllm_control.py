@@ -23,6 +23,8 @@ Routes, methods, query parameters, bodies, status codes and error shapes are vLL
   that folder's ``model.safetensors`` into ``loaded``; a folder without one, or a tensor whose name or
   shape is not in ``expected_shapes`` (when given), -> 500 ``{"error": ...}`` as vLLM's worker failure.
 - ``GET /is_paused`` -> ``{"is_paused": bool}``.
+- ``GET /server_info`` -> ``{"vllm_config": {"lora_config": {...} | null}}`` (only the part read here;
+  vLLM's holds the whole config).
 - ``GET /v1/models`` -> ``{"object": "list", "data": [{"id", "root", ...}]}``.
 - ``POST /reset_prefix_cache`` -> ``{"success": true}``.
 - ``POST /v1/load_lora_adapter {"lora_name", "lora_path"}`` -> 200, plain text ``Success: LoRA adapter
@@ -120,6 +122,7 @@ class FakeVLLM:
     loaded: dict[str, torch.Tensor] = field(default_factory=dict)
     reloads: list[str] = field(default_factory=list)
     root: str = "/models/tiny"
+    lora_config: dict[str, Any] | None = field(default_factory=lambda: {"max_lora_rank": 16, "max_loras": 2})
     served_model_name: str = "tiny"
     paused: bool = False
     updating: bool = False
@@ -145,6 +148,7 @@ class FakeVLLM:
         get("/get_world_size", self._world_size)
         get("/weight_info", self._weight_info)
         get("/is_paused", self._is_paused)
+        get("/server_info", self._server_info)
         get("/v1/models", self._models)
         post("/update_weight_version", self._update_weight_version)
         post("/collective_rpc", self._collective_rpc)
@@ -184,6 +188,9 @@ class FakeVLLM:
 
     async def _weight_info(self, request: web.Request) -> web.Response:
         return web.json_response({"weight_version": self.weight_version})
+
+    async def _server_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"vllm_config": {"lora_config": self.lora_config}})
 
     async def _is_paused(self, request: web.Request) -> web.Response:
         return web.json_response({"is_paused": self.paused})

@@ -183,3 +183,10 @@ def test_the_gpu_check_script_passes_on_the_lora_path(
         *("--tolerance", "1e-3"),
     ]
     assert gpu_check.main(argv) == 0
+
+
+async def test_an_adapter_above_vllms_max_lora_rank_is_refused_naming_both_ranks(vllm_url: str) -> None:
+    engine = VLLMEngine(vllm_url, lora=True)
+    await engine.check_lora_rank(8)  # the shared server's --max-lora-rank
+    with pytest.raises(ValueError, match=r"rank 16 is above vLLM's --max-lora-rank 8"):
+        await engine.check_lora_rank(16)

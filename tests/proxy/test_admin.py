@@ -170,3 +170,33 @@ def test_deleting_a_session_while_a_call_is_in_flight_loses_nothing_else_and_lea
     assert not (stack.data_dir / "sessions" / session["session_id"]).exists()
     assert stack.state.inflight == 0
     assert call(session).status_code == 401
+
+
+def test_a_policy_sends_every_later_call_to_its_model_and_records_its_version(stack: Stack) -> None:
+    session = stack.new_session()
+    stack.engine.weight_version = None  # vLLM's replies carry no version: the policy's is recorded
+    assert call(session).status_code == 200
+    put = stack.admin.put("/policy", json={"model": "policy-v3", "version": 3})
+    assert put.status_code == 200 and put.json() == {"policy": {"model": "policy-v3", "version": 3}}
+    assert call(session).status_code == 200
+
+    assert [body["model"] for body in stack.engine.requests][-1] == "policy-v3"
+    assert stack.engine.requests[-2]["model"] != "policy-v3"
+    assert [c["weight_version"] for c in stack.calls(session["session_id"])] == [None, 3]
+    assert stack.admin.get("/policy").json() == {"policy": {"model": "policy-v3", "version": 3}}
+
+    stack.engine.weight_version = 4  # an engine that names its own version wins
+    assert call(session).status_code == 200
+    assert stack.calls(session["session_id"])[-1]["weight_version"] == 4
+    assert stack.admin.delete("/policy").json() == {"policy": None}
+    assert call(session).status_code == 200 and stack.engine.requests[-1]["model"] != "policy-v3"
+
+
+def test_a_bad_policy_is_a_400_naming_the_field_and_needs_the_admin_key(stack: Stack) -> None:
+    response = stack.admin.put("/policy", json={"model": "", "version": -1})
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert "model" in message and "version" in message
+    assert stack.admin.put("/policy", json={"model": "m", "version": 1, "x": 1}).status_code == 400
+    assert httpx.put(stack.url + "/policy", json={"model": "m", "version": 1}).status_code == 401
+    assert stack.admin.get("/policy").json() == {"policy": None}

@@ -124,3 +124,19 @@ def test_a_server_restart_gives_open_sessions_a_clear_error_not_a_hang(
     finally:
         first.stop()
     assert live_sandbox_processes() == []
+
+
+def test_a_policy_set_through_the_factory_reaches_the_capture_proxy(server: Server) -> None:
+    factory = builder(server, agent_timeout_sec=120)
+    factory.set_policy("tiny", 4)  # the name the dev engine serves; each later call goes there
+    bad = httpx.put(server.url + "/policy", json={"model": "", "version": 1})
+    assert bad.status_code == 400 and "model" in bad.json()["error"]["message"]
+    with pytest.raises(RolloutServerError, match="400"):
+        factory.set_policy("tiny", -1)
+    session = factory.create(
+        next(r for r in factory.prompt_rows() if r["task_name"] == "hello-file")["prompt"]
+    )
+    assert session.wait_for_completion(timeout_s=120) == 0
+    assert len(session.fetch_training_trace().turns) == 2
+    session.close()
+    factory.close()

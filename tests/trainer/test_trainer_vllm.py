@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
 import torch
 
 from harness_trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
@@ -50,3 +51,53 @@ def test_each_step_pushes_the_full_weights_through_vllms_control_sequence(tmp_pa
         torch.testing.assert_close(tensor, final[name])
     assert set(transport.sent[-1]) == set(final)
     assert trainer.state.policy_version == 2
+
+
+class PolicyFactory(HandmadeFactory):
+    """A factory that records where the trainer sends the rollouts' model calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.policies: list[tuple[str, int]] = []
+
+    def set_policy(self, model: str, version: int) -> None:
+        self.policies.append((model, version))
+
+
+def lora_run(tmp_path, tiny_model_dir, fake: FakeVLLM, factory, **config: object) -> HarnessAsyncGRPOTrainer:
+    url, loop, thread = serve_in_thread(fake)
+    try:
+        config = AsyncGRPOConfig(
+            output_dir=str(tmp_path / "out"), engine="vllm", vllm_server_base_url=url, num_generations=2,
+            max_concurrent_rollouts=2, learning_rate=1e-3, disable_tqdm=True, token_budget=64,
+            use_peft=True, lora_r=4, lora_alpha=8, weight_sync_dir=str(tmp_path / "shm"), **config,
+        )  # fmt: skip
+        trainer = HarnessAsyncGRPOTrainer(str(tiny_model_dir), lambda sampling: factory, config)
+        trainer.train()
+        return trainer
+    finally:
+        asyncio.run_coroutine_threadsafe(loop.runner.cleanup(), loop).result(10)  # type: ignore[attr-defined]
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+def test_with_lora_only_the_adapter_travels_and_the_rollouts_follow_each_version(tmp_path, tiny_model_dir):
+    fake, factory = FakeVLLM(generation_s=0.0), PolicyFactory()
+
+    trainer = lora_run(tmp_path, tiny_model_dir, fake, factory, max_steps=3, max_staleness=1)
+
+    loads = [c.body["lora_name"] for c in fake.calls if c.route == "POST /v1/load_lora_adapter"]
+    unloads = [c.body["lora_name"] for c in fake.calls if c.route == "POST /v1/unload_lora_adapter"]
+    assert loads == ["policy-v1", "policy-v2", "policy-v3"]
+    assert unloads == ["policy-v1"]  # max_staleness + 1 = 2 adapters stay loaded
+    assert factory.policies == [("policy-v1", 1), ("policy-v2", 2), ("policy-v3", 3)]
+    assert not any(c.route in ("POST /collective_rpc", "POST /update_weights") for c in fake.calls)
+    assert trainer.state.policy_version == 3 and not fake.paused
+    assert list((tmp_path / "shm").iterdir()) == []  # the adapter folders go with the run
+
+
+def test_an_adapter_rank_above_vllms_limit_stops_the_run_before_any_rollout(tmp_path, tiny_model_dir):
+    fake, factory = FakeVLLM(generation_s=0.0, lora_config={"max_lora_rank": 2}), PolicyFactory()
+    with pytest.raises(ValueError, match=r"rank 4 is above vLLM's --max-lora-rank 2"):
+        lora_run(tmp_path, tiny_model_dir, fake, factory, max_steps=1)
+    assert factory.created == [] and not any(c.route.startswith("POST /v1/") for c in fake.calls)
