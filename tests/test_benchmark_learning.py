@@ -55,6 +55,26 @@ def test_verdicts_need_a_rise_over_the_first_steps_and_over_the_frozen_run() -> 
     assert [v["pass"] for v in benchmark_learning.verdicts(result)] == [False, False, False]
 
 
+def test_the_vllm_arm_has_its_own_rise_targets_and_report_rows() -> None:
+    from benchmarks import report
+
+    run = {"k": 5, "seconds": 480.0, "rewards": [0.5] * 20}
+    result = {
+        "config": {"quick": False},
+        "trained": run | {"first": 0.6, "last": 0.95},
+        "frozen": run | {"first": 0.6, "last": 0.55},
+        "vllm": {"trained": run | {"first": 0.5, "last": 0.6}, "frozen": run | {"first": 0.5, "last": 0.5}},
+    }
+    verdicts = benchmark_learning.verdicts(result)
+    assert [v["target"].startswith("vllm: ") for v in verdicts] == [False, False, False, True, True]
+    assert [v["pass"] for v in verdicts] == [True, True, True, False, False]  # vllm: +0.10 and +0.10
+    section = report.section("learning", result)
+    measures = [row.measure for row in section.rows]
+    assert "vllm trained: mean reward, last 5 steps vs first 5" in measures
+    assert "vllm last 5 steps: trained vs frozen" in measures
+    assert "vllm reward 0.50 -> 0.60" in section.headline
+
+
 @pytest.mark.slow
 def test_quick_learning_benchmark_runs_both_dev_loops_and_leaves_nothing_running(tmp_path: Path) -> None:
     out = tmp_path / "result.json"

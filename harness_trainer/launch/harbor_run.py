@@ -84,7 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--learning-rate", type=float, default=1e-6)
     train.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     train.add_argument("--max-staleness", type=int, default=1, help="policy versions a rollout may lag")
-    train.add_argument("--lora", action="store_true", help="train a LoRA adapter (merged for each push)")
+    train.add_argument(
+        "--lora", action="store_true",
+        help="train a LoRA adapter (vLLM gets the adapter alone: serve it with --enable-lora)",
+    )  # fmt: skip
     train.add_argument("--output-dir", type=Path, default=Path("outputs/async_grpo_harbor"))
     train.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps (0: at the end)")
     train.add_argument("--report-to", default="none", help="none, tensorboard, wandb, trackio (comma list)")

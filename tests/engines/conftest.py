@@ -49,3 +49,18 @@ async def serve_fake() -> AsyncIterator[Callable[..., Awaitable[Served]]]:
     yield start
     for runner in runners:
         await runner.cleanup()
+
+
+@pytest.fixture(scope="session")
+def drift_adapter(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory):
+    """A real PEFT adapter of the tiny model (rank 4 on q_proj, v_proj), for the control-route replay."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    folder = tmp_path_factory.mktemp("drift-adapter")
+    model.save_pretrained(folder)
+    return folder

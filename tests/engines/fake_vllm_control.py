@@ -23,8 +23,8 @@ Routes, methods, query parameters, bodies, status codes and error shapes are vLL
   that folder's ``model.safetensors`` into ``loaded``; a folder without one, or a tensor whose name or
   shape is not in ``expected_shapes`` (when given), -> 500 ``{"error": ...}`` as vLLM's worker failure.
 - ``GET /is_paused`` -> ``{"is_paused": bool}``.
-- ``GET /server_info`` -> ``{"vllm_config": {"lora_config": {...} | null}}`` (only the part read here;
-  vLLM's holds the whole config).
+- ``GET /server_info`` -> ``{"vllm_config": {"model_config", "weight_transfer_config", "lora_config"}}``
+  (only the parts read here; vLLM's holds the whole config).
 - ``GET /v1/models`` -> ``{"object": "list", "data": [{"id", "root", ...}]}``.
 - ``POST /reset_prefix_cache`` -> ``{"success": true}``.
 - ``POST /v1/load_lora_adapter {"lora_name", "lora_path"}`` -> 200, plain text ``Success: LoRA adapter
@@ -190,14 +190,26 @@ class FakeVLLM:
         return web.json_response({"weight_version": self.weight_version})
 
     async def _server_info(self, request: web.Request) -> web.Response:
-        return web.json_response({"vllm_config": {"lora_config": self.lora_config}})
+        config = {
+            "model_config": {"logprobs_mode": "processed_logprobs"},
+            "weight_transfer_config": {"backend": "nccl"},
+            "lora_config": self.lora_config,
+        }
+        return web.json_response({"vllm_config": config})
 
     async def _is_paused(self, request: web.Request) -> web.Response:
         return web.json_response({"is_paused": self.paused})
 
     async def _models(self, request: web.Request) -> web.Response:
-        card = {"id": self.served_model_name, "object": "model", "created": 0, "owned_by": "vllm",
-                "root": self.root, "parent": None, "max_model_len": 4096, "permission": []}  # fmt: skip
+        permission = {
+            "id": "modelperm-0", "object": "model_permission", "created": 0, "allow_create_engine": False,
+            "allow_sampling": True, "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+            "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False,
+        }  # fmt: skip
+        card = {
+            "id": self.served_model_name, "object": "model", "created": 0, "owned_by": "vllm",
+            "root": self.root, "parent": None, "max_model_len": 4096, "permission": [permission],
+        }  # fmt: skip
         return web.json_response({"object": "list", "data": [card]})
 
     async def _update_weight_version(self, request: web.Request) -> web.Response:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from harness_trainer.engines import VLLMEngine, gpu_check
+from tests.engines import vllm_control_routes as routes
 from tests.engines.conftest import Served
 
 TEMPERATURE = 0.7
@@ -35,64 +38,20 @@ def vllm_url(vllm_cpu_url: str) -> str:
     return vllm_cpu_url
 
 
-def shape(value: Any) -> Any:
-    """JSON structure without values: keys, and the type at each leaf."""
-    if isinstance(value, dict):
-        return {key: shape(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [shape(value[0])] if value else []
-    return type(value).__name__
-
-
-# An init_info vLLM's worker refuses (unknown key) before any rendezvous: a 500 with its error body.
-BOGUS_INIT = {
-    "init_info": {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2, "x": 1}
-}
-STEPS: list[tuple[str, str, dict[str, str] | None, Any]] = [
-    ("GET", "/health", None, None),
-    ("GET", "/get_world_size", None, None),
-    ("POST", "/pause", {"mode": "later"}, None),
-    ("POST", "/pause", {"mode": "wait"}, None),
-    ("POST", "/start_weight_update", None, {"is_checkpoint_format": True}),
-    ("POST", "/finish_weight_update", None, {"weight_version": "5"}),
-    ("GET", "/weight_info", None, None),
-    ("POST", "/reset_prefix_cache", None, None),
-    ("POST", "/resume", None, None),
-    ("POST", "/v1/load_lora_adapter", None, {"lora_name": "missing", "lora_path": "/nonexistent/adapter"}),
-    ("POST", "/v1/unload_lora_adapter", None, {"lora_name": "never-loaded"}),
-    # The file path's routes. Never a failing reload here: vLLM cannot recover from one (weight_sync.py).
-    ("POST", "/update_weight_version", None, {"new_version": "6"}),
-    ("GET", "/weight_info", None, None),
-    ("GET", "/is_paused", None, None),
-    ("POST", "/collective_rpc", None, {}),
-    # Last: vLLM drops the connection after this 500, and the replay's client keeps one open.
-    ("POST", "/init_weight_transfer_engine", None, BOGUS_INIT),
-]
-
-
-async def replay(url: str) -> list[tuple[int, Any]]:
-    answers = []
-    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
-        for method, path, params, body in STEPS:
-            reply = await http.request(method, path, params=params, json=body)
-            try:
-                answers.append((reply.status_code, shape(reply.json())))
-            except ValueError:
-                answers.append((reply.status_code, reply.text))
-    return answers
-
-
-async def test_the_fake_answers_the_control_routes_as_vllm_does(vllm_url: str, serve_fake) -> None:
+async def test_the_fake_answers_the_control_routes_as_vllm_does_and_as_recorded(
+    vllm_url: str, serve_fake, drift_adapter: Path
+) -> None:
     served: Served = await serve_fake()
     # The fake's one extra rule, a transfer group before start_weight_update, is met up front.
     served.fake.init_info = {"master_address": "127.0.0.1"}
 
-    real, fake = await replay(vllm_url), await replay(served.url)
+    real = await routes.replay(vllm_url, drift_adapter)
+    if os.environ.get("HT_RECORD_VLLM_FIXTURES") == "1":
+        routes.FIXTURE.write_text(json.dumps(real, indent=1) + "\n")
+    fake = await routes.replay(served.url, drift_adapter)
 
-    for step, (expected, got) in zip(STEPS, zip(real, fake, strict=True), strict=True):
-        assert expected == got, f"{step[0]} {step[1]}: vLLM {expected} != fake {got}"
-    statuses = [status for status, _ in real]
-    assert statuses == [200, 200, 400, 200, 200, 200, 200, 200, 200, 404, 404, 200, 200, 200, 400, 500]
+    assert routes.differences(real, fake) == [], "the fake drifted from real vLLM"
+    assert routes.differences(routes.recorded(), real) == [], "vLLM's answers changed: re-record them"
 
 
 @pytest.fixture
