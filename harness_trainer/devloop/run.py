@@ -32,7 +32,6 @@ if TYPE_CHECKING:
 EXAMPLE_TASKS = Path(__file__).resolve().parents[2] / "examples" / "tasks"
 HARNESS_CHOICES = ("mini-swe-agent", "opencode", "toy")
 ENGINE_CHOICES = ("dev", "vllm")
-MAX_STALENESS = 1
 
 
 @dataclass
@@ -64,6 +63,7 @@ class DevLoopOptions:
     vllm_python: Path | None = None
     lora: bool = False
     lora_r: int = 8
+    max_staleness: int = 1
 
 
 def add_dev_arguments(parser: argparse.ArgumentParser) -> None:
@@ -106,6 +106,10 @@ def add_dev_arguments(parser: argparse.ArgumentParser) -> None:
         help="train a LoRA adapter (with --engine vllm only the adapter travels, a served name per version)",
     )  # fmt: skip
     parser.add_argument("--lora-r", type=int, default=d.lora_r, help="LoRA rank")
+    parser.add_argument(
+        "--max-staleness", type=int, default=d.max_staleness,
+        help="policy versions a rollout may lag (0: the engine waits for every step)",
+    )  # fmt: skip
     parser.add_argument(
         "--vllm-python", type=Path, default=d.vllm_python,
         help="python of the venv that runs vLLM (default: HT_VLLM_PYTHON, else the venv "
@@ -218,7 +222,11 @@ def _run_dev_loop(
     with (output / "engine.log").open("ab") as engine_log:
         if options.engine == "vllm":
             lora_rank = options.lora_r if options.lora else None
-            flags = [*serve_flags(served_model_name="tiny", lora_rank=lora_rank, max_loras=MAX_STALENESS + 1)]
+            flags = [
+                *serve_flags(
+                    served_model_name="tiny", lora_rank=lora_rank, max_loras=options.max_staleness + 1
+                )
+            ]
             engine = start_vllm(
                 model_dir, [*flags, "--seed", str(options.seed)], python=vllm,
                 env=serve_env(lora=options.lora), output=engine_log,
@@ -230,7 +238,7 @@ def _run_dev_loop(
         config = AsyncGRPOConfig(
             output_dir=str(output), engine=options.engine, vllm_server_base_url=engine.url,
             num_generations=options.num_generations, max_concurrent_rollouts=options.max_concurrent_rollouts,
-            max_staleness=MAX_STALENESS, max_steps=options.max_steps, use_peft=options.lora,
+            max_staleness=options.max_staleness, max_steps=options.max_steps, use_peft=options.lora,
             lora_r=options.lora_r, lora_alpha=2 * options.lora_r, learning_rate=options.learning_rate,
             optim=options.optim, temperature=options.temperature,
             max_completion_length=options.max_completion_length, seed=options.seed,
