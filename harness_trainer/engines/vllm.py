@@ -170,6 +170,8 @@ class VLLMEngine:
 
         Raises:
             ValueError: no ``weight_sync`` was given, or nothing to push.
+            PushRefused: (file path) the served model cannot load these tensors, or a reload failed and
+                was rolled back: the engine serves the previous weights whole.
             EngineUnavailable: a control call or the transfer failed (the engine stays paused).
         """
         if self._transport is None:

@@ -63,3 +63,32 @@ def test_preflight_passes_against_vllm_served_as_the_readme_says(vllm_url: str, 
         assert httpx.get(f"{server.url}/health").json()["sessions"] == 0
     finally:
         server.stop()
+
+
+def test_the_launcher_trains_against_a_vllm_you_started_and_pushes_each_step(
+    vllm_url: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    server = Server(vllm_url, tmp_path / "capture", limit=3)
+    try:
+        result = subprocess.run(
+            [
+                *(sys.executable, str(TRAIN), "--server", server.url, "--vllm-url", vllm_url),
+                *("--model", str(tiny_model_dir), "--harness", "toy", "--sandbox", "local"),
+                *("--max-steps", "2", "--num-generations", "2", "--max-concurrent-rollouts", "2"),
+                *("--agent-timeout", "120"),
+                *("--output-dir", str(tmp_path / "out")),
+            ],
+            capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert (
+            "weight sync to vLLM at" in result.stderr
+            and ": file (auto: vLLM is on this host)" in result.stderr
+        )
+        metrics = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+        assert len(metrics) == 2
+        # Each step's weights reached vLLM by its in-place reload, the version stamped.
+        assert httpx.get(f"{vllm_url}/weight_info").json() == {"weight_version": "2"}
+        assert httpx.get(f"{server.url}/health").json()["sessions"] == 0
+    finally:
+        server.stop()
