@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -97,36 +98,6 @@ def test_an_output_dir_with_an_earlier_runs_checkpoints_is_refused_before_anythi
     assert "engine up" not in done.stdout
 
 
-@pytest.mark.vllm_cpu
-@pytest.mark.timeout(900)
-def test_the_dev_loop_on_a_real_vllm_pushes_every_step_and_stops_it(tmp_path):
-    process = subprocess.Popen(
-        dev(tmp_path, "--max-steps", "2", "--engine", "vllm"), cwd=ROOT, start_new_session=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    commands: dict[int, str] = {}  # every process below the dev loop, gathered while it runs
-    try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and process.poll() is None:
-            for pid in descendants(process.pid) - commands.keys():
-                commands[pid] = _cmdline(pid)
-            time.sleep(0.5)
-        output, _ = process.communicate(timeout=60)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-    seen = set(commands)
-    started = {pid for pid, command in commands.items() if "vllm" in command.lower()}
-    assert process.returncode == 0, output[-4000:]
-    assert started, "the dev loop started no vLLM"
-    assert "engine up: vllm" in output and "mean reward" in output
-    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [line["step"] for line in lines] == [1, 2]
-    assert all(line["perf/weight_sync_s"] > 0 for line in lines)  # a push into vLLM after every step
-    assert "Reloading weights inplace" in (tmp_path / "run" / "engine.log").read_text()
-    assert wait_until(lambda: not alive(seen), 30), alive(seen)  # vLLM's engine core and workers too
-
-
 def test_the_dev_loop_without_a_vllm_python_stops_before_anything_starts(tmp_path):
     done = subprocess.run(
         dev(tmp_path, "--max-steps", "1", "--engine", "vllm", "--vllm-python", str(tmp_path / "no" / "py")),
@@ -144,29 +115,46 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-@pytest.mark.vllm_cpu
-@pytest.mark.timeout(900)
-def test_when_vllm_dies_mid_run_the_loop_stops_with_a_checkpoint_and_resume_continues(tmp_path):
+def run_watching(
+    command: list[str], until: Any = None, timeout: float = 600
+) -> tuple[int, str, dict[int, str]]:
+    """Run ``command`` (a dev loop) in its own session to its end; every process below it, gathered while
+    it runs (pid -> command line). ``until(commands)``, called as it runs, may act once (e.g. kill)."""
     process = subprocess.Popen(
-        dev(tmp_path, "--max-steps", "50", "--engine", "vllm"), cwd=ROOT, start_new_session=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    metrics = tmp_path / "run" / "metrics.jsonl"
+        command, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     commands: dict[int, str] = {}
     try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().strip()):
-            assert process.poll() is None, process.stdout.read()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and process.poll() is None:
             for pid in descendants(process.pid) - commands.keys():
                 commands[pid] = _cmdline(pid)
+            if until is not None and until(commands):
+                until = None
             time.sleep(0.5)
-        server = next(pid for pid, command in commands.items() if "vllm.entrypoints" in command)
-        os.killpg(server, signal.SIGKILL)  # vLLM and its engine core die at once, as in an OOM kill
         output, _ = process.communicate(timeout=300)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
-    assert process.returncode == 2, output[-4000:]
+    return process.returncode, output, commands
+
+
+@pytest.mark.vllm_cpu
+@pytest.mark.timeout(900)
+def test_on_a_real_vllm_the_loop_pushes_each_step_survives_vllm_dying_and_resumes(tmp_path):
+    metrics, engine_log = tmp_path / "run" / "metrics.jsonl", tmp_path / "run" / "engine.log"
+
+    def kill_vllm_after_the_first_step(commands: dict[int, str]) -> bool:
+        if not (metrics.exists() and metrics.read_text().strip()):
+            return False
+        server = next(pid for pid, command in commands.items() if "vllm.entrypoints" in command)
+        os.killpg(server, signal.SIGKILL)  # vLLM and its engine core die at once, as in an OOM kill
+        return True
+
+    code, output, commands = run_watching(
+        dev(tmp_path, "--max-steps", "50", "--engine", "vllm"), until=kill_vllm_after_the_first_step
+    )
+    assert code == 2, output[-4000:]
     error = output.strip().splitlines()[-1]
     assert error.startswith("error: ") and re.search(r"reach the engine|engine did not take", error), error
     assert wait_until(lambda: not alive(set(commands)), 30), alive(set(commands))
@@ -176,14 +164,20 @@ def test_when_vllm_dies_mid_run_the_loop_stops_with_a_checkpoint_and_resume_cont
     assert checkpoints, output[-4000:]
     steps = max(int(path.parent.name.removeprefix("checkpoint-")) for path in checkpoints)
     assert steps >= len(metrics.read_text().splitlines())
+    reloads = engine_log.read_text().count("Reloading weights inplace")
+    assert reloads >= 1  # step 1's weights reached vLLM by its in-place reload
 
-    resumed = subprocess.run(
-        dev(tmp_path, "--max-steps", str(steps + 1), "--engine", "vllm", "--resume"), cwd=ROOT,
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert lines[-1]["step"] == steps + 1
+    # --resume starts a fresh vLLM and carries on; at the end everything it started is gone.
+    code, output, commands = run_watching(
+        dev(tmp_path, "--max-steps", str(steps + 1), "--engine", "vllm", "--resume")
+    )
+    assert code == 0, output[-4000:]
+    assert "engine up: vllm" in output and "mean reward" in output
+    assert any("vllm.entrypoints" in command for command in commands.values())
+    last = json.loads(metrics.read_text().splitlines()[-1])
+    assert last["step"] == steps + 1 and last["perf/weight_sync_s"] > 0
+    assert engine_log.read_text().count("Reloading weights inplace") > reloads
+    assert wait_until(lambda: not alive(set(commands)), 30), alive(set(commands))  # engine core, workers too
 
 
 @pytest.mark.vllm_cpu
