@@ -155,8 +155,9 @@ def test_on_a_real_vllm_the_loop_pushes_each_step_survives_vllm_dying_and_resume
         dev(tmp_path, "--max-steps", "50", "--engine", "vllm"), until=kill_vllm_after_the_first_step
     )
     assert code == 2, output[-4000:]
-    error = output.strip().splitlines()[-1]
-    assert error.startswith("error: ") and re.search(r"reach the engine|engine did not take", error), error
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, output[-4000:]
+    assert re.search(r"reach the engine|engine did not take", errors[0]), errors[0]
     assert wait_until(lambda: not alive(set(commands)), 30), alive(set(commands))
     # Whichever noticed first (the next weight push, or a run of groups whose rollouts all failed to reach
     # the engine), the run stopped on a checkpoint of the step in hand.
@@ -196,9 +197,11 @@ def test_the_dev_loop_with_lora_on_vllm_pushes_adapters_and_routes_rollouts_to_t
     turns: dict[int, list[dict]] = {}
     for rollout in rollouts:
         turns.setdefault(rollout["step"], []).extend(rollout["trace"]["turns"])
-    # Step 1's rollouts ran on the base model; step 2's on the adapter pushed after step 1, recorded.
-    assert all(t["request"]["model"] == "tiny" and t["metadata"]["weight_version"] is None for t in turns[1])
-    assert all(
-        t["request"]["model"] == "policy-v1" and t["metadata"]["weight_version"] == 1 for t in turns[2]
-    )
+    # Every call went to the adapter current when it was made, and its turn records that version: the base
+    # model (no version) before the first push, policy-v1 after it. Step 1's group was sampled before any
+    # push; a later group may have started on the base model while step 1 trained (max_staleness 1).
+    pairs = {(t["request"]["model"], t["metadata"]["weight_version"]) for ts in turns.values() for t in ts}
+    assert pairs <= {("tiny", None), ("policy-v1", 1)}, pairs
+    assert ("policy-v1", 1) in pairs  # the rollouts followed the push
+    assert all(t["request"]["model"] == "tiny" for t in turns[1])
     assert set(Path("/dev/shm").glob("harness-trainer-*")) == before  # the adapter folders are gone
