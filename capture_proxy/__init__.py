@@ -7,7 +7,8 @@ It stands alone (it never imports ``harness_trainer`` or torch). Entry points:
 - :func:`capture_proxy.export.trace_from_journal`: a session's TrainingTrace from its journal, offline;
 - :func:`capture_proxy.assembly.assemble_trace`: the same from records in memory.
 
-The wire contract is in ``../shared/DESIGN.md``; the journal format in ``JOURNAL.md`` beside this file.
+The wire contract is in the repository's ``docs/design.md``; the journal format in ``JOURNAL.md`` beside
+this file.
 Importing the package imports nothing else, so entry points that only need the CLI stay light.
 """
 

@@ -1,6 +1,6 @@
 """What the trainer needs from an inference engine, and the engines that provide it.
 
-``InferenceEngine`` is the contract (DESIGN.md § Engine); ``ENGINES`` maps a kind to its client class and
+``InferenceEngine`` is the contract (docs/design.md § Engine); ``ENGINES`` maps a kind to its client class and
 ``make_engine`` builds one. ``dev`` is the CPU dev engine (weights in the HTTP body); ``vllm`` is vLLM's
 control routes with weights over a :class:`~harness_trainer.engines.nccl.WeightTransport` (NCCL) or
 through vLLM's in-place reload from a file (:mod:`harness_trainer.engines.weight_sync`).

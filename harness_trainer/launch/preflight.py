@@ -11,7 +11,7 @@ and how to fix it) at the first failure:
    ``extra.config``);
 4. the engine: reachable; its kind (``auto``: the dev engine answers ``GET /weight_version``, vLLM does
    not); one chat completion with a tool, ``logprobs=true, top_logprobs=0, return_token_ids=true,
-   max_tokens=1`` returns what the capture proxy records (DESIGN.md § Capture proxy): the engine's
+   max_tokens=1`` returns what the capture proxy records (docs/design.md § Capture proxy): the engine's
    ``prompt_token_ids``, the sampled ``token_ids``, one ``"token_id:N"`` logprob entry per sampled id
    with a finite logprob ≤ 0; for vLLM also, from its dev-mode ``GET /server_info``, that it runs with
    ``VLLM_SERVER_DEV_MODE=1``, ``--logprobs-mode processed_logprobs`` and a ``--weight-transfer-config``;
