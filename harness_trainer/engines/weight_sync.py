@@ -81,6 +81,19 @@ def choose_weight_sync(requested: str, base_url: str) -> str:
     return "file" if is_local_host(urlsplit(base_url).hostname or "") else "nccl"
 
 
+def run_folder(directory: str | Path | None, prefix: str) -> Path:
+    """A new folder for one run's weight files under ``directory`` (default ``/dev/shm`` when writable,
+    else the temp dir), readable by an engine running as another user."""
+    parent = Path(directory) if directory is not None else None
+    if parent is None and SHARED_MEMORY.is_dir() and os.access(SHARED_MEMORY, os.W_OK):
+        parent = SHARED_MEMORY
+    if parent is not None:
+        parent.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    folder.chmod(0o755)
+    return folder
+
+
 def shareable_tensors(named_tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``named_tensors`` as safetensors can write them: on the CPU, dense, and no two sharing storage
     (a tensor whose storage an earlier name already holds, a tied weight, becomes its own copy)."""
@@ -108,21 +121,15 @@ class FileWeightSync:
     """
 
     def __init__(self, directory: str | Path | None = None) -> None:
-        root = Path(directory) if directory is not None else None
-        if root is None:
-            root = SHARED_MEMORY if SHARED_MEMORY.is_dir() and os.access(SHARED_MEMORY, os.W_OK) else None
-        self._parent = root
+        self._parent = directory
         self._run_dir: Path | None = None
         self.last_good: Path | None = None
 
     @property
     def run_dir(self) -> Path:
-        """This sync's own folder (made on first use, readable by an engine running as another user)."""
+        """This sync's own folder (made on first use)."""
         if self._run_dir is None:
-            if self._parent is not None:
-                self._parent.mkdir(parents=True, exist_ok=True)
-            self._run_dir = Path(tempfile.mkdtemp(prefix="harness-trainer-weights-", dir=self._parent))
-            self._run_dir.chmod(0o755)
+            self._run_dir = run_folder(self._parent, "harness-trainer-weights-")
         return self._run_dir
 
     def write(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> Path:

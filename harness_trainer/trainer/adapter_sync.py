@@ -12,12 +12,11 @@ The newest ``keep`` folders stay on disk, as the newest ``keep`` adapters stay l
 from __future__ import annotations
 
 import shutil
-import tempfile
 from collections import deque
 from pathlib import Path
 from typing import Any
 
-from harness_trainer.engines.weight_sync import SHARED_MEMORY
+from harness_trainer.engines.weight_sync import run_folder
 
 
 class AdapterFolders:
@@ -32,13 +31,7 @@ class AdapterFolders:
     def __init__(self, directory: str | Path | None = None, keep: int = 2) -> None:
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
-        parent = Path(directory) if directory is not None else None
-        if parent is None and SHARED_MEMORY.is_dir():
-            parent = SHARED_MEMORY
-        if parent is not None:
-            parent.mkdir(parents=True, exist_ok=True)
-        self.run_dir = Path(tempfile.mkdtemp(prefix="harness-trainer-adapters-", dir=parent))
-        self.run_dir.chmod(0o755)
+        self.run_dir = run_folder(directory, "harness-trainer-adapters-")
         self.keep = keep
         self._served: deque[Path] = deque()
 
