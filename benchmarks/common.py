@@ -12,7 +12,9 @@ import contextlib
 import os
 import socket
 import subprocess
+import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +47,28 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def run_dev_loop(output: Path, flags: list[str], log: Path, what: str) -> float:
+    """``harness-trainer dev --output-dir OUTPUT FLAGS`` to its end, its output in ``log``; its wall seconds.
+    Stopped (SIGTERM, then SIGKILL) on every path: a Ctrl-C here stops the dev loop, which closes what it
+    started.
+
+    Raises:
+        RuntimeError: it exited non-zero (the end of its log attached), naming ``what`` ran.
+    """
+    command = [sys.executable, "-m", "harness_trainer.cli", "dev", "--output-dir", str(output), *flags]
+    started = time.perf_counter()
+    with log.open("wb") as sink:
+        process = subprocess.Popen(command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT)
+        try:
+            code = process.wait()
+        finally:
+            stop_process(process, 60.0)
+    if code != 0:
+        tail = log.read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"harness-trainer dev ({what}) exited with {code}:\n{tail}")
+    return time.perf_counter() - started
 
 
 def stop_process(process: subprocess.Popen, timeout: float = 30.0) -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +34,7 @@ from typing import Any
 if not __package__:  # run as a script: its siblings import from the package
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import ROOT, print_table, stop_process
+from benchmarks.common import print_table, run_dev_loop
 
 STALENESS = (0, 1)
 
@@ -90,21 +89,12 @@ def run_intervals(output: Path) -> tuple[list[tuple[float, float]], list[tuple[f
 
 def dev_run(engine: str, staleness: int, steps: int, tmp: Path) -> dict[str, Any]:
     output = tmp / f"staleness-{staleness}"
-    command = [
-        sys.executable, "-m", "harness_trainer.cli", "dev", "--output-dir", str(output), "--engine", engine,
-        "--harness", "toy", "--no-warmup", "--max-steps", str(steps), "--max-staleness", str(staleness),
-        "--num-generations", "4", "--max-concurrent-rollouts", "4", "--max-completion-length", "64",
+    flags = [
+        "--engine", engine, "--harness", "toy", "--no-warmup", "--max-steps", str(steps),
+        "--max-staleness", str(staleness), "--num-generations", "4", "--max-concurrent-rollouts", "4",
+        "--max-completion-length", "64",
     ]  # fmt: skip
-    log = tmp / f"staleness-{staleness}.log"
-    started = time.perf_counter()
-    with log.open("wb") as sink:
-        process = subprocess.Popen(command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT)
-        try:
-            code = process.wait()
-        finally:
-            stop_process(process, 60.0)
-    if code != 0:
-        raise RuntimeError(f"dev loop (max_staleness {staleness}) exited {code}:\n{log.read_text()[-3000:]}")
+    seconds = run_dev_loop(output, flags, tmp / f"staleness-{staleness}.log", f"max_staleness {staleness}")
     calls, spans = run_intervals(output)
     fractions = idle_fractions(calls, spans)
     later = fractions[1:] or fractions
@@ -114,7 +104,7 @@ def dev_run(engine: str, staleness: int, steps: int, tmp: Path) -> dict[str, Any
         "idle_median": statistics.median(later),
         "step_s": [end - start for start, end, _ in spans],
         "calls": len(calls),
-        "seconds": time.perf_counter() - started,
+        "seconds": seconds,
     }
 
 

@@ -31,7 +31,6 @@ import argparse
 import contextlib
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,7 +41,7 @@ from typing import Any
 if not __package__:  # run as a script (python benchmarks/learning.py): its siblings import from the package
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import ROOT, finish, print_table, print_verdicts, stop_process
+from benchmarks.common import finish, print_table, print_verdicts, run_dev_loop
 from harness_trainer.devloop.run import reward_windows, step_rewards
 
 FROZEN_LR = 1e-9
@@ -74,19 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 def dev_run(name: str, flags: list[str], tmp: Path) -> dict[str, Any]:
     """One ``harness-trainer dev`` to its end; its rewards, windows and wall time."""
     output = tmp / name
-    command = [sys.executable, "-m", "harness_trainer.cli", "dev", "--output-dir", str(output), *flags]
-    log = tmp / f"{name}.log"
-    started = time.perf_counter()
-    with log.open("wb") as sink:
-        process = subprocess.Popen(command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT)
-        try:
-            code = process.wait()
-        finally:
-            stop_process(process, 60.0)  # a Ctrl-C here stops the dev loop (it closes what it started)
-    seconds = time.perf_counter() - started
-    if code != 0:
-        tail = log.read_text(errors="replace")[-3000:]
-        raise RuntimeError(f"harness-trainer dev ({name}) exited with {code}:\n{tail}")
+    seconds = run_dev_loop(output, flags, tmp / f"{name}.log", name)
     rewards = step_rewards(output / "metrics.jsonl")
     k, first, last = reward_windows(rewards)
     print(f"{name}: {len(rewards)} steps, mean reward {first:.2f} first {k}, {last:.2f} last {k}", flush=True)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import shutil
 import statistics
 import sys
@@ -39,7 +38,7 @@ from typing import Any
 if not __package__:  # run as a script: its siblings import from the package
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import positive, print_table, print_verdicts
+from benchmarks.common import finish, positive, print_table, print_verdicts
 
 MIN_SPEEDUP = 5.0
 TARGET_MODEL = "qwen2.5-0.5b-shaped"
@@ -188,11 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the result here")
     parser.add_argument("--strict", action="store_true", help="exit 1 on a missed target")
     args = parser.parse_args(argv)
-    result = run(args)
-    print_report(result)
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    return 1 if args.strict and not result["all_pass"] else 0
+    return finish(run(args), args, print_report, leftovers_key=None)
 
 
 if __name__ == "__main__":
