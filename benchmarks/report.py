@@ -255,7 +255,10 @@ def soak_waves(waves: list[dict[str, Any]]) -> str:
 def learning_section(result: dict[str, Any]) -> Section:
     rows: list[Row] = []
     headlines, notes = [], []
-    for prefix, arm in (("", result), ("vllm ", result.get("vllm") or {})):
+    # The dev-engine arm sits at the top of the result; each other arm under its name (``vllm``, ...).
+    others = [(f"{name} ", arm) for name, arm in result.items() if isinstance(arm, dict) and "trained" in arm]
+    arms = [("", result), *others]
+    for prefix, arm in arms:
         trained, frozen = arm.get("trained"), arm.get("frozen")
         if trained is None:
             continue

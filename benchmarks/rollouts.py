@@ -29,8 +29,9 @@ Measured:
    while the machine's ``MemAvailable`` is under ``--min-free-mb``. Once every agent runs, the **hold
    window** (``--hold`` seconds): the server process's CPU (``utime + stime`` of all its threads,
    ``/proc/<pid>/stat``) as % of one core and of the machine; its proxy child's CPU the same way (with the
-   proxy's own fdatasync helper), as % of one core; model calls per second through the proxy (``/metrics``) and the CPU ms per call of server and
-   proxy together; the server's largest ``VmRSS`` sample and its threads. **held**: the fewest
+   proxy's own fdatasync helper), as % of one core; model calls per second through the proxy
+   (``/metrics``) and the CPU ms per call of server and proxy together; the server's largest ``VmRSS``
+   sample and its threads. **held**: the fewest
    agent processes alive (``argv[1]`` is ``toy_agent.py``, pointed at this server's proxy) in any sample
    of the window, and never more than the fewest open sessions ``GET /health`` reported. Then every
    session is stopped (``POST .../stop``: the agent killed as a timeout would), waited for, its trace

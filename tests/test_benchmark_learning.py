@@ -75,6 +75,35 @@ def test_the_vllm_arm_has_its_own_rise_targets_and_report_rows() -> None:
     assert "vllm reward 0.50 -> 0.60" in section.headline
 
 
+def test_the_lora_arm_runs_the_vllm_flags_with_lora_and_reports_under_its_own_name() -> None:
+    from benchmarks import report
+
+    assert benchmark_learning.ENGINE_ARMS["vllm-lora"] == [*benchmark_learning.ENGINE_ARMS["vllm"], "--lora"]
+    run = {"k": 5, "seconds": 480.0, "rewards": [0.5] * 20}
+    result = {
+        "config": {"quick": False},
+        "vllm-lora": {
+            "trained": run | {"first": 0.5, "last": 0.8},
+            "frozen": run | {"first": 0.5, "last": 0.7},
+        },
+    }
+    verdicts = benchmark_learning.verdicts(result)
+    arms_and_passes = [(v["target"].split(":")[0], v["pass"]) for v in verdicts]
+    assert arms_and_passes == [("vllm-lora", True), ("vllm-lora", False)]  # +0.30 rise, +0.10 over frozen
+    section = report.section("learning", result)
+    assert [row.measure for row in section.rows] == [
+        "vllm-lora trained: mean reward, last 5 steps vs first 5",
+        "vllm-lora last 5 steps: trained vs frozen",
+    ]
+    assert section.headline.startswith("vllm-lora reward 0.50 -> 0.80")
+
+
+def test_an_unknown_arm_is_refused_naming_the_known_ones(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        benchmark_learning.main(["--engines", "dev,sglang"])
+    assert "unknown engine(s) ['sglang']; choose from dev,vllm,vllm-lora" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_quick_learning_benchmark_runs_both_dev_loops_and_leaves_nothing_running(tmp_path: Path) -> None:
     out = tmp_path / "result.json"
