@@ -134,6 +134,7 @@ def _serve(args: argparse.Namespace) -> int:
         served_model=args.served_model,
         sandbox_starts_per_s=args.sandbox_start_rate or None,
         proxy_process=args.proxy == "process",
+        sandbox_options={"e2b": {"templates": args.e2b_templates}},
     )
     server = RolloutServer(
         RolloutRuntime(config), tasks, max_concurrent_envs=limit, idle_timeout_s=args.idle_timeout or None
@@ -149,6 +150,62 @@ def _serve(args: argparse.Namespace) -> int:
     )
     web.run_app(server.app(), host=args.host, port=args.port, access_log=None, print=None)
     return 0
+
+
+def _e2b_build_templates(args: argparse.Namespace, template_class: object = None) -> int:
+    """Build every distinct E2B template of a dataset ahead of a run; ``template_class`` is the SDK
+    boundary (``e2b.AsyncTemplate`` by default; tests pass a fake)."""
+    import asyncio
+    import os
+
+    if not os.environ.get("E2B_API_KEY"):
+        print("error: E2B_API_KEY is not set: building E2B templates needs an E2B API key", file=sys.stderr)
+        return 2
+    from harness_trainer.sandboxes.e2b_templates import TemplateBuild, TemplateBuilder, build_all
+    from harness_trainer.tasks.sources import open_task_source
+    from harness_trainer.tasks.task import TaskError
+
+    try:
+        source = open_task_source(args.dataset)
+        tasks = [task for split in (args.split or source.splits()) for task in source.tasks(split)]
+    except (TaskError, OSError, LookupError, ValueError) as exc:
+        print(f"error: cannot load tasks from {args.dataset}: {exc}", file=sys.stderr)
+        return 2
+    builder = TemplateBuilder(
+        template_class, timeout_s=args.timeout, log_dir=args.log_dir, rebuild=args.rebuild
+    )
+    try:
+        from tqdm import tqdm
+
+        bar = tqdm(desc="E2B templates", unit="template", file=sys.stdout)
+        say, tick = bar.write, bar.update
+    except ImportError:
+        bar, say, tick = None, print, lambda n: None
+
+    def planned(count: int) -> None:
+        if bar is not None:
+            bar.reset(total=count)
+        else:
+            print(f"{len(tasks)} tasks, {count} templates to build or find")
+
+    def report(name: str, task_names: list[str], done: object) -> None:
+        who = ", ".join(task_names[:3]) + (f" +{len(task_names) - 3}" if len(task_names) > 3 else "")
+        if isinstance(done, TemplateBuild):
+            took = f" in {done.seconds:.1f} s" if done.status == "built" else ""
+            say(f"{done.status} {name}{took} ({who})")
+        else:
+            say(f"FAILED {name} ({who}): {done}")
+        tick(1)
+
+    try:
+        summary = asyncio.run(build_all(tasks, builder, jobs=args.jobs, on_planned=planned, on_done=report))
+    finally:
+        if bar is not None:
+            bar.close()
+    named = f", {len(summary.named)} tasks name their own template" if summary.named else ""
+    print(f"E2B templates: {len(summary.built)} built, {len(summary.reused)} reused, "
+          f"{len(summary.failed)} failed{named} (build logs: {builder.log_dir})")  # fmt: skip
+    return 1 if summary.failed else 0
 
 
 def _dev(args: argparse.Namespace) -> int:
@@ -249,7 +306,31 @@ def build_parser() -> argparse.ArgumentParser:
         default=3600.0,
         help="close a session no client asked about for this many seconds (0: never)",
     )
+    serve.add_argument(
+        "--e2b-templates", choices=("build", "prebuilt"), default="build",
+        help="E2B tasks without a named template: build the template from the task's environment on first "
+        "use (default), or only use one built ahead (`harness-trainer e2b build-templates`)",
+    )  # fmt: skip
     serve.set_defaults(func=_serve)
+
+    e2b = sub.add_parser("e2b", help="E2B sandboxes").add_subparsers(dest="e2b_command", required=True)
+    templates = e2b.add_parser(
+        "build-templates", help="build the E2B template of every task of a dataset (once per environment)"
+    )
+    templates.add_argument("dataset", help="a folder of task splits, or a Hugging Face dataset id")
+    templates.add_argument("--split", action="append", help="only this split (repeatable; default: all)")
+    templates.add_argument("--jobs", type=int, default=4, help="builds at once")
+    templates.add_argument(
+        "--timeout",
+        type=float,
+        default=1800.0,
+        help="seconds per build when the task sets no build_timeout_sec",
+    )
+    templates.add_argument("--log-dir", type=Path, default=None, help="build logs (default: the cache)")
+    templates.add_argument(
+        "--rebuild", action="store_true", help="build even when E2B already has the name (a failed build)"
+    )
+    templates.set_defaults(func=_e2b_build_templates)
 
     from harness_trainer.devloop.run import add_dev_arguments
 

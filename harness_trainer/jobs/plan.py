@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pydantic import BaseModel, ConfigDict
 
 from harness_trainer.jobs.supervisor import LaunchError
+from harness_trainer.sandboxes import capabilities, credential_variables
 
 DEFAULT_VLLM_PORT = 8000
 DEFAULT_SERVER_PORT = 8200
@@ -27,9 +28,10 @@ RUN_LABEL = "harness-trainer-run"
 SECRET_ROUTES: dict[str, tuple[str, ...]] = {
     "HF_TOKEN": ("vllm", "serve", "trainer"),
     "HUGGING_FACE_HUB_TOKEN": ("vllm", "serve", "trainer"),
-    "E2B_API_KEY": ("serve", "warm"),
+    **{variable: ("serve", "warm") for variable in credential_variables()},
 }
-"""Which steps receive which secret; a secret not listed goes to the trainer only."""
+"""Which steps receive which secret; a secret not listed goes to the trainer only. The sandbox backends'
+credentials (their classes' ``capabilities``; ``E2B_API_KEY``) go where sandboxes start."""
 VLLM_FLAGS = (
     "--logprobs-mode",
     "processed_logprobs",
@@ -143,15 +145,27 @@ def build_plan(
     capacity = options.max_concurrent_envs or needed
     if capacity < needed:
         raise LaunchError(f"--max-concurrent-envs {capacity} < --max-concurrent-rollouts + 1 = {needed}")
-    if settings.sandbox == "e2b" and not public_url:
+    try:
+        remote = capabilities(settings.sandbox).remote
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from None
+    if remote and not public_url:
         raise LaunchError(
-            f"--sandbox e2b needs a public URL for the capture proxy: run as a job submitted by "
-            f"`harness-trainer jobs submit` (${RUN_ID_ENV} set) or pass --public-url"
+            f"--sandbox {settings.sandbox} runs agents on another machine, so they need a public URL for the "
+            f"capture proxy: run as a job submitted by `harness-trainer jobs submit` (${RUN_ID_ENV} set) "
+            "or pass --public-url"
         )
     names = secret_names(environ)
     warm = None
-    if settings.sandbox == "e2b" and public_url:
-        warm_argv = ["--public-url", public_url, "--template", options.warm_template]
+    if remote:  # only a real remote sandbox can show that the public URL reaches the proxy
+        warm_argv = [
+            "--public-url",
+            public_url,
+            "--sandbox",
+            settings.sandbox,
+            "--template",
+            options.warm_template,
+        ]
         warm = Step(
             name="warm",
             argv=[*shlex.split(options.warm_command), *warm_argv],

@@ -54,12 +54,14 @@ from harness_trainer.jobs.plan import (
     trainer_settings,
 )
 from harness_trainer.jobs.supervisor import LaunchError
+from harness_trainer.sandboxes import credential_variables
 
 DEFAULT_IMAGE = "vllm/vllm-openai:v0.32.0"
 DEFAULT_FLAVOR = "h200x2"
 DEFAULT_TIMEOUT = "8h"
 DEFAULT_INSTALL = "harness-trainer[e2b,train]"
-DEFAULT_SECRETS = ("HF_TOKEN", "E2B_API_KEY")
+DEFAULT_SECRETS = ("HF_TOKEN", *credential_variables())
+"""Always sent: the Hub token and every sandbox backend's credentials (``E2B_API_KEY``: see its class)."""
 REDACTED = "<redacted>"
 _SECRET_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _TIMEOUT = re.compile(r"\d+(\.\d+)?[smhd]?")

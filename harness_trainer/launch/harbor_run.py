@@ -30,6 +30,7 @@ from harness_trainer.launch.preflight import (
     run_preflight,
 )
 from harness_trainer.launch.rewards import correctness_with_tool_efficiency
+from harness_trainer.sandboxes import describe_backends
 from harness_trainer.trainer.config import DTYPES, WEIGHT_SYNCS, AsyncGRPOConfig
 
 WAIT_MARGIN_S = 600.0
@@ -68,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     tasks.add_argument(
         "--harness", default="opencode", help="opencode, mini-swe-agent, claude-code, codex (toy: tests)"
     )
-    tasks.add_argument("--sandbox", default="e2b", help="e2b (needs E2B_API_KEY) or local")
+    tasks.add_argument("--sandbox", default="e2b", help=f"where agents run: {describe_backends()}")
     tasks.add_argument("--reward-key", default="", help="named score of reward.json to train on")
     tasks.add_argument("--num-tasks", type=_positive_int, default=None, help="use the first N tasks")
     tasks.add_argument(

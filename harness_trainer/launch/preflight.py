@@ -4,7 +4,7 @@
 and how to fix it) at the first failure:
 
 1. the harness and sandbox names are registered (``HARNESSES``, ``SANDBOXES``);
-2. ``E2B_API_KEY`` is set when the sandbox is ``e2b``;
+2. the sandbox backend's credentials (``E2B_API_KEY`` for ``e2b``: its class's ``capabilities``) are set;
 3. the output directory: a fresh run refuses a directory that already holds a checkpoint; ``--resume``
    needs a complete checkpoint there, made from the same ``--model`` (``launch.json``, written by the
    launcher beside the checkpoints) with the same LoRA settings (``trainer_state.json``'s
@@ -132,11 +132,13 @@ def check_names(harness: str, sandbox: str) -> None:
 
 
 def check_credentials(sandbox: str, environ: Mapping[str, str]) -> None:
-    """The sandbox provider's key is set where it is needed."""
-    if sandbox == "e2b" and not environ.get("E2B_API_KEY"):
+    """The sandbox backend's credentials (its class says which) are set where they are needed."""
+    from harness_trainer.sandboxes import missing_credentials
+
+    if missing := missing_credentials(sandbox, environ):
         raise PreflightError(
-            "--sandbox e2b needs E2B_API_KEY in the environment (here, and where `harness-trainer serve` "
-            "runs)"
+            f"--sandbox {sandbox} needs {' and '.join(missing)} in the environment (here, and where "
+            "`harness-trainer serve` runs)"
         )
 
 

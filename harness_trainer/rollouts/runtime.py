@@ -11,10 +11,13 @@ started are shut down (an external one keeps running).
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 from aiohttp import web
@@ -25,9 +28,11 @@ from harness_trainer.rollouts.capture_client import CaptureClient
 from harness_trainer.rollouts.proxy_process import ProxyProcess
 from harness_trainer.rollouts.result import RolloutOptions, RolloutResult
 from harness_trainer.rollouts.run import run_rollout
-from harness_trainer.sandboxes import SandboxSupervisor, make_backend
+from harness_trainer.sandboxes import SandboxSupervisor, capabilities, make_backend, missing_credentials
 from harness_trainer.sandboxes.base import SandboxBackend
 from harness_trainer.tasks.task import HarborTask
+
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
 @dataclass
@@ -144,6 +149,27 @@ class RolloutRuntime:
             raise RuntimeError("the rollout runtime is not started")
         await self.capture.set_policy(model, version)
         self.model = model
+
+    def sandbox_problem(self, name: str, environ: Mapping[str, str] = os.environ) -> str | None:
+        """Why backend ``name`` cannot run rollouts from this runtime, in one line; None when it can.
+
+        From the backend's class (its ``capabilities``): an unknown name, a credential missing from
+        ``environ``, or a remote backend whose agents would be pointed at the capture proxy on this
+        machine's loopback (no public URL)."""
+        try:
+            caps = capabilities(name)
+        except ValueError as exc:
+            return str(exc)
+        if missing := missing_credentials(name, environ):
+            return f"sandbox {name} needs {' and '.join(missing)} in the rollout server's environment"
+        public = self.config.public_url or self.config.capture_url
+        host = urlsplit(public).hostname if public else self.config.capture_host
+        if caps.remote and host in LOOPBACK_HOSTS:
+            return (
+                f"sandbox {name} runs agents on another machine, which cannot reach the capture proxy on "
+                f"this machine's loopback ({host}): start the rollout server with --public-url"
+            )
+        return None
 
     def backend(self, name: str) -> SandboxBackend:
         """The backend ``name``, made on first use, behind a supervisor (start-rate limit, close-all)."""

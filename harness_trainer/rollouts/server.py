@@ -12,7 +12,8 @@ Routes (JSON):
   "instruction"}]}``.
 - ``POST /sessions`` → 201 ``{"session_id"}`` (429 when full).
 - ``POST /sessions/{id}/rollout`` with ``{"split", "index" | "instruction", **RolloutOptions}`` → 202
-  (404 unknown task, 409 already started, 400 bad options).
+  (404 unknown task, 409 already started, 400 bad options or a sandbox backend that cannot run
+  here: unknown, its credentials missing, or remote with no public URL for the capture proxy).
 - ``GET /sessions/{id}?wait=SECONDS`` → ``{"status": "idle"|"running"|"done", "result": {...}}``; long
   polls up to ``wait`` (≤ 60) for the rollout to finish. ``result`` omits the trace.
 - ``POST /sessions/{id}/stop`` → ends the agent as a timeout would (turns kept, ``timed_out``).
@@ -183,6 +184,8 @@ class RolloutServer:
             options = RolloutOptions.model_validate({k: v for k, v in body.items() if k not in _TASK_KEYS})
         except ValidationError as exc:
             raise _error(400, f"invalid rollout options: {exc.errors(include_url=False)}") from exc
+        if problem := self.runtime.sandbox_problem(options.sandbox):
+            raise _error(400, problem)
         slot.task = task
         slot.job = asyncio.ensure_future(self.runtime.rollout(task, options, slot.stop))
         return web.json_response({"status": "running", "task": task.name}, status=202)

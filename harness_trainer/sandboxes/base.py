@@ -87,8 +87,40 @@ def sandbox_lifetime(task: HarborTask, lifetime_s: float, margin_s: float) -> fl
     return max(lifetime_s, task.agent_timeout_sec + task.verifier_timeout_sec) + margin_s
 
 
+@dataclass(frozen=True)
+class Isolation:
+    """What a backend's sandbox keeps from its agent; True is enforced, False is not."""
+
+    network: bool
+    """``[environment] allow_internet = false`` cuts the sandbox off the internet."""
+    filesystem: bool
+    """The host's files are out of the agent's sight (beyond the task's private paths)."""
+    user: bool
+    """Commands cannot act as a user of the host (they run in another machine, VM or user namespace)."""
+    limits: bool
+    """``[environment] cpus`` and ``memory_mb`` are enforced."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """A backend's facts, declared on its class (``capabilities``) and read from the registry by preflight,
+    the Jobs plan, ``serve`` and the help texts: nothing else compares a backend's name to a string.
+
+    ``credentials`` are the environment variables it needs where sandboxes start (``serve``, the Jobs
+    warm-up); ``remote`` means its sandboxes run on another machine, so agents reach the capture proxy only
+    by a public URL; ``builds`` is what it makes, once per content, from a task's environment
+    (``"templates"``, ``"images"``), or None when it prepares the environment at every start."""
+
+    summary: str
+    isolation: Isolation
+    credentials: tuple[str, ...] = ()
+    remote: bool = False
+    builds: str | None = None
+
+
 class SandboxBackend(Protocol):
     name: str
+    capabilities: Capabilities
 
     async def start(
         self, task: HarborTask, *, lifetime_s: float, env: dict[str, str] | None = None

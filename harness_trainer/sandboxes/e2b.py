@@ -42,7 +42,9 @@ from typing import Any, Protocol
 
 from harness_trainer.sandboxes import dockerfile
 from harness_trainer.sandboxes.base import (
+    Capabilities,
     ExecResult,
+    Isolation,
     SandboxError,
     SandboxStartError,
     resolve_path,
@@ -236,6 +238,13 @@ class E2BSandboxBackend:
     ``sandbox_class`` (the SDK boundary; default ``e2b.AsyncSandbox``)."""
 
     name = "e2b"
+    capabilities = Capabilities(
+        summary="E2B cloud microVMs",
+        # Resources come from the template; the task's cpus/memory_mb are not applied.
+        isolation=Isolation(network=True, filesystem=True, user=True, limits=False),
+        credentials=("E2B_API_KEY",),
+        remote=True,
+    )
 
     def __init__(
         self,

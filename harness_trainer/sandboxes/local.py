@@ -53,7 +53,9 @@ from pathlib import Path
 
 from harness_trainer.sandboxes import dockerfile
 from harness_trainer.sandboxes.base import (
+    Capabilities,
     ExecResult,
+    Isolation,
     SandboxError,
     SandboxStartError,
     resolve_path,
@@ -204,6 +206,10 @@ class LocalSandboxBackend:
     """
 
     name = "local"
+    capabilities = Capabilities(
+        summary="Linux namespaces on this machine, for the dev loop: not a security boundary",
+        isolation=Isolation(network=False, filesystem=False, user=False, limits=False),
+    )
 
     def __init__(
         self,

@@ -174,7 +174,7 @@ def test_with_e2b_the_warm_up_runs_between_the_server_and_the_trainer(launch: La
     steps = [step for step in order(running) if not step.endswith(("listening", "terminated"))]
     assert steps == ["vllm:start", "serve:start", "warm:start", "warm:exit", "trainer:start", "trainer:exit"]
     warm = running.wait_for("warm", "start")
-    assert warm["argv"][1:] == ["--public-url", url, "--template", "base"]
+    assert warm["argv"][1:] == ["--public-url", url, "--sandbox", "e2b", "--template", "base"]
     serve_argv = running.wait_for("serve", "start")["argv"]
     assert serve_argv[-2:] == ["--public-url", url]
     assert serve_argv[serve_argv.index("--capture-host") + 1] == "0.0.0.0"

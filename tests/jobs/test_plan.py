@@ -112,12 +112,20 @@ def test_capture_journals_go_under_the_trainers_output_dir() -> None:
     assert argv[argv.index("--data-dir") + 1] == "/outputs/run1/capture"
 
 
-def test_e2b_sandboxes_need_a_public_url_and_get_a_warm_up() -> None:
-    with pytest.raises(LaunchError, match="--sandbox e2b needs a public URL"):
+def test_remote_sandboxes_need_a_public_url_and_get_a_warm_up_of_their_own_backend() -> None:
+    with pytest.raises(
+        LaunchError, match="--sandbox e2b runs agents on another machine, so they need a public URL"
+    ):
         plan_for("--sandbox", "e2b")
     plan = plan_for("--sandbox", "e2b", url="https://abc--8300.hf.jobs")
     assert plan.warm is not None and "https://abc--8300.hf.jobs" in plan.warm.argv
+    assert plan.warm.argv[plan.warm.argv.index("--sandbox") + 1] == "e2b"
     assert plan_for().warm is None
+
+
+def test_an_unknown_sandbox_is_a_launch_error_naming_the_known_ones() -> None:
+    with pytest.raises(LaunchError, match="unknown sandbox backend 'docker2'; known: e2b, local"):
+        plan_for("--sandbox", "docker2")
 
 
 def test_the_capture_proxy_binds_all_interfaces_only_when_it_has_a_public_url() -> None:

@@ -41,12 +41,12 @@ async def test_the_warm_up_starts_a_sandbox_reaches_the_proxy_from_inside_and_cl
 async def test_an_unreachable_proxy_is_an_error_naming_its_url(tmp_path: Path) -> None:
     cloud = FakeE2BCloud(tmp_path / "e2b")
     url = f"http://127.0.0.1:{free_port()}"
-    with pytest.raises(WarmupError, match=f"cannot reach the capture proxy at {url}/health"):
+    with pytest.raises(WarmupError, match=f"the e2b sandbox cannot reach the capture proxy at {url}/health"):
         await warm_sandbox(url, sandbox_class=cloud)
     assert all(sandbox.killed for sandbox in cloud.sandboxes)
 
 
 async def test_a_refused_e2b_key_is_an_error_saying_no_sandbox(tmp_path: Path, proxy_url: str) -> None:
     cloud = FakeE2BCloud(tmp_path / "e2b", fail_creates=1, failure=AuthenticationException("bad key"))
-    with pytest.raises(WarmupError, match="no E2B sandbox: E2B refused to create a sandbox"):
+    with pytest.raises(WarmupError, match="no e2b sandbox: E2B refused to create a sandbox"):
         await warm_sandbox(proxy_url, sandbox_class=cloud)

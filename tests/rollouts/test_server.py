@@ -32,7 +32,8 @@ class Server:
             str(self.capture_port),
         ]
         command += ["--data-dir", str(data_dir), "--max-concurrent-envs", str(limit)]
-        self.process = subprocess.Popen(command, env={**os.environ})
+        environ = {k: v for k, v in os.environ.items() if k != "E2B_API_KEY"}
+        self.process = subprocess.Popen(command, env=environ)
         self.url = f"http://127.0.0.1:{self.port}"
         try:
             wait_until_healthy(self.url, self.process)
@@ -100,6 +101,12 @@ def test_bad_requests_get_clear_errors(server: Server) -> None:
         f"{server.url}/sessions/{session_id}/rollout", json={"split": "train", "index": 0, "bogus": 1}
     )
     assert bad.status_code == 400 and "bogus" in bad.json()["error"]["message"]
+    for sandbox, says in [("nope", "known: e2b, local"), ("e2b", "needs E2B_API_KEY")]:
+        refused = httpx.post(
+            f"{server.url}/sessions/{session_id}/rollout",
+            json={"split": "train", "index": 0, "sandbox": sandbox},
+        )
+        assert refused.status_code == 400 and says in refused.json()["error"]["message"]
     assert httpx.get(server.url + "/splits/nope/tasks").status_code == 404
     assert httpx.get(f"{server.url}/sessions/{session_id}/trace").status_code == 409
     assert httpx.delete(f"{server.url}/sessions/{session_id}").status_code == 200

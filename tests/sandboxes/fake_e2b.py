@@ -1,4 +1,5 @@
-"""A fake of the E2B SDK at its boundary: pass a :class:`FakeE2BCloud` as ``sandbox_class=``.
+"""A fake of the E2B SDK at its boundary: pass a :class:`FakeE2BCloud` as ``sandbox_class=`` and its
+``template_class`` (a :class:`FakeAsyncTemplate`) as ``template_class=``.
 
 It stands in for ``e2b.AsyncSandbox`` with the SDK's own signatures (a test binds every recorded call to
 the real ones) and records every call. Commands really run, locally: each fake sandbox is a private
@@ -7,19 +8,38 @@ mount + PID namespace (the local backend's :class:`Namespace`) in which ``/app``
 ``/bin/bash -l -c``. Like a real command stream that times out, a timed-out ``commands.run`` raises
 ``TimeoutException`` and leaves the process running: killing it is the backend's job. ``kill()``
 ends every process of the sandbox, as tearing down the VM does.
+
+Templates (one account's, shared by every backend given the same cloud, as two processes share an E2B
+account): calling ``template_class`` returns the **real** SDK template object (the SDK's own Dockerfile
+converter runs); ``build`` serializes it with the SDK (``AsyncTemplate.to_json``) and applies its steps for
+real in a namespace of its own: ``RUN`` runs (``/bin/bash -c``, as root), ``COPY`` copies from the build
+context, ``ENV`` and ``WORKDIR`` are kept; only paths under the fake's directories can be written. Its log
+has E2B's shape (``[base] FROM …``, ``[builder 2/5] RUN …``, the step's output); a failing ``RUN`` fails
+the build with ``BuildException``, as E2B does. As in E2B, a name exists from the moment its build is
+requested; a sandbox created from a name whose build is unfinished or failed is refused. A sandbox created
+from a built name starts with a copy of the template's files and its ``ENV``. ``hang_builds`` makes builds
+wait forever (until cancelled); ``fail_requests`` makes the next build requests raise.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
+import posixpath
 import shutil
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 from e2b import (
+    AsyncTemplate,
+    BuildException,
     CommandExitException,
     CommandResult,
     FileNotFoundException,
@@ -27,8 +47,11 @@ from e2b import (
     SandboxException,
     TimeoutException,
 )
+from e2b.template.logger import LogEntry, LogEntryEnd, LogEntryStart
+from e2b.template.types import BuildInfo
 
-from harness_trainer.sandboxes.processes import Namespace, Spawned, exit_status, spawn
+from harness_trainer.sandboxes import dockerfile
+from harness_trainer.sandboxes.processes import Namespace, Spawned, exit_status, run_captured, spawn
 
 FAKE_PATHS = ("/app", "/logs", "/tests", "/solution", "/home/user", "/root")
 
@@ -43,6 +66,8 @@ class FakeE2BCloud:
         self.create_calls: list[dict[str, Any]] = []
         self.sandboxes: list[FakeAsyncSandbox] = []
         self._ids = itertools.count()
+        self.templates: dict[str, FakeTemplateBuild] = {}  # the account's template names, latest build
+        self.template_class = FakeAsyncTemplate(self)
 
     async def create(
         self,
@@ -60,22 +85,200 @@ class FakeE2BCloud:
         if self.fail_creates > 0:
             self.fail_creates -= 1
             raise self.failure
+        built = self.templates.get(template or "")
+        if built is not None and not built.ready:
+            raise SandboxException(f"fake: template '{template}' has no successful build yet")
         sandbox_id = f"fake-{next(self._ids)}"
         root = self.root / sandbox_id
-        binds = []
-        for path in FAKE_PATHS:
-            (root / path.lstrip("/")).mkdir(parents=True, exist_ok=True)
-            Path(path).mkdir(parents=True, exist_ok=True)
-            binds.append((root / path.lstrip("/"), path))
-        namespace = await Namespace.create(binds, {"PATH": os.environ.get("PATH", os.defpath)})
-        sandbox = FakeAsyncSandbox(sandbox_id, root, namespace, dict(envs or {}))
+        make_roots(root)
+        if built is not None:
+            await asyncio.to_thread(shutil.copytree, built.root, root, symlinks=True, dirs_exist_ok=True)
+        namespace = await Namespace.create(binds(root), {"PATH": os.environ.get("PATH", os.defpath)})
+        sandbox_env = {**(built.env if built else {}), **(envs or {})}
+        sandbox = FakeAsyncSandbox(sandbox_id, root, namespace, sandbox_env, template=template)
         self.sandboxes.append(sandbox)
         return sandbox
 
 
+def make_roots(root: Path) -> None:
+    """A sandbox's (or template's) own directories, and their mount points on the host."""
+    for path in FAKE_PATHS:
+        (root / path.lstrip("/")).mkdir(parents=True, exist_ok=True)
+        Path(path).mkdir(parents=True, exist_ok=True)
+
+
+def binds(root: Path) -> list[tuple[Path, str]]:
+    return [(root / path.lstrip("/"), path) for path in FAKE_PATHS]
+
+
+def host_path(root: Path, path: str) -> Path:
+    """Where sandbox ``path`` lives under ``root``; InvalidArgumentException outside the fake's paths."""
+    if not any(path == p or path.startswith(p + "/") for p in FAKE_PATHS):
+        raise InvalidArgumentException(f"fake sandbox: {path} is outside {FAKE_PATHS}")
+    return root / path.lstrip("/")
+
+
+@dataclass
+class FakeTemplateBuild:
+    """One build of a template name: its steps as the SDK serialized them, and its files once applied."""
+
+    name: str
+    build_id: str
+    template: dict[str, Any]  # AsyncTemplate.to_json
+    root: Path
+    cpu_count: int | None
+    memory_mb: int | None
+    env: dict[str, str] = field(default_factory=dict)
+    workdir: str = "/"
+    ready: bool = False
+    failed: bool = False
+
+
+class FakeAsyncTemplate:
+    """The fake ``AsyncTemplate`` class of one account (see the module docstring); records every call."""
+
+    def __init__(self, cloud: FakeE2BCloud) -> None:
+        self.cloud = cloud
+        self.init_calls: list[dict[str, Any]] = []
+        self.exists_calls: list[dict[str, Any]] = []
+        self.build_calls: list[dict[str, Any]] = []
+        self.builds: list[FakeTemplateBuild] = []
+        self.hang_builds = False
+        self.fail_requests: list[Exception] = []
+
+    def __call__(
+        self, file_context_path: str | Path | None = None, file_ignore_patterns: list[str] | None = None
+    ) -> AsyncTemplate:
+        self.init_calls.append(
+            {"file_context_path": file_context_path, "file_ignore_patterns": file_ignore_patterns}
+        )
+        return AsyncTemplate(file_context_path=file_context_path, file_ignore_patterns=file_ignore_patterns)
+
+    async def exists(self, name: str, **opts: Any) -> bool:
+        self.exists_calls.append({"name": name, **opts})
+        await asyncio.sleep(0)  # an API round trip: other tasks run meanwhile
+        return name in self.cloud.templates
+
+    async def build(
+        self,
+        template: Any,
+        name: str | None = None,
+        *,
+        alias: str | None = None,
+        tags: list[str] | None = None,
+        cpu_count: int | None = None,
+        memory_mb: int | None = None,
+        min_free_disk_mb: int | None = None,
+        skip_cache: bool = False,
+        on_build_logs: Callable[[LogEntry], None] | None = None,
+        **opts: Any,
+    ) -> BuildInfo:
+        call = {"template": template, "name": name, "alias": alias, "tags": tags, "cpu_count": cpu_count}
+        call |= {"memory_mb": memory_mb, "on_build_logs": on_build_logs, **opts}
+        self.build_calls.append({k: v for k, v in call.items() if v is not None})
+        log = on_build_logs or (lambda entry: None)
+        name = name or alias or ""
+        log(LogEntryStart(timestamp=datetime.now(), message="Build started"))
+        try:
+            await asyncio.sleep(0)
+            if self.fail_requests:
+                raise self.fail_requests.pop(0)
+            serialized = json.loads(AsyncTemplate.to_json(template))
+            build_id = str(uuid.uuid4())
+            build = FakeTemplateBuild(
+                name, build_id, serialized, self.cloud.root / "templates" / build_id, cpu_count, memory_mb
+            )
+            self.cloud.templates[name] = build  # E2B registers the name when the build is requested
+            self.builds.append(build)
+            # The SDK's own messages around the API calls of a build, in its order.
+            _info(log, f"Requesting build for template: {name}")
+            _info(log, f"Template created with ID: {name}-id, Build ID: {build_id}")
+            _info(log, "All file uploads completed")
+            _info(log, "Starting building...")
+            _info(log, "Waiting for logs...")
+            if self.hang_builds:
+                await asyncio.Event().wait()
+            try:
+                await self._apply(build, template._template._file_context_path, log)
+            except BuildException:
+                build.failed = True
+                raise
+            build.ready = True
+            return BuildInfo(
+                template_id=f"{name}-id", build_id=build_id, name=name, alias=name, tags=["default"]
+            )
+        finally:
+            log(LogEntryEnd(timestamp=datetime.now(), message="Build finished"))
+
+    async def _apply(self, build: FakeTemplateBuild, context: str, log: Callable[[LogEntry], None]) -> None:
+        make_roots(build.root)
+        namespace = await Namespace.create(binds(build.root), {"PATH": os.environ.get("PATH", os.defpath)})
+        steps = build.template["steps"]
+        try:
+            _info(log, f"[base] FROM {build.template.get('fromImage')} [{'0' * 64}]")
+            for number, step in enumerate(steps, start=1):
+                kind, args = step["type"], step["args"]
+                _info(log, f"[builder {number}/{len(steps)}] {_step_text(kind, args)}")
+                if kind == "ENV":
+                    build.env.update(zip(args[::2], args[1::2], strict=True))
+                elif kind == "WORKDIR":
+                    build.workdir = posixpath.normpath(posixpath.join(build.workdir, args[0]))
+                    if build.workdir != "/":
+                        self._host(build, build.workdir).mkdir(parents=True, exist_ok=True)
+                elif kind == "COPY":
+                    await self._copy(build, context, args, number)
+                elif kind == "RUN":
+                    await self._run(build, namespace, args[0], log)
+        finally:
+            await namespace.kill()
+
+    def _host(self, build: FakeTemplateBuild, path: str) -> Path:
+        try:
+            return host_path(build.root, path)
+        except InvalidArgumentException as exc:
+            raise BuildException(f"fake: the fake cloud can only build into {FAKE_PATHS}: {exc}") from None
+
+    async def _copy(self, build: FakeTemplateBuild, context: str, args: list[str], number: int) -> None:
+        src, dest, _user, mode = args
+        dest_path = posixpath.join(build.workdir, dest)
+        is_dir = dest.endswith("/") or (Path(context) / src).is_dir()
+        step = dockerfile.CopyStep((src,), dest_path, is_dir, int(mode, 8) if mode else None, False, number)
+        self._host(build, dest_path)
+        await asyncio.to_thread(dockerfile.copy_into, step, Path(context), lambda p: self._host(build, p))
+
+    async def _run(
+        self, build: FakeTemplateBuild, namespace: Namespace, command: str, log: Callable[[LogEntry], None]
+    ) -> None:
+        env = {"PATH": os.environ.get("PATH", os.defpath), "HOME": "/root", **build.env}
+        argv = namespace.enter_argv(["/bin/bash", "-c", command], cwd=build.workdir)
+        result = await run_captured(argv, env=env, timeout_s=None, grace_s=1.0)
+        for line in (result.stdout + result.stderr).splitlines():
+            _info(log, line)
+        if result.exit_code != 0:
+            message = f"failed to run command '{command}': exit status {result.exit_code}"
+            log(LogEntry(timestamp=datetime.now(), level="error", message=f"Build failed: {message}"))
+            raise BuildException(message)
+
+
+def _info(log: Callable[[LogEntry], None], message: str) -> None:
+    log(LogEntry(timestamp=datetime.now(), level="info", message=message))
+
+
+def _step_text(kind: str, args: list[str]) -> str:
+    """A step as E2B's build log names it (``RUN cmd``, ``COPY src dest``, ``ENV K=V``…)."""
+    if kind == "ENV":
+        return "ENV " + " ".join(f"{k}={v}" for k, v in zip(args[::2], args[1::2], strict=True))
+    if kind == "COPY":
+        return f"COPY {args[0]} {args[1]}"
+    return f"{kind} {args[0]}"
+
+
 class FakeAsyncSandbox:
-    def __init__(self, sandbox_id: str, root: Path, namespace: Namespace, envs: dict[str, str]) -> None:
+    def __init__(
+        self, sandbox_id: str, root: Path, namespace: Namespace, envs: dict[str, str], template: str | None
+    ) -> None:
         self.sandbox_id = sandbox_id
+        self.template = template
         self.root = root
         self.namespace = namespace
         self.envs = envs
@@ -85,9 +288,7 @@ class FakeAsyncSandbox:
         self.files = FakeFilesystem(self)
 
     def host(self, path: str) -> Path:
-        if not any(path == p or path.startswith(p + "/") for p in FAKE_PATHS):
-            raise InvalidArgumentException(f"fake sandbox: {path} is outside {FAKE_PATHS}")
-        return self.root / path.lstrip("/")
+        return host_path(self.root, path)
 
     async def kill(self, **opts: Any) -> bool:
         self.calls.append(("kill", opts))

@@ -9,8 +9,9 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,18 +21,25 @@ from harness_trainer.sandboxes.local import LocalSandboxBackend
 from tests.sandboxes.conftest import TaskFactory, live_processes, wait_until_gone, wait_until_present
 
 
-@pytest.fixture(params=["local", "e2b"])
-async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[SandboxBackend]:
-    if request.param == "local":
-        started: LocalSandboxBackend | E2BSandboxBackend = LocalSandboxBackend(
-            tmp_path / "sandboxes", kill_grace_s=0.5
-        )
-    else:
-        pytest.importorskip("e2b")
-        from tests.sandboxes.fake_e2b import FakeE2BCloud
+def local_backend(tmp_path: Path) -> SandboxBackend:
+    return LocalSandboxBackend(tmp_path / "sandboxes", kill_grace_s=0.5)
 
-        cloud = FakeE2BCloud(tmp_path / "e2b")
-        started = E2BSandboxBackend(template="fake", sandbox_class=cloud, kill_grace_s=0.5, retry_backoff_s=0)
+
+def e2b_backend(tmp_path: Path) -> SandboxBackend:
+    """E2B against the SDK fake (the cloud cannot be reached from here)."""
+    from tests.sandboxes.fake_e2b import FakeE2BCloud
+
+    cloud = FakeE2BCloud(tmp_path / "e2b")
+    return E2BSandboxBackend(template="fake", sandbox_class=cloud, kill_grace_s=0.5, retry_backoff_s=0)
+
+
+CONTRACT_BACKENDS: dict[str, Callable[[Path], SandboxBackend]] = {"local": local_backend, "e2b": e2b_backend}
+"""One fixture per registered backend (``SANDBOXES``; test_capabilities checks none is missing)."""
+
+
+@pytest.fixture(params=sorted(CONTRACT_BACKENDS))
+async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[SandboxBackend]:
+    started: Any = CONTRACT_BACKENDS[request.param](tmp_path)
     yield started
     leaked = started.live
     await started.aclose()

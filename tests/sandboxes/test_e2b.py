@@ -59,12 +59,16 @@ async def test_create_asks_for_the_tasks_template_and_a_lifetime_above_the_timeo
 
 def test_template_resolution_order(make_task: TaskFactory) -> None:
     backend = E2BSandboxBackend(template="fallback", template_map={"named": "by-name", "img:1": "by-image"})
-    assert backend.template_for(make_task(name="named", docker_image="img:1")) == "by-name"
-    assert backend.template_for(make_task(docker_image="img:1", extra={"e2b_template": "own"})) == "own"
-    assert backend.template_for(make_task(docker_image="img:1")) == "by-image"
-    assert backend.template_for(make_task(docker_image="other")) == "fallback"
-    with pytest.raises(SandboxStartError, match="no E2B template for task"):
-        E2BSandboxBackend().template_for(make_task(docker_image="other"))
+    assert backend.named_template(make_task(name="named", docker_image="img:1")) == "by-name"
+    assert backend.named_template(make_task(docker_image="img:1", extra={"e2b_template": "own"})) == "own"
+    assert backend.named_template(make_task(docker_image="img:1")) == "by-image"
+    assert backend.named_template(make_task(docker_image="other")) == "fallback"
+    assert E2BSandboxBackend().named_template(make_task(docker_image="other")) is None  # built from it
+
+
+async def test_a_task_without_any_environment_needs_a_named_template(make_task: TaskFactory) -> None:
+    with pytest.raises(SandboxStartError, match=r"no environment/Dockerfile and no .* docker_image"):
+        await E2BSandboxBackend().template_for(make_task())
 
 
 async def test_envs_are_passed_on_every_command_as_the_configured_user(
