@@ -1,9 +1,13 @@
 """The E2B backend: each sandbox is an E2B cloud microVM, driven with the official SDK (``e2b.AsyncSandbox``).
 
-Template: E2B runs prebuilt templates, not Dockerfiles. Build one per task image (``e2b template build``
-from the task's ``environment/Dockerfile``) and tell the backend which to use; the first that applies
-wins: ``template_map[task.name]``, the task's ``[environment] e2b_template``, ``template_map[docker_image]``,
-then the ``template`` option. No match is a :class:`SandboxStartError` (never a silent default image).
+Template: E2B runs templates, not Dockerfiles. The first that applies wins: ``template_map[task.name]``,
+the task's ``[environment] e2b_template``, ``template_map[docker_image]``, the ``template`` option; else
+the template built from the task's own environment (``environment/Dockerfile``, else ``docker_image``,
+plus the ``agent_layer``), named by a hash of its content (:mod:`.e2b_templates`): with
+``templates="build"`` (default) the backend builds it on first use, once per name however many rollouts
+ask, and reuses one that exists in E2B; with ``templates="prebuilt"`` it only looks it up and fails at
+once naming the missing template (build them ahead with ``harness-trainer e2b build-templates``). A
+failed or timed-out build is a :class:`SandboxStartError` naming the task (and the failing instruction).
 
 Lifetime: the sandbox's E2B ``timeout`` is ``max(lifetime_s, agent + verifier timeouts) + lifetime_margin_s``,
 so E2B reaps it even if this process dies. Creation is tried ``create_attempts`` times (3) with exponential
@@ -17,8 +21,9 @@ record its process group; on timeout the backend kills that whole group (SIGTERM
 If ``allow_internet = false``, egress is denied except to ``allow_out`` (which must include the capture
 proxy's public host, or the agent cannot reach its model).
 
-The SDK boundary is one object, ``sandbox_class`` (default ``e2b.AsyncSandbox``): tests inject a fake
-with the same signatures. SDK exceptions are mapped here, once.
+The SDK boundary is two objects, ``sandbox_class`` (default ``e2b.AsyncSandbox``) and ``template_class``
+(default ``e2b.AsyncTemplate``): tests inject fakes with the same signatures (tested against a fake
+cloud only; this project has no E2B account in CI). SDK exceptions are mapped here, once.
 
 Manual smoke test, for users with ``E2B_API_KEY`` (creates one sandbox from the ``base`` template, runs
 commands, a timeout and file round trips, and closes it)::
@@ -38,7 +43,7 @@ import sys
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from harness_trainer.sandboxes import dockerfile
 from harness_trainer.sandboxes.base import (
@@ -50,6 +55,7 @@ from harness_trainer.sandboxes.base import (
     resolve_path,
     sandbox_lifetime,
 )
+from harness_trainer.sandboxes.e2b_templates import DEFAULT_BUILD_TIMEOUT_S, TemplateBuilder
 from harness_trainer.tasks.task import EnvironmentSpec, HarborTask
 
 log = logging.getLogger(__name__)
@@ -235,7 +241,10 @@ class E2BSandboxBackend:
     root, else ``/home/<user>``), ``workdir`` (default: the task Dockerfile's last ``WORKDIR``, else
     ``/app``), ``lifetime_margin_s`` (300), ``create_attempts`` (3), ``retry_backoff_s`` (2, doubled per
     try), ``kill_grace_s`` (2), ``allow_out`` (egress allowed when a task has ``allow_internet = false``),
-    ``sandbox_class`` (the SDK boundary; default ``e2b.AsyncSandbox``)."""
+    ``sandbox_class`` (the SDK boundary; default ``e2b.AsyncSandbox``); for templates built from the task's
+    environment: ``templates`` (``"build"`` or ``"prebuilt"``), ``agent_layer`` (a shell command run as
+    root at the end of every such template), ``build_timeout_s`` (when the task sets no
+    ``build_timeout_sec``), ``build_log_dir``, ``template_class`` (default ``e2b.AsyncTemplate``)."""
 
     name = "e2b"
     capabilities = Capabilities(
@@ -261,7 +270,14 @@ class E2BSandboxBackend:
         kill_grace_s: float = 2.0,
         allow_out: Sequence[str] = (),
         sandbox_class: SandboxClass | None = None,
+        templates: Literal["build", "prebuilt"] = "build",
+        agent_layer: str = "",
+        build_timeout_s: float = DEFAULT_BUILD_TIMEOUT_S,
+        build_log_dir: Path | None = None,
+        template_class: Any = None,
     ) -> None:
+        if templates not in ("build", "prebuilt"):
+            raise ValueError(f"templates must be 'build' or 'prebuilt', not {templates!r}")
         self.template = template
         self.template_map = dict(template_map or {})
         self.api_key = api_key
@@ -274,14 +290,22 @@ class E2BSandboxBackend:
         self.kill_grace_s = kill_grace_s
         self.allow_out = list(allow_out)
         self._sandbox_class = sandbox_class
+        self.templates = templates
+        self.template_builder = TemplateBuilder(
+            template_class,
+            api_key=api_key,
+            agent_layer=agent_layer,
+            timeout_s=build_timeout_s,
+            log_dir=build_log_dir,
+        )
         self._live: set[E2BSandbox] = set()
 
     @property
     def live(self) -> list[E2BSandbox]:
         return list(self._live)
 
-    def template_for(self, task: HarborTask) -> str:
-        """The E2B template ``task`` runs in; raises SandboxStartError when nothing says."""
+    def named_template(self, task: HarborTask) -> str | None:
+        """The template named for ``task`` by the options or its task.toml, if any."""
         env: EnvironmentSpec = task.environment
         candidates = [
             self.template_map.get(task.name),
@@ -289,18 +313,22 @@ class E2BSandboxBackend:
             self.template_map.get(env.docker_image or ""),
             self.template,
         ]
-        for candidate in candidates:
-            if candidate:
-                return str(candidate)
-        raise SandboxStartError(
-            f"no E2B template for task {task.name!r} (docker_image={env.docker_image!r}): pass template=, "
-            "or template_map= with the task name or its docker_image, or set [environment] e2b_template"
-        )
+        return next((str(candidate) for candidate in candidates if candidate), None)
+
+    async def template_for(self, task: HarborTask) -> str:
+        """The E2B template ``task`` runs in: the named one, else the one built from its environment
+        (built now, or found when prebuilt); raises SandboxStartError."""
+        named = self.named_template(task)
+        if named is not None:
+            return named
+        if self.templates == "prebuilt":
+            return await self.template_builder.find(task)
+        return (await self.template_builder.ensure(task)).name
 
     async def start(
         self, task: HarborTask, *, lifetime_s: float, env: dict[str, str] | None = None
     ) -> E2BSandbox:
-        template = self.template_for(task)
+        template = await self.template_for(task)
         workdir = self.workdir or _dockerfile_workdir(task)
         timeout = math.ceil(sandbox_lifetime(task, lifetime_s, self.lifetime_margin_s))
         sdk_sandbox = await self._create(task, template, timeout, env or {})
