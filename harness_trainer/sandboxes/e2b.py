@@ -249,10 +249,11 @@ class E2BSandboxBackend:
     name = "e2b"
     capabilities = Capabilities(
         summary="E2B cloud microVMs",
-        # Resources come from the template; the task's cpus/memory_mb are not applied.
+        # A template built from the task gets its cpus/memory_mb; a named template keeps its own.
         isolation=Isolation(network=True, filesystem=True, user=True, limits=False),
         credentials=("E2B_API_KEY",),
         remote=True,
+        builds="templates",
     )
 
     def __init__(
