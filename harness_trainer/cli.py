@@ -133,6 +133,8 @@ def _serve(args: argparse.Namespace) -> int:
         public_url=args.public_url,
         served_model=args.served_model,
         sandbox_starts_per_s=args.sandbox_start_rate or None,
+        max_sandbox_starts=args.max_sandbox_starts or None,
+        sandbox_start_jitter_s=args.sandbox_start_jitter,
         proxy_process=args.proxy == "process",
         sandbox_options={"e2b": {"templates": args.e2b_templates}},
     )
@@ -220,6 +222,20 @@ def _jobs_submit(args: argparse.Namespace) -> int:
     return run_submit(args)
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="harness-trainer", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -294,6 +310,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--sandbox-start-rate", type=float, default=0, help="sandbox starts per second, at most"
     )
+    serve.add_argument(
+        "--max-sandbox-starts", type=_non_negative_int, default=32,
+        help="sandbox creates in flight at once; the rest queue (default 32; 0: no cap)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--sandbox-start-jitter", type=_non_negative_float, default=0.0, metavar="SECONDS",
+        help="each sandbox start first waits a random 0..SECONDS (spreads a group's starts; e.g. 2 with e2b)",
+    )  # fmt: skip
     serve.add_argument(
         "--max-concurrent-envs",
         type=int,

@@ -59,6 +59,10 @@ class RuntimeConfig:
     """Constructor options per sandbox backend name, e.g. ``{"e2b": {"template": "..."}}``."""
     sandbox_starts_per_s: float | None = None
     """Start-rate limit per backend (sandbox providers throttle bursts); None = unlimited."""
+    max_sandbox_starts: int | None = None
+    """Sandbox creates in flight at once, per backend (the rest queue); None = no cap."""
+    sandbox_start_jitter_s: float = 0.0
+    """Each sandbox start first waits a random 0..this many seconds (a group's members spread out)."""
     proxy_process: bool = False
     """Run the capture proxy the runtime starts as a child process (``python -m capture_proxy``) instead of
     in this event loop: its own core and interpreter lock, and a crash of one does not take the other."""
@@ -175,8 +179,12 @@ class RolloutRuntime:
         """The backend ``name``, made on first use, behind a supervisor (start-rate limit, close-all)."""
         if name not in self._backends:
             backend = make_backend(name, **self.config.sandbox_options.get(name, {}))
-            rate = self.config.sandbox_starts_per_s
-            self._backends[name] = SandboxSupervisor(backend, max_starts_per_s=rate)
+            self._backends[name] = SandboxSupervisor(
+                backend,
+                max_starts_per_s=self.config.sandbox_starts_per_s,
+                max_starts_in_flight=self.config.max_sandbox_starts,
+                start_jitter_s=self.config.sandbox_start_jitter_s,
+            )
         return self._backends[name]
 
     async def open_capture_sessions(self) -> int:

@@ -4,7 +4,10 @@
 backend once per process and start every sandbox through it.
 
 - Starts pass a token bucket (:class:`StartRateLimiter`: ``max_starts_per_s`` on average, bursts of up to
-  ``burst``), so a burst of rollouts does not hammer E2B's API (or fork a hundred namespaces at once).
+  ``burst``), so a burst of rollouts does not hammer E2B's API (or fork a hundred namespaces at once);
+  at most ``max_starts_in_flight`` creates run at once (the rest queue in arrival order); each start first
+  waits a random ``0..start_jitter_s`` so a GRPO group's members do not arrive at the provider in the
+  same millisecond.
 - It tracks every sandbox it started that is not closed yet. ``aclose()`` refuses new starts, closes
   them all concurrently, each bounded by ``close_timeout_s``, then closes the backend (which closes
   anything it still holds). A sandbox that finishes starting after shutdown began is closed at once.
@@ -16,8 +19,10 @@ backend once per process and start every sandbox through it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import random
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -64,12 +69,21 @@ class SandboxSupervisor:
         *,
         max_starts_per_s: float | None = None,
         burst: int = 1,
+        max_starts_in_flight: int | None = None,
+        start_jitter_s: float = 0.0,
         close_timeout_s: float = 30.0,
     ) -> None:
+        if max_starts_in_flight is not None and max_starts_in_flight < 1:
+            raise ValueError(f"max_starts_in_flight must be at least 1, got {max_starts_in_flight}")
+        if start_jitter_s < 0:
+            raise ValueError(f"start_jitter_s must be >= 0, got {start_jitter_s}")
         self.backend = backend
         self.name = backend.name
+        self.capabilities = backend.capabilities
         self.close_timeout_s = close_timeout_s
+        self.start_jitter_s = start_jitter_s
         self._limiter = StartRateLimiter(max_starts_per_s, burst) if max_starts_per_s else None
+        self._in_flight = asyncio.Semaphore(max_starts_in_flight) if max_starts_in_flight else None
         self._live: list[Sandbox] = []
         self._closing = False
         self._signals: tuple[int, ...] = ()
@@ -87,9 +101,12 @@ class SandboxSupervisor:
     ) -> Sandbox:
         if self._closing:
             raise SandboxStartError("the sandbox supervisor is shutting down")
+        if self.start_jitter_s:
+            await asyncio.sleep(random.uniform(0, self.start_jitter_s))
         if self._limiter is not None:
             await self._limiter.acquire()
-        sandbox = await self.backend.start(task, lifetime_s=lifetime_s, env=env)
+        async with self._in_flight or contextlib.nullcontext():
+            sandbox = await self.backend.start(task, lifetime_s=lifetime_s, env=env)
         if self._closing:
             await sandbox.close()
             raise SandboxStartError("the sandbox supervisor shut down while this sandbox started")

@@ -123,6 +123,19 @@ def rollout_metrics(
         "staleness/mean": _mean([policy_version - r.policy_version for r in scored_rollouts]),
         "staleness/max": float(max((policy_version - r.policy_version for r in scored_rollouts), default=0)),
     }
+    metrics |= phase_metrics(rollouts)
     if reward_name:
         metrics[f"rewards/{reward_name}"] = _mean(rewards)
     return metrics
+
+
+def phase_metrics(rollouts: Sequence[Rollout]) -> dict[str, float]:
+    """``perf/<phase>_s``: the mean seconds of each phase (``sandbox_start``, ``install``, ``agent``,
+    ``verifier``…) over the rollouts that report it (``verify.metrics["phase_seconds"]``); none when no
+    rollout reports phases (an engine-side factory)."""
+    seconds: dict[str, list[float]] = {}
+    for rollout in rollouts:
+        for phase, value in (rollout.verify_metrics.get("phase_seconds") or {}).items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                seconds.setdefault(str(phase), []).append(float(value))
+    return {f"perf/{phase}_s": _mean(values) for phase, values in sorted(seconds.items())}

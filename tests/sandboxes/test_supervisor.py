@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from harness_trainer.sandboxes import SANDBOXES, make_backend
-from harness_trainer.sandboxes.base import ExecResult, SandboxStartError
+from harness_trainer.sandboxes.base import Capabilities, ExecResult, Isolation, SandboxStartError
 from harness_trainer.sandboxes.local import LocalSandboxBackend
 from harness_trainer.sandboxes.supervisor import SandboxSupervisor, StartRateLimiter
 from harness_trainer.tasks.task import HarborTask
@@ -44,6 +44,7 @@ class StubSandbox:
 
 class StubBackend:
     name = "stub"
+    capabilities = Capabilities(summary="stub", isolation=Isolation(False, False, False, False))
 
     def __init__(self, start_delay_s: float = 0.0, hang_on_close: bool = False) -> None:
         self.started: list[StubSandbox] = []
@@ -87,6 +88,43 @@ async def test_supervised_starts_are_rate_limited(make_task: TaskFactory) -> Non
     gaps = [b - a for a, b in zip(backend.start_times, backend.start_times[1:], strict=False)]
     assert min(gaps) >= 0.035
     await supervisor.aclose()
+
+
+async def test_at_most_max_starts_in_flight_creates_run_at_once(make_task: TaskFactory) -> None:
+    backend = StubBackend(start_delay_s=0.05)
+    in_flight, peak = 0, 0
+    start = backend.start
+
+    async def counted(task: HarborTask, **options: object) -> StubSandbox:
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        try:
+            return await start(task, **options)  # type: ignore[arg-type]
+        finally:
+            in_flight -= 1
+
+    backend.start = counted  # type: ignore[method-assign]
+    supervisor = SandboxSupervisor(backend, max_starts_in_flight=3)
+    task = make_task()
+    await asyncio.gather(*(supervisor.start(task, lifetime_s=60) for _ in range(12)))
+    assert peak == 3 and len(backend.started) == 12
+    await supervisor.aclose()
+
+
+async def test_jittered_starts_spread_over_the_jitter_window(make_task: TaskFactory) -> None:
+    backend = StubBackend()
+    supervisor = SandboxSupervisor(backend, start_jitter_s=0.3)
+    task = make_task()
+    began = time.monotonic()
+    await asyncio.gather(*(supervisor.start(task, lifetime_s=60) for _ in range(16)))
+    offsets = sorted(t - began for t in backend.start_times)
+    assert offsets[-1] <= 0.3 + 0.2 and offsets[-1] - offsets[0] >= 0.05  # not all at once
+    await supervisor.aclose()
+    with pytest.raises(ValueError, match="max_starts_in_flight must be at least 1"):
+        SandboxSupervisor(backend, max_starts_in_flight=0)
+    with pytest.raises(ValueError, match="start_jitter_s must be >= 0"):
+        SandboxSupervisor(backend, start_jitter_s=-1)
 
 
 async def test_aclose_closes_every_live_sandbox_and_the_backend(make_task: TaskFactory) -> None:

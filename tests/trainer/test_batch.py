@@ -58,6 +58,19 @@ def test_metrics_count_failures_and_staleness() -> None:
     assert metrics["completions/mean_length"] == 6.0
 
 
+def test_each_phase_is_a_perf_metric_averaged_over_the_rollouts_that_report_it() -> None:
+    members = [rollout(0, 0, 1.0), rollout(0, 1, 0.0), rollout(0, 2, None, unscorable="sandbox failed")]
+    members[0].verify_metrics = {"phase_seconds": {"sandbox_start": 2.0, "install": 10.0, "agent": 30.0}}
+    members[1].verify_metrics = {"phase_seconds": {"sandbox_start": 4.0, "install": 0.5, "agent": 50.0}}
+    members[2].verify_metrics = {"phase_seconds": {"sandbox_start": 9.0, "bogus": "x"}}
+    metrics = rollout_metrics([Group(0, {}, 0, members)], policy_version=0, reward_name="")
+    assert metrics["perf/sandbox_start_s"] == 5.0  # a failed start took its time too
+    assert metrics["perf/install_s"] == 5.25 and metrics["perf/agent_s"] == 40.0
+    assert "perf/bogus_s" not in metrics
+    no_phases = rollout_metrics([Group(0, {}, 0, members[:0])], policy_version=0, reward_name="")
+    assert not [name for name in no_phases if name.startswith("perf/")]
+
+
 def test_step_normalization_weighs_every_token_alike_and_still_counts_a_split_rollout_once() -> None:
     group = Group(0, {}, 0, [rollout(0, 0, 1.0, turns=1), rollout(0, 1, 0.0, turns=3)])
     batch = assemble([group], advantage_epsilon=1e-4, keep_zero_advantage=False, normalization="step")
