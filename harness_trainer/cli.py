@@ -105,6 +105,7 @@ def _serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from capture_proxy.app import tune_gc
+    from harness_trainer.harnesses import template_agent_layer
     from harness_trainer.rollouts.runtime import RolloutRuntime, RuntimeConfig
     from harness_trainer.rollouts.server import RolloutServer
     from harness_trainer.tasks.sources import open_task_source
@@ -116,6 +117,11 @@ def _serve(args: argparse.Namespace) -> int:
         tasks.splits()
     except (TaskError, OSError, ValueError) as exc:
         print(f"error: cannot load tasks from {args.dataset}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        agent_layer = template_agent_layer(args.e2b_agent or [])
+    except ValueError as exc:
+        print(f"error: --e2b-agent: {exc}", file=sys.stderr)
         return 2
     limit = args.max_concurrent_envs or int(os.environ.get("MAX_CONCURRENT_ENVS", "8"))
     admin_key = args.capture_admin_key or os.environ.get("CAPTURE_PROXY_ADMIN_KEY") or None
@@ -136,7 +142,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_sandbox_starts=args.max_sandbox_starts or None,
         sandbox_start_jitter_s=args.sandbox_start_jitter,
         proxy_process=args.proxy == "process",
-        sandbox_options={"e2b": {"templates": args.e2b_templates}},
+        sandbox_options={"e2b": {"templates": args.e2b_templates, "agent_layer": agent_layer}},
     )
     server = RolloutServer(
         RolloutRuntime(config), tasks, max_concurrent_envs=limit, idle_timeout_s=args.idle_timeout or None
@@ -163,10 +169,16 @@ def _e2b_build_templates(args: argparse.Namespace, template_class: object = None
     if not os.environ.get("E2B_API_KEY"):
         print("error: E2B_API_KEY is not set: building E2B templates needs an E2B API key", file=sys.stderr)
         return 2
+    from harness_trainer.harnesses import template_agent_layer
     from harness_trainer.sandboxes.e2b_templates import TemplateBuild, TemplateBuilder, build_all
     from harness_trainer.tasks.sources import open_task_source
     from harness_trainer.tasks.task import TaskError
 
+    try:
+        agent_layer = template_agent_layer(args.agent or [])
+    except ValueError as exc:
+        print(f"error: --agent: {exc}", file=sys.stderr)
+        return 2
     try:
         source = open_task_source(args.dataset)
         tasks = [task for split in (args.split or source.splits()) for task in source.tasks(split)]
@@ -174,7 +186,11 @@ def _e2b_build_templates(args: argparse.Namespace, template_class: object = None
         print(f"error: cannot load tasks from {args.dataset}: {exc}", file=sys.stderr)
         return 2
     builder = TemplateBuilder(
-        template_class, timeout_s=args.timeout, log_dir=args.log_dir, rebuild=args.rebuild
+        template_class,
+        agent_layer=agent_layer,
+        timeout_s=args.timeout,
+        log_dir=args.log_dir,
+        rebuild=args.rebuild,
     )
     try:
         from tqdm import tqdm
@@ -335,6 +351,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="E2B tasks without a named template: build the template from the task's environment on first "
         "use (default), or only use one built ahead (`harness-trainer e2b build-templates`)",
     )  # fmt: skip
+    serve.add_argument(
+        "--e2b-agent", action="append", metavar="HARNESS",
+        help="preinstall this harness's pinned agent in every E2B template built from a task (repeatable; "
+        "part of the template's name: give `e2b build-templates --agent` the same list)",
+    )  # fmt: skip
     serve.set_defaults(func=_serve)
 
     e2b = sub.add_parser("e2b", help="E2B sandboxes").add_subparsers(dest="e2b_command", required=True)
@@ -354,6 +375,10 @@ def build_parser() -> argparse.ArgumentParser:
     templates.add_argument(
         "--rebuild", action="store_true", help="build even when E2B already has the name (a failed build)"
     )
+    templates.add_argument(
+        "--agent", action="append", metavar="HARNESS",
+        help="preinstall this harness's pinned agent in every template (repeatable; as `serve --e2b-agent`)",
+    )  # fmt: skip
     templates.set_defaults(func=_e2b_build_templates)
 
     from harness_trainer.devloop.run import add_dev_arguments

@@ -11,6 +11,8 @@ Contract:
   ``flock`` of ``<folder>.lock``, and the one that wins installs while the others wait and reuse it.
 - Any other sandbox (E2B) installs inside itself, under ``~/.cache/harness-trainer/tools``, with the
   sandbox's own ``npm`` / ``python3``; a template that already holds the marked folder installs nothing.
+  :func:`agent_layer` is that same install as one shell command, for an E2B template's last layer (the
+  E2B backend's ``agent_layer``), so that rollouts started from the template install nothing.
 - Failures raise :class:`~harness_trainer.harnesses.base.HarnessError` with the installer's output tail.
 """
 
@@ -26,7 +28,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -91,7 +93,35 @@ def shares_host_filesystem(sandbox: Sandbox) -> bool:
 
 def sandbox_tools_dir(sandbox: Sandbox) -> str:
     """Where a sandbox that does not share the host's files keeps its installs."""
-    return f"{sandbox.home.rstrip('/')}/.cache/harness-trainer/tools"
+    return tools_dir_in(sandbox.home)
+
+
+def tools_dir_in(home: str) -> str:
+    """The install root inside a sandbox whose ``HOME`` is ``home``."""
+    return f"{home.rstrip('/')}/.cache/harness-trainer/tools"
+
+
+def sandbox_install_command(package: ToolPackage, dest: str) -> str:
+    """A bash command that installs ``package`` into ``dest`` and marks it complete, doing nothing when the
+    marker is already there; exits 127 when the package manager is missing."""
+    marker = shlex.quote(f"{dest}/{MARKER}")
+    need = package.prerequisite
+    return (
+        f"if [ -f {marker} ]; then exit 0; fi; "
+        f"command -v {need} >/dev/null || {{ echo 'no {need} on PATH' >&2; exit 127; }}; "
+        f"rm -rf {shlex.quote(dest)} && {package.install_command(dest)} && "
+        f"echo {shlex.quote(package.spec)} > {marker}"
+    )
+
+
+def agent_layer(packages: Sequence[ToolPackage], home: str) -> str:
+    """One shell command installing ``packages`` where :func:`install_tool` looks in a sandbox whose
+    ``HOME`` is ``home`` (each in its own subshell, so one marker's early exit skips only that one);
+    empty for no packages."""
+    return " && ".join(
+        f"( {sandbox_install_command(package, f'{tools_dir_in(home)}/{package.dirname}')} )"
+        for package in packages
+    )
 
 
 def tool_path(sandbox: Sandbox, package: ToolPackage, host_root: Path | None = None) -> str:
@@ -113,15 +143,7 @@ async def install_tool(
         folder = await ensure_host_install(package, root=host_root, timeout_s=timeout_s)
         return str(folder / package.entrypoint)
     dest = f"{sandbox_tools_dir(sandbox)}/{package.dirname}"
-    marker = shlex.quote(f"{dest}/{MARKER}")
-    need = package.prerequisite
-    command = (
-        f"if [ -f {marker} ]; then exit 0; fi; "
-        f"command -v {need} >/dev/null || {{ echo 'no {need} on PATH' >&2; exit 127; }}; "
-        f"rm -rf {shlex.quote(dest)} && {package.install_command(dest)} && "
-        f"echo {shlex.quote(package.spec)} > {marker}"
-    )
-    result = await sandbox.exec(command, timeout_s=timeout_s)
+    result = await sandbox.exec(sandbox_install_command(package, dest), timeout_s=timeout_s)
     if result.exit_code != 0:
         why = "timed out" if result.timed_out else f"exited with {result.exit_code}"
         tail = (result.stdout + result.stderr)[-_OUTPUT_TAIL:]

@@ -13,9 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from harness_trainer.harnesses import tools
+from harness_trainer.harnesses import template_agent_layer, tools
 from harness_trainer.harnesses.base import HarnessError
-from harness_trainer.harnesses.tools import MARKER, ToolPackage, ensure_host_install, install_tool, tool_path
+from harness_trainer.harnesses.tools import (
+    MARKER,
+    ToolPackage,
+    agent_layer,
+    ensure_host_install,
+    install_tool,
+    sandbox_install_command,
+    tool_path,
+)
 from harness_trainer.sandboxes.base import ExecResult
 from tests.harnesses.conftest import FakeSandbox
 
@@ -113,3 +121,15 @@ async def test_an_install_failing_inside_a_sandbox_says_why() -> None:
     sandbox = FakeSandbox(lambda _sandbox, _command: ExecResult(127, "", "no npm on PATH"))
     with pytest.raises(HarnessError, match="no npm on PATH"):
         await install_tool(sandbox, FAKE)
+
+
+def test_the_template_agent_layer_installs_where_a_rollout_looks() -> None:
+    layer = agent_layer([FAKE], "/root")
+    dest = "/root/.cache/harness-trainer/tools/acme-fake-agent-1.2.3"
+    assert layer == f"( {sandbox_install_command(FAKE, dest)} )"
+    assert agent_layer([], "/root") == ""
+    both = template_agent_layer(["toy", "opencode", "mini-swe-agent"])
+    assert both == template_agent_layer(["mini-swe-agent", "opencode"])  # toy installs nothing
+    assert "opencode-ai@1.18.33" in both and "mini-swe-agent==2.4.6" in both and both.count("( ") == 2
+    with pytest.raises(ValueError, match="unknown harness nope"):
+        template_agent_layer(["nope"])

@@ -12,7 +12,8 @@ ends every process of the sandbox, as tearing down the VM does.
 Templates (one account's, shared by every backend given the same cloud, as two processes share an E2B
 account): calling ``template_class`` returns the **real** SDK template object (the SDK's own Dockerfile
 converter runs); ``build`` serializes it with the SDK (``AsyncTemplate.to_json``) and applies its steps for
-real in a namespace of its own: ``RUN`` runs (``/bin/bash -c``, as root), ``COPY`` copies from the build
+real in a namespace of its own: ``RUN`` runs (``/bin/bash -l -c`` as root: E2B runs build steps through a
+sandbox's envd, as it runs commands), ``COPY`` copies from the build
 context, ``ENV`` and ``WORKDIR`` are kept; only paths under the fake's directories can be written. Its log
 has E2B's shape (``[base] FROM …``, ``[builder 2/5] RUN …``, the step's output); a failing ``RUN`` fails
 the build with ``BuildException``, as E2B does. As in E2B, a name exists from the moment its build is
@@ -250,7 +251,7 @@ class FakeAsyncTemplate:
         self, build: FakeTemplateBuild, namespace: Namespace, command: str, log: Callable[[LogEntry], None]
     ) -> None:
         env = {"PATH": os.environ.get("PATH", os.defpath), "HOME": "/root", **build.env}
-        argv = namespace.enter_argv(["/bin/bash", "-c", command], cwd=build.workdir)
+        argv = namespace.enter_argv(["/bin/bash", "-l", "-c", command], cwd=build.workdir)
         result = await run_captured(argv, env=env, timeout_s=None, grace_s=1.0)
         for line in (result.stdout + result.stderr).splitlines():
             _info(log, line)

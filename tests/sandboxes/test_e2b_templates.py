@@ -19,6 +19,7 @@ from e2b import AsyncTemplate, BuildException
 from e2b.template.types import BuildInfo
 
 from harness_trainer.cli import build_parser
+from harness_trainer.harnesses.tools import agent_layer, install_tool
 from harness_trainer.sandboxes.base import SandboxStartError
 from harness_trainer.sandboxes.e2b import E2BSandbox, E2BSandboxBackend
 from harness_trainer.sandboxes.e2b_templates import (
@@ -32,6 +33,8 @@ from harness_trainer.sandboxes.e2b_templates import (
     failing_step,
     template_spec,
 )
+from harness_trainer.tasks.task import HarborTask
+from tests.harnesses.test_tools import FAKE, FAKE_NPM
 from tests.sandboxes.conftest import TaskFactory
 from tests.sandboxes.fake_e2b import FakeE2BCloud
 
@@ -339,11 +342,49 @@ def test_the_cli_builds_each_distinct_template_of_a_dataset(
     assert "0 built, 2 reused, 0 failed" in capsys.readouterr().out
     assert run_cli([*argv, "--rebuild"], cloud) == 1
     assert "1 built, 0 reused, 1 failed" in capsys.readouterr().out
+    assert run_cli([*argv, "--agent", "nope"], cloud) == 2
+    assert "--agent: unknown harness nope" in capsys.readouterr().err
 
 
-def test_serve_passes_the_template_mode_to_the_e2b_backend() -> None:
-    args = build_parser().parse_args(
-        ["serve", "--dataset", "d", "--upstream", "u", "--e2b-templates", "prebuilt"]
-    )
-    assert args.e2b_templates == "prebuilt"
+def test_serve_takes_the_template_mode_and_the_agents_to_preinstall() -> None:
+    argv = [
+        "serve",
+        "--dataset",
+        "d",
+        "--upstream",
+        "u",
+        "--e2b-templates",
+        "prebuilt",
+        "--e2b-agent",
+        "codex",
+    ]
+    args = build_parser().parse_args(argv)
+    assert args.e2b_templates == "prebuilt" and args.e2b_agent == ["codex"]
     assert build_parser().parse_args(["serve", "--dataset", "d", "--upstream", "u"]).e2b_templates == "build"
+
+
+def agent_task(make_task: TaskFactory, calls: Path) -> HarborTask:
+    """A task whose image has a counted fake ``npm`` on root's login PATH (as an image provides tools)."""
+    dockerfile = (
+        f"FROM node:22-slim\nENV FAKE_NPM_CALLS={calls}\nCOPY --chmod=755 npm /root/bin/npm\n"
+        "RUN echo 'export PATH=/root/bin:$PATH' >> /root/.profile\n"
+    )
+    return make_task(dockerfile, files={"npm": FAKE_NPM})
+
+
+@pytest.mark.parametrize("layered", [True, False])
+async def test_an_agent_in_the_template_is_not_installed_again_by_the_rollout(
+    cloud: FakeE2BCloud, make_task: TaskFactory, tmp_path: Path, layered: bool
+) -> None:
+    calls = tmp_path / "npm-calls.txt"
+    calls.touch()
+    backend = make_backend(cloud, tmp_path, agent_layer=agent_layer([FAKE], "/root") if layered else "")
+    sandbox = await backend.start(agent_task(make_task, calls), lifetime_s=60)
+    try:
+        built_with = len(calls.read_text().splitlines())
+        path = await install_tool(sandbox, FAKE)  # what a harness's install does in every rollout
+        installs = len(calls.read_text().splitlines()) - built_with
+        assert (await sandbox.exec(f"sh {path}")).stdout == "fake\n"
+    finally:
+        await backend.aclose()
+    assert (built_with, installs) == ((1, 0) if layered else (0, 1))
