@@ -7,7 +7,7 @@ SDK's template API: ``AsyncTemplate(file_context_path=environment/).from_dockerf
 
 Naming (pure, :func:`template_spec`): ``ht-`` + the first 16 hex digits of a sha256 over everything that
 decides the template: the Dockerfile's text (or the image), every file under ``environment/`` (path,
-permission bits, bytes: the build context COPY reads from), the resources asked for (``cpus`` rounded up
+executable bit, bytes: the build context COPY reads from), the resources asked for (``cpus`` rounded up
 to whole CPUs, ``memory_mb``) and the agent layer (a shell command run as root after the Dockerfile,
 e.g. a pinned agent install; empty for none). Tasks with identical environments share one template; a
 change to any file in the context is a new template.
@@ -118,20 +118,19 @@ class TemplateBuild:
     log_path: Path | None = None
 
 
-def context_files(folder: Path) -> list[tuple[str, int, str]]:
-    """``(relative path, permission bits, sha256)`` of every file under ``folder``, sorted; a symlink is
-    hashed by its target path."""
+def context_files(folder: Path) -> list[tuple[str, str, str]]:
+    """``(relative path, kind, sha256)`` of every file under ``folder``, sorted. The kind is ``link`` (hashed
+    by its target), ``exec`` or ``file``: only the executable bit counts, as git keeps only that one, so
+    checkouts under different umasks name the same template."""
     entries = []
     for path in sorted(folder.rglob("*")) if folder.is_dir() else []:
-        if path.is_dir() and not path.is_symlink():
-            continue
         if path.is_symlink():
-            digest = hashlib.sha256(os.readlink(path).encode()).hexdigest()
-            mode = 0o777
+            kind, data = "link", os.readlink(path).encode()
+        elif path.is_file():
+            kind, data = ("exec" if os.access(path, os.X_OK) else "file"), path.read_bytes()
         else:
-            digest = hashlib.sha256(path.read_bytes()).hexdigest()
-            mode = path.stat().st_mode & 0o7777
-        entries.append((path.relative_to(folder).as_posix(), mode, digest))
+            continue
+        entries.append((path.relative_to(folder).as_posix(), kind, hashlib.sha256(data).hexdigest()))
     return entries
 
 
@@ -207,8 +206,6 @@ def sdk_template(spec: TemplateSpec, template_class: Any) -> tuple[Any, list[str
             if spec.agent_layer:
                 builder = builder.run_cmd(spec.agent_layer, user="root")
     except (ValueError, SandboxException) as exc:  # DockerfileSyntaxError is a ValueError
-        if isinstance(exc, UnsupportedDockerfile):
-            raise
         raise UnsupportedDockerfile(f"{spec.task}: Dockerfile cannot become an E2B template: {exc}") from exc
     return builder, [line for line in remarks.getvalue().splitlines() if line.strip()]
 

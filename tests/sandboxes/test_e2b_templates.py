@@ -97,6 +97,9 @@ def test_a_change_to_a_context_file_changes_the_name(make_task: TaskFactory) -> 
     executable = make_task(DOCKERFILE, files={"data.txt": "x", "sub/deep.txt": "1"})
     (executable.environment_dir / "data.txt").chmod(0o755)
     assert template_spec(executable).name != before.name
+    other_umask = make_task(DOCKERFILE, files={"data.txt": "x", "sub/deep.txt": "1"})
+    (other_umask.environment_dir / "data.txt").chmod(0o664)  # git keeps only the executable bit
+    assert template_spec(other_umask).name == before.name
 
 
 async def test_a_sandbox_of_a_built_template_has_the_environment(
