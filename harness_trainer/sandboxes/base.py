@@ -109,13 +109,16 @@ class Capabilities:
     ``credentials`` are the environment variables it needs where sandboxes start (``serve``, the Jobs
     warm-up); ``remote`` means its sandboxes run on another machine, so agents reach the capture proxy only
     by a public URL; ``builds`` is what it makes, once per content, from a task's environment
-    (``"templates"``, ``"images"``), or None when it prepares the environment at every start."""
+    (``"templates"``, ``"images"``), or None when it prepares the environment at every start;
+    ``wants_proxy_url`` means it takes the capture proxy's URL as agents are told it (its ``proxy_url``
+    option, which the rollout runtime fills in) to make that URL reachable inside its sandboxes."""
 
     summary: str
     isolation: Isolation
     credentials: tuple[str, ...] = ()
     remote: bool = False
     builds: str | None = None
+    wants_proxy_url: bool = False
 
 
 class SandboxBackend(Protocol):

@@ -124,7 +124,7 @@ def test_remote_sandboxes_need_a_public_url_and_get_a_warm_up_of_their_own_backe
 
 
 def test_an_unknown_sandbox_is_a_launch_error_naming_the_known_ones() -> None:
-    with pytest.raises(LaunchError, match="unknown sandbox backend 'docker2'; known: e2b, local"):
+    with pytest.raises(LaunchError, match="unknown sandbox backend 'docker2'; known: docker, e2b, local"):
         plan_for("--sandbox", "docker2")
 
 

@@ -185,7 +185,7 @@ def test_an_unreachable_service_is_named(which, services, capsys) -> None:
             ["--harness", "aider"],
             "unknown harness 'aider'; known: claude-code, codex, mini-swe-agent, opencode",
         ),
-        (["--sandbox", "docker"], "unknown sandbox 'docker'; known: e2b, local"),
+        (["--sandbox", "docker2"], "unknown sandbox 'docker2'; known: docker, e2b, local"),
         (["--sandbox", "e2b"], "--sandbox e2b needs E2B_API_KEY"),
     ],
 )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -37,11 +38,13 @@ def test_every_registered_backend_declares_its_capabilities_and_has_a_contract_f
 def test_the_registry_answers_from_the_classes() -> None:
     assert capabilities("e2b").remote and not capabilities("local").remote
     assert capabilities("e2b").isolation.network and not capabilities("local").isolation.network
+    assert not capabilities("docker").remote and capabilities("docker").builds == "images"
+    assert capabilities("docker").wants_proxy_url and not capabilities("local").wants_proxy_url
     assert credential_variables() == ("E2B_API_KEY",)
     assert missing_credentials("e2b", {}) == ["E2B_API_KEY"]
     assert missing_credentials("e2b", {"E2B_API_KEY": ""}) == ["E2B_API_KEY"]
     assert missing_credentials("e2b", {"E2B_API_KEY": "k"}) == [] == missing_credentials("local", {})
-    with pytest.raises(ValueError, match="unknown sandbox backend 'nope'; known: e2b, local"):
+    with pytest.raises(ValueError, match="unknown sandbox backend 'nope'; known: docker, e2b, local"):
         capabilities("nope")
     described = describe_backends()
     assert "e2b (E2B cloud microVMs; needs E2B_API_KEY and a public URL" in described
@@ -83,7 +86,16 @@ def test_the_runtime_refuses_a_backend_it_cannot_serve_in_one_line(
     found = runtime.sandbox_problem("e2b", environ)
     assert found is None if problem is None else problem in (found or "")
     assert runtime.sandbox_problem("local", {}) is None
-    assert "known: e2b, local" in (runtime.sandbox_problem("docker2", {}) or "")
+    assert "known: docker, e2b, local" in (runtime.sandbox_problem("docker2", {}) or "")
+
+
+def test_the_runtime_gives_the_capture_proxy_url_to_the_backends_that_want_it() -> None:
+    config = RuntimeConfig("http://e", Path("d"), sandbox_options={"docker": {"kill_grace_s": 1.0}})
+    runtime = RolloutRuntime(config)
+    runtime.capture = SimpleNamespace(public_url="http://127.0.0.1:8300")  # type: ignore[assignment]
+    docker = runtime.backend("docker").backend  # type: ignore[attr-defined]
+    assert (docker.proxy_url, docker.kill_grace_s) == ("http://127.0.0.1:8300", 1.0)
+    assert not hasattr(runtime.backend("local").backend, "proxy_url")  # type: ignore[attr-defined]
 
 
 def test_the_readme_table_says_what_the_classes_declare() -> None:

@@ -1,4 +1,4 @@
-"""The sandbox contract, run against every backend: the local one for real, E2B against the SDK fake.
+"""The sandbox contract, run against every backend: local and Docker for real, E2B against the SDK fake.
 
 Each test is one promise of :mod:`harness_trainer.sandboxes.base`. Processes are looked up in the host's
 ``/proc`` by a command line unique to the test, so a test sees only what it started.
@@ -33,11 +33,23 @@ def e2b_backend(tmp_path: Path) -> SandboxBackend:
     return E2BSandboxBackend(template="fake", sandbox_class=cloud, kill_grace_s=0.5, retry_backoff_s=0)
 
 
-CONTRACT_BACKENDS: dict[str, Callable[[Path], SandboxBackend]] = {"local": local_backend, "e2b": e2b_backend}
+def docker_backend(tmp_path: Path) -> SandboxBackend:
+    """Docker against the real daemon (the ``docker`` mark skips it without one, or fails it in CI)."""
+    from harness_trainer.sandboxes.docker import DockerSandboxBackend
+
+    return DockerSandboxBackend(kill_grace_s=0.5)
+
+
+CONTRACT_BACKENDS: dict[str, Callable[[Path], SandboxBackend]] = {
+    "local": local_backend,
+    "e2b": e2b_backend,
+    "docker": docker_backend,
+}
 """One fixture per registered backend (``SANDBOXES``; test_capabilities checks none is missing)."""
+NEEDS = {"docker": pytest.mark.docker}  # the marks of backends that need something of the machine
 
 
-@pytest.fixture(params=sorted(CONTRACT_BACKENDS))
+@pytest.fixture(params=[pytest.param(name, marks=NEEDS.get(name, ())) for name in sorted(CONTRACT_BACKENDS)])
 async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[SandboxBackend]:
     started: Any = CONTRACT_BACKENDS[request.param](tmp_path)
     yield started

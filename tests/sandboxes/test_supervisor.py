@@ -172,12 +172,13 @@ async def test_the_supervisor_is_a_backend_over_real_local_sandboxes(
 
 
 def test_the_registry_builds_backends_by_name(tmp_path: Path) -> None:
-    assert set(SANDBOXES) == {"local", "e2b"}
+    assert set(SANDBOXES) == {"local", "e2b", "docker"}
     local = make_backend("local", base_dir=tmp_path, kill_grace_s=1.0)
     assert isinstance(local, LocalSandboxBackend) and local.kill_grace_s == 1.0
     assert make_backend("e2b", template="base").name == "e2b"
-    with pytest.raises(ValueError, match="unknown sandbox backend 'docker'; known: e2b, local"):
-        make_backend("docker")
+    assert make_backend("docker", kill_grace_s=1.0).kill_grace_s == 1.0  # no daemon is asked until a start
+    with pytest.raises(ValueError, match="unknown sandbox backend 'docker2'; known: docker, e2b, local"):
+        make_backend("docker2")
 
 
 def test_sigterm_closes_every_sandbox_before_the_process_exits(

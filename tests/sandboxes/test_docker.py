@@ -1,0 +1,124 @@
+"""What the Docker backend adds to the sandbox contract (test_contract.py runs that against it too), against
+the real daemon: images built once per content from the task's Dockerfile with a missing base mapped (or
+refused), build failures named, resource limits, no network without ``allow_internet`` while the capture
+proxy's loopback URL still works, and leftovers of dead processes removed."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import socket
+from collections.abc import AsyncIterator
+
+import pytest
+
+from harness_trainer.sandboxes.base import SandboxStartError
+from harness_trainer.sandboxes.docker import LABEL, DockerSandboxBackend, remove_leftovers
+from tests.sandboxes.conftest import TaskFactory
+
+pytestmark = pytest.mark.docker
+
+DOCKERFILE = """FROM python:3.11-slim
+ARG GREETING=hi
+ENV GREETING=$GREETING
+WORKDIR /srv/work
+COPY data.txt ./
+RUN echo built > /built.txt
+"""
+FETCH = (
+    'python3 -c "import sys, urllib.request as u; print(u.urlopen(sys.argv[1], timeout=5).read().decode())" '
+)
+
+
+@pytest.fixture
+async def backend() -> AsyncIterator[DockerSandboxBackend]:
+    started = DockerSandboxBackend(kill_grace_s=0.5)
+    yield started
+    leaked = started.live
+    await started.aclose()
+    assert not leaked, f"the test left sandboxes open: {[s.id for s in leaked]}"
+
+
+async def test_the_image_is_built_once_per_content_from_the_dockerfile_with_a_missing_base_mapped(
+    backend: DockerSandboxBackend, make_task: TaskFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    task = make_task(DOCKERFILE, files={"data.txt": "payload\n"})
+    sandbox = await backend.start(task, lifetime_s=60)
+    try:
+        result = await sandbox.exec('pwd; echo "$GREETING"; cat data.txt /built.txt; python3 -c "print(1)"')
+        assert result.stdout == "/srv/work\nhi\npayload\nbuilt\n1\n", result.stderr
+        assert sandbox.workdir == "/srv/work" and not sandbox.shares_host_filesystem
+    finally:
+        await sandbox.close()
+    assert "FROM image python:3.11-slim is not on this Docker daemon: using ht-debian:bookworm" in caplog.text
+    twin = make_task(DOCKERFILE, files={"data.txt": "payload\n"})
+    changed = make_task(DOCKERFILE, files={"data.txt": "other\n"})
+    assert await backend.image(twin) == await backend.image(task) != await backend.image(changed)
+
+
+async def test_a_missing_image_can_be_refused_and_a_failed_build_names_its_step(
+    make_task: TaskFactory,
+) -> None:
+    strict = DockerSandboxBackend(map_missing_images=False)
+    with pytest.raises(
+        SandboxStartError, match=re.escape("FROM image python:3.11-slim is not on this Docker daemon")
+    ):
+        await strict.start(make_task("FROM python:3.11-slim\n"), lifetime_s=60)
+    broken = make_task("FROM ht-debian:bookworm\nRUN echo boom-$((40 + 2)); exit 3\n")
+    with pytest.raises(SandboxStartError, match=r"(?s)image build failed.*RUN echo boom.*boom-42.*code: 3"):
+        await strict.start(broken, lifetime_s=60)
+    assert not strict.live
+
+
+async def test_limits_apply_and_without_internet_only_the_capture_proxy_is_reachable(
+    make_task: TaskFactory,
+) -> None:
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.0 200 OK\r\nContent-Length: 7\r\n\r\nproxied")
+        await writer.drain()
+        writer.close()
+
+    proxy = await asyncio.start_server(answer, "127.0.0.1", 0)
+    engine = await asyncio.start_server(answer, "127.0.0.1", 0)  # any other loopback service of the host
+    proxy_port, engine_port = (s.sockets[0].getsockname()[1] for s in (proxy, engine))
+    backend = DockerSandboxBackend(proxy_url=f"http://127.0.0.1:{proxy_port}/v1", kill_grace_s=0.5)
+    sandbox = await backend.start(make_task(allow_internet=False, cpus=0.5, memory_mb=128), lifetime_s=60)
+    try:
+        reached = await sandbox.exec(FETCH + f"http://127.0.0.1:{proxy_port}/v1/models")
+        assert reached.stdout == "proxied\n", reached.stderr
+        assert (await sandbox.exec(FETCH + f"http://127.0.0.1:{engine_port}/")).exit_code != 0
+        assert (await sandbox.exec("ls /sys/class/net")).stdout.split() == ["lo"]
+        hog = await sandbox.exec('python3 -c "b = bytearray(400 << 20); print(len(b))"', timeout_s=30)
+        assert hog.exit_code != 0 and hog.stdout == ""
+        limits = (await backend.call(backend.client.api.inspect_container, sandbox.container))["HostConfig"]
+        assert (limits["NanoCpus"], limits["Memory"], limits["NetworkMode"]) == (
+            500_000_000,
+            128 << 20,
+            "none",
+        )
+    finally:
+        await backend.aclose()
+        proxy.close()
+        engine.close()
+
+
+async def test_containers_left_by_a_dead_process_are_removed(backend: DockerSandboxBackend) -> None:
+    api = backend.client.api
+    created = await backend.call(
+        api.create_container, "ht-debian:bookworm", ["true"], labels={LABEL: "nowhere:1:0"}
+    )
+    try:
+        owner = api.inspect_container(created["Id"])["Config"]["Labels"][LABEL]
+        assert owner == "nowhere:1:0"  # another host's: left alone
+        assert created["Id"] not in await backend.call(remove_leftovers, backend.client)
+        api.remove_container(created["Id"], force=True)
+        dead = f"{socket.gethostname()}:999999999:0"
+        created = await backend.call(
+            api.create_container, "ht-debian:bookworm", ["true"], labels={LABEL: dead}
+        )
+        assert created["Id"] in await backend.call(remove_leftovers, backend.client)
+    finally:
+        await backend.remove(created["Id"])
