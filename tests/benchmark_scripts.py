@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -44,5 +45,20 @@ def run_to_end(
 def run_quick(
     script: Path, out: Path, timeout_s: float, what: str, stop_s: float = 90.0
 ) -> subprocess.CompletedProcess[str]:
-    """``python <script> --quick --json <out>`` run to its end by :func:`run_to_end`."""
-    return run_to_end([sys.executable, str(script), "--quick", "--json", str(out)], timeout_s, what, stop_s)
+    """``python <script> --quick --json <out>`` run to its end by :func:`run_to_end`; when it succeeded, its
+    JSON result also renders as its section of ``python -m benchmarks``'s report (so the report's own test
+    need not run every benchmark again)."""
+    run = run_to_end([sys.executable, str(script), "--quick", "--json", str(out)], timeout_s, what, stop_s)
+    if run.returncode == 0 and out.is_file():
+        check_section(script.stem, json.loads(out.read_text()))
+    return run
+
+
+def check_section(name: str, result: dict) -> None:
+    """Benchmark ``name``'s real ``result`` makes a report section with a headline, rows and verdicts,
+    and a Markdown rendering that names it."""
+    from benchmarks import report
+
+    section = report.section(name, result, seconds=1.0)
+    assert not section.error and section.headline and section.rows and section.verdicts, name
+    assert f"## {name}: " in report.render_section(section), name

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 from pathlib import Path
 
 import pytest
 
-from tests.benchmark_scripts import load_benchmark
+from tests.benchmark_scripts import check_section, load_benchmark
 
 benchmark_engine = load_benchmark("engine")
 
@@ -36,6 +37,7 @@ def test_engine_benchmark_measures_both_sides_and_stops_its_server(tmp_path: Pat
     assert math.isfinite(result["ratio"]["median"]) and result["ratio"]["median"] > 0
     assert result["overhead"] == pytest.approx(1 - result["ratio"]["median"])
     assert out.is_file()
+    check_section("engine", json.loads(out.read_text()))
     assert result["server_pid"] not in live_children()
     with pytest.raises(ChildProcessError):  # reaped: no such child is left, running or zombie
         os.waitpid(result["server_pid"], os.WNOHANG)
