@@ -21,7 +21,7 @@ pytestmark = pytest.mark.docker
 
 DOCKERFILE = """FROM python:3.11-slim
 ARG GREETING=hi
-ENV GREETING=$GREETING
+ENV GREETING=$GREETING PATH=/opt/tools:$PATH
 WORKDIR /srv/work
 COPY data.txt ./
 RUN echo built > /built.txt
@@ -50,6 +50,9 @@ async def test_the_image_is_built_once_per_content_from_the_dockerfile_with_a_mi
         result = await sandbox.exec('pwd; echo "$GREETING"; cat data.txt /built.txt; python3 -c "print(1)"')
         assert result.stdout == "/srv/work\nhi\npayload\nbuilt\n1\n", result.stderr
         assert sandbox.workdir == "/srv/work" and not sandbox.shares_host_filesystem
+        assert (await sandbox.exec('echo "$PATH"')).stdout.startswith(
+            "/opt/tools:"
+        )  # the login shell kept it
     finally:
         await sandbox.close()
     assert "FROM image python:3.11-slim is not on this Docker daemon: using ht-debian:bookworm" in caplog.text
