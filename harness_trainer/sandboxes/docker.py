@@ -469,7 +469,7 @@ class DockerSandboxBackend:
         self.home = home
         self._client = self._given_client = client
         self._stream_api: Any = None
-        self._pool = concurrent.futures.ThreadPoolExecutor(256, thread_name_prefix="ht-docker")
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._live: set[DockerSandbox] = set()
         self._builds: dict[str, asyncio.Future[str]] = {}
         self._swept = False
@@ -506,6 +506,8 @@ class DockerSandboxBackend:
 
     async def call(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``function`` on this backend's threads (SDK calls block; long execs must not starve others)."""
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(256, thread_name_prefix="ht-docker")
         return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: function(*args, **kwargs))
 
     async def start(
@@ -586,7 +588,8 @@ class DockerSandboxBackend:
                 log.warning("docker: could not remove container %s: %s", container[:12], exc)
 
     async def aclose(self) -> None:
-        """Close every sandbox this backend started, and remove any container of this process left over."""
+        """Close every sandbox this backend started, and remove any container of this process left over;
+        then let go of its threads and connections (the next start makes new ones)."""
         await asyncio.gather(*(sandbox.close() for sandbox in self.live))
         if self._client is not None:
             with contextlib.suppress(Exception):
@@ -594,6 +597,15 @@ class DockerSandboxBackend:
                     self.client.api.containers, all=True, filters={"label": f"{LABEL}={RUN_ID}"}
                 ):
                     await self.remove(container["Id"])
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+        if self._given_client is None:
+            for client in (self._client, self._stream_api):
+                if client is not None:
+                    with contextlib.suppress(Exception):
+                        client.close()
+            self._client = self._stream_api = None
 
     # Images --------------------------------------------------------------------------------------------
 
@@ -716,7 +728,8 @@ def _digest(text: str, context: Path) -> str:
     """sha256 of the Dockerfile as built and every file of the build context (names, modes, contents)."""
     digest = hashlib.sha256(text.encode())
     for path in _context_files(context):
-        digest.update(f"\0{path.relative_to(context).as_posix()}\0{path.stat().st_mode & 0o777}\0".encode())
+        executable = bool(path.stat().st_mode & 0o111)  # as git keeps modes: other umasks hash the same
+        digest.update(f"\0{path.relative_to(context).as_posix()}\0{executable}\0".encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()
 
