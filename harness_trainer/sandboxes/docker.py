@@ -8,9 +8,9 @@ and tagged ``ht-env:<16 hex>``, a sha256 of the Dockerfile as built, every file 
 of each base image, so tasks with identical environments share one image and a changed base rebuilds.
 Concurrent starts of one environment wait for one build, and an image already on the daemon is reused.
 The backend never pulls: a ``FROM`` image that is not on the daemon is **mapped to the local base image**
-(``base_image``, default ``ht-debian:bookworm``, made by ``scripts/setup_docker.sh``: Debian
-bookworm minbase with bash, python3 and ca-certificates) with a warning naming both images, because the
-machines this runs on reach no registry; ``map_missing_images=False`` refuses instead, with an error
+(``base_image``, default ``ht-debian:bookworm``, made by ``scripts/setup_docker.sh``: Debian bookworm
+minbase with bash, python3, python3-venv and ca-certificates) with a warning naming both images, because
+the machines this runs on reach no registry; ``map_missing_images=False`` refuses instead, with an error
 naming the image (load it first: ``docker load`` or ``docker tag``). A task without a Dockerfile runs its
 ``docker_image`` (mapped the same way), else the base image. Builds are bounded by ``build_timeout_sec``
 (else ``build_timeout_s``); a failed build is a :class:`SandboxStartError` with the build log's tail,
