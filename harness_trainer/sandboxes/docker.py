@@ -570,7 +570,8 @@ class DockerSandboxBackend:
         except Exception as exc:
             raise SandboxStartError(f"{task.name}: cannot start container {sandbox.id}: {exc}") from exc
         url = urlsplit(self.proxy_url or "")
-        if url.hostname in LOOPBACK and self.network != "host":
+        shares_host_network = self.network == "host" and task.environment.allow_internet
+        if url.hostname in LOOPBACK and not shares_host_network:
             try:
                 await sandbox.relay(pid, "127.0.0.1", url.port or (443 if url.scheme == "https" else 80))
             except OSError as exc:
