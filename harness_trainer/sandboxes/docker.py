@@ -235,7 +235,7 @@ class DockerSandbox:
         except Exception as exc:
             raise SandboxError(f"sandbox {self.id}: cannot run a command: {exc}") from exc
         start = self._backend.stream_api.exec_start  # no read timeout: a command may be silent for long
-        running = asyncio.ensure_future(self._backend.call(start, created["Id"], demux=True))
+        running = asyncio.ensure_future(self._backend.call(start, created["Id"], demux=True, long=True))
         running.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved
         try:
             out, err = await asyncio.wait_for(asyncio.shield(running), timeout_s)
@@ -250,12 +250,18 @@ class DockerSandbox:
             await asyncio.shield(self._kill(tag))
             raise
         except Exception as exc:
-            raise SandboxError(f"sandbox {self.id}: command failed to run: {exc}") from exc
+            closed = " (it was closed while the command ran)" if self._closed else ""
+            raise SandboxError(f"sandbox {self.id}: command failed to run{closed}: {exc}") from exc
         code, _, stdout = _text(out).partition("\n")
-        if not code.isdigit():  # the wrapper itself failed: docker knows the exit code
+        if code.isdigit():
+            return ExecResult(int(code), stdout, _text(err))
+        if self._closed:  # removed under the command: it was killed, not finished
+            raise SandboxError(f"sandbox {self.id} was closed while a command ran")
+        try:  # the wrapper itself failed (a missing cwd, say): docker knows the exit code
             inspected = await self._api("exec_inspect", created["Id"])
-            return ExecResult(inspected.get("ExitCode"), _text(out), _text(err))
-        return ExecResult(int(code), stdout, _text(err))
+        except Exception as exc:
+            raise SandboxError(f"sandbox {self.id}: command failed to run: {exc}") from exc
+        return ExecResult(inspected.get("ExitCode"), _text(out), _text(err))
 
     async def _kill(self, tag: str) -> None:
         ticks = str(max(1, int(self._backend.kill_grace_s / 0.05)))
@@ -469,7 +475,7 @@ class DockerSandboxBackend:
         self.home = home
         self._client = self._given_client = client
         self._stream_api: Any = None
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pools: dict[bool, concurrent.futures.ThreadPoolExecutor] = {}
         self._live: set[DockerSandbox] = set()
         self._builds: dict[str, asyncio.Future[str]] = {}
         self._swept = False
@@ -504,11 +510,14 @@ class DockerSandboxBackend:
     def live(self) -> list[DockerSandbox]:
         return list(self._live)
 
-    async def call(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``function`` on this backend's threads (SDK calls block; long execs must not starve others)."""
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(256, thread_name_prefix="ht-docker")
-        return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: function(*args, **kwargs))
+    async def call(self, function: Callable[..., Any], *args: Any, long: bool = False, **kwargs: Any) -> Any:
+        """``function`` on this backend's threads: SDK calls block. Calls that last as long as a command or a
+        build (``long``) get their own pool, a thread each, so they never hold up short ones (a close)."""
+        if long not in self._pools:
+            size, name = (4096, "ht-docker-long") if long else (32, "ht-docker")
+            self._pools[long] = concurrent.futures.ThreadPoolExecutor(size, thread_name_prefix=name)
+        call = lambda: function(*args, **kwargs)  # noqa: E731
+        return await asyncio.get_running_loop().run_in_executor(self._pools[long], call)
 
     async def start(
         self, task: HarborTask, *, lifetime_s: float, env: dict[str, str] | None = None
@@ -598,9 +607,9 @@ class DockerSandboxBackend:
                     self.client.api.containers, all=True, filters={"label": f"{LABEL}={RUN_ID}"}
                 ):
                     await self.remove(container["Id"])
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
-            self._pool = None
+        for pool in self._pools.values():
+            pool.shutdown(wait=False)
+        self._pools.clear()
         if self._given_client is None:
             for client in (self._client, self._stream_api):
                 if client is not None:
@@ -691,7 +700,9 @@ class DockerSandboxBackend:
         context = await self.call(_context_tar, text, task.environment_dir)
         began = time.monotonic()
         try:
-            output = await asyncio.wait_for(self.call(self._run_build, context, tag, timeout), timeout)
+            output = await asyncio.wait_for(
+                self.call(self._run_build, context, tag, timeout, long=True), timeout
+            )
         except TimeoutError:
             raise SandboxStartError(
                 f"{task.name}: the image build ran past its {timeout:.0f} s timeout"

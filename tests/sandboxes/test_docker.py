@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from harness_trainer.sandboxes.base import SandboxStartError
+from harness_trainer.sandboxes.base import SandboxError, SandboxStartError
 from harness_trainer.sandboxes.docker import LABEL, DockerSandboxBackend, remove_leftovers
 from tests.sandboxes.conftest import TaskFactory
 
@@ -106,6 +106,17 @@ async def test_limits_apply_and_without_internet_only_the_capture_proxy_is_reach
         await backend.aclose()
         proxy.close()
         engine.close()
+
+
+async def test_a_command_running_when_its_sandbox_closes_is_a_sandbox_error(
+    backend: DockerSandboxBackend, make_task: TaskFactory
+) -> None:
+    sandbox = await backend.start(make_task(), lifetime_s=60)
+    running = asyncio.ensure_future(sandbox.exec("sleep 300"))
+    await asyncio.sleep(0.5)
+    await sandbox.close()
+    with pytest.raises(SandboxError, match="closed while"):
+        await asyncio.wait_for(running, 10)
 
 
 async def test_containers_left_by_a_dead_process_are_removed(backend: DockerSandboxBackend) -> None:
