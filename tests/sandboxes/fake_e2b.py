@@ -213,7 +213,14 @@ class FakeAsyncTemplate:
 
     async def _apply(self, build: FakeTemplateBuild, context: str, log: Callable[[LogEntry], None]) -> None:
         make_roots(build.root)
-        namespace = await Namespace.create(binds(build.root), {"PATH": os.environ.get("PATH", os.defpath)})
+        creating = asyncio.ensure_future(
+            Namespace.create(binds(build.root), {"PATH": os.environ.get("PATH", os.defpath)})
+        )
+        try:
+            namespace = await asyncio.shield(creating)
+        except asyncio.CancelledError:  # a build timeout: leave no namespace behind
+            await (await creating).kill()
+            raise
         steps = build.template["steps"]
         try:
             _info(log, f"[base] FROM {build.template.get('fromImage')} [{'0' * 64}]")

@@ -214,9 +214,20 @@ async def test_a_hanging_build_times_out_with_a_clear_error_and_is_tried_again(
         await backend.start(task, lifetime_s=60)
     backend.template_builder.rebuild = True  # E2B registered the name: only a rebuild gets past it
     cloud.template_class.hang_builds = False
-    sandbox = await backend.start(task, lifetime_s=60)
+    patient = make_task(DOCKERFILE, files={"data.txt": "x"}, build_timeout_sec=120)  # the same template
+    assert template_spec(patient).name == template_spec(task).name
+    sandbox = await backend.start(patient, lifetime_s=60)
     await sandbox.close()
     assert len(cloud.template_class.build_calls) == 2
+
+
+async def test_a_build_timing_out_mid_step_leaves_nothing_running(
+    backend: E2BSandboxBackend, make_task: TaskFactory
+) -> None:
+    task = make_task("FROM python:3.11-slim\nRUN sleep 30\n", build_timeout_sec=0.5)
+    with pytest.raises(TemplateBuildTimeout):
+        await backend.start(task, lifetime_s=60)
+    # the autouse fixture checks that no namespace (and so no `sleep 30`) is left running
 
 
 async def test_an_api_failure_is_not_remembered(
