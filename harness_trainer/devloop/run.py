@@ -43,9 +43,8 @@ class DevLoopOptions:
     max_steps: int = 20
     num_generations: int = 4
     max_concurrent_rollouts: int = 2
-    # One SGD step on a real warm-model group raised the solved transcripts' logprob and lowered the failed
-    # ones'; AdamW at 1e-4 lowered both (its first steps move every weight by ~lr). See the README.
-    learning_rate: float = 0.05
+    # None: FULL_LEARNING_RATE, or LORA_LEARNING_RATE with ``lora`` (see there).
+    learning_rate: float | None = None
     optim: str = "sgd"
     # At 1.0 the tiny model's tail tokens break a quarter of the rollouts into rambles no step can fix, and
     # training on them wrecked the format; at 0.7 a rollout mostly picks between the solution and the
@@ -66,6 +65,23 @@ class DevLoopOptions:
     max_staleness: int = 1
 
 
+# One SGD step on a real warm-model group raised the solved transcripts' logprob and lowered the failed
+# ones'; AdamW at 1e-4 lowered both (its first steps move every weight by ~lr). See the README.
+FULL_LEARNING_RATE = 0.05
+# A rank-8 adapter on the attention projections starts at B = 0, so an SGD step moves the weights about
+# 20x less than a full step at the same rate (scale^2 * r / (3 * hidden) with A's default init); at 0.05
+# the LoRA run's loss and gradients repeated every 5 steps and its reward stayed at the frozen run's
+# (0.65 -> 0.45, seed 0, vLLM); at 1.0 it rose as the full run does. See the README.
+LORA_LEARNING_RATE = 1.0
+
+
+def learning_rate(options: DevLoopOptions) -> float:
+    """The run's learning rate: the one asked for, else the default for full or LoRA training."""
+    if options.learning_rate is not None:
+        return options.learning_rate
+    return LORA_LEARNING_RATE if options.lora else FULL_LEARNING_RATE
+
+
 def add_dev_arguments(parser: argparse.ArgumentParser) -> None:
     d = DevLoopOptions()
     parser.add_argument("--output-dir", type=Path, default=d.output_dir, help="where the run's files go")
@@ -77,7 +93,10 @@ def add_dev_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-steps", type=int, default=d.max_steps)
     parser.add_argument("--num-generations", type=int, default=d.num_generations)
     parser.add_argument("--max-concurrent-rollouts", type=int, default=d.max_concurrent_rollouts)
-    parser.add_argument("--learning-rate", type=float, default=d.learning_rate)
+    parser.add_argument(
+        "--learning-rate", type=float, default=d.learning_rate,
+        help=f"SGD learning rate (default {FULL_LEARNING_RATE:g}; with --lora {LORA_LEARNING_RATE:g})",
+    )  # fmt: skip
     parser.add_argument("--optim", choices=("adamw_torch", "sgd"), default=d.optim)
     parser.add_argument("--temperature", type=float, default=d.temperature)
     parser.add_argument("--max-completion-length", type=int, default=d.max_completion_length,
@@ -239,7 +258,7 @@ def _run_dev_loop(
             output_dir=str(output), engine=options.engine, vllm_server_base_url=engine.url,
             num_generations=options.num_generations, max_concurrent_rollouts=options.max_concurrent_rollouts,
             max_staleness=options.max_staleness, max_steps=options.max_steps, use_peft=options.lora,
-            lora_r=options.lora_r, lora_alpha=2 * options.lora_r, learning_rate=options.learning_rate,
+            lora_r=options.lora_r, lora_alpha=2 * options.lora_r, learning_rate=learning_rate(options),
             optim=options.optim, temperature=options.temperature,
             max_completion_length=options.max_completion_length, seed=options.seed,
             loss_normalization=options.loss_normalization, agent_timeout=options.agent_timeout,

@@ -205,3 +205,21 @@ def test_the_dev_loop_with_lora_on_vllm_pushes_adapters_and_routes_rollouts_to_t
     assert ("policy-v1", 1) in pairs  # the rollouts followed the push
     assert all(t["request"]["model"] == "tiny" for t in turns[1])
     assert set(Path("/dev/shm").glob("harness-trainer-*")) == before  # the adapter folders are gone
+
+
+def test_the_learning_rate_defaults_by_what_is_trained_and_an_explicit_one_wins() -> None:
+    import argparse
+
+    from harness_trainer.devloop.run import (
+        FULL_LEARNING_RATE,
+        LORA_LEARNING_RATE,
+        add_dev_arguments,
+        learning_rate,
+        options_from,
+    )
+
+    parser = argparse.ArgumentParser()
+    add_dev_arguments(parser)
+    assert learning_rate(options_from(parser.parse_args([]))) == FULL_LEARNING_RATE == 0.05
+    assert learning_rate(options_from(parser.parse_args(["--lora"]))) == LORA_LEARNING_RATE == 1.0
+    assert learning_rate(options_from(parser.parse_args(["--lora", "--learning-rate", "1e-9"]))) == 1e-9
