@@ -142,7 +142,9 @@ def _serve(args: argparse.Namespace) -> int:
         max_sandbox_starts=args.max_sandbox_starts or None,
         sandbox_start_jitter_s=args.sandbox_start_jitter,
         proxy_process=args.proxy == "process",
-        sandbox_options={"e2b": {"templates": args.e2b_templates, "agent_layer": agent_layer}},
+        sandbox_options={
+            "e2b": {"templates": args.e2b_templates, "agent_layer": agent_layer, "run_id": args.run_id}
+        },
     )
     server = RolloutServer(
         RolloutRuntime(config), tasks, max_concurrent_envs=limit, idle_timeout_s=args.idle_timeout or None
@@ -157,6 +159,37 @@ def _serve(args: argparse.Namespace) -> int:
         flush=True,
     )
     web.run_app(server.app(), host=args.host, port=args.port, access_log=None, print=None)
+    return 0
+
+
+def _e2b_cleanup(args: argparse.Namespace, sandbox_class: object = None) -> int:
+    """Kill every E2B sandbox labelled with run ``args.run``; ``sandbox_class`` is the SDK boundary
+    (``e2b.AsyncSandbox`` by default; tests pass a fake)."""
+    import asyncio
+    import os
+
+    if not os.environ.get("E2B_API_KEY"):
+        print(
+            "error: E2B_API_KEY is not set: finding a run's E2B sandboxes needs an E2B API key",
+            file=sys.stderr,
+        )
+        return 2
+    return asyncio.run(_e2b_cleanup_run(args.run, sandbox_class))
+
+
+async def _e2b_cleanup_run(run_id: str, sandbox_class: object = None) -> int:
+    from harness_trainer.sandboxes.e2b_runs import kill_run
+
+    if sandbox_class is None:
+        from e2b import AsyncSandbox as sandbox_class
+    try:
+        killed = await kill_run(sandbox_class, run_id)
+    except Exception as exc:  # the SDK's errors (auth, network) are reported, not a traceback
+        print(f"error: cannot list the E2B sandboxes of run {run_id}: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"killed {len(killed)} E2B sandboxes of run {run_id}" + (f": {', '.join(killed)}" if killed else "")
+    )
     return 0
 
 
@@ -356,6 +389,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="preinstall this harness's pinned agent in every E2B template built from a task (repeatable; "
         "part of the template's name: give `e2b build-templates --agent` the same list)",
     )  # fmt: skip
+    serve.add_argument(
+        "--run-id", default=None,
+        help="label E2B sandboxes with this run; a server restarted with the same id first kills the ones "
+        "a dead server left (one server per id; `harness-trainer e2b cleanup --run ID` does it by hand)",
+    )  # fmt: skip
     serve.set_defaults(func=_serve)
 
     e2b = sub.add_parser("e2b", help="E2B sandboxes").add_subparsers(dest="e2b_command", required=True)
@@ -380,6 +418,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="preinstall this harness's pinned agent in every template (repeatable; as `serve --e2b-agent`)",
     )  # fmt: skip
     templates.set_defaults(func=_e2b_build_templates)
+    cleanup = e2b.add_parser("cleanup", help="kill every E2B sandbox of a run (a server that died left them)")
+    cleanup.add_argument("--run", required=True, help="the run id (serve --run-id)")
+    cleanup.set_defaults(func=_e2b_cleanup)
 
     from harness_trainer.devloop.run import add_dev_arguments
 

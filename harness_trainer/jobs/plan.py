@@ -186,7 +186,7 @@ def build_plan(
         public_url=public_url,
         secret_names=names,
         vllm=_vllm_step(options, settings, names),
-        serve=_serve_step(options, settings, names, capacity, public_url),
+        serve=_serve_step(options, settings, names, capacity, public_url, environ.get(RUN_ID_ENV) or None),
         warm=warm,
         trainer=trainer,
     )
@@ -219,6 +219,7 @@ def _serve_step(
     names: list[str],
     capacity: int,
     public_url: str | None,
+    run_id: str | None,
 ) -> Step:
     # Off loopback only when sandboxes elsewhere must reach it; serve then makes its own random admin key.
     capture_host = "0.0.0.0" if public_url else LOOPBACK
@@ -227,6 +228,8 @@ def _serve_step(
     argv += ["--upstream", _url(options.vllm_port), "--host", LOOPBACK, "--port", str(options.server_port)]
     argv += ["--capture-host", capture_host, "--capture-port", str(options.capture_port)]
     argv += ["--data-dir", capture_dir, *(["--public-url", public_url] if public_url else [])]
+    # The job's run id labels its remote sandboxes: a restarted job's server kills what a dead one left.
+    argv += ["--run-id", run_id] if run_id else []
     return Step(
         name="serve",
         argv=argv,

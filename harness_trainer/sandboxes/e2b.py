@@ -10,7 +10,8 @@ once naming the missing template (build them ahead with ``harness-trainer e2b bu
 failed or timed-out build is a :class:`SandboxStartError` naming the task (and the failing instruction).
 
 Lifetime: the sandbox's E2B ``timeout`` is ``max(lifetime_s, agent + verifier timeouts) + lifetime_margin_s``,
-so E2B reaps it even if this process dies. Creation is tried ``create_attempts`` times (3) with exponential
+so E2B reaps it even if this process dies; with ``run_id`` a server restarted on the same run kills
+them before that (:mod:`.e2b_runs`). Creation is tried ``create_attempts`` times (3) with exponential
 backoff, then raises :class:`SandboxStartError`; bad credentials or arguments fail at once.
 
 Commands run as ``user`` (``root`` by default, as task images expect) in ``bash -l -c`` (envd's own),
@@ -55,6 +56,7 @@ from harness_trainer.sandboxes.base import (
     resolve_path,
     sandbox_lifetime,
 )
+from harness_trainer.sandboxes.e2b_runs import kill_run, new_owner, sandbox_metadata
 from harness_trainer.sandboxes.e2b_templates import DEFAULT_BUILD_TIMEOUT_S, TemplateBuilder
 from harness_trainer.tasks.task import EnvironmentSpec, HarborTask
 
@@ -244,7 +246,9 @@ class E2BSandboxBackend:
     ``sandbox_class`` (the SDK boundary; default ``e2b.AsyncSandbox``); for templates built from the task's
     environment: ``templates`` (``"build"`` or ``"prebuilt"``), ``agent_layer`` (a shell command run as
     root at the end of every such template), ``build_timeout_s`` (when the task sets no
-    ``build_timeout_sec``), ``build_log_dir``, ``template_class`` (default ``e2b.AsyncTemplate``)."""
+    ``build_timeout_sec``), ``build_log_dir``, ``template_class`` (default ``e2b.AsyncTemplate``);
+    ``run_id``: label every sandbox with the run, and before the first start kill the run's sandboxes a
+    dead server left (:mod:`.e2b_runs`)."""
 
     name = "e2b"
     capabilities = Capabilities(
@@ -276,6 +280,7 @@ class E2BSandboxBackend:
         build_timeout_s: float = DEFAULT_BUILD_TIMEOUT_S,
         build_log_dir: Path | None = None,
         template_class: Any = None,
+        run_id: str | None = None,
     ) -> None:
         if templates not in ("build", "prebuilt"):
             raise ValueError(f"templates must be 'build' or 'prebuilt', not {templates!r}")
@@ -300,10 +305,33 @@ class E2BSandboxBackend:
             log_dir=build_log_dir,
         )
         self._live: set[E2BSandbox] = set()
+        self.run_id = run_id
+        self.owner = new_owner()
+        self._reaping: asyncio.Future[None] | None = None
 
     @property
     def live(self) -> list[E2BSandbox]:
         return list(self._live)
+
+    async def reap_orphans(self) -> None:
+        """Once, before the first start: kill the run's sandboxes another owner left (a server of the same
+        ``run_id`` that died hard; see :mod:`.e2b_runs`). A failure to list is logged, never fatal."""
+        if self.run_id is None:
+            return
+        if self._reaping is None:
+            self._reaping = asyncio.ensure_future(self._reap())
+        await asyncio.shield(self._reaping)
+
+    async def _reap(self) -> None:
+        assert self.run_id is not None
+        sandbox_class = self._sandbox_class or _sdk().AsyncSandbox
+        try:
+            killed = await kill_run(sandbox_class, self.run_id, keep_owner=self.owner, api_key=self.api_key)
+        except Exception as exc:  # orphans are E2B's to reap at their timeout; the run goes on
+            log.warning("E2B run %s: cannot look for orphaned sandboxes: %s", self.run_id, exc)
+            return
+        if killed:
+            log.warning("E2B run %s: killed %d sandboxes an earlier server left", self.run_id, len(killed))
 
     def named_template(self, task: HarborTask) -> str | None:
         """The template named for ``task`` by the options or its task.toml, if any."""
@@ -329,6 +357,7 @@ class E2BSandboxBackend:
     async def start(
         self, task: HarborTask, *, lifetime_s: float, env: dict[str, str] | None = None
     ) -> E2BSandbox:
+        await self.reap_orphans()
         template = await self.template_for(task)
         workdir = self.workdir or _dockerfile_workdir(task)
         timeout = math.ceil(sandbox_lifetime(task, lifetime_s, self.lifetime_margin_s))
@@ -356,7 +385,10 @@ class E2BSandboxBackend:
     async def _create(self, task: HarborTask, template: str, timeout: int, env: dict[str, str]) -> Any:
         create = (self._sandbox_class or _sdk().AsyncSandbox).create
         e2b = _sdk()
-        kwargs: dict[str, Any] = {"metadata": {"harness_trainer_task": task.name}, "envs": env}
+        kwargs: dict[str, Any] = {
+            "metadata": sandbox_metadata(task.name, self.run_id, self.owner),
+            "envs": env,
+        }
         if self.api_key:
             kwargs["api_key"] = self.api_key
         if not task.environment.allow_internet:

@@ -46,6 +46,7 @@ from e2b import (
     FileNotFoundException,
     InvalidArgumentException,
     SandboxException,
+    SandboxQuery,
     TimeoutException,
 )
 from e2b.template.logger import LogEntry, LogEntryEnd, LogEntryStart
@@ -67,6 +68,8 @@ class FakeE2BCloud:
         self.create_calls: list[dict[str, Any]] = []
         self.sandboxes: list[FakeAsyncSandbox] = []
         self._ids = itertools.count()
+        self.list_calls: list[dict[str, Any]] = []
+        self.kill_calls: list[dict[str, Any]] = []
         self.templates: dict[str, FakeTemplateBuild] = {}  # the account's template names, latest build
         self.template_class = FakeAsyncTemplate(self)
 
@@ -97,8 +100,49 @@ class FakeE2BCloud:
         namespace = await Namespace.create(binds(root), {"PATH": os.environ.get("PATH", os.defpath)})
         sandbox_env = {**(built.env if built else {}), **(envs or {})}
         sandbox = FakeAsyncSandbox(sandbox_id, root, namespace, sandbox_env, template=template)
+        sandbox.metadata = dict(metadata or {})
         self.sandboxes.append(sandbox)
         return sandbox
+
+    def list(
+        self,
+        query: SandboxQuery | None = None,
+        limit: int | None = None,
+        next_token: str | None = None,
+        order: str | None = None,
+        **opts: Any,
+    ) -> FakeSandboxPaginator:
+        """The account's live sandboxes whose metadata has every pair of ``query.metadata``, in pages of
+        ``limit`` (the SDK's paginator: ``has_next``, ``await next_items()``)."""
+        self.list_calls.append(
+            {"query": query, "limit": limit, "next_token": next_token, "order": order, **opts}
+        )
+        wanted = (query.metadata if query is not None else None) or {}
+        infos = [
+            SimpleNamespace(sandbox_id=s.sandbox_id, metadata=dict(s.metadata), template_id=s.template)
+            for s in self.sandboxes
+            if not s.killed and all(s.metadata.get(k) == v for k, v in wanted.items())
+        ]
+        return FakeSandboxPaginator(infos, limit or 100)
+
+    async def kill(self, sandbox_id: str, **opts: Any) -> bool:
+        """``AsyncSandbox.kill(sandbox_id)`` called on the class: False when no live sandbox has that id."""
+        self.kill_calls.append({"sandbox_id": sandbox_id, **opts})
+        found = next((s for s in self.sandboxes if s.sandbox_id == sandbox_id and not s.killed), None)
+        return await found.kill(**opts) if found is not None else False
+
+
+class FakeSandboxPaginator:
+    def __init__(self, items: list[Any], page: int) -> None:
+        self._items, self._page = items, page
+        self.has_next = True
+
+    async def next_items(self, **opts: Any) -> list[Any]:
+        if not self.has_next:
+            raise SandboxException("fake: no more items to fetch")
+        page, self._items = self._items[: self._page], self._items[self._page :]
+        self.has_next = bool(self._items)
+        return page
 
 
 def make_roots(root: Path) -> None:
@@ -292,6 +336,7 @@ class FakeAsyncSandbox:
         self.envs = envs
         self.calls: list[tuple[str, dict[str, Any]]] = []
         self.killed = False
+        self.metadata: dict[str, str] = {}
         self.commands = FakeCommands(self)
         self.files = FakeFilesystem(self)
 

@@ -53,7 +53,7 @@ async def test_create_asks_for_the_tasks_template_and_a_lifetime_above_the_timeo
     assert call["template"] == "tpl-python"
     assert call["timeout"] == math.ceil(600 + 120 + 100)
     assert call["envs"] == {"SESSION": "abc"}
-    assert call["metadata"] == {"harness_trainer_task": task.name}
+    assert call["metadata"] == {"harness_trainer_task": task.name, "harness_trainer_owner": backend.owner}
     assert "network" not in call
 
 
