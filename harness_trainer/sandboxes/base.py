@@ -10,7 +10,9 @@ idempotent and never raises.
 
 from __future__ import annotations
 
+import asyncio
 import posixpath
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -79,6 +81,25 @@ def resolve_path(path: str, *, workdir: str, home: str) -> str:
     if path == "~" or path.startswith("~/"):
         path = home + path[1:]
     return posixpath.normpath(posixpath.join(workdir, path))
+
+
+class Lifetime:
+    """A sandbox's lifetime watchdog: :meth:`start` closes it after ``seconds`` unless :meth:`cancel` (its
+    own ``close``) comes first. Shared by the backends whose sandboxes nothing else would reap."""
+
+    def __init__(self) -> None:
+        self._timer: asyncio.TimerHandle | None = None
+        self._expiry: asyncio.Task[None] | None = None  # held so the closing task is not collected
+
+    def start(self, seconds: float, close: Callable[[], Awaitable[None]]) -> None:
+        self._timer = asyncio.get_running_loop().call_later(seconds, self._expire, close)
+
+    def _expire(self, close: Callable[[], Awaitable[None]]) -> None:
+        self._expiry = asyncio.ensure_future(close())
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
 
 
 def sandbox_lifetime(task: HarborTask, lifetime_s: float, margin_s: float) -> float:

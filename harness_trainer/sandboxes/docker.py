@@ -71,6 +71,7 @@ from harness_trainer.sandboxes.base import (
     Capabilities,
     ExecResult,
     Isolation,
+    Lifetime,
     SandboxError,
     SandboxStartError,
     resolve_path,
@@ -195,8 +196,7 @@ class DockerSandbox:
         self._backend = backend
         self._env = env  # given to every exec: the container's PATH (for the login shell) and start env
         self._closed = False
-        self._watchdog: asyncio.TimerHandle | None = None
-        self._expiry: asyncio.Task[None] | None = None
+        self._lifetime = Lifetime()
         self._relays: list[asyncio.AbstractServer] = []
         self._connections: set[asyncio.StreamWriter] = set()
         self.on_close: list[Callable[[DockerSandbox], object]] = []
@@ -335,18 +335,15 @@ class DockerSandbox:
         self._relays.append(await asyncio.start_server(handle, sock=sock))
 
     def expire_after(self, seconds: float) -> None:
-        self._watchdog = asyncio.get_running_loop().call_later(seconds, self._expire)
-
-    def _expire(self) -> None:
-        self._expiry = asyncio.ensure_future(self.close())
+        """Close this sandbox after ``seconds`` (its lifetime), unless it is closed before."""
+        self._lifetime.start(seconds, self.close)
 
     async def close(self) -> None:
         """Remove the container and everything in it; idempotent, never raises."""
         if self._closed:
             return
         self._closed = True
-        if self._watchdog is not None:
-            self._watchdog.cancel()
+        self._lifetime.cancel()
         for server in self._relays:
             server.close()
         for writer in list(self._connections):

@@ -56,6 +56,7 @@ from harness_trainer.sandboxes.base import (
     Capabilities,
     ExecResult,
     Isolation,
+    Lifetime,
     SandboxError,
     SandboxStartError,
     resolve_path,
@@ -102,8 +103,7 @@ class LocalSandbox:
         self._kill_grace_s = kill_grace_s
         self._lock_fd = lock_fd  # held while the sandbox lives: an unlocked root is a stale one
         self._closed = False
-        self._watchdog: asyncio.TimerHandle | None = None
-        self._expiry: asyncio.Task[None] | None = None
+        self._lifetime = Lifetime()
         self.on_close: list[Callable[[LocalSandbox], object]] = []  # called once, when closed
 
     @property
@@ -166,18 +166,14 @@ class LocalSandbox:
 
     def expire_after(self, seconds: float) -> None:
         """Close this sandbox after ``seconds`` (its lifetime), unless it is closed before."""
-        self._watchdog = asyncio.get_running_loop().call_later(seconds, self._expire)
-
-    def _expire(self) -> None:
-        self._expiry = asyncio.ensure_future(self.close())
+        self._lifetime.start(seconds, self.close)
 
     async def close(self) -> None:
         """Kill every process of the sandbox and delete its root; idempotent, never raises."""
         if self._closed:
             return
         self._closed = True
-        if self._watchdog is not None:
-            self._watchdog.cancel()
+        self._lifetime.cancel()
         try:
             await self._namespace.kill()
         finally:
