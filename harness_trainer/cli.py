@@ -105,7 +105,6 @@ def _serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from capture_proxy.app import tune_gc
-    from harness_trainer.harnesses import template_agent_layer
     from harness_trainer.rollouts.runtime import RolloutRuntime, RuntimeConfig
     from harness_trainer.rollouts.server import RolloutServer
     from harness_trainer.tasks.sources import open_task_source
@@ -118,10 +117,7 @@ def _serve(args: argparse.Namespace) -> int:
     except (TaskError, OSError, ValueError) as exc:
         print(f"error: cannot load tasks from {args.dataset}: {exc}", file=sys.stderr)
         return 2
-    try:
-        agent_layer = template_agent_layer(args.e2b_agent or [])
-    except ValueError as exc:
-        print(f"error: --e2b-agent: {exc}", file=sys.stderr)
+    if (agent_layer := _agent_layer(args.e2b_agent, "--e2b-agent")) is None:
         return 2
     limit = args.max_concurrent_envs or int(os.environ.get("MAX_CONCURRENT_ENVS", "8"))
     admin_key = args.capture_admin_key or os.environ.get("CAPTURE_PROXY_ADMIN_KEY") or None
@@ -160,6 +156,18 @@ def _serve(args: argparse.Namespace) -> int:
     )
     web.run_app(server.app(), host=args.host, port=args.port, access_log=None, print=None)
     return 0
+
+
+def _agent_layer(names: list[str] | None, flag: str) -> str | None:
+    """The E2B template layer that preinstalls the harnesses ``names``; None (said on stderr) when one of
+    them cannot be preinstalled."""
+    from harness_trainer.harnesses import template_agent_layer
+
+    try:
+        return template_agent_layer(names or [])
+    except ValueError as exc:
+        print(f"error: {flag}: {exc}", file=sys.stderr)
+        return None
 
 
 def _e2b_cleanup(args: argparse.Namespace, sandbox_class: object = None) -> int:
@@ -202,15 +210,11 @@ def _e2b_build_templates(args: argparse.Namespace, template_class: object = None
     if not os.environ.get("E2B_API_KEY"):
         print("error: E2B_API_KEY is not set: building E2B templates needs an E2B API key", file=sys.stderr)
         return 2
-    from harness_trainer.harnesses import template_agent_layer
     from harness_trainer.sandboxes.e2b_templates import TemplateBuild, TemplateBuilder, build_all
     from harness_trainer.tasks.sources import open_task_source
     from harness_trainer.tasks.task import TaskError
 
-    try:
-        agent_layer = template_agent_layer(args.agent or [])
-    except ValueError as exc:
-        print(f"error: --agent: {exc}", file=sys.stderr)
+    if (agent_layer := _agent_layer(args.agent, "--agent")) is None:
         return 2
     try:
         source = open_task_source(args.dataset)
