@@ -3,42 +3,31 @@
 Needs a Docker daemon on **this** machine (``DOCKER_HOST`` or the default socket) and the Docker SDK
 (``pip install 'harness-trainer[docker]'``); the backend runs as root (see the proxy relay below).
 
-Images. The task's ``environment/Dockerfile`` (its folder is the build context) is built once per content
-and tagged ``ht-env:<16 hex>``, a sha256 of the Dockerfile as built, every file of the context and the id
-of each base image, so tasks with identical environments share one image and a changed base rebuilds.
-Concurrent starts of one environment wait for one build, and an image already on the daemon is reused.
-The backend never pulls: a ``FROM`` image that is not on the daemon is **mapped to the local base image**
-(``base_image``, default ``ht-debian:bookworm``, made by ``scripts/setup_docker.sh``: Debian bookworm
-minbase with bash, python3, python3-venv and ca-certificates) with a warning naming both images, because
-the machines this runs on reach no registry; ``map_missing_images=False`` refuses instead, with an error
-naming the image (load it first: ``docker load`` or ``docker tag``). A task without a Dockerfile runs its
-``docker_image`` (mapped the same way), else the base image. Builds are bounded by ``build_timeout_sec``
-(else ``build_timeout_s``); a failed build is a :class:`SandboxStartError` with the build log's tail,
-which names the failing step.
+Images: built from the task's environment once per content, never pulled; a base image missing on the
+daemon maps to the local ``ht-debian:bookworm`` (:mod:`.docker_images`).
 
-Containers. Each sandbox is a container of that image kept alive by ``sleep infinity`` under Docker's
-init (which reaps orphans), labelled ``harness-trainer.run=<host>:<pid>:<start time>`` so that leftovers
-of a process that died are found and removed (at the next backend's first start, and by
-:func:`remove_leftovers`). The container gets ``/logs/agent``, ``/logs/verifier``, empty ``/tests`` and
-``/solution``, ``HOME`` (``/home/user``) and the image's ``WORKDIR`` (``/app`` when it has none) before it
-starts; ``[environment] cpus`` and ``memory_mb`` become its CPU quota and memory limit. Commands run as the
-image's user with ``bash -lc``: a wrapper puts each in its own process group and sends its output to
-files it prints at the end (a background child never holds the call open); on timeout or cancellation a
-second exec sends the group SIGTERM, then SIGKILL after ``kill_grace_s``. ``close`` removes the container
-with everything in it (idempotent, never raises); a sandbox closes itself when its lifetime runs out;
-``aclose`` closes every open one and removes any container of this process left by a failed start.
+Containers. Each sandbox is a container of that image kept alive by ``sleep infinity`` under Docker's init
+(which reaps orphans), labelled with this process (:mod:`.docker_daemon`) so that the leftovers of a process
+that died are removed at the next backend's first start (and by :func:`remove_leftovers`). The container gets
+``/logs/agent``, ``/logs/verifier``, empty ``/tests`` and ``/solution``, ``HOME`` (``/home/user``) and the
+image's ``WORKDIR`` (``/app`` when it has none) before it starts; ``[environment] cpus`` and ``memory_mb``
+become its CPU quota and memory limit. Commands run as the image's user with ``bash -lc``: a wrapper puts each
+in its own process group and sends its output to files it prints at the end (a background child never holds
+the call open); on timeout or cancellation a second exec sends the group SIGTERM, then SIGKILL after
+``kill_grace_s``. ``close`` removes the container with everything in it (idempotent, never raises); a sandbox
+closes itself when its lifetime runs out; ``aclose`` closes every open one and removes any container of this
+process left by a failed start.
 
-Network. ``allow_internet = false`` gives the container no network at all (``network_mode="none"``: only
-its own loopback); otherwise it joins ``network`` (default Docker's ``bridge``, NAT to the internet).
-Either way the agent must reach the capture proxy, which listens on this machine's loopback: the runtime
-gives the backend the proxy's URL (``proxy_url``; ``capabilities.wants_proxy_url``), and when its host is
-loopback the backend opens a listener on the **same address inside the container's network namespace**
-(``setns``, from a short-lived thread of this process; hence root and a local daemon) and relays each
-connection to the proxy. So the agent uses the URL it is given, unchanged, even with no network, and
-nothing else on this machine's loopback (the engine, for one) is reachable from the container. A proxy URL
-that is not loopback is reached over the container's network (not with ``allow_internet = false``).
-``network="host"`` shares this machine's network instead (no relay, no isolation; ``allow_internet =
-false`` still gets no network).
+Network. ``allow_internet = false`` gives the container no network at all (``network_mode="none"``: only its
+own loopback); otherwise it joins ``network`` (default Docker's ``bridge``, NAT to the internet). Either way
+the agent must reach the capture proxy, which listens on this machine's loopback: the runtime gives the
+backend the proxy's URL (``proxy_url``; ``capabilities.wants_proxy_url``), and when its host is loopback the
+backend opens a listener on the **same address inside the container's network namespace**
+(:mod:`.netns_relay`; hence root and a local daemon) and relays each connection to the proxy. So the agent
+uses the URL it is given, unchanged, even with no network, and nothing else on this machine's loopback (the
+engine, for one) is reachable from the container. A proxy URL that is not loopback is reached over the
+container's network (not with ``allow_internet = false``). ``network="host"`` shares this machine's network
+instead (no relay, no isolation; ``allow_internet = false`` still gets no network).
 
 Isolation: its own filesystem, processes, network and limits; commands run as the image's user (root by
 default), which is **root of this machine** unless the daemon remaps users (``userns-remap``): Docker's
@@ -51,22 +40,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import ctypes
-import hashlib
 import io
 import logging
-import os
-import socket
 import tarfile
-import threading
-import time
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from harness_trainer.sandboxes import dockerfile
 from harness_trainer.sandboxes.base import (
     Capabilities,
     ExecResult,
@@ -77,12 +59,24 @@ from harness_trainer.sandboxes.base import (
     resolve_path,
     sandbox_lifetime,
 )
+from harness_trainer.sandboxes.docker_daemon import (
+    BASE_IMAGE,
+    LABEL,
+    RUN_ID,
+    as_root,
+    daemon_problem,
+    daemon_problem_text,
+    remove_leftovers,
+    sdk,
+    tar_of,
+    unavailable,
+)
+from harness_trainer.sandboxes.docker_images import DockerImages
+from harness_trainer.sandboxes.netns_relay import NetnsRelay
 from harness_trainer.tasks.task import HarborTask
 
 log = logging.getLogger(__name__)
 
-BASE_IMAGE = "ht-debian:bookworm"
-LABEL = "harness-trainer.run"
 MAX_OUTPUT_BYTES = 16 << 20
 EXEC_DIR = "/run/ht-exec"
 # $1 = exec id, $2 = command. The command runs in its own process group (job control), its output in
@@ -109,78 +103,7 @@ if [ -n "${__HT_PATH-}" ]; then PATH=$__HT_PATH; export PATH; fi
 unset __HT_PATH
 if [ -f "$HOME/.profile" ]; then . "$HOME/.profile"; fi
 """
-_CLONE_NEWNET = 0x40000000
 LOOPBACK = ("127.0.0.1", "localhost")
-
-
-def _sdk() -> Any:
-    try:
-        import docker
-    except ImportError as exc:  # the SDK is an optional extra
-        raise SandboxStartError(
-            "the docker backend needs the Docker SDK: pip install 'harness-trainer[docker]'"
-        ) from exc
-    return docker
-
-
-def _process_start(pid: int) -> str | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
-RUN_ID = f"{socket.gethostname()}:{os.getpid()}:{_process_start(os.getpid())}"
-
-
-def daemon_problem(client: Any = None) -> str | None:
-    """Why no Docker daemon answers here, in one line; None when one does."""
-    try:
-        (client or _sdk().from_env(timeout=5)).ping()
-    except SandboxStartError as exc:
-        return str(exc)
-    except Exception as exc:  # the SDK raises DockerException, requests' errors, OSError…
-        return daemon_problem_text(exc)
-    return None
-
-
-def daemon_problem_text(exc: Exception) -> str:
-    return f"no Docker daemon answers ({type(exc).__name__}: {exc})"
-
-
-def unavailable(base_image: str = BASE_IMAGE) -> str | None:
-    """Why the docker backend cannot start sandboxes of tasks without an image of their own here (no
-    SDK, no daemon, no base image), in one line; None when it can."""
-    try:
-        docker = _sdk()
-        client = docker.from_env(timeout=10)
-    except Exception as exc:
-        return str(exc) if isinstance(exc, SandboxStartError) else daemon_problem_text(exc)
-    try:
-        if problem := daemon_problem(client):
-            return problem
-        client.api.inspect_image(base_image)
-    except docker.errors.ImageNotFound:
-        return f"the base image {base_image} is not on the Docker daemon: run scripts/setup_docker.sh"
-    except Exception as exc:
-        return daemon_problem_text(exc)
-    finally:
-        client.close()
-    return None
-
-
-def remove_leftovers(client: Any) -> list[str]:
-    """Remove the containers of harness-trainer processes of this host that are no longer running."""
-    removed = []
-    host = socket.gethostname()
-    for container in client.api.containers(all=True, filters={"label": LABEL}):
-        owner_host, _, rest = container["Labels"].get(LABEL, "").partition(":")
-        pid, _, started = rest.partition(":")
-        if owner_host == host and pid.isdigit() and _process_start(int(pid)) != started:
-            with contextlib.suppress(Exception):
-                client.api.remove_container(container["Id"], force=True, v=True)
-                removed.append(container["Id"])
-    return removed
 
 
 class DockerSandbox:
@@ -197,8 +120,7 @@ class DockerSandbox:
         self._env = env  # given to every exec: the container's PATH (for the login shell) and start env
         self._closed = False
         self._lifetime = Lifetime()
-        self._relays: list[asyncio.AbstractServer] = []
-        self._connections: set[asyncio.StreamWriter] = set()
+        self._relay = NetnsRelay(backend.call)
         self.on_close: list[Callable[[DockerSandbox], object]] = []
 
     @property
@@ -275,12 +197,12 @@ class DockerSandbox:
 
     async def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
         payload = data.encode() if isinstance(data, str) else data
-        archive = _tar([(self.sandbox_path(path), payload, mode)])
+        archive = tar_of([(self.sandbox_path(path), payload, mode)])
         await self._put(archive)
 
     async def read_file(self, path: str) -> bytes:
         target = self.sandbox_path(path)
-        docker = _sdk()
+        docker = sdk()
         try:
             stream, _ = await self._api("get_archive", self.container, target)
             raw = await self._backend.call(lambda: b"".join(stream))
@@ -301,7 +223,7 @@ class DockerSandbox:
         target = self.sandbox_path(remote).lstrip("/")
         buffer = io.BytesIO()
         with tarfile.open(fileobj=buffer, mode="w") as archive:
-            archive.add(local, arcname=target or ".", filter=_as_root)
+            archive.add(local, arcname=target or ".", filter=as_root)
         await self._put(buffer.getvalue())
 
     async def _put(self, archive: bytes) -> None:
@@ -314,25 +236,7 @@ class DockerSandbox:
 
     async def relay(self, pid: int, host: str, port: int) -> None:
         """Listen on ``host:port`` inside the container's network namespace; relay to the same here."""
-        sock = await self._backend.call(_listen_in_netns, pid, host, port)
-
-        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            self._connections.add(writer)
-            try:
-                up_reader, up_writer = await asyncio.open_connection(host, port)
-            except OSError:
-                writer.close()
-                self._connections.discard(writer)
-                return
-            self._connections.add(up_writer)
-            try:
-                await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
-            finally:
-                for w in (writer, up_writer):
-                    w.close()
-                    self._connections.discard(w)
-
-        self._relays.append(await asyncio.start_server(handle, sock=sock))
+        await self._relay.open(pid, host, port)
 
     def expire_after(self, seconds: float) -> None:
         """Close this sandbox after ``seconds`` (its lifetime), unless it is closed before."""
@@ -344,85 +248,12 @@ class DockerSandbox:
             return
         self._closed = True
         self._lifetime.cancel()
-        for server in self._relays:
-            server.close()
-        for writer in list(self._connections):
-            writer.close()
+        self._relay.close()
         try:
             await self._backend.remove(self.container)
         finally:
             for callback in self.on_close:
                 callback(self)
-
-
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    with contextlib.suppress(OSError, asyncio.IncompleteReadError):
-        while data := await reader.read(1 << 16):
-            writer.write(data)
-            await writer.drain()
-        if writer.can_write_eof():
-            writer.write_eof()
-
-
-def _listen_in_netns(pid: int, host: str, port: int) -> socket.socket:
-    """A listening socket on ``host:port`` in the network namespace of process ``pid``. ``setns`` moves
-    only the calling thread, so a throwaway thread does it; the socket stays in that namespace."""
-    result: dict[str, Any] = {}
-
-    def work() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-        target = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
-        try:
-            if libc.setns(target, _CLONE_NEWNET) != 0:
-                raise OSError(ctypes.get_errno(), f"setns into the network namespace of pid {pid}")
-            try:
-                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                sock.bind((host, port))
-                sock.listen(128)
-                sock.setblocking(False)
-                result["sock"] = sock
-            finally:
-                libc.setns(own, _CLONE_NEWNET)  # the thread ends here anyway
-        except BaseException as exc:
-            result["error"] = exc
-        finally:
-            os.close(own)
-            os.close(target)
-
-    thread = threading.Thread(target=work, name="ht-docker-netns", daemon=True)
-    thread.start()
-    thread.join()
-    if "error" in result:
-        raise result["error"]
-    return result["sock"]
-
-
-def _text(data: bytes | None) -> str:
-    return (data or b"").decode(errors="replace")
-
-
-def _as_root(info: tarfile.TarInfo) -> tarfile.TarInfo:
-    info.uid = info.gid = 0
-    info.uname = info.gname = "root"
-    return info
-
-
-def _tar(entries: list[tuple[str, bytes | None, int]]) -> bytes:
-    """A tar of absolute paths: ``(path, content, mode)``, content None for a directory."""
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w") as archive:
-        for path, content, mode in entries:
-            info = _as_root(tarfile.TarInfo(path.lstrip("/")))
-            info.mode, info.mtime = mode, int(time.time())
-            if content is None:
-                info.type = tarfile.DIRTYPE
-                archive.addfile(info)
-            else:
-                info.size = len(content)
-                archive.addfile(info, io.BytesIO(content))
-    return buffer.getvalue()
 
 
 class DockerSandboxBackend:
@@ -461,12 +292,8 @@ class DockerSandboxBackend:
         home: str = "/home/user",
         client: Any = None,
     ) -> None:
-        self.base_image = base_image
-        self.map_missing_images = map_missing_images
         self.network = network
-        self.build_network = build_network
         self.proxy_url = proxy_url
-        self.build_timeout_s = build_timeout_s
         self.kill_grace_s = kill_grace_s
         self.lifetime_margin_s = lifetime_margin_s
         self.home = home
@@ -474,14 +301,16 @@ class DockerSandboxBackend:
         self._stream_api: Any = None
         self._pools: dict[bool, concurrent.futures.ThreadPoolExecutor] = {}
         self._live: set[DockerSandbox] = set()
-        self._builds: dict[str, asyncio.Future[str]] = {}
         self._swept = False
-        self._mapped: set[str] = set()
+        self.images = DockerImages(
+            lambda: self.client, self.call, base_image=base_image, map_missing_images=map_missing_images,
+            build_network=build_network, build_timeout_s=build_timeout_s,
+        )  # fmt: skip
 
     @property
     def client(self) -> Any:
         if self._client is None:
-            self._client = _sdk().from_env(timeout=120, max_pool_size=64)
+            self._client = sdk().from_env(timeout=120, max_pool_size=64)
         return self._client
 
     @property
@@ -489,7 +318,7 @@ class DockerSandboxBackend:
         """The low-level client for calls that last as long as a command (no read timeout)."""
         if self._stream_api is None:
             given = self._given_client
-            self._stream_api = given.api if given else _sdk().from_env(timeout=None, max_pool_size=256).api
+            self._stream_api = given.api if given else sdk().from_env(timeout=None, max_pool_size=256).api
         return self._stream_api
 
     def _first_contact(self) -> str | None:
@@ -524,7 +353,7 @@ class DockerSandboxBackend:
                 raise SandboxStartError(f"{task.name}: {problem}")
             self._swept = True
         try:
-            image = await self.image(task)
+            image = await self.images.resolve(task)
         except SandboxStartError:
             raise
         except Exception as exc:
@@ -570,7 +399,7 @@ class DockerSandboxBackend:
         entries: list[tuple[str, bytes | None, int]] = [(d, None, 0o755) for d in dict.fromkeys(dirs)]
         entries += [(self.home, None, 0o755), (f"{self.home}/.bash_profile", _BASH_PROFILE.encode(), 0o644)]
         try:
-            await self.call(api.put_archive, sandbox.container, "/", _tar(entries))
+            await self.call(api.put_archive, sandbox.container, "/", tar_of(entries))
             await self.call(api.start, sandbox.container)
             pid = (await self.call(api.inspect_container, sandbox.container))["State"]["Pid"]
         except Exception as exc:
@@ -616,142 +445,9 @@ class DockerSandboxBackend:
 
     # Images --------------------------------------------------------------------------------------------
 
-    async def image(self, task: HarborTask) -> str:
-        """The image ``task`` runs in: built (once per content) from its Dockerfile, or its base."""
-        if task.dockerfile is None:
-            return await self._base(task, task.environment.docker_image or self.base_image, "docker_image")
-        text = await self._map_from(task, task.dockerfile.read_text())
-        digest = await self.call(_digest, text, task.environment_dir)
-        tag = f"ht-env:{digest[:16]}"
-        if tag not in self._builds:
-            self._builds[tag] = asyncio.ensure_future(self._build(task, text, tag))
-        try:
-            return await asyncio.shield(self._builds[tag])
-        except BaseException:
-            if self._builds[tag].done():
-                self._builds.pop(tag, None)  # a failed build is retried by the next start
-            raise
 
-    async def _present(self, image: str) -> str | None:
-        """The id of ``image`` on the daemon, or None."""
-        try:
-            return str((await self.call(self.client.api.inspect_image, image))["Id"])
-        except _sdk().errors.ImageNotFound:
-            return None
-
-    async def _base(self, task: HarborTask, image: str, where: str) -> str:
-        if await self._present(image):
-            return image
-        if not self.map_missing_images or image == self.base_image:
-            how = "build it with scripts/setup_docker.sh" if image == self.base_image else "load it first"
-            raise SandboxStartError(
-                f"{task.name}: {where} image {image} is not on this Docker daemon and the docker backend "
-                f"does not pull ({how}: docker load / docker tag)"
-            )
-        if not await self._present(self.base_image):
-            raise SandboxStartError(
-                f"{task.name}: {where} image {image} is missing, and so is the base image {self.base_image} "
-                "it would be mapped to: build it with scripts/setup_docker.sh"
-            )
-        if image not in self._mapped:  # once per image and backend: every start of its tasks maps it
-            self._mapped.add(image)
-            log.warning("%s: %s image %s is not on this Docker daemon: using %s instead", task.name, where,
-                        image, self.base_image)  # fmt: skip
-        return self.base_image
-
-    async def _map_from(self, task: HarborTask, text: str) -> str:
-        """``text`` with each ``FROM`` image that is not on the daemon replaced by the base image (or an
-        error naming it); the ids of the images used are appended as a comment (they key the cache)."""
-        lines = text.splitlines()
-        stages: set[str] = set()
-        args: dict[str, str] = {}
-        used: list[str] = []
-        try:
-            instructions = dockerfile.parse(text)
-        except dockerfile.DockerfileError as exc:
-            raise SandboxStartError(f"{task.name}: Dockerfile: {exc}") from exc
-        for ins in instructions:
-            if ins.keyword == "ARG" and not used:
-                name, _, default = ins.args.partition("=")
-                args[name.strip()] = default.strip().strip("\"'")
-            if ins.keyword != "FROM":
-                continue
-            words = [w for w in ins.args.split() if not w.startswith("--")]
-            image = dockerfile.expand(words[0], args) if words else ""
-            if len(words) >= 3 and words[1].lower() == "as":
-                stages.add(words[2])
-            if image in stages or image == "scratch":
-                continue
-            chosen = await self._base(task, image, f"Dockerfile line {ins.line}: FROM")
-            used.append(f"{chosen}@{await self._present(chosen)}")
-            if chosen != image:
-                flags = " ".join(w for w in ins.args.split() if w.startswith("--"))
-                alias = f" AS {words[2]}" if len(words) >= 3 and words[1].lower() == "as" else ""
-                lines[ins.line - 1] = f"FROM {flags + ' ' if flags else ''}{chosen}{alias}"
-        return "\n".join([*lines, f"# harness-trainer base images: {' '.join(used)}", ""])
-
-    async def _build(self, task: HarborTask, text: str, tag: str) -> str:
-        if await self._present(tag):
-            return tag
-        timeout = task.environment.build_timeout_sec or self.build_timeout_s
-        context = await self.call(_context_tar, text, task.environment_dir)
-        began = time.monotonic()
-        try:
-            output = await asyncio.wait_for(
-                self.call(self._run_build, context, tag, timeout, long=True), timeout
-            )
-        except TimeoutError:
-            raise SandboxStartError(
-                f"{task.name}: the image build ran past its {timeout:.0f} s timeout"
-            ) from None
-        if isinstance(output, str):
-            raise SandboxStartError(f"{task.name}: the image build failed; its log's tail:\n{output}")
-        log.info("docker: built %s for %s in %.1f s", tag, task.name, time.monotonic() - began)
-        return tag
-
-    def _run_build(self, context: bytes, tag: str, timeout: float) -> str | None:
-        """Build ``tag``; the log's tail on failure, None on success."""
-        lines: list[str] = []
-        try:
-            events = self.client.api.build(
-                fileobj=io.BytesIO(context), custom_context=True, tag=tag, rm=True, forcerm=True,
-                decode=True, pull=False, timeout=timeout, network_mode=self.build_network,
-                labels={"harness-trainer": "env"},
-            )  # fmt: skip
-            for event in events:
-                lines += str(event.get("stream", "")).splitlines()
-                if "error" in event:
-                    return "\n".join([*lines[-40:], str(event["error"])])
-        except Exception as exc:
-            return "\n".join([*lines[-40:], f"{type(exc).__name__}: {exc}"])
-        return None
-
-
-def _context_files(context: Path) -> list[Path]:
-    return sorted(
-        p for p in context.rglob("*") if p.is_file() and p.relative_to(context).as_posix() != "Dockerfile"
-    )
-
-
-def _digest(text: str, context: Path) -> str:
-    """sha256 of the Dockerfile as built and every file of the build context (names, modes, contents)."""
-    digest = hashlib.sha256(text.encode())
-    for path in _context_files(context):
-        executable = bool(path.stat().st_mode & 0o111)  # as git keeps modes: other umasks hash the same
-        digest.update(f"\0{path.relative_to(context).as_posix()}\0{executable}\0".encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
-
-
-def _context_tar(text: str, context: Path) -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w") as archive:
-        for path in _context_files(context):
-            archive.add(path, arcname=path.relative_to(context).as_posix(), filter=_as_root)
-        info = _as_root(tarfile.TarInfo("Dockerfile"))
-        info.size = len(text.encode())
-        archive.addfile(info, io.BytesIO(text.encode()))
-    return buffer.getvalue()
+def _text(data: bytes | None) -> str:
+    return (data or b"").decode(errors="replace")
 
 
 __all__ = [

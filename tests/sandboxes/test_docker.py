@@ -58,7 +58,8 @@ async def test_the_image_is_built_once_per_content_from_the_dockerfile_with_a_mi
     assert "FROM image python:3.11-slim is not on this Docker daemon: using ht-debian:bookworm" in caplog.text
     twin = make_task(DOCKERFILE, files={"data.txt": "payload\n"})
     changed = make_task(DOCKERFILE, files={"data.txt": "other\n"})
-    assert await backend.image(twin) == await backend.image(task) != await backend.image(changed)
+    resolve = backend.images.resolve
+    assert await resolve(twin) == await resolve(task) != await resolve(changed)
 
 
 async def test_a_missing_image_can_be_refused_and_a_failed_build_names_its_step(

@@ -1,0 +1,194 @@
+"""Images for the docker sandbox, built from the task's environment and cached by content.
+
+The task's ``environment/Dockerfile`` (its folder is the build context) is built once per content and
+tagged ``ht-env:<16 hex>``, a sha256 of the Dockerfile as built, every file of the context and the id of
+each base image, so tasks with identical environments share one image and a changed base rebuilds.
+Concurrent starts of one environment wait for one build, and an image already on the daemon is reused.
+It never pulls: a ``FROM`` image that is not on the daemon is **mapped to the local base image**
+(``base_image``, default ``ht-debian:bookworm``, made by ``scripts/setup_docker.sh``) with a warning
+naming both images, because the machines this runs on reach no registry; ``map_missing_images=False``
+refuses instead, with an error naming the image. A task without a Dockerfile runs its ``docker_image``
+(mapped the same way), else the base image. Builds are bounded by ``build_timeout_sec`` (else
+``build_timeout_s``); a failed build is a :class:`SandboxStartError` with the build log's tail, which names
+the failing step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import logging
+import tarfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from harness_trainer.sandboxes import dockerfile
+from harness_trainer.sandboxes.base import SandboxStartError
+from harness_trainer.sandboxes.docker_daemon import as_root, sdk
+from harness_trainer.tasks.task import HarborTask
+
+log = logging.getLogger(__name__)
+
+
+class DockerImages:
+    """The images of one backend. ``client()`` gives the Docker client; ``call(function, *args, long=…)``
+    runs a blocking SDK call on the backend's threads (``long`` for a build)."""
+
+    def __init__(
+        self,
+        client: Callable[[], Any],
+        call: Callable[..., Awaitable[Any]],
+        *,
+        base_image: str,
+        map_missing_images: bool,
+        build_network: str | None,
+        build_timeout_s: float,
+    ) -> None:
+        self._client = client
+        self._call = call
+        self.base_image = base_image
+        self.map_missing_images = map_missing_images
+        self.build_network = build_network
+        self.build_timeout_s = build_timeout_s
+        self._builds: dict[str, asyncio.Future[str]] = {}
+        self._mapped: set[str] = set()
+
+    async def resolve(self, task: HarborTask) -> str:
+        """The image ``task`` runs in: built (once per content) from its Dockerfile, or its base."""
+        if task.dockerfile is None:
+            return await self._base(task, task.environment.docker_image or self.base_image, "docker_image")
+        text = await self._map_from(task, task.dockerfile.read_text())
+        digest = await self._call(_digest, text, task.environment_dir)
+        tag = f"ht-env:{digest[:16]}"
+        if tag not in self._builds:
+            self._builds[tag] = asyncio.ensure_future(self._build(task, text, tag))
+        try:
+            return await asyncio.shield(self._builds[tag])
+        except BaseException:
+            if self._builds[tag].done():
+                self._builds.pop(tag, None)  # a failed build is retried by the next start
+            raise
+
+    async def _present(self, image: str) -> str | None:
+        """The id of ``image`` on the daemon, or None."""
+        try:
+            return str((await self._call(self._client().api.inspect_image, image))["Id"])
+        except sdk().errors.ImageNotFound:
+            return None
+
+    async def _base(self, task: HarborTask, image: str, where: str) -> str:
+        if await self._present(image):
+            return image
+        if not self.map_missing_images or image == self.base_image:
+            how = "build it with scripts/setup_docker.sh" if image == self.base_image else "load it first"
+            raise SandboxStartError(
+                f"{task.name}: {where} image {image} is not on this Docker daemon and the docker backend "
+                f"does not pull ({how}: docker load / docker tag)"
+            )
+        if not await self._present(self.base_image):
+            raise SandboxStartError(
+                f"{task.name}: {where} image {image} is missing, and so is the base image {self.base_image} "
+                "it would be mapped to: build it with scripts/setup_docker.sh"
+            )
+        if image not in self._mapped:  # once per image and backend: every start of its tasks maps it
+            self._mapped.add(image)
+            log.warning("%s: %s image %s is not on this Docker daemon: using %s instead", task.name, where,
+                        image, self.base_image)  # fmt: skip
+        return self.base_image
+
+    async def _map_from(self, task: HarborTask, text: str) -> str:
+        """``text`` with each ``FROM`` image that is not on the daemon replaced by the base image (or an
+        error naming it); the ids of the images used are appended as a comment (they key the cache)."""
+        lines = text.splitlines()
+        stages: set[str] = set()
+        args: dict[str, str] = {}
+        used: list[str] = []
+        try:
+            instructions = dockerfile.parse(text)
+        except dockerfile.DockerfileError as exc:
+            raise SandboxStartError(f"{task.name}: Dockerfile: {exc}") from exc
+        for ins in instructions:
+            if ins.keyword == "ARG" and not used:
+                name, _, default = ins.args.partition("=")
+                args[name.strip()] = default.strip().strip("\"'")
+            if ins.keyword != "FROM":
+                continue
+            words = [w for w in ins.args.split() if not w.startswith("--")]
+            image = dockerfile.expand(words[0], args) if words else ""
+            if len(words) >= 3 and words[1].lower() == "as":
+                stages.add(words[2])
+            if image in stages or image == "scratch":
+                continue
+            chosen = await self._base(task, image, f"Dockerfile line {ins.line}: FROM")
+            used.append(f"{chosen}@{await self._present(chosen)}")
+            if chosen != image:
+                flags = " ".join(w for w in ins.args.split() if w.startswith("--"))
+                alias = f" AS {words[2]}" if len(words) >= 3 and words[1].lower() == "as" else ""
+                lines[ins.line - 1] = f"FROM {flags + ' ' if flags else ''}{chosen}{alias}"
+        return "\n".join([*lines, f"# harness-trainer base images: {' '.join(used)}", ""])
+
+    async def _build(self, task: HarborTask, text: str, tag: str) -> str:
+        if await self._present(tag):
+            return tag
+        timeout = task.environment.build_timeout_sec or self.build_timeout_s
+        context = await self._call(_context_tar, text, task.environment_dir)
+        began = time.monotonic()
+        try:
+            output = await asyncio.wait_for(
+                self._call(self._run_build, context, tag, timeout, long=True), timeout
+            )
+        except TimeoutError:
+            raise SandboxStartError(
+                f"{task.name}: the image build ran past its {timeout:.0f} s timeout"
+            ) from None
+        if isinstance(output, str):
+            raise SandboxStartError(f"{task.name}: the image build failed; its log's tail:\n{output}")
+        log.info("docker: built %s for %s in %.1f s", tag, task.name, time.monotonic() - began)
+        return tag
+
+    def _run_build(self, context: bytes, tag: str, timeout: float) -> str | None:
+        """Build ``tag``; the log's tail on failure, None on success."""
+        lines: list[str] = []
+        try:
+            events = self._client().api.build(
+                fileobj=io.BytesIO(context), custom_context=True, tag=tag, rm=True, forcerm=True,
+                decode=True, pull=False, timeout=timeout, network_mode=self.build_network,
+                labels={"harness-trainer": "env"},
+            )  # fmt: skip
+            for event in events:
+                lines += str(event.get("stream", "")).splitlines()
+                if "error" in event:
+                    return "\n".join([*lines[-40:], str(event["error"])])
+        except Exception as exc:
+            return "\n".join([*lines[-40:], f"{type(exc).__name__}: {exc}"])
+        return None
+
+
+def _context_files(context: Path) -> list[Path]:
+    return sorted(
+        p for p in context.rglob("*") if p.is_file() and p.relative_to(context).as_posix() != "Dockerfile"
+    )
+
+
+def _digest(text: str, context: Path) -> str:
+    """sha256 of the Dockerfile as built and every file of the build context (names, modes, contents)."""
+    digest = hashlib.sha256(text.encode())
+    for path in _context_files(context):
+        executable = bool(path.stat().st_mode & 0o111)  # as git keeps modes: other umasks hash the same
+        digest.update(f"\0{path.relative_to(context).as_posix()}\0{executable}\0".encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _context_tar(text: str, context: Path) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as archive:
+        for path in _context_files(context):
+            archive.add(path, arcname=path.relative_to(context).as_posix(), filter=as_root)
+        info = as_root(tarfile.TarInfo("Dockerfile"))
+        info.size = len(text.encode())
+        archive.addfile(info, io.BytesIO(text.encode()))
+    return buffer.getvalue()
