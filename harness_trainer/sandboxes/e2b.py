@@ -11,8 +11,13 @@ failed or timed-out build is a :class:`SandboxStartError` naming the task (and t
 
 Lifetime: the sandbox's E2B ``timeout`` is ``max(lifetime_s, agent + verifier timeouts) + lifetime_margin_s``,
 so E2B reaps it even if this process dies; with ``run_id`` a server restarted on the same run kills
-them before that (:mod:`.e2b_runs`). Creation is tried ``create_attempts`` times (3) with exponential
-backoff, then raises :class:`SandboxStartError`; bad credentials or arguments fail at once.
+them before that (:mod:`.e2b_runs`). A failed create is classified (:mod:`.e2b_errors`): transport errors,
+429s, "busy / unavailable / 5xx" and a template whose build is not ready yet are tried up to
+``create_attempts`` times (3) with jittered exponential backoff (longer after a 429); bad credentials or
+arguments, an unknown template, any other 4xx fail at once; an unclassified exception gets one more try.
+The :class:`SandboxStartError` says how many tries, the last error's kind and its text. A retried create
+whose answer was lost (a transport error after the request went out) may leave a sandbox behind: E2B
+reaps it at its timeout (and ``run_id`` reaping finds it).
 
 Commands run as ``user`` (``root`` by default, as task images expect) in ``bash -l -c`` (envd's own),
 with ``start(env=…)`` and the command's ``env`` passed as ``envs`` on **every** command. Each command
@@ -35,6 +40,7 @@ commands, a timeout and file round trips, and closes it)::
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 import os
@@ -56,6 +62,7 @@ from harness_trainer.sandboxes.base import (
     resolve_path,
     sandbox_lifetime,
 )
+from harness_trainer.sandboxes.e2b_errors import RETRIED, Kind, classify, retry_delay_s, tries_allowed
 from harness_trainer.sandboxes.e2b_runs import kill_run, new_owner, sandbox_metadata
 from harness_trainer.sandboxes.e2b_templates import DEFAULT_BUILD_TIMEOUT_S, TemplateBuilder
 from harness_trainer.tasks.task import EnvironmentSpec, HarborTask
@@ -239,16 +246,17 @@ class E2BSandbox:
 
 class E2BSandboxBackend:
     """Starts :class:`E2BSandbox` es. Options (keyword): ``template``, ``template_map`` (see the module
-    docstring), ``api_key`` (default: ``E2B_API_KEY``), ``user`` (``root``), ``home`` (``/root`` for
-    root, else ``/home/<user>``), ``workdir`` (default: the task Dockerfile's last ``WORKDIR``, else
-    ``/app``), ``lifetime_margin_s`` (300), ``create_attempts`` (3), ``retry_backoff_s`` (2, doubled per
-    try), ``kill_grace_s`` (2), ``allow_out`` (egress allowed when a task has ``allow_internet = false``),
-    ``sandbox_class`` (the SDK boundary; default ``e2b.AsyncSandbox``); for templates built from the task's
-    environment: ``templates`` (``"build"`` or ``"prebuilt"``), ``agent_layer`` (a shell command run as
-    root at the end of every such template), ``build_timeout_s`` (when the task sets no
-    ``build_timeout_sec``), ``build_log_dir``, ``template_class`` (default ``e2b.AsyncTemplate``);
-    ``run_id``: label every sandbox with the run, and before the first start kill the run's sandboxes a
-    dead server left (:mod:`.e2b_runs`)."""
+    docstring), ``api_key`` (default: ``E2B_API_KEY``), ``user`` (``root``), ``home`` (``/root`` for root,
+    else ``/home/<user>``), ``workdir`` (default: the task Dockerfile's last ``WORKDIR``, else ``/app``),
+    ``lifetime_margin_s`` (300), ``create_attempts`` (3: tries of a create failing in a retryable way, see
+    :mod:`.e2b_errors`), ``retry_backoff_s`` (2, doubled per try, jittered, at most 60),
+    ``rate_limit_backoff_s`` (10: the same, after a 429), ``kill_grace_s`` (2), ``allow_out`` (egress allowed
+    when a task has ``allow_internet = false``), ``sandbox_class`` (the SDK boundary; default
+    ``e2b.AsyncSandbox``); for templates built from the task's environment: ``templates`` (``"build"`` or
+    ``"prebuilt"``), ``agent_layer`` (a shell command run as root at the end of every such template),
+    ``build_timeout_s`` (when the task sets no ``build_timeout_sec``), ``build_log_dir``, ``template_class``
+    (default ``e2b.AsyncTemplate``); ``run_id``: label every sandbox with the run, and before the first start
+    kill the run's sandboxes a dead server left (:mod:`.e2b_runs`)."""
 
     name = "e2b"
     capabilities = Capabilities(
@@ -272,6 +280,7 @@ class E2BSandboxBackend:
         lifetime_margin_s: float = 300.0,
         create_attempts: int = 3,
         retry_backoff_s: float = 2.0,
+        rate_limit_backoff_s: float = 10.0,
         kill_grace_s: float = 2.0,
         allow_out: Sequence[str] = (),
         sandbox_class: SandboxClass | None = None,
@@ -293,6 +302,7 @@ class E2BSandboxBackend:
         self.lifetime_margin_s = lifetime_margin_s
         self.create_attempts = max(1, create_attempts)
         self.retry_backoff_s = retry_backoff_s
+        self.rate_limit_backoff_s = rate_limit_backoff_s
         self.kill_grace_s = kill_grace_s
         self.allow_out = list(allow_out)
         self._sandbox_class = sandbox_class
@@ -384,7 +394,6 @@ class E2BSandboxBackend:
 
     async def _create(self, task: HarborTask, template: str, timeout: int, env: dict[str, str]) -> Any:
         create = (self._sandbox_class or _sdk().AsyncSandbox).create
-        e2b = _sdk()
         kwargs: dict[str, Any] = {
             "metadata": sandbox_metadata(task.name, self.run_id, self.owner),
             "envs": env,
@@ -393,22 +402,22 @@ class E2BSandboxBackend:
             kwargs["api_key"] = self.api_key
         if not task.environment.allow_internet:
             kwargs["network"] = {"deny_out": ["0.0.0.0/0"], "allow_out": list(self.allow_out)}
-        for attempt in range(1, self.create_attempts + 1):
+        for attempt in itertools.count(1):
             try:
                 return await create(template=template, timeout=timeout, **kwargs)
-            except (e2b.AuthenticationException, e2b.InvalidArgumentException) as exc:
-                raise SandboxStartError(f"E2B refused to create a sandbox for {task.name}: {exc}") from exc
-            except Exception as exc:  # any other SDK or network failure is worth a retry
-                if attempt == self.create_attempts:
-                    raise SandboxStartError(
-                        f"E2B sandbox for {task.name} (template {template!r}) did not start after "
-                        f"{attempt} tries: {exc}"
-                    ) from exc
-                delay = self.retry_backoff_s * 2 ** (attempt - 1)
+            except Exception as exc:  # every failure is classified; unknown ones get one more try
+                kind = classify(exc)
+                if attempt >= tries_allowed(kind, self.create_attempts):
+                    raise SandboxStartError(_create_failure(task, template, attempt, kind, exc)) from exc
+                delay = retry_delay_s(
+                    kind, attempt, base_s=self.retry_backoff_s, rate_limit_base_s=self.rate_limit_backoff_s
+                )
                 log.warning(
-                    "E2B create failed (try %d/%d, again in %.1fs): %s",
+                    "E2B create for %s failed (try %d/%d, %s, again in %.1fs): %s",
+                    task.name,
                     attempt,
                     self.create_attempts,
+                    kind,
                     delay,
                     exc,
                 )
@@ -418,6 +427,16 @@ class E2BSandboxBackend:
     async def aclose(self) -> None:
         """Kill every sandbox this backend started that is still open."""
         await asyncio.gather(*(sandbox.close() for sandbox in self.live))
+
+
+def _create_failure(task: HarborTask, template: str, tries: int, kind: Kind, exc: Exception) -> str:
+    """The start error's text: how many tries, the last error's kind and its text."""
+    if kind in RETRIED or kind is Kind.UNKNOWN:
+        head = f"E2B sandbox for {task.name} (template {template!r}) did not start"
+    else:
+        head = f"E2B refused to create a sandbox for {task.name} (template {template!r})"
+    count = "1 try" if tries == 1 else f"{tries} tries"
+    return f"{head} after {count}; last error: {kind} ({type(exc).__name__}): {exc}"
 
 
 def _dockerfile_workdir(task: HarborTask) -> str:

@@ -20,6 +20,11 @@ the build with ``BuildException``, as E2B does. As in E2B, a name exists from th
 requested; a sandbox created from a name whose build is unfinished or failed is refused. A sandbox created
 from a built name starts with a copy of the template's files and its ``ENV``. ``hang_builds`` makes builds
 wait forever (until cancelled); ``fail_requests`` makes the next build requests raise.
+
+Failed creates: ``create_failures`` scripts the next ``create`` calls (each raises its exception, or with
+None creates normally); ``fail_creates``/``failure`` fail the next N with one exception (by default the
+503 E2B answers when it has no capacity). :func:`api_error` builds an API error as the SDK does, from an
+answer's status and body, with the SDK's own mapping (``e2b.api.handle_api_exception``).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import httpx
 from e2b import (
     AsyncTemplate,
     BuildException,
@@ -49,6 +55,7 @@ from e2b import (
     SandboxQuery,
     TimeoutException,
 )
+from e2b.api import handle_api_exception
 from e2b.template.logger import LogEntry, LogEntryEnd, LogEntryStart
 from e2b.template.types import BuildInfo
 
@@ -64,7 +71,8 @@ class FakeE2BCloud:
     def __init__(self, root: Path, *, fail_creates: int = 0, failure: Exception | None = None) -> None:
         self.root = root
         self.fail_creates = fail_creates
-        self.failure = failure or SandboxException("fake: the E2B API is unavailable")
+        self.failure = failure or api_error(503, "fake: the E2B API is unavailable")
+        self.create_failures: list[Exception | None] = []
         self.create_calls: list[dict[str, Any]] = []
         self.sandboxes: list[FakeAsyncSandbox] = []
         self._ids = itertools.count()
@@ -86,12 +94,15 @@ class FakeE2BCloud:
         call = {"template": template, "timeout": timeout, "metadata": metadata, "envs": envs}
         call |= {"allow_internet_access": allow_internet_access, "network": network, **opts}
         self.create_calls.append({k: v for k, v in call.items() if v is not None})
+        scripted = self.create_failures.pop(0) if self.create_failures else None
+        if scripted is not None:
+            raise scripted
         if self.fail_creates > 0:
             self.fail_creates -= 1
             raise self.failure
         built = self.templates.get(template or "")
         if built is not None and not built.ready:
-            raise SandboxException(f"fake: template '{template}' has no successful build yet")
+            raise api_error(404, f"template '{template}' has no ready build")  # E2B's answer, for both
         sandbox_id = f"fake-{next(self._ids)}"
         root = self.root / sandbox_id
         make_roots(root)
@@ -143,6 +154,12 @@ class FakeSandboxPaginator:
         page, self._items = self._items[: self._page], self._items[self._page :]
         self.has_next = bool(self._items)
         return page
+
+
+def api_error(status: int, message: str) -> Exception:
+    """What the SDK raises for an E2B API answer of ``status`` whose JSON body has ``message`` (E2B's error
+    body: ``{"code": status, "message": …}``), made by the SDK's own mapping."""
+    return handle_api_exception(httpx.Response(status, json={"code": status, "message": message}))
 
 
 def make_roots(root: Path) -> None:

@@ -2,24 +2,39 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import math
 from collections.abc import AsyncIterator
+from functools import partial
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
 pytest.importorskip("e2b")
 
-from e2b import AsyncSandbox, AuthenticationException
+from e2b import AsyncSandbox, NotEnoughSpaceException, SandboxException, TemplateException
+from e2b.api import handle_api_exception
+from e2b.exceptions import format_request_timeout_error, format_sandbox_unavailable_exception
+from e2b.retry import resolve_idempotency_key
 from e2b.sandbox_async.commands.command import Commands
 from e2b.sandbox_async.filesystem.filesystem import Filesystem
 
 from harness_trainer.sandboxes.base import SandboxStartError
 from harness_trainer.sandboxes.e2b import E2BSandboxBackend
+from harness_trainer.sandboxes.e2b_errors import (
+    MAX_DELAY_S,
+    RETRIED,
+    Kind,
+    classify,
+    retry_delay_s,
+    tries_allowed,
+)
 from harness_trainer.sandboxes.e2b_smoke import main as smoke_main
 from tests.sandboxes.conftest import TaskFactory
-from tests.sandboxes.fake_e2b import FakeE2BCloud
+from tests.sandboxes.fake_e2b import FakeE2BCloud, api_error
 
 
 @pytest.fixture
@@ -34,6 +49,7 @@ async def backend(cloud: FakeE2BCloud) -> AsyncIterator[E2BSandboxBackend]:
         template="tpl-default",
         sandbox_class=cloud,
         retry_backoff_s=0.01,
+        rate_limit_backoff_s=0.02,
         kill_grace_s=0.3,
         lifetime_margin_s=100,
     )
@@ -107,24 +123,184 @@ async def test_create_is_retried_with_backoff_then_succeeds(
     assert len(cloud.create_calls) == 3
 
 
-async def test_create_gives_up_after_three_tries(
+async def test_create_gives_up_after_three_tries_naming_the_last_errors_kind_and_text(
     backend: E2BSandboxBackend, cloud: FakeE2BCloud, make_task: TaskFactory
 ) -> None:
     cloud.fail_creates = 5
-    with pytest.raises(
-        SandboxStartError, match="did not start after 3 tries: fake: the E2B API is unavailable"
-    ):
-        await backend.start(make_task(), lifetime_s=60)
+    task = make_task()
+    with pytest.raises(SandboxStartError) as failed:
+        await backend.start(task, lifetime_s=60)
+    assert str(failed.value) == (
+        f"E2B sandbox for {task.name} (template 'tpl-default') did not start after 3 tries; last error: "
+        "unavailable (ServiceBusyException): 503: Service temporarily unavailable, please retry. - "
+        "fake: the E2B API is unavailable"
+    )
     assert len(cloud.create_calls) == 3 and not cloud.sandboxes
 
 
 async def test_bad_credentials_are_not_retried(
     backend: E2BSandboxBackend, cloud: FakeE2BCloud, make_task: TaskFactory
 ) -> None:
-    cloud.fail_creates, cloud.failure = 5, AuthenticationException("invalid API key")
-    with pytest.raises(SandboxStartError, match="invalid API key"):
+    cloud.fail_creates, cloud.failure = 5, api_error(401, "invalid API key")
+    with pytest.raises(
+        SandboxStartError, match=r"E2B refused to create a sandbox .* after 1 try; last error: auth"
+    ):
         await backend.start(make_task(), lifetime_s=60)
     assert len(cloud.create_calls) == 1
+
+
+# Each failure as the SDK raises it from ``AsyncSandbox.create`` (see e2b_errors), and its kind.
+_REQUEST = httpx.Request("POST", "https://api.e2b.app/v2/sandboxes")
+RETRIED_FAILURES = {
+    "connection refused": (  # as the SDK's pyqwest transport maps a refused connect
+        lambda: httpx.ConnectError("tcp connect error: Connection refused (os error 111)", request=_REQUEST),
+        Kind.TRANSPORT,
+    ),
+    "read timeout": (lambda: httpx.ReadTimeout("timed out", request=_REQUEST), Kind.TRANSPORT),
+    "429": (lambda: api_error(429, "too many sandbox creations"), Kind.RATE_LIMITED),
+    "503": (lambda: api_error(503, "no capacity to place a sandbox"), Kind.UNAVAILABLE),
+    "500": (lambda: api_error(500, "failed to create sandbox"), Kind.UNAVAILABLE),
+    "502": (lambda: api_error(502, "bad gateway"), Kind.UNAVAILABLE),
+    "request timeout": (format_request_timeout_error, Kind.UNAVAILABLE),
+    "envd unreachable": (
+        lambda: format_sandbox_unavailable_exception("port is not open"),
+        Kind.UNAVAILABLE,
+    ),
+    "guest unresponsive": (
+        lambda: handle_api_exception(
+            httpx.Response(409, json={"code": 409, "message": "envd did not answer", "error_code": GUEST})
+        ),
+        Kind.UNAVAILABLE,
+    ),
+    "build not ready": (lambda: api_error(404, "template 'tpl' has no ready build"), Kind.TEMPLATE_NOT_READY),
+}
+REFUSED_FAILURES = {
+    "401": (lambda: api_error(401, "invalid API key"), Kind.AUTHENTICATION),
+    "bad idempotency key": (lambda: _raised(resolve_idempotency_key, "Not A Key!"), Kind.INVALID_ARGUMENT),
+    "400": (lambda: api_error(400, "Timeout cannot be greater than 24 hours"), Kind.INVALID_ARGUMENT),
+    "unknown template": (lambda: api_error(404, "template 'tpl' not found"), Kind.TEMPLATE_NOT_FOUND),
+    "old envd": (
+        lambda: TemplateException("You need to update the template to use the new SDK."),
+        Kind.TEMPLATE_UNUSABLE,
+    ),
+    "no space": (lambda: NotEnoughSpaceException("not enough disk space"), Kind.NOT_ENOUGH_SPACE),
+    "403": (lambda: api_error(403, "you don't have access to template 'tpl'"), Kind.REFUSED),
+}
+UNKNOWN_FAILURES = {
+    "no body": (lambda: Exception("Body of the request is None"), Kind.UNKNOWN),
+    "no status": (lambda: SandboxException("internal error: Request failed"), Kind.UNKNOWN),
+}
+GUEST = "sandbox_snapshot_guest_agent_unresponsive"
+
+
+def _raised(function: Any, *args: Any) -> Exception:
+    try:
+        function(*args)
+    except Exception as exc:
+        return exc
+    raise AssertionError(f"{function.__name__} did not raise")
+
+
+@pytest.mark.parametrize(
+    ("make", "kind"),
+    [*RETRIED_FAILURES.values(), *REFUSED_FAILURES.values(), *UNKNOWN_FAILURES.values()],
+    ids=[*RETRIED_FAILURES, *REFUSED_FAILURES, *UNKNOWN_FAILURES],
+)
+def test_each_sdk_failure_has_its_kind(make: Any, kind: Kind) -> None:
+    assert classify(make()) is kind
+
+
+@pytest.mark.parametrize(("make", "kind"), RETRIED_FAILURES.values(), ids=RETRIED_FAILURES)
+async def test_a_transient_failure_is_tried_create_attempts_times(
+    backend: E2BSandboxBackend, cloud: FakeE2BCloud, make_task: TaskFactory, make: Any, kind: Kind
+) -> None:
+    cloud.create_failures = [make() for _ in range(5)]
+    with pytest.raises(SandboxStartError, match=f"did not start after 3 tries; last error: {kind} "):
+        await backend.start(make_task(), lifetime_s=60)
+    assert len(cloud.create_calls) == 3 and not cloud.sandboxes
+
+
+@pytest.mark.parametrize(("make", "kind"), REFUSED_FAILURES.values(), ids=REFUSED_FAILURES)
+async def test_a_permanent_failure_is_not_retried(
+    backend: E2BSandboxBackend, cloud: FakeE2BCloud, make_task: TaskFactory, make: Any, kind: Kind
+) -> None:
+    cloud.create_failures = [make() for _ in range(5)]
+    task = make_task()
+    with pytest.raises(SandboxStartError) as failed:
+        await backend.start(task, lifetime_s=60)
+    message = str(failed.value)
+    assert message.startswith(
+        f"E2B refused to create a sandbox for {task.name} (template 'tpl-default') after 1 try; "
+        f"last error: {kind} ("
+    )
+    assert str(cloud.create_failures[0]) in message
+    assert len(cloud.create_calls) == 1
+
+
+@pytest.mark.parametrize(("make", "kind"), UNKNOWN_FAILURES.values(), ids=UNKNOWN_FAILURES)
+async def test_an_unknown_failure_gets_one_more_try(
+    backend: E2BSandboxBackend, cloud: FakeE2BCloud, make_task: TaskFactory, make: Any, kind: Kind
+) -> None:
+    cloud.create_failures = [make() for _ in range(5)]
+    with pytest.raises(SandboxStartError, match="did not start after 2 tries; last error: unknown "):
+        await backend.start(make_task(), lifetime_s=60)
+    assert len(cloud.create_calls) == 2
+
+
+async def test_transient_failures_then_a_success_start_the_sandbox(
+    backend: E2BSandboxBackend, cloud: FakeE2BCloud, make_task: TaskFactory
+) -> None:
+    cloud.create_failures = [RETRIED_FAILURES["connection refused"][0](), RETRIED_FAILURES["429"][0]()]
+    sandbox = await backend.start(make_task(), lifetime_s=60)
+    await sandbox.close()
+    assert len(cloud.create_calls) == 3 and len(cloud.sandboxes) == 1
+
+
+async def test_a_permanent_failure_after_a_transient_one_stops_the_tries(
+    backend: E2BSandboxBackend, cloud: FakeE2BCloud, make_task: TaskFactory
+) -> None:
+    cloud.create_failures = [api_error(503, "busy"), api_error(404, "template 'tpl-default' not found")]
+    with pytest.raises(SandboxStartError, match=r"refused .* after 2 tries; last error: template not found"):
+        await backend.start(make_task(), lifetime_s=60)
+    assert len(cloud.create_calls) == 2
+
+
+async def test_the_waits_between_tries_back_off_from_the_defaults_longer_after_a_429(
+    cloud: FakeE2BCloud, make_task: TaskFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Default backoffs (2 s, 10 s after a 429), doubled per try, jittered into [half, full]: the sleeps
+    are recorded, not slept."""
+    slept: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def record(delay: float, *args: Any, **kwargs: Any) -> Any:
+        slept.append(delay)
+        return await real_sleep(0)
+
+    monkeypatch.setattr(asyncio, "sleep", record)
+    backend = E2BSandboxBackend(template="t", sandbox_class=cloud, create_attempts=5)
+    cloud.create_failures = [api_error(429, "slow down"), api_error(503, "busy")] * 3
+    with pytest.raises(SandboxStartError, match="after 5 tries; last error: rate limited"):
+        await backend.start(make_task(), lifetime_s=60)
+    full = [10.0, 2.0 * 2, 10.0 * 4, 2.0 * 8]  # 429, 503, 429, 503
+    assert len(slept) == 4
+    assert all(limit / 2 <= delay <= limit for delay, limit in zip(slept, full, strict=True)), slept
+
+
+def test_the_backoff_is_capped_and_jittered_within_half_to_full() -> None:
+    delay = partial(retry_delay_s, base_s=2.0, rate_limit_base_s=10.0)
+    assert delay(Kind.TRANSPORT, 1, draw=lambda: 0.0) == 1.0
+    assert delay(Kind.TRANSPORT, 3, draw=lambda: 1.0) == 8.0
+    assert delay(Kind.RATE_LIMITED, 2, draw=lambda: 0.0) == 10.0
+    assert delay(Kind.UNAVAILABLE, 30, draw=lambda: 1.0) == MAX_DELAY_S
+    assert delay(Kind.RATE_LIMITED, 30, draw=lambda: 0.0) == MAX_DELAY_S / 2
+
+
+def test_transient_kinds_get_every_try_unknown_ones_two_and_the_rest_one() -> None:
+    tries = {kind: tries_allowed(kind, 3) for kind in Kind}
+    assert {kind for kind, n in tries.items() if n == 3} == set(RETRIED)
+    assert tries[Kind.UNKNOWN] == 2 and tries_allowed(Kind.UNKNOWN, 1) == 1
+    assert {n for kind, n in tries.items() if kind not in RETRIED and kind is not Kind.UNKNOWN} == {1}
 
 
 async def test_close_kills_the_sandbox_once(
