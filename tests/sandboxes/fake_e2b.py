@@ -63,7 +63,7 @@ from e2b import (
     SandboxQuery,
     TimeoutException,
 )
-from e2b.api import api_exception_from_code, handle_api_exception
+from e2b.api import handle_api_exception
 from e2b.retry import BACKOFF_BASE_SECONDS, BACKOFF_JITTER_MIN, BACKOFF_MAX_SECONDS
 from e2b.template.logger import LogEntry, LogEntryEnd, LogEntryStart
 from e2b.template.types import BuildInfo
@@ -200,7 +200,7 @@ class FakeE2BCloud:
                 jitter = BACKOFF_JITTER_MIN + random.random() * (1 - BACKOFF_JITTER_MIN)
                 await asyncio.sleep(backoff * jitter * self.latency.retry_scale)
         self.rate_limit_errors += 1
-        raise api_exception_from_code(429, "fake: sandbox creation rate limit reached")
+        raise api_error(429, "fake: sandbox creation rate limit reached")  # the SDK's mapping of an answer
 
     def list(
         self,
