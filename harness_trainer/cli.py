@@ -263,6 +263,64 @@ def _e2b_build_templates(args: argparse.Namespace, template_class: object = None
     return 1 if summary.failed else 0
 
 
+def _e2b_smoke(args: argparse.Namespace, sandbox_class: object = None, template_class: object = None) -> int:
+    """One live rollout in E2B (or, with ``--sandbox-only``, one sandbox's checks); ``sandbox_class`` and
+    ``template_class`` are the SDK boundary (``e2b.AsyncSandbox`` / ``e2b.AsyncTemplate`` by default;
+    tests pass the fake cloud)."""
+    import asyncio
+    import os
+
+    if not os.environ.get("E2B_API_KEY"):
+        print("error: E2B_API_KEY is not set: the E2B smoke test needs an E2B API key", file=sys.stderr)
+        return 2
+    from harness_trainer.sandboxes.e2b_smoke import SmokeConfig, smoke, smoke_rollout
+
+    if args.sandbox_only:
+        try:
+            return asyncio.run(smoke(args.template, sandbox_class))
+        except KeyboardInterrupt:
+            print("interrupted: the sandbox was closed", file=sys.stderr)
+            return 130
+    from harness_trainer.harnesses import HARNESSES
+    from harness_trainer.tasks.loader import load_task
+    from harness_trainer.tasks.task import TaskError
+
+    missing = [flag for flag, value in (("--task", args.task), ("--engine-url", args.engine_url),
+               ("--proxy-public-url", args.proxy_public_url)) if not value]  # fmt: skip
+    if missing:
+        print(f"error: e2b smoke needs {', '.join(missing)} (or --sandbox-only)", file=sys.stderr)
+        return 2
+    if args.harness not in HARNESSES:
+        known = ", ".join(sorted(HARNESSES))
+        print(f"error: unknown harness {args.harness!r}; known: {known}", file=sys.stderr)
+        return 2
+    if (agent_layer := _agent_layer(args.e2b_agent, "--e2b-agent")) is None:
+        return 2
+    try:
+        task = load_task(args.task)
+    except (TaskError, OSError) as exc:
+        print(f"error: cannot load the task {args.task}: {exc}", file=sys.stderr)
+        return 2
+    config = SmokeConfig(
+        task=task,
+        engine_url=args.engine_url,
+        proxy_public_url=args.proxy_public_url,
+        model=args.model,
+        proxy_host=args.proxy_host,
+        proxy_port=args.proxy_port,
+        harness=args.harness,
+        agent_timeout_s=args.agent_timeout,
+        step_limit=args.step_limit,
+        agent_layer=agent_layer,
+    )
+    run = smoke_rollout(config, sandbox_class=sandbox_class, template_class=template_class)
+    try:
+        return asyncio.run(run)
+    except KeyboardInterrupt:  # asyncio.run cancelled the smoke test, whose cleanup ran first
+        print("FAIL: interrupted (the sandbox was killed and the capture proxy stopped)", flush=True)
+        return 130
+
+
 def _dev(args: argparse.Namespace) -> int:
     from harness_trainer.devloop.run import run_dev
 
@@ -425,6 +483,38 @@ def build_parser() -> argparse.ArgumentParser:
     cleanup = e2b.add_parser("cleanup", help="kill every E2B sandbox of a run (a server that died left them)")
     cleanup.add_argument("--run", required=True, help="the run id (serve --run-id)")
     cleanup.set_defaults(func=_e2b_cleanup)
+    smoke = e2b.add_parser(
+        "smoke", help="one live rollout in E2B: template, sandbox, agent through a capture proxy, verifier"
+    )
+    smoke.add_argument("--task", type=Path, default=None, help="a Harbor task folder")
+    smoke.add_argument(
+        "--engine-url", default=None, help="the OpenAI-compatible engine the capture proxy forwards to"
+    )
+    smoke.add_argument("--model", default=None, help="served model name (default: the engine's /v1/models)")
+    smoke.add_argument(
+        "--proxy-public-url", default=None,
+        help="how the E2B sandbox reaches the capture proxy started here, e.g. a tunnel to --proxy-port "
+        "(`cloudflared tunnel --url http://127.0.0.1:8300`); never this machine's loopback",
+    )  # fmt: skip
+    smoke.add_argument("--proxy-host", default="127.0.0.1", help="where the capture proxy binds")
+    smoke.add_argument("--proxy-port", type=int, default=8300, help="the capture proxy's port")
+    smoke.add_argument("--harness", default="mini-swe-agent", help="the agent (default mini-swe-agent)")
+    smoke.add_argument(
+        "--agent-timeout", type=float, default=None, help="seconds for the agent (default: the task's)"
+    )
+    smoke.add_argument(
+        "--step-limit", type=_non_negative_int, default=20, help="agent steps (default 20; 0: the agent's)"
+    )
+    smoke.add_argument(
+        "--e2b-agent", action="append", metavar="HARNESS",
+        help="preinstall this harness's pinned agent in the task's template (repeatable; as serve's)",
+    )  # fmt: skip
+    smoke.add_argument(
+        "--sandbox-only", action="store_true",
+        help="only start one sandbox from --template and check exec, timeouts and files (no task, no agent)",
+    )  # fmt: skip
+    smoke.add_argument("--template", default="base", help="the template for --sandbox-only")
+    smoke.set_defaults(func=_e2b_smoke)
 
     from harness_trainer.devloop.run import add_dev_arguments
 
