@@ -2,7 +2,8 @@
 
 - process bookkeeping for leak checks (:func:`descendants`, :func:`alive`, :func:`wait_until`);
 - :func:`training_config` / :func:`local_builder`: a 1–3 step run of the toy agent on ``hello-file``;
-- :class:`FlakyStartBackend`: a local sandbox backend whose starts fail with a seeded probability;
+- :class:`FlakyStartBackend`: a local sandbox backend whose starts fail with a seeded probability
+  (:func:`drawn_failures`: which ones);
 - :class:`FaultyUpstream`: an aiohttp pass-through between the capture proxy and the engine that answers
   5xx, drops the connection or rewrites the engine's reply (:func:`out_of_vocabulary`) for the next N
   chat calls;
@@ -183,6 +184,13 @@ class StartLedger:
     starts: int = 0
     failures: int = 0
     started: list[LocalSandbox] = field(default_factory=list)
+
+
+def drawn_failures(starts: int, failure_rate: float, seed: int) -> list[int]:
+    """The starts (numbered from 1) among the first ``starts`` that fail under ``failure_rate`` and ``seed``:
+    the draws :class:`FlakyStartBackend` makes, one per start in start order."""
+    draws = random.Random(seed)
+    return [start for start in range(1, starts + 1) if draws.random() < failure_rate]
 
 
 class FlakyStartBackend(LocalSandboxBackend):
