@@ -86,6 +86,7 @@ REAL = {
     "max_starts_in_flight": 32,
 }
 MAX_BOUND_RATIO = 1.5
+NPM_AGENTS = ("opencode", "codex", "claude-code")  # installed offline from the host's npm cache
 TARGETS = (
     "one template build per distinct environment",
     f"last start within {MAX_BOUND_RATIO:g}x (slowest build + rollouts / create rate), none failed",
@@ -128,6 +129,7 @@ def npm_cache_copy(dest: Path) -> Path:
 async def agent_starts(agent: str, repeats: int, tmp: Path) -> dict[str, Any]:
     """Part 1 (see the module docstring): start overhead with the agent in the template and without."""
     from harness_trainer.harnesses import make_harness, template_agent_layer
+    from harness_trainer.harnesses.tools import sandbox_tools_dir, tool_path
     from harness_trainer.sandboxes.e2b import E2BSandboxBackend
     from tests.sandboxes.fake_e2b import FakeE2BCloud, FakeLatency
 
@@ -158,8 +160,8 @@ async def agent_starts(agent: str, repeats: int, tmp: Path) -> dict[str, Any]:
                 created = time.perf_counter()
                 await harness.install(sandbox)
                 installed = time.perf_counter()
-                path = f"{sandbox.home}/.cache/harness-trainer/tools/{package.dirname}/{package.entrypoint}"
-                check = await sandbox.exec(f"test -x {path} && du -sm {path.rsplit('/node_modules', 1)[0]}")
+                folder = f"{sandbox_tools_dir(sandbox)}/{package.dirname}"
+                check = await sandbox.exec(f"test -x {tool_path(sandbox, package)} && du -sm {folder}")
                 await sandbox.close()
                 if check.exit_code != 0:
                     raise RuntimeError(f"{arm}: no {package.entrypoint} after the install: {check.stderr}")
@@ -345,7 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add("--environments", type=positive, default=16)
     add("--repeats", type=positive, default=3, help="bursts, each on a fresh cloud (default 3)")
     add("--agent-repeats", type=positive, default=5, help="start pairs in part 1 (default 5)")
-    add("--agent", default="opencode", help="the harness whose pinned agent is installed (default opencode)")
+    add("--agent", choices=NPM_AGENTS, default="opencode", help="the harness whose agent is installed")
     add("--json", type=Path, default=None, help="write the result here")
     add("--strict", action="store_true", help="exit 1 on a missed target")
     args = parser.parse_args(argv)
