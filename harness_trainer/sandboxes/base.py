@@ -146,6 +146,13 @@ class SandboxBackend(Protocol):
     name: str
     capabilities: Capabilities
 
+    async def prepare(self, task: HarborTask) -> None:
+        """Make ready what starts of ``task`` share (an image, a template), once per environment however
+        many callers ask at once; raises :class:`SandboxStartError`. ``start`` does it too: a caller that
+        limits starts (:class:`~.supervisor.SandboxSupervisor`) awaits it first, so a slow build never
+        holds a start slot or a create-rate token."""
+        ...
+
     async def start(
         self, task: HarborTask, *, lifetime_s: float, env: dict[str, str] | None = None
     ) -> Sandbox:

@@ -345,19 +345,26 @@ class DockerSandboxBackend:
         call = lambda: function(*args, **kwargs)  # noqa: E731
         return await asyncio.get_running_loop().run_in_executor(self._pools[long], call)
 
-    async def start(
-        self, task: HarborTask, *, lifetime_s: float, env: dict[str, str] | None = None
-    ) -> DockerSandbox:
+    async def prepare(self, task: HarborTask) -> None:
+        """The daemon checked (and leftovers removed) once, and ``task``'s image built once per content."""
+        await self._image(task)
+
+    async def _image(self, task: HarborTask) -> str:
         if not self._swept:
             if problem := await self.call(self._first_contact):
                 raise SandboxStartError(f"{task.name}: {problem}")
             self._swept = True
         try:
-            image = await self.images.resolve(task)
+            return await self.images.resolve(task)
         except SandboxStartError:
             raise
         except Exception as exc:
             raise SandboxStartError(f"{task.name}: cannot prepare the image: {exc}") from exc
+
+    async def start(
+        self, task: HarborTask, *, lifetime_s: float, env: dict[str, str] | None = None
+    ) -> DockerSandbox:
+        image = await self._image(task)
         sandbox = await self._create(task, image, env or {})
         self._live.add(sandbox)
         sandbox.on_close.append(self._live.discard)

@@ -364,6 +364,11 @@ class E2BSandboxBackend:
             return await self.template_builder.find(task)
         return (await self.template_builder.ensure(task)).name
 
+    async def prepare(self, task: HarborTask) -> None:
+        """The run's orphans reaped (once) and ``task``'s template ready (built once per name)."""
+        await self.reap_orphans()
+        await self.template_for(task)
+
     async def start(
         self, task: HarborTask, *, lifetime_s: float, env: dict[str, str] | None = None
     ) -> E2BSandbox:

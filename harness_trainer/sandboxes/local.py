@@ -231,6 +231,9 @@ class LocalSandboxBackend:
         """The sandboxes this backend started that are still open."""
         return list(self._live)
 
+    async def prepare(self, task: HarborTask) -> None:
+        """Nothing: starts share nothing here (each runs the task's ``RUN`` steps in its own root)."""
+
     async def start(
         self, task: HarborTask, *, lifetime_s: float, env: dict[str, str] | None = None
     ) -> LocalSandbox:

@@ -7,7 +7,8 @@ backend once per process and start every sandbox through it.
   ``burst``), so a burst of rollouts does not hammer E2B's API (or fork a hundred namespaces at once);
   at most ``max_starts_in_flight`` creates run at once (the rest queue in arrival order); each start first
   waits a random ``0..start_jitter_s`` so a GRPO group's members do not arrive at the provider in the
-  same millisecond.
+  same millisecond. Before all that, a start waits for the backend to prepare the task's environment
+  (``prepare``: an image or template build), so builds never hold a slot or a token.
 - It tracks every sandbox it started that is not closed yet. ``aclose()`` refuses new starts, closes
   them all concurrently, each bounded by ``close_timeout_s``, then closes the backend (which closes
   anything it still holds). A sandbox that finishes starting after shutdown began is closed at once.
@@ -101,6 +102,9 @@ class SandboxSupervisor:
     ) -> Sandbox:
         if self._closing:
             raise SandboxStartError("the sandbox supervisor is shutting down")
+        # Outside the limits: a start waiting for its environment's build holds no slot and no token, so
+        # the starts of environments already built (and the builds of the others) go on meanwhile.
+        await self.backend.prepare(task)
         if self.start_jitter_s:
             await asyncio.sleep(random.uniform(0, self.start_jitter_s))
         if self._limiter is not None:
@@ -112,6 +116,9 @@ class SandboxSupervisor:
             raise SandboxStartError("the sandbox supervisor shut down while this sandbox started")
         self._live = [*self.live, sandbox]  # prunes closed ones as it goes
         return sandbox
+
+    async def prepare(self, task: HarborTask) -> None:
+        await self.backend.prepare(task)
 
     async def aclose(self) -> None:
         """Close every live sandbox (concurrently, each bounded), then the backend; idempotent."""

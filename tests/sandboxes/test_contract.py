@@ -258,3 +258,17 @@ async def test_backend_aclose_closes_what_it_started(backend: SandboxBackend, ma
     await backend.aclose()
     assert all(getattr(s, "closed", False) for s in sandboxes)
     assert not wait_until_gone(f"sleep {tag}")
+
+
+async def test_prepare_is_idempotent_concurrent_and_starts_nothing(
+    backend: SandboxBackend, make_task: TaskFactory
+) -> None:
+    task = make_task()
+    await asyncio.gather(*(backend.prepare(task) for _ in range(4)))
+    await backend.prepare(task)
+    assert backend.live == []  # type: ignore[attr-defined]
+    sandbox = await backend.start(task, lifetime_s=60)
+    try:
+        assert (await sandbox.exec("true")).exit_code == 0
+    finally:
+        await sandbox.close()

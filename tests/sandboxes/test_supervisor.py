@@ -52,6 +52,10 @@ class StubBackend:
         self.start_delay_s = start_delay_s
         self.hang_on_close = hang_on_close
         self.aclosed = False
+        self.prepared: list[str] = []
+
+    async def prepare(self, task: HarborTask) -> None:
+        self.prepared.append(task.name)
 
     async def start(
         self, task: HarborTask, *, lifetime_s: float, env: dict[str, str] | None = None
@@ -109,6 +113,32 @@ async def test_at_most_max_starts_in_flight_creates_run_at_once(make_task: TaskF
     task = make_task()
     await asyncio.gather(*(supervisor.start(task, lifetime_s=60) for _ in range(12)))
     assert peak == 3 and len(backend.started) == 12
+    await supervisor.aclose()
+
+
+async def test_a_start_waiting_for_its_environments_build_holds_no_slot_nor_token(
+    make_task: TaskFactory,
+) -> None:
+    """One slot, one start a second: a start whose environment is still building (``prepare``) lets the
+    start of a built one go first, then takes the slot itself once its build is done."""
+    backend = StubBackend()
+    building = asyncio.Event()
+    prepare = backend.prepare
+
+    async def slow_build(task: HarborTask) -> None:
+        await prepare(task)
+        if task.name == "building":
+            await building.wait()
+
+    backend.prepare = slow_build  # type: ignore[method-assign]
+    supervisor = SandboxSupervisor(backend, max_starts_in_flight=1, max_starts_per_s=1.0)
+    slow = asyncio.ensure_future(supervisor.start(make_task(name="building"), lifetime_s=60))
+    await asyncio.sleep(0.05)
+    built = await asyncio.wait_for(supervisor.start(make_task(name="built"), lifetime_s=60), 0.5)
+    assert [s.id for s in backend.started] == [built.id] and not slow.done()
+    building.set()
+    await asyncio.wait_for(slow, 5)  # after its build, it waits for the next token like any start
+    assert backend.prepared == ["building", "built"] and len(backend.started) == 2
     await supervisor.aclose()
 
 
