@@ -30,6 +30,16 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             pytest.skip(missing)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (``--dist loadgroup``)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under ``pytest -n N --dist loadgroup`` (the README's test command) every ``vllm_cpu`` test runs in
+    one worker, one after the other: they share one vLLM server (a session fixture, started once), and
+    two vLLMs at once would starve a small machine."""
+    for item in items:
+        if item.get_closest_marker("vllm_cpu") is not None:
+            item.add_marker(pytest.mark.xdist_group("vllm_cpu"))
+
+
 @functools.cache
 def docker_missing() -> str | None:
     """Why the docker sandbox tests cannot run here (asked once per test session), or None."""

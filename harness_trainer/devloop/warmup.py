@@ -16,6 +16,7 @@ what GRPO pushed down was mostly noise, and the curve fell; see the README).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import math
@@ -201,6 +202,25 @@ def ensure_warm_model(
     if (out / "warmup.json").is_file():
         log(f"warm-up: reusing {out}")
         return out
+    # One build per recipe on this machine: a second run (or test process) asking at the same time waits
+    # for the first, then reuses its model, instead of replacing the folder the first one is reading.
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / "warmup.json").is_file():
+            log(f"warm-up: reusing {out} (built meanwhile by another process)")
+            return out
+        return _build_warm_model(source, split, recipe, base_model, tasks, out, log)
+
+
+def _build_warm_model(
+    source: LocalTaskSource,
+    split: str,
+    recipe: WarmupRecipe,
+    base_model: Path,
+    tasks: list[str],
+    out: Path,
+    log: Callable[[str], None],
+) -> Path:
     with tempfile.TemporaryDirectory(prefix="warmup-") as work:
         extra = " and as many distractors" if recipe.distractors else ""
         log(f"warm-up: recording {len(tasks)} solver transcripts{extra} through {recipe.harness}")
