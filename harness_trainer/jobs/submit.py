@@ -4,10 +4,13 @@ It uses ``HfApi.run_job`` (an image and a command), not ``run_uv_job``: the run 
 torch that match each other and the GPU, which an image ships ready (default ``vllm/vllm-openai``), where
 a uv script would resolve and download several GB of wheels at every start; and the job is a tree of
 long-lived processes (vLLM, the rollout server, the trainer), not one script. The command installs this
-package (``--install``, a pip requirement) and execs :mod:`harness_trainer.jobs.job_launcher` with the
-trainer arguments, which it passes to the trainer launcher unchanged.
+package and execs :mod:`harness_trainer.jobs.job_launcher` with the trainer arguments, which it passes to
+the trainer launcher unchanged. The package has no PyPI release: by default the wheel of this checkout is
+built here and uploaded with the job; ``--install`` gives a local wheel, a git or wheel URL, or a
+requirement instead, ``--extras`` the extras (:mod:`.install` says how, and where the wheel goes).
 
-Secrets (``--secret NAME``, repeatable, added to ``HF_TOKEN`` and ``E2B_API_KEY``): the values are read
+Secrets (``--secret NAME``, repeatable, added to ``HF_TOKEN`` and the credentials of the trainer's
+``--sandbox`` backend, e.g. ``E2B_API_KEY`` for ``e2b``, none for ``local``): the values are read
 from the local environment and go straight into ``run_job(secrets=...)``; they never enter the
 :class:`JobSpec`, are never printed or logged (a dry run shows the names with the values redacted), and a
 missing one is one error line naming it (exit 2). In the job, only their names travel as plain
@@ -17,8 +20,8 @@ Volumes (``--volume``, repeatable, the syntax of ``hf jobs run -v``): ``hf://buc
 mounts a bucket read-write (where outputs go: ``--output-dir /outputs/run1`` after ``--volume
 hf://buckets/ORG/NAME:/outputs``); ``hf://[datasets/|spaces/]ID:/MOUNT`` mounts a repo read-only; and
 ``LOCAL_DIR:/MOUNT[:ro|:rw]`` syncs a local folder to the namespace's ``jobs-artifacts`` bucket at submit
-(``HfApi.sync_job_volume``; a dry run syncs nothing) and mounts it, e.g. a wheel of this package for
-``--install`` or a folder of tasks for ``--dataset``.
+(``HfApi.sync_job_volume``; a dry run syncs nothing) and mounts it, e.g. a folder of tasks for
+``--dataset``. The wheel of this package travels the same way.
 
 The job exposes the capture proxy's port publicly (``expose_public``) and is labelled
 ``harness-trainer-run=<run id>`` so the launcher can find its own public URL; the job launcher's docstring
@@ -35,6 +38,7 @@ import os
 import re
 import shlex
 import sys
+import tempfile
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path, PurePosixPath
@@ -42,6 +46,17 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from harness_trainer.jobs.install import (
+    DEFAULT_EXTRAS,
+    WHEEL_MOUNT,
+    InstallError,
+    InstallRequest,
+    InstallSpec,
+    WheelBuilder,
+    WheelBuildError,
+    install_request,
+    prepare_install,
+)
 from harness_trainer.jobs.plan import (
     DEFAULT_CAPTURE_PORT,
     NAMESPACE_ENV,
@@ -54,14 +69,13 @@ from harness_trainer.jobs.plan import (
     trainer_settings,
 )
 from harness_trainer.jobs.supervisor import LaunchError
-from harness_trainer.sandboxes import credential_variables
+from harness_trainer.sandboxes import capabilities
 
 DEFAULT_IMAGE = "vllm/vllm-openai:v0.32.0"
 DEFAULT_FLAVOR = "h200x2"
 DEFAULT_TIMEOUT = "8h"
-DEFAULT_INSTALL = "harness-trainer[e2b,train]"
-DEFAULT_SECRETS = ("HF_TOKEN", *credential_variables())
-"""Always sent: the Hub token and every sandbox backend's credentials (``E2B_API_KEY``: see its class)."""
+HUB_SECRET = "HF_TOKEN"
+"""Always sent, with the ``--sandbox`` backend's credentials (its class's ``capabilities``)."""
 REDACTED = "<redacted>"
 _SECRET_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _TIMEOUT = re.compile(r"\d+(\.\d+)?[smhd]?")
@@ -85,6 +99,8 @@ class VolumeSpec(BaseModel):
     path: str | None = None
     """A subfolder of the bucket or repo."""
     revision: str | None = None
+    remote_name: str | None = None
+    """A local folder's folder in the ``jobs-artifacts`` bucket (None: ``huggingface_hub`` names it)."""
 
     @property
     def writable(self) -> bool:
@@ -99,6 +115,8 @@ class JobSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     image: str
+    install: InstallSpec
+    """How the command's first part installs this package."""
     command: list[str]
     flavor: str
     timeout: str
@@ -144,11 +162,10 @@ def parse_volume(spec: str) -> VolumeSpec:
     return VolumeSpec(type="local", source=source, mount_path="/" + mount_path, read_only=read_only)
 
 
-def build_job_spec(
-    args: argparse.Namespace, trainer_args: Sequence[str], *, run_id: str
-) -> tuple[JobSpec, TrainerSettings]:
-    """The job for ``args`` (see :func:`add_submit_arguments`) and the trainer's arguments; pure but for
-    reading the local folders of ``--volume``. Raises SubmitError."""
+def check_options(args: argparse.Namespace, trainer_args: Sequence[str]) -> tuple[TrainerSettings, list[str]]:
+    """The trainer's settings and the job's secret names, once every option (see :func:`add_submit_arguments`)
+    is checked, ``--install`` and ``--volume`` included; pure but for looking at local paths. Raises
+    SubmitError. Called before anything is built, so a bad option never waits for a wheel."""
     from huggingface_hub import JobHardware
 
     flavors = [flavor.value for flavor in JobHardware]
@@ -156,28 +173,57 @@ def build_job_spec(
         raise SubmitError(f"--flavor {args.flavor!r} is not a Jobs flavor; known: {', '.join(flavors)}")
     if not _TIMEOUT.fullmatch(args.timeout):
         raise SubmitError(f"--timeout {args.timeout!r}: a number and an optional unit s, m, h, d (e.g. 8h)")
-    secrets = job_secret_names(args.secret)
     try:
         settings = trainer_settings(trainer_args)
     except LaunchError as exc:
         raise SubmitError(str(exc)) from exc
+    secrets = job_secret_names(settings.sandbox, args.secret)
+    for volume in args.volume:
+        parse_volume(volume)
+    install_options(args)
+    return settings, secrets
+
+
+def install_options(args: argparse.Namespace) -> InstallRequest:
+    """``--install`` and ``--extras`` checked (see :func:`.install.install_request`); raises SubmitError."""
+    try:
+        return install_request(args.install, args.extras)
+    except InstallError as exc:
+        raise SubmitError(str(exc)) from exc
+
+
+def build_job_spec(
+    args: argparse.Namespace, trainer_args: Sequence[str], *, run_id: str, install: InstallSpec
+) -> tuple[JobSpec, TrainerSettings]:
+    """The job for ``args``, the trainer's arguments and ``install`` (:func:`.install.prepare_install`);
+    pure but for reading the local folders of ``--volume``. Raises SubmitError."""
+    settings, secrets = check_options(args, trainer_args)
     launcher = ["python3", "-m", "harness_trainer.jobs.job_launcher", "--dataset", args.dataset]
     launcher += ["--capture-port", str(DEFAULT_CAPTURE_PORT), *engine_arguments(args)]
-    script = (
-        f"python3 -m pip install --no-cache-dir {shlex.quote(args.install)} && "
-        f"exec {shlex.join([*launcher, '--', *trainer_args])}"
-    )
+    script = f"{install.pip_command} && exec {shlex.join([*launcher, '--', *trainer_args])}"
     env = {RUN_ID_ENV: run_id, SECRET_NAMES_ENV: ",".join(secrets), "PYTHONUNBUFFERED": "1"}
     if args.namespace:
         env[NAMESPACE_ENV] = args.namespace
+    volumes = [parse_volume(volume) for volume in args.volume]
+    if install.upload_dir is not None:
+        volumes.append(
+            VolumeSpec(
+                type="local",
+                source=install.upload_dir,
+                mount_path=WHEEL_MOUNT,
+                read_only=True,
+                remote_name=install.remote_name,
+            )
+        )
     spec = JobSpec(
         image=args.image,
+        install=install,
         command=["bash", "-c", script],
         flavor=args.flavor,
         timeout=args.timeout,
         env=env,
         secrets=secrets,
-        volumes=[parse_volume(volume) for volume in args.volume],
+        volumes=volumes,
         expose_public=[DEFAULT_CAPTURE_PORT],
         labels={RUN_LABEL: run_id},
         name=f"harness-trainer-{run_id[:8]}",
@@ -186,9 +232,14 @@ def build_job_spec(
     return spec, settings
 
 
-def job_secret_names(extra: Sequence[str]) -> list[str]:
-    """The defaults plus ``extra``, in order, once each; raises SubmitError for a name no shell could set."""
-    names = list(dict.fromkeys([*DEFAULT_SECRETS, *extra]))
+def job_secret_names(sandbox: str, extra: Sequence[str]) -> list[str]:
+    """``HF_TOKEN``, the credentials of backend ``sandbox``, then ``extra``, in order, once each; raises
+    SubmitError for an unknown backend or a name no shell could set."""
+    try:
+        credentials = capabilities(sandbox).credentials
+    except ValueError as exc:
+        raise SubmitError(f"the trainer's --sandbox: {exc}") from None
+    names = list(dict.fromkeys([HUB_SECRET, *credentials, *extra]))
     bad = [name for name in names if not _SECRET_NAME.fullmatch(name)]
     if bad:
         raise SubmitError(f"--secret {bad[0]!r} is not an environment variable name")
@@ -215,11 +266,15 @@ def submit(spec: JobSpec, secrets: Mapping[str, str], api: Any) -> Any:
         if volume.type == "local":
             read_only = True if volume.read_only is None else volume.read_only
             synced = api.sync_job_volume(
-                volume.source, volume.mount_path, read_only=read_only, namespace=spec.namespace
+                volume.source,
+                volume.mount_path,
+                remote_name=volume.remote_name,
+                read_only=read_only,
+                namespace=spec.namespace,
             )
             volumes.append(synced)
         else:
-            fields = volume.model_dump(exclude_none=True)
+            fields = volume.model_dump(exclude_none=True, exclude={"remote_name"})
             volumes.append(Volume(**fields))
     return api.run_job(
         image=spec.image,
@@ -246,7 +301,8 @@ def add_submit_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="NAME",
-        help=f"a secret taken from this environment (repeatable; always {', '.join(DEFAULT_SECRETS)})",
+        help=f"a secret taken from this environment (repeatable; always {HUB_SECRET} and the --sandbox "
+        "backend's credentials, e.g. E2B_API_KEY for e2b)",
     )
     parser.add_argument(
         "--volume",
@@ -256,32 +312,59 @@ def add_submit_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--namespace", default=None, help="user or org running the job (default: yours)")
     parser.add_argument("--dataset", required=True, help="task folder (on a volume) or Hub dataset id")
-    parser.add_argument("--install", default=DEFAULT_INSTALL, help="pip requirement for this package")
+    parser.add_argument(
+        "--install",
+        default=None,
+        help="how the job gets this package: a local wheel (uploaded), a git+https:// or wheel URL, or a "
+        "requirement naming harness-trainer (default: build this checkout's wheel and upload it)",
+    )
+    parser.add_argument(
+        "--extras",
+        default=None,
+        help=f"comma-separated extras installed with the wheel or URL (default: {','.join(DEFAULT_EXTRAS)})",
+    )
     add_engine_arguments(parser)
     parser.add_argument("--dry-run", action="store_true", help="print the job spec as JSON, submit nothing")
     parser.add_argument("trainer_args", nargs="*", help="after --: the trainer launcher's arguments")
 
 
-def run_submit(args: argparse.Namespace, api: Any = None) -> int:
-    """Submit (with ``--dry-run``: print) the job; returns the exit status. ``api``: default ``HfApi()``."""
+def run_submit(args: argparse.Namespace, api: Any = None, build: WheelBuilder | None = None) -> int:
+    """Submit (with ``--dry-run``: print) the job; returns the exit status. ``api``: default ``HfApi()``;
+    ``build``: what makes this checkout's wheel (default :func:`.install.build_wheel`). Every option and
+    secret is checked before the wheel is built, and the wheel is built before anything is uploaded."""
+    run_id = uuid.uuid4().hex
     try:
-        spec, settings = build_job_spec(args, args.trainer_args, run_id=uuid.uuid4().hex)
+        _, secret_names = check_options(args, args.trainer_args)
     except SubmitError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    missing = [name for name in spec.secrets if not os.environ.get(name)]
+    missing = [name for name in secret_names if not os.environ.get(name)]
     if missing:
         print(
             f"error: secret {', '.join(missing)} is not set in this environment: export it", file=sys.stderr
         )
         return 2
-    secrets = {name: os.environ[name] for name in spec.secrets}
-    warning = output_warning(spec, settings)
-    if warning:
-        print(warning, file=sys.stderr)
-    if args.dry_run:
-        print(json.dumps(spec.redacted(), indent=2))
-        return 0
+    secrets = {name: os.environ[name] for name in secret_names}
+    with tempfile.TemporaryDirectory(prefix="harness-trainer-submit-") as folder:
+        try:
+            install = prepare_install(install_options(args), Path(folder), build)
+            spec, settings = build_job_spec(args, args.trainer_args, run_id=run_id, install=install)
+        except WheelBuildError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        except (SubmitError, InstallError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        warning = output_warning(spec, settings)
+        if warning:
+            print(warning, file=sys.stderr)
+        if args.dry_run:
+            print(json.dumps(spec.redacted(), indent=2))
+            return 0
+        return _submit_now(spec, secrets, api)
+
+
+def _submit_now(spec: JobSpec, secrets: dict[str, str], api: Any) -> int:
     if api is None:
         from huggingface_hub import HfApi
 

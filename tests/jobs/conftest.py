@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +20,9 @@ from typing import Any
 import pytest
 
 from harness_trainer.demo import free_port
+from harness_trainer.jobs.install import build_wheel
 
+ROOT = Path(__file__).resolve().parents[2]
 FAKE = Path(__file__).parent / "fake_process.py"
 SECRETS = {
     "HF_TOKEN": "hf_fake_token_4c1d9e",
@@ -132,18 +136,38 @@ def launch(tmp_path: Path) -> Iterator[Callable[..., Launch]]:
                 os.kill(pid, signal.SIGKILL)
 
 
+@pytest.fixture(scope="session")
+def project_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real wheel of this checkout, built once per test session (it takes seconds)."""
+    return build_wheel(ROOT, tmp_path_factory.mktemp("wheel"))
+
+
+@pytest.fixture
+def cached_build(project_wheel: Path) -> Callable[[Path], Path]:
+    """A ``jobs submit`` wheel builder that copies :func:`project_wheel` instead of building again."""
+
+    def build(wheel_dir: Path) -> Path:
+        wheel_dir.mkdir(parents=True, exist_ok=True)
+        return Path(shutil.copy2(project_wheel, wheel_dir / project_wheel.name))
+
+    return build
+
+
 def _job(job_id: str) -> SimpleNamespace:
     return SimpleNamespace(id=job_id, url=f"https://huggingface.co/jobs/me/{job_id}", status=None)
 
 
 class FakeHfApi:
-    """Records ``run_job``, ``sync_job_volume`` and ``list_jobs`` calls; the signatures are the real ones
-    (``tests/jobs/test_submit.py`` checks them against the installed ``huggingface_hub``)."""
+    """Records ``run_job``, ``sync_job_volume`` and ``list_jobs`` calls, each bound to the installed
+    ``huggingface_hub``'s signature of the method (a call the real ``HfApi`` would refuse fails the test),
+    with the defaults filled in. ``uploads`` keeps what each sync sent: the bucket folder, and in it each
+    file's bytes, read at the call (the submitter deletes its upload folder afterwards)."""
 
     def __init__(self, *, jobs: list[Any] | None = None, error: Exception | None = None) -> None:
         self.run_job_calls: list[dict[str, Any]] = []
         self.sync_calls: list[dict[str, Any]] = []
         self.list_calls: list[dict[str, Any]] = []
+        self.uploads: dict[str, dict[str, bytes]] = {}
         self.jobs = jobs or []
         self.error = error
 
@@ -169,9 +193,7 @@ class FakeHfApi:
         namespace: str | None = None,
         token: bool | str | None = None,
     ) -> SimpleNamespace:
-        call = dict(locals())
-        del call["self"]
-        self.run_job_calls.append(call)
+        self.run_job_calls.append(_bound("run_job", locals()))
         if self.error is not None:
             raise self.error
         return _job("6a0000000000000000000001")
@@ -186,15 +208,22 @@ class FakeHfApi:
         namespace: str | None = None,
         token: bool | str | None = None,
     ) -> Any:
+        self.sync_calls.append(_bound("sync_job_volume", locals()))
         from huggingface_hub import Volume
 
-        self.sync_calls.append({"source": source, "mount_path": mount_path, "read_only": read_only})
+        folder = remote_name or "synced"
+        root = Path(source)
+        self.uploads[folder] = {
+            str(path.relative_to(root)): path.read_bytes()
+            for path in sorted(root.rglob("*"))
+            if path.is_file()
+        }
         return Volume(
             type="bucket",
-            source="me/jobs-artifacts",
+            source=f"{namespace or 'me'}/jobs-artifacts",
             mount_path=mount_path,
             read_only=read_only,
-            path="synced",
+            path=folder,
         )
 
     def list_jobs(
@@ -206,5 +235,15 @@ class FakeHfApi:
         namespace: str | None = None,
         token: bool | str | None = None,
     ) -> list[Any]:
-        self.list_calls.append({"labels": labels, "namespace": namespace})
+        self.list_calls.append(_bound("list_jobs", locals()))
         return [job for job in self.jobs if labels is None or labels.items() <= job.labels.items()]
+
+
+def _bound(method: str, call: dict[str, Any]) -> dict[str, Any]:
+    """``call`` (a fake method's ``locals()``, taken first thing) bound to the real ``HfApi.<method>``, its
+    defaults applied."""
+    from huggingface_hub import HfApi
+
+    bound = inspect.signature(getattr(HfApi, method)).bind(**call)
+    bound.apply_defaults()
+    return {name: value for name, value in bound.arguments.items() if name != "self"}

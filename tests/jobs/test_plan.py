@@ -181,7 +181,8 @@ def test_the_public_url_is_the_one_the_jobs_api_lists_for_the_capture_port() -> 
         ]
     )
     assert discover_public_url("run-1", 8300, namespace="org", api=api) == "https://abc--8300.hf.jobs"
-    assert api.list_calls == [{"labels": {"harness-trainer-run": "run-1"}, "namespace": "org"}]
+    (call,) = api.list_calls
+    assert (call["labels"], call["namespace"]) == ({"harness-trainer-run": "run-1"}, "org")
 
 
 def test_a_job_that_lists_no_url_yet_gets_the_jobs_proxy_name_for_the_port() -> None:

@@ -3,6 +3,7 @@ processes), the launcher's dry run as a real process."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -10,11 +11,12 @@ import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from harness_trainer.jobs.submit import REDACTED, main
+from harness_trainer.jobs.submit import REDACTED, add_submit_arguments, run_submit
 from tests.jobs.conftest import SECRETS, FakeHfApi
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,13 +54,18 @@ def test_the_readme_has_only_commands_this_test_runs() -> None:
     "command", [c for c in readme_commands() if c[:3] == SUBMIT], ids=["dry-run", "submit"]
 )
 def test_each_readme_submission_runs(
-    command: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    command: list[str],
+    cached_build: Callable[[Path], Path],
+    project_wheel: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     for name, value in SECRETS.items():
         monkeypatch.setenv(name, value)
     api = FakeHfApi()
-    monkeypatch.setattr("huggingface_hub.HfApi", lambda: api)
-    assert main(command[3:]) == 0
+    parser = argparse.ArgumentParser()
+    add_submit_arguments(parser)
+    assert run_submit(parser.parse_args(command[3:]), api=api, build=cached_build) == 0
     out = capsys.readouterr().out
     assert not any(value in out for value in SECRETS.values())
     if "--dry-run" in command:
@@ -68,9 +75,12 @@ def test_each_readme_submission_runs(
         assert out.startswith("submitted job ")
         (call,) = api.run_job_calls
         assert call["secrets"]["WANDB_API_KEY"] == SECRETS["WANDB_API_KEY"]
-        assert "'harness-trainer[e2b,train,tracking]'" in call["command"][2]
+        wheel = f"file:///opt/harness-trainer/wheel/{project_wheel.name}"
+        assert f"'harness-trainer[e2b,train,tracking] @ {wheel}'" in call["command"][2]
+        assert list(api.uploads.values()) == [{project_wheel.name: project_wheel.read_bytes()}]
 
 
+@pytest.mark.slow  # each process builds the wheel (seconds)
 def test_the_readme_dry_run_runs_as_a_process_through_the_script_and_the_cli() -> None:
     (dry_run,) = [c for c in readme_commands() if c[:3] == SUBMIT and "--dry-run" in c]
     entries = [[sys.executable, "jobs/submit.py"]]
@@ -81,7 +91,9 @@ def test_the_readme_dry_run_runs_as_a_process_through_the_script_and_the_cli() -
             [*entry, *dry_run[3:]], capture_output=True, text=True, env=env(), timeout=60, cwd=ROOT
         )
         assert result.returncode == 0, result.stderr
-        assert json.loads(result.stdout)["flavor"] == "h200x2"
+        spec = json.loads(result.stdout)
+        assert spec["flavor"] == "h200x2" and spec["install"]["source"] == "checkout"
+        assert "building the wheel of" in result.stderr
 
 
 def test_the_readme_launcher_dry_run_runs() -> None:
