@@ -1,18 +1,38 @@
 """``AsyncGRPOConfig``: every knob of ``HarnessAsyncGRPOTrainer``, usable from Python, the CLI and YAML.
 
-Field names follow TRL's ``AsyncGRPOConfig`` / ``GRPOConfig`` where the idea is the same
-(``num_generations``, ``epsilon``, ``epsilon_high``, ``beta``, ``vllm_server_base_url``, ``max_staleness``,
-``token_budget``, ``report_to`` …). Invalid combinations are rejected at construction with one clear
-message each, so a run never starts on settings that cannot work. ``HfArgumentParser(AsyncGRPOConfig)``
-gives the CLI flags and ``parse_yaml_file`` the YAML loading (see :func:`parse_config`).
+It speaks TRL: every field of TRL's ``AsyncGRPOConfig`` and ``GRPOConfig`` (``TrainingArguments``'
+included) is accepted by name, and sits in exactly one of three tables:
+
+- :data:`TRL_SUPPORTED`: the same idea here, under TRL's name and with TRL's meaning (one alias:
+  ``max_inflight_tasks`` is ``max_concurrent_rollouts``);
+- :data:`TRL_REFUSED`: the idea does not apply here, or is not wired in. Only the value that means what this
+  trainer does anyway is accepted (``top_p=1.0`` is, ``top_p=0.9`` is refused with the group's reason);
+- :data:`TRL_IGNORED`: settings of machinery this trainer does not have, where ignoring them changes nothing;
+  accepted, and logged with the group's reason.
+
+A name in no table is a ``TypeError``, as for any dataclass. The fields added for TRL take TRL's defaults
+unless their help says why not; older fields kept theirs (``gradient_checkpointing``, ``max_staleness``,
+``max_completion_length``, ``token_budget``, ``optim`` and ``weight_sync_timeout`` differ from TRL's).
+
+Invalid combinations are rejected at construction, every problem in one ``ValueError``, so a run never
+starts on settings that cannot work; validation never rewrites a value it was given (``None`` fields are
+resolved: ``epsilon_high``, ``groups_per_step``, ``max_concurrent_rollouts``, ``output_dir``).
+:func:`parse_config` reads CLI flags (``HfArgumentParser``) or a YAML file of the same names, TRL's
+included.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
+import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 IMPORTANCE_SAMPLING_MODES = ("truncate", "mask", "none")
 ENGINE_KINDS = ("vllm", "dev", "none")
@@ -22,16 +42,218 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 REPORT_TO = ("none", "all", "tensorboard", "wandb", "trackio")
 LOSS_NORMALIZATIONS = ("rollout", "step")
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
+DECAYING_SCHEDULERS = ("linear", "cosine")
 OPTIMIZERS = ("adamw_torch", "sgd")
+DEFAULT_GROUPS_PER_STEP = 1
+DEFAULT_MAX_CONCURRENT_ROLLOUTS = 8
 
 
 def _help(text: str, **extra: Any) -> Any:
     return {"help": text, **extra}
 
 
+# -- TRL's names ---------------------------------------------------------------------------------------
+
+TRL_SUPPORTED: dict[str, str] = {
+    **{
+        name: name
+        for name in (
+            "output_dir per_device_train_batch_size gradient_accumulation_steps num_train_epochs max_steps "
+            "learning_rate lr_scheduler_type warmup_steps optim weight_decay max_grad_norm bf16 fp16 "
+            "gradient_checkpointing logging_steps logging_first_step disable_tqdm report_to run_name project "
+            "save_steps save_total_limit push_to_hub hub_model_id seed resume_from_checkpoint "
+            "model_init_kwargs dtype num_generations max_completion_length temperature chat_template_kwargs "
+            "vllm_server_base_url weight_sync_timeout epsilon epsilon_high beta token_budget max_staleness "
+            "weight_sync_steps log_completions num_completions_to_print"
+        ).split()
+    },
+    "max_inflight_tasks": "max_concurrent_rollouts",
+}
+"""TRL field → the field here that holds it (the same name, but for one alias)."""
+
+
+def _same(names: str, *accepted: Any) -> dict[str, tuple[Any, ...]]:
+    return dict.fromkeys(names.split(), accepted)
+
+
+# fmt: off
+TRL_REFUSED: tuple[tuple[str, dict[str, tuple[Any, ...]]], ...] = (
+    (
+        "the policy stays plain temperature sampling over the whole vocabulary, so that the engine's "
+        "behaviour logprobs are the probabilities the trainer computes (the capture proxy enforces it on "
+        "every call)",
+        {
+            "top_p": (1.0,), "top_k": (0, -1), "min_p": (None, 0.0), "repetition_penalty": (1.0,),
+            **_same("generation_kwargs", None, {}),
+            **_same("vllm_structured_outputs_regex neftune_noise_alpha", None),
+        },
+    ),
+    (
+        "the loss is one clipped token-level surrogate with truncated (or masked) importance sampling "
+        "against the engine's logprobs, per-group normalised advantages, the loss normalised over the whole "
+        "step across processes, and an optional k3 KL: set epsilon, epsilon_high, importance_sampling, "
+        "importance_sampling_cap, beta, advantage_epsilon and loss_normalization ('rollout' is TRL's "
+        "'grpo', 'step' its 'dr_grpo'); TRL's other loss variants are not implemented",
+        {
+            "importance_sampling_level": ("token",), "scale_rewards": ("group", True), "num_iterations": (1,),
+            "top_entropy_quantile": (1.0,), "entropy_coef": (0.0,), "label_smoothing_factor": (0.0,),
+            "vllm_importance_sampling_correction": (True,), "average_tokens_across_devices": (True,),
+            **_same("use_adaptive_entropy mask_truncated_completions sync_ref_model", False),
+            **_same("use_bias_correction_kl", False),
+            **_same("delta off_policy_mask_threshold vllm_importance_sampling_cap", None),
+            **_same("vllm_importance_sampling_clip_min reward_weights", None),
+            **_same("loss_type vllm_importance_sampling_mode vllm_importance_sampling_clip_max"),
+        },
+    ),
+    (
+        "the optimizer is torch's AdamW (or SGD) built from optim, learning_rate and weight_decay with "
+        "torch's own betas and eps, scheduled by lr_scheduler_type and warmup_steps; nothing else reaches it",
+        {
+            "adam_beta1": (0.9,), "adam_beta2": (0.999,), "adam_epsilon": (1e-8,),
+            **_same("optim_args", None, ""), **_same("lr_scheduler_kwargs", None, {}),
+            **_same("optim_target_modules", None),
+        },
+    ),
+    (
+        "the model runs in plain PyTorch with this trainer's packed attention, loaded with "
+        "model_init_kwargs (trust_remote_code goes there); compilers, fused kernels and these memory, "
+        "device and determinism switches are not wired in",
+        {
+            **_same("tf32 torch_compile_backend torch_compile_mode liger_kernel_config", None),
+            **_same("activation_checkpointing_kwargs gradient_checkpointing_kwargs", None),
+            **_same("torch_empty_cache_steps router_aux_loss_coef", None),
+            **_same("activation_checkpointing", None, False),
+            **_same("torch_compile use_liger_kernel auto_find_batch_size cast_lm_head_to_fp32", False),
+            **_same("disable_dropout use_cpu full_determinism trust_remote_code", False),
+        },
+    ),
+    (
+        "processes and sharding come from the launcher (accelerate launch or torchrun) and its config: "
+        "DDP, or FSDP; rank 0 runs the rollouts and deals each step's micro-batches to every rank",
+        {
+            **_same("accelerator_config parallelism_config ddp_find_unused_parameters", None),
+            **_same("ddp_bucket_cap_mb ddp_broadcast_buffers ddp_static_graph ddp_backend", None),
+            **_same("fsdp_config deepspeed", None), "fsdp": (None, ""), "ddp_timeout": (1800,),
+        },
+    ),
+    (
+        "there is no evaluation loop: the run trains on rollouts only (evaluate its checkpoints separately)",
+        {
+            "eval_strategy": ("no",), "metric_for_best_model": (None,),
+            **_same("do_eval do_predict eval_on_start load_best_model_at_end", False),
+        },
+    ),
+    (
+        "dataset rows are taken in order, one pass after another, reshuffled each pass from seed when "
+        "dataset_shuffle is set: set that instead",
+        {"data_seed": (None,), **_same("train_sampling_strategy shuffle_dataset")},
+    ),
+    (
+        "checkpoints are written every save_steps, at the end and on SIGTERM, each with the optimizer, "
+        "scheduler and RNG state that resuming needs",
+        {"save_strategy": ("steps",), "save_only_model": (False,)},
+    ),
+    (
+        "metrics go to metrics.jsonl and the report_to trackers every logging_steps steps; trackio logs to "
+        "its local database (TRACKIO_DIR), deploying to a Space is not wired in",
+        {
+            "logging_strategy": ("steps",), "trackio_static_space_id": (None, False),
+            **_same("trackio_space_id trackio_bucket_id", None),
+        },
+    ),
+    (
+        "uploading to the Hub is not implemented yet (push_to_hub=True is refused too): save with "
+        "save_model and upload it yourself",
+        {"log_completions_hub_repo": (None,)},
+    ),
+    (
+        "the agent harness decides its own turns: bound a rollout with agent_timeout (and the harness's own "
+        "step limit)",
+        {"max_tool_calling_iterations": (None,)},
+    ),
+    (
+        "the engine is reached at vllm_server_base_url alone",
+        {"vllm_server_host": ("0.0.0.0",), "vllm_server_port": (8000,)},
+    ),
+)
+# fmt: on
+"""(reason, {TRL field: the values accepted because they mean what this trainer does}); any other value is
+refused with the reason. An empty tuple: every value is refused."""
+
+TRL_IGNORED: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (
+        "transformers.Trainer's own machinery, which this trainer does not have; what it governs is fixed "
+        "here: rank 0 alone logs and checkpoints, non-finite metrics are written as null, num_tokens is "
+        "logged every step, SIGTERM always checkpoints, a resumed run continues at the next group, the "
+        "training forward keeps no cache",
+        tuple(
+            "log_on_each_node logging_nan_inf_filter log_level log_level_replica skip_memory_metrics debug "
+            "include_num_input_tokens_seen save_on_each_node restore_callback_states_from_checkpoint "
+            "enable_jit_checkpoint local_rank ignore_data_skip do_train use_cache log_multimodal "
+            "log_unique_prompts".split()
+        ),
+    ),
+    (
+        "there is no DataLoader: each dataset row goes whole to the session factory, and rollouts are packed "
+        "by token_budget",
+        tuple(
+            "dataloader_drop_last dataloader_num_workers dataloader_pin_memory dataloader_persistent_workers "
+            "dataloader_prefetch_factor dataloader_multiprocessing_context dataloader_in_order "
+            "remove_unused_columns label_names length_column_name pad_to_multiple_of".split()
+        ),
+    ),
+    (
+        "settings of an evaluation that never runs here (turning evaluation on is refused)",
+        tuple(
+            "eval_steps eval_delay per_device_eval_batch_size prediction_loss_only eval_do_concat_batches "
+            "eval_use_gather_object eval_accumulation_steps include_for_metrics batch_eval_metrics "
+            "bf16_full_eval fp16_full_eval greater_is_better num_generations_eval".split()
+        ),
+    ),
+    (
+        "settings of the Hub upload, which is not implemented yet (push_to_hub=True is refused); not stored "
+        "(hub_token is a secret)",
+        tuple("hub_token hub_private_repo hub_strategy hub_always_push hub_revision".split()),
+    ),
+    (
+        "settings of TRL's in-process rollout worker and generation: here rollouts are agent sessions run by "
+        "the scheduler (bounded by max_concurrent_rollouts, the admission limit and agent_timeout; a failure "
+        "reaches the trainer) against the engine server at vllm_server_base_url, and rows are the captured "
+        "token ids, never re-tokenized, so nothing drifts",
+        tuple(
+            "vllm_server_timeout request_timeout queue_maxsize heartbeat_stale_after_s fork_threshold_tokens "
+            "use_vllm vllm_mode vllm_model_impl vllm_enable_sleep_mode vllm_group_port "
+            "vllm_gpu_memory_utilization vllm_max_model_length vllm_tensor_parallel_size "
+            "generation_batch_size steps_per_generation use_transformers_continuous_batching "
+            "transformers_continuous_batching_config use_transformers_paged cache_implementation "
+            "ds3_gather_for_generation".split()
+        ),
+    ),
+    (
+        "parameters of loss variants and reward aggregations that are refused here when switched on "
+        "(loss_type, use_adaptive_entropy, sync_ref_model, reward_weights); alone they change nothing",
+        tuple(
+            "sapo_temperature_neg sapo_temperature_pos vespo_k_pos vespo_lambda_pos vespo_k_neg "
+            "vespo_lambda_neg entropy_coef_min entropy_coef_max entropy_coef_delta entropy_target "
+            "ref_model_mixup_alpha ref_model_sync_steps multi_objective_aggregation".split()
+        ),
+    ),
+)
+"""(reason, TRL fields): accepted, ignored, and logged with the reason."""
+
+TRL_ALIASES = {trl: ours for trl, ours in TRL_SUPPORTED.items() if trl != ours}
+_TRL_ONLY = frozenset(
+    [
+        *TRL_ALIASES,
+        *(name for _, names in TRL_REFUSED for name in names),
+        *(n for _, g in TRL_IGNORED for n in g),
+    ]
+)
+
+
 @dataclass
-class AsyncGRPOConfig:
-    """Configuration of an async GRPO run on captured agent traces."""
+class _ConfigFields:
+    """The fields and their checks; :class:`AsyncGRPOConfig` adds TRL's other names."""
 
     # Model.
     model_init_kwargs: dict[str, Any] | str | None = field(
@@ -39,6 +261,22 @@ class AsyncGRPOConfig:
         metadata=_help("Keyword arguments for from_pretrained (a dict, or JSON text on the CLI)."),
     )
     dtype: str = field(default="float32", metadata=_help(f"Training dtype, one of {DTYPES}."))
+    bf16: bool = field(
+        default=False,
+        metadata=_help(
+            "bfloat16 autocast (mixed precision: the weights stay in dtype), through accelerate, on CPU too. "
+            "Off by default, unlike TRL: the importance ratios compare the trainer's logprobs with the "
+            "engine's, and a lower-precision trainer widens that gap (TRL's own dtype defaults to float32 "
+            "for the same reason). Left off, the launcher decides (accelerate launch --mixed_precision)."
+        ),
+    )
+    fp16: bool = field(
+        default=False,
+        metadata=_help(
+            "float16 autocast with loss scaling (a step whose gradients overflow is skipped and the scale "
+            "lowered); needs a GPU: refused at setup on CPU. The loss scale is not checkpointed."
+        ),
+    )
     gradient_checkpointing: bool = field(
         default=False, metadata=_help("Trade compute for activation memory.")
     )
@@ -61,11 +299,41 @@ class AsyncGRPOConfig:
 
     # Rollouts.
     num_generations: int = field(default=8, metadata=_help("Rollouts per task (one group)."))
-    max_concurrent_rollouts: int = field(default=8, metadata=_help("Sessions live at once."))
+    max_concurrent_rollouts: int | None = field(
+        default=None,
+        metadata=_help(
+            f"Sessions live at once (default {DEFAULT_MAX_CONCURRENT_ROLLOUTS}). TRL's max_inflight_tasks is "
+            "accepted as its alias, -1 there meaning max(max_staleness, 1) × rollouts per step; the default "
+            "is a number rather than that because every session here holds a sandbox."
+        ),
+    )
     max_staleness: int = field(
         default=1, metadata=_help("Policy versions a rollout may lag behind the weights it is trained on.")
     )
-    groups_per_step: int = field(default=1, metadata=_help("Rollout groups trained per optimizer step."))
+    groups_per_step: int | None = field(
+        default=None,
+        metadata=_help(
+            f"Rollout groups trained per optimizer step (default {DEFAULT_GROUPS_PER_STEP}, or what "
+            "per_device_train_batch_size gives)."
+        ),
+    )
+    per_device_train_batch_size: int | None = field(
+        default=None,
+        metadata=_help(
+            "TRL's batch size: each optimizer step trains per_device_train_batch_size × "
+            "gradient_accumulation_steps × processes (WORLD_SIZE) rollouts, which must be whole groups of "
+            "num_generations; it sets groups_per_step. None: groups_per_step decides (TRL's default, 8, is "
+            "one group of 8, as here). TRL counts each row of a forked conversation; a rollout counts once "
+            "here."
+        ),
+    )
+    gradient_accumulation_steps: int = field(
+        default=1,
+        metadata=_help(
+            "Counts only in the rollouts per step (see per_device_train_batch_size): micro-batches are "
+            "packed by token_budget, so how many a step takes follows its tokens."
+        ),
+    )
     server_capacity: int | None = field(
         default=None,
         metadata=_help("The rollout server's MAX_CONCURRENT_ENVS, when known: must be ≥ concurrency + 1."),
@@ -74,6 +342,15 @@ class AsyncGRPOConfig:
         default=600.0, metadata=_help("Seconds an agent may run; its captured turns stay trainable after.")
     )
     dataset_shuffle: bool = field(default=False, metadata=_help("Shuffle rows each pass (seeded)."))
+    chat_template_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata=_help(
+            "TRL passes these to apply_chat_template. Here the engine renders each agent call's prompt and "
+            "the trainer trains on the captured token ids (it renders no template), and the capture proxy "
+            "sends no template arguments upstream: kept with the run's config and warned about; set them on "
+            "the engine (its default chat template arguments) to apply them. A dict, or JSON text."
+        ),
+    )
 
     # Optimisation.
     learning_rate: float = field(default=1e-6, metadata=_help("Peak learning rate."))
@@ -81,11 +358,24 @@ class AsyncGRPOConfig:
         default="adamw_torch",
         metadata=_help(f"Optimizer, one of {OPTIMIZERS} (transformers' names; sgd is plain, no momentum)."),
     )
-    lr_scheduler_type: str = field(default="constant", metadata=_help(f"One of {LR_SCHEDULERS}."))
-    warmup_steps: int = field(default=0, metadata=_help("Linear warm-up steps."))
+    lr_scheduler_type: str = field(
+        default="constant",
+        metadata=_help(
+            f"One of {LR_SCHEDULERS}; a decaying one ({DECAYING_SCHEDULERS}) needs max_steps > 0."
+        ),
+    )
+    warmup_steps: float = field(
+        default=0, metadata=_help("Linear warm-up steps; below 1, a fraction of max_steps (TRL).")
+    )
     weight_decay: float = field(default=0.0, metadata=_help("AdamW weight decay."))
     max_grad_norm: float = field(default=1.0, metadata=_help("Gradient clipping norm (0 turns it off)."))
-    token_budget: int = field(default=8192, metadata=_help("Tokens per packed micro-batch."))
+    token_budget: int | None = field(
+        default=8192,
+        metadata=_help(
+            "Tokens per packed micro-batch. A number is needed: TRL's None (the engine's max_model_len) "
+            "would need the engine asked at setup, which this trainer does not do."
+        ),
+    )
     temperature: float = field(default=1.0, metadata=_help("Sampling temperature (the session policy)."))
     max_completion_length: int | None = field(
         default=None,
@@ -109,24 +399,69 @@ class AsyncGRPOConfig:
     advantage_epsilon: float = field(default=1e-4, metadata=_help("Added to the group std."))
 
     # Length of the run, checkpoints, logging.
-    max_steps: int = field(default=100, metadata=_help("Optimizer steps to train."))
-    save_steps: int = field(default=0, metadata=_help("Checkpoint every N steps (0: only at the end)."))
+    num_train_epochs: float = field(
+        default=3.0,
+        metadata=_help(
+            "Passes over the dataset rows, when max_steps ≤ 0 (TRL's precedence): the run stops once "
+            "⌈num_train_epochs × rows⌉ groups were taken, dropped groups included (their row had its turn)."
+        ),
+    )
+    max_steps: int = field(
+        default=-1, metadata=_help("Optimizer steps to train; > 0 wins over num_train_epochs (TRL).")
+    )
+    save_steps: float = field(
+        default=0,
+        metadata=_help(
+            "Checkpoint every N steps, below 1 a fraction of max_steps; 0 (the default, TRL's is 500): only "
+            "at the end and on SIGTERM."
+        ),
+    )
     save_total_limit: int | None = field(default=None, metadata=_help("Keep at most N checkpoints."))
-    output_dir: str = field(default="outputs", metadata=_help("Checkpoints, metrics.jsonl, runs/."))
+    output_dir: str | None = field(
+        default="outputs", metadata=_help("Checkpoints, metrics.jsonl, runs/ (None: 'outputs').")
+    )
     resume_from_checkpoint: str | None = field(
         default=None, metadata=_help("A checkpoint folder, or 'latest' for the newest in output_dir.")
+    )
+    push_to_hub: bool = field(
+        default=False,
+        metadata=_help(
+            "Not implemented yet: True is refused at construction (save with save_model, then upload)."
+        ),
+    )
+    hub_model_id: str | None = field(
+        default=None, metadata=_help("The Hub repository a push would go to; kept with the run's config.")
     )
     report_to: list[str] = field(
         default_factory=lambda: ["none"], metadata=_help(f"Trackers, any of {REPORT_TO}.")
     )
     run_name: str | None = field(default=None, metadata=_help("Run name for the trackers."))
-    logging_steps: int = field(default=1, metadata=_help("Log metrics every N steps."))
+    project: str = field(
+        default="harness-trainer",
+        metadata=_help(
+            "wandb / trackio project (TRL's is 'huggingface'; this trainer's runs share their own)."
+        ),
+    )
+    logging_steps: float = field(
+        default=1, metadata=_help("Log metrics every N steps; below 1, a fraction of max_steps (TRL).")
+    )
+    logging_first_step: bool = field(default=False, metadata=_help("Log step 1 as well."))
+    log_completions: bool = field(
+        default=False,
+        metadata=_help(
+            "At each logged step, print each trained rollout's task, reward, advantage and final reply "
+            "(rollouts.jsonl keeps whole traces regardless: rollout_log_steps)."
+        ),
+    )
+    num_completions_to_print: int | None = field(
+        default=None, metadata=_help("Rollouts log_completions prints per logged step (None: all).")
+    )
     seed: int = field(default=42, metadata=_help("Seed of torch, the data order and the rollout seeds."))
     rollout_log_steps: int = field(
         default=1,
         metadata=_help("Write each rollout (trace included) to rollouts.jsonl every N steps; 0: never."),
     )
-    disable_tqdm: bool = field(default=False, metadata=_help("No progress bar."))
+    disable_tqdm: bool | None = field(default=False, metadata=_help("No progress bar."))
 
     # Engine and weight sync.
     vllm_server_base_url: str | None = field(
@@ -151,20 +486,39 @@ class AsyncGRPOConfig:
     )
 
     def __post_init__(self) -> None:
-        if isinstance(self.model_init_kwargs, str):
-            try:
-                self.model_init_kwargs = json.loads(self.model_init_kwargs)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"model_init_kwargs is not JSON: {exc}") from exc
-        if isinstance(self.report_to, str):
+        # TRL's names that are not fields, set aside by AsyncGRPOConfig.__init__; dropped once checked.
+        trl: dict[str, Any] = self.__dict__.pop("_trl_values", {})
+        problems: list[str] = []
+        for name in ("model_init_kwargs", "chat_template_kwargs"):
+            text = getattr(self, name)
+            if isinstance(text, str):
+                try:
+                    setattr(self, name, json.loads(text))
+                except json.JSONDecodeError as exc:
+                    problems.append(f"{name} is not JSON: {exc}")
+        if self.report_to is None:
+            self.report_to = ["none"]
+        elif isinstance(self.report_to, str):
             self.report_to = [part.strip() for part in self.report_to.split(",") if part.strip()]
+        if self.output_dir is None:
+            self.output_dir = "outputs"
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
         if self.resume_from_checkpoint == "":
             self.resume_from_checkpoint = None
-        problems = list(_problems(self))
+        self._world_size = _processes()
+        problems += _resolve_batch(self, self._world_size)
+        problems += _resolve_concurrency(self, trl.get("max_inflight_tasks"))
+        problems += _problems(self)
+        problems += _trl_problems(trl)
         if problems:
             raise ValueError("invalid AsyncGRPOConfig: " + "; ".join(problems))
+        if self.chat_template_kwargs:
+            logger.warning(
+                "chat_template_kwargs %s do not reach the engine: it renders each agent call's prompt and "
+                "the capture proxy sends no template arguments; set them on the engine to apply them",
+                sorted(self.chat_template_kwargs),
+            )
 
     @property
     def sampling(self) -> dict[str, float | int]:
@@ -178,26 +532,172 @@ class AsyncGRPOConfig:
     @property
     def admission_limit(self) -> int:
         """Groups in flight plus buffered that the scheduler allows: (max_staleness + 1) × groups_per_step."""
+        assert self.groups_per_step is not None
         return (self.max_staleness + 1) * self.groups_per_step
+
+    @property
+    def mixed_precision(self) -> str | None:
+        """accelerate's ``mixed_precision`` for ``bf16`` / ``fp16``; None leaves it to the launcher."""
+        return "bf16" if self.bf16 else "fp16" if self.fp16 else None
+
+    @property
+    def warmup_step_count(self) -> int:
+        """Warm-up steps, a fraction of ``max_steps`` resolved."""
+        return _step_count(self.warmup_steps, self.max_steps)
+
+    @property
+    def save_interval(self) -> int:
+        """Steps between checkpoints; 0: only at the end (and on SIGTERM)."""
+        return _step_count(self.save_steps, self.max_steps)
+
+    def should_log(self, step: int) -> bool:
+        """Whether step ``step`` (1-based) writes its metrics (and, with ``log_completions``, prints)."""
+        every = _step_count(self.logging_steps, self.max_steps)
+        return step % every == 0 or (self.logging_first_step and step == 1)
+
+    def steps_done(self, step: int) -> bool:
+        """Whether ``step`` steps reach ``max_steps`` (never, when the run is bounded by epochs)."""
+        return 0 < self.max_steps <= step
+
+    def epochs_done(self, groups_taken: int, num_rows: int) -> bool:
+        """Whether ``groups_taken`` groups (dropped ones included) make ``num_train_epochs`` passes over
+        ``num_rows`` rows; only when ``max_steps`` ≤ 0 (``max_steps`` > 0 wins, as in TRL)."""
+        return self.max_steps <= 0 and groups_taken >= math.ceil(self.num_train_epochs * num_rows)
+
+    def check_processes(self, processes: int) -> None:
+        """Raise ``ValueError`` unless the run has the processes ``per_device_train_batch_size`` was resolved
+        for (``WORLD_SIZE`` at construction)."""
+        built = getattr(self, "_world_size", 1)
+        if self.per_device_train_batch_size is not None and processes != built:
+            raise ValueError(
+                f"per_device_train_batch_size was resolved into groups_per_step for {built} process(es) "
+                f"(WORLD_SIZE at construction) but the run has {processes}: build the config in each process"
+            )
+
+    @property
+    def rollouts_per_step(self) -> int:
+        assert self.groups_per_step is not None
+        return self.groups_per_step * self.num_generations
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def _problems(c: AsyncGRPOConfig) -> Sequence[str]:
+class AsyncGRPOConfig(_ConfigFields):
+    """Configuration of an async GRPO run on captured agent traces.
+
+    Accepts, besides its fields, every name of TRL's config classes: the aliases of :data:`TRL_SUPPORTED`,
+    and the names of :data:`TRL_REFUSED` and :data:`TRL_IGNORED` (see the module docstring).
+
+    Raises:
+        ValueError: every problem with the values given, named, in one message.
+        TypeError: a name that is neither a field nor one of TRL's.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._trl_values = {name: kwargs.pop(name) for name in list(kwargs) if name in _TRL_ONLY}
+        super().__init__(*args, **kwargs)
+
+
+def _processes() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _step_count(value: float, max_steps: int) -> int:
+    """A TRL step count: a whole number of steps, or below 1 a fraction of ``max_steps``, rounded up."""
+    if 0 < value < 1:
+        return max(1, math.ceil(value * max_steps))
+    return int(value)
+
+
+def _resolve_batch(c: _ConfigFields, processes: int) -> list[str]:
+    """Set ``groups_per_step`` from TRL's batch fields when given, else to its default."""
+    if c.gradient_accumulation_steps < 1:
+        return ["gradient_accumulation_steps must be at least 1"]
+    per_device = c.per_device_train_batch_size
+    if per_device is None:
+        if c.gradient_accumulation_steps != 1:
+            return [
+                "gradient_accumulation_steps counts only with per_device_train_batch_size (rollouts per "
+                "step = per_device_train_batch_size × gradient_accumulation_steps × processes): set it too, "
+                "or set groups_per_step"
+            ]
+        c.groups_per_step = DEFAULT_GROUPS_PER_STEP if c.groups_per_step is None else c.groups_per_step
+        return []
+    rollouts = per_device * c.gradient_accumulation_steps * processes
+    if per_device < 1 or c.num_generations < 1 or rollouts % c.num_generations:
+        return [
+            f"per_device_train_batch_size × gradient_accumulation_steps × processes = {per_device} × "
+            f"{c.gradient_accumulation_steps} × {processes} = {rollouts} rollouts per step must be a "
+            f"positive multiple of num_generations ({c.num_generations}): a step trains whole groups"
+        ]
+    groups = rollouts // c.num_generations
+    if c.groups_per_step is not None and c.groups_per_step != groups:
+        return [
+            f"per_device_train_batch_size gives {groups} groups per step ({rollouts} rollouts) but "
+            f"groups_per_step is {c.groups_per_step}: set one of them"
+        ]
+    c.groups_per_step = groups
+    return []
+
+
+def _resolve_concurrency(c: _ConfigFields, inflight: Any) -> list[str]:
+    """Set ``max_concurrent_rollouts`` from TRL's ``max_inflight_tasks`` when given, else to its default."""
+    if inflight is None:
+        if c.max_concurrent_rollouts is None:
+            c.max_concurrent_rollouts = DEFAULT_MAX_CONCURRENT_ROLLOUTS
+        return []
+    if inflight == -1:
+        if c.groups_per_step is None:  # the batch did not resolve (reported)
+            return []
+        value = max(c.max_staleness, 1) * c.groups_per_step * c.num_generations
+    elif isinstance(inflight, int) and inflight >= 1:
+        value = inflight
+    else:
+        return [f"max_inflight_tasks must be at least 1, or -1 (auto), got {inflight!r}"]
+    if c.max_concurrent_rollouts is not None and c.max_concurrent_rollouts != value:
+        return [
+            f"max_inflight_tasks (TRL's name for max_concurrent_rollouts) gives {value} but "
+            f"max_concurrent_rollouts is {c.max_concurrent_rollouts}: set one of them"
+        ]
+    c.max_concurrent_rollouts = value
+    return []
+
+
+def _trl_problems(values: dict[str, Any]) -> list[str]:
+    """The refused TRL values, one message per group; logs the ignored ones (names only: hub_token)."""
+    problems = []
+    for reason, accepted in TRL_REFUSED:
+        refused = [f"{n}={values[n]!r}" for n in accepted if n in values and values[n] not in accepted[n]]
+        if refused:
+            problems.append(f"{', '.join(refused)} not supported: {reason}")
+    for reason, names in TRL_IGNORED:
+        given = [name for name in names if name in values]
+        if given:
+            logger.warning("TRL's %s accepted and ignored: %s", ", ".join(given), reason)
+    return problems
+
+
+def _problems(c: _ConfigFields) -> list[str]:
+    return list(_checks(c))
+
+
+def _checks(c: _ConfigFields) -> Sequence[str]:
+    # groups_per_step and max_concurrent_rollouts are None here only when resolving them failed (reported).
     if c.num_generations < 2:
         yield f"num_generations must be at least 2 (a group of {c.num_generations} has no baseline)"
-    if c.max_concurrent_rollouts < 1:
+    concurrency = c.max_concurrent_rollouts
+    if concurrency is not None and concurrency < 1:
         yield "max_concurrent_rollouts must be at least 1"
-    if c.server_capacity is not None and c.server_capacity < c.max_concurrent_rollouts + 1:
+    if concurrency is not None and c.server_capacity is not None and c.server_capacity < concurrency + 1:
         yield (
             f"the rollout server's capacity ({c.server_capacity}) must be at least "
-            f"max_concurrent_rollouts + 1 = {c.max_concurrent_rollouts + 1} (the factory keeps one "
+            f"max_concurrent_rollouts + 1 = {concurrency + 1} (the factory keeps one "
             "session for metadata); raise MAX_CONCURRENT_ENVS or lower max_concurrent_rollouts"
         )
     if c.max_staleness < 0:
         yield "max_staleness must be ≥ 0"
-    if c.groups_per_step < 1:
+    if c.groups_per_step is not None and c.groups_per_step < 1:
         yield "groups_per_step must be at least 1"
     if c.agent_timeout is not None and c.agent_timeout <= 0:
         yield "agent_timeout must be positive (or None for no limit)"
@@ -207,12 +707,28 @@ def _problems(c: AsyncGRPOConfig) -> Sequence[str]:
         yield f"optim {c.optim!r} is not one of {OPTIMIZERS}"
     if c.lr_scheduler_type not in LR_SCHEDULERS:
         yield f"lr_scheduler_type {c.lr_scheduler_type!r} is not one of {LR_SCHEDULERS}"
-    if c.warmup_steps < 0 or c.weight_decay < 0 or c.max_grad_norm < 0:
-        yield "warmup_steps, weight_decay and max_grad_norm must be ≥ 0"
+    elif c.lr_scheduler_type in DECAYING_SCHEDULERS and c.max_steps <= 0:
+        yield (
+            f"lr_scheduler_type {c.lr_scheduler_type!r} decays over max_steps: set max_steps > 0 (a run "
+            "bounded by num_train_epochs has no step count known up front)"
+        )
+    if c.weight_decay < 0 or c.max_grad_norm < 0:
+        yield "weight_decay and max_grad_norm must be ≥ 0"
+    for name in ("warmup_steps", "save_steps", "logging_steps"):
+        value = getattr(c, name)
+        if value < 0 or (value >= 1 and value != int(value)):
+            yield f"{name} must be a whole number of steps, or below 1 a fraction of max_steps; got {value}"
+        elif 0 < value < 1 and c.max_steps <= 0:
+            yield f"{name}={value} is a fraction of max_steps: set max_steps > 0"
+    if c.logging_steps == 0:
+        yield "logging_steps must be positive"
     if c.max_completion_length is not None and c.max_completion_length < 1:
         yield "max_completion_length must be at least 1"
-    if c.token_budget < 1:
-        yield "token_budget must be positive"
+    if c.token_budget is None or c.token_budget < 1:
+        yield (
+            f"token_budget must be a positive number of tokens per micro-batch, got {c.token_budget} (TRL's "
+            "None, the engine's max_model_len, and ≤ 0, fixed-count batches, do not apply here)"
+        )
     if not 0 < c.temperature < float("inf"):
         yield "temperature must be a finite positive number (the policy samples the full vocabulary)"
     if c.epsilon < 0 or (c.epsilon_high is not None and c.epsilon_high < 0):
@@ -227,16 +743,23 @@ def _problems(c: AsyncGRPOConfig) -> Sequence[str]:
         yield "beta must be ≥ 0"
     if c.advantage_epsilon <= 0:
         yield "advantage_epsilon must be positive"
-    if c.max_steps < 1:
-        yield "max_steps must be at least 1"
+    if c.max_steps <= 0 and not c.num_train_epochs > 0:
+        yield "set max_steps > 0 or num_train_epochs > 0: the run needs an end"
     if c.rollout_log_steps < 0:
         yield "rollout_log_steps must be ≥ 0"
-    if c.save_steps < 0 or c.logging_steps < 1:
-        yield "save_steps must be ≥ 0 and logging_steps ≥ 1"
     if c.save_total_limit is not None and c.save_total_limit < 1:
         yield "save_total_limit must be at least 1"
+    if c.num_completions_to_print is not None and c.num_completions_to_print < 1:
+        yield "num_completions_to_print must be at least 1 (or None: all)"
     if c.dtype not in DTYPES:
         yield f"dtype {c.dtype!r} is not one of {DTYPES}"
+    if c.bf16 and c.fp16:
+        yield "bf16 and fp16 exclude each other"
+    if c.push_to_hub:
+        yield (
+            "push_to_hub is not implemented yet: the trainer does not upload; save with save_model (or take "
+            "a checkpoint's model/) and upload it yourself"
+        )
     unknown = [name for name in c.report_to if name not in REPORT_TO]
     if unknown:
         yield f"report_to {unknown} not among {REPORT_TO}"
@@ -255,12 +778,47 @@ def _problems(c: AsyncGRPOConfig) -> Sequence[str]:
 
 
 def parse_config(args: Sequence[str] | None = None, *, yaml_file: str | None = None) -> AsyncGRPOConfig:
-    """Build a config from CLI flags (``--num_generations 4`` …) or a YAML file of the same names."""
+    """Build a config from CLI flags (``--num_generations 4`` …) or a YAML file of the same names; TRL's
+    other names are taken too (``--max_inflight_tasks 16``, ``top_p: 1.0``).
+
+    Raises:
+        ValueError: a name that is neither a field nor TRL's, or what :class:`AsyncGRPOConfig` refuses.
+    """
+    if yaml_file is not None:
+        import yaml
+
+        values = yaml.safe_load(Path(yaml_file).read_text()) or {}
+        _check_names(values)
+        return AsyncGRPOConfig(**values)
     from transformers import HfArgumentParser
 
     parser = HfArgumentParser(AsyncGRPOConfig)
-    if yaml_file is not None:
-        (config,) = parser.parse_yaml_file(yaml_file)
-        return config
-    (config,) = parser.parse_args_into_dataclasses(args=list(args) if args is not None else None)
-    return config
+    namespace, rest = parser.parse_known_args(args=list(args) if args is not None else None)
+    trl = _trl_flags(rest)
+    _check_names(trl)
+    return AsyncGRPOConfig(**vars(namespace), **trl)
+
+
+def _check_names(values: dict[str, Any]) -> None:
+    known = {f.name for f in fields(_ConfigFields)} | _TRL_ONLY
+    unknown = sorted(name for name in values if name not in known)
+    if unknown:
+        raise ValueError(f"not AsyncGRPOConfig fields, nor TRL's: {unknown}")
+
+
+def _trl_flags(rest: Sequence[str]) -> dict[str, Any]:
+    """``--name value`` / ``--name=value`` / ``--name`` (true) pairs, values read as YAML scalars."""
+    import yaml
+
+    values: dict[str, Any] = {}
+    tokens = list(rest)
+    while tokens:
+        token = tokens.pop(0)
+        if not token.startswith("--"):
+            raise ValueError(f"unexpected argument {token!r}")
+        name, equals, text = token[2:].partition("=")
+        if not equals and tokens and not tokens[0].startswith("--"):
+            text = tokens.pop(0)
+            equals = "="
+        values[name] = yaml.safe_load(text) if equals else True
+    return values

@@ -144,7 +144,10 @@ class HarnessAsyncGRPOTrainer:
 
         args = self.args
         _seed_everything(args.seed)
-        self.accelerator = Accelerator()
+        self.accelerator = Accelerator(mixed_precision=args.mixed_precision)
+        if args.fp16 and self.accelerator.device.type == "cpu":
+            raise ValueError("fp16=True needs a GPU (float16 autocast, loss scaling): on CPU use bf16=True")
+        args.check_processes(self.accelerator.num_processes)
         self.collective = Collective(self.accelerator.process_index, self.accelerator.num_processes)
         self.output_dir = Path(args.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -155,7 +158,7 @@ class HarnessAsyncGRPOTrainer:
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = build_optimizer(args.optim, params, args.learning_rate, args.weight_decay)
         self.lr_scheduler = get_scheduler(
-            args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_steps,
+            args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_step_count,
             num_training_steps=args.max_steps,
         )  # fmt: skip
         self.loss_config = LossConfig(
@@ -192,8 +195,9 @@ class HarnessAsyncGRPOTrainer:
             self._publish_policy(*self._policy)
         rows = self._rows()
         self.reporter = MetricsReporter(
-            self.output_dir, args.report_to, run_name=args.run_name, config=args.to_dict()
-        )
+            self.output_dir, args.report_to, run_name=args.run_name, config=args.to_dict(),
+            project=args.project,
+        )  # fmt: skip
         self.rollout_log = RolloutLog(self.output_dir)
         self.scheduler = RolloutScheduler(
             self.factory,
@@ -288,11 +292,11 @@ class HarnessAsyncGRPOTrainer:
 
         args = self.args
         bar = tqdm(
-            total=args.max_steps, initial=self.state.step, desc="train",
+            total=args.max_steps if args.max_steps > 0 else None, initial=self.state.step, desc="train",
             disable=args.disable_tqdm or not self.collective.is_main,
         )  # fmt: skip
         try:
-            while self.state.step < args.max_steps:
+            while not args.steps_done(self.state.step):
                 started = time.monotonic()
                 share = self.collective.deal(self._deal_step)
                 if share is None:
@@ -302,14 +306,14 @@ class HarnessAsyncGRPOTrainer:
                 metrics["perf/wait_s"] = waited
                 metrics["perf/step_s"] = time.monotonic() - started
                 self.last_metrics = metrics
-                if self.state.step % args.logging_steps == 0 and self.reporter is not None:
+                if args.should_log(self.state.step) and self.reporter is not None:
                     self.reporter.log(metrics, self.state.step)
                 bar.update(1)
                 live = self.scheduler.live_sessions() if self.scheduler is not None else 0
                 bar.set_postfix(
                     reward=f"{metrics['reward']:.3f}", step_s=f"{metrics['perf/step_s']:.1f}", rollouts=live
                 )
-                if args.save_steps and self.state.step % args.save_steps == 0:
+                if args.save_interval and self.state.step % args.save_interval == 0:
                     self._save()
         finally:
             bar.close()
@@ -373,7 +377,9 @@ class HarnessAsyncGRPOTrainer:
         """Rank 0: the next groups as rows, advantages and metrics, a share per rank; None to stop."""
         assert self.scheduler is not None
         args = self.args
-        groups = None if self._stop.is_set() else self._take_groups()
+        if self._stop.is_set() or args.epochs_done(self.scheduler.next_to_take, len(self.scheduler.rows)):
+            return None
+        groups = self._take_groups()
         if groups is None:
             return None
         metrics = rollout_metrics(
@@ -385,6 +391,10 @@ class HarnessAsyncGRPOTrainer:
             normalization=args.loss_normalization,
         )  # fmt: skip
         self._log_rollouts([*self._dropped, *groups], batch)
+        if args.log_completions and args.should_log(self.state.step + 1):
+            from tqdm.auto import tqdm
+
+            tqdm.write(completions_text(batch, self.state.step + 1, args.num_completions_to_print))
         self._dropped.clear()
         self._counters["rollout/unscorable_total"] += int(metrics["rollout/unscorable"])
         metrics.update(self._counters)
@@ -441,7 +451,8 @@ class HarnessAsyncGRPOTrainer:
             # An infinite max norm measures without clipping (the gradients are scaled by exactly 1).
             max_norm = args.max_grad_norm if args.max_grad_norm > 0 else math.inf
             grad_norm = float(self.accelerator.clip_grad_norm_(self._trained.parameters(), max_norm))
-            if not math.isfinite(grad_norm):
+            # fp16: the loss scaler itself skips a step whose gradients overflowed, and lowers its scale.
+            if not math.isfinite(grad_norm) and not args.fp16:
                 logger.warning(
                     "non-finite gradient norm at step %d; the update is skipped", self.state.step + 1
                 )
@@ -461,7 +472,7 @@ class HarnessAsyncGRPOTrainer:
         logps, entropy = token_logprobs(self._trained, micro, args.temperature, targets_only=True)
         ref_logps = None
         if self.reference is not None:
-            with torch.no_grad(), self.reference.model() as reference:
+            with torch.no_grad(), self.reference.model() as reference, self.accelerator.autocast():
                 ref_logps, _ = token_logprobs(
                     reference, micro, args.temperature, with_entropy=False, targets_only=True
                 )
@@ -609,6 +620,21 @@ async def _pause_push_resume(engine: Any, weights: dict[str, torch.Tensor] | Pat
         raise
     await engine.resume()
     return served
+
+
+def completions_text(batch: StepBatch, step: int, limit: int | None) -> str:
+    """What ``log_completions`` prints for a step: each trained rollout's group and member, reward, advantage
+    and final reply (its last 200 characters), at most ``limit`` of them (None: all)."""
+    shown = list(enumerate(batch.rollouts))[:limit]
+    lines = [f"step {step}: {len(shown)} of {len(batch.rollouts)} trained rollouts"]
+    for i, rollout in shown:
+        completion = rollout.outcome.completion if rollout.outcome is not None else []
+        reply = str(completion[-1].get("content") or "") if completion else ""
+        lines.append(
+            f"  group {rollout.group} member {rollout.member}: reward {rollout.reward}, "
+            f"advantage {batch.advantages[i]:+.3f}, reply {reply[-200:]!r}"
+        )
+    return "\n".join(lines)
 
 
 def _resume_flag(value: str | None) -> bool | str | None:
