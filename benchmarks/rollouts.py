@@ -20,9 +20,9 @@ Measured:
    ``hello-file``) with :class:`HarborSessionFactory`, in a row after one warm-up (create → wait → fetch
    trace → verify → close): median seconds per rollout. **overhead** = rollout − raw, broken down with
    the medians of the result's ``phase_seconds``: capture_session, sandbox_start, install, ``agent −
-   raw`` (``nsenter``, the login shell, the proxy hop), verifier, trace, cleanup, and the rest (the
-   client's HTTP calls and long poll, the server's bookkeeping). A rollout that fails (its agent makes
-   fewer than N calls, or it is unscorable) is listed, left out of the medians and replaced.
+   raw`` (``nsenter``, the login shell, the proxy hop), upload (the tests), verifier, trace, cleanup, and
+   the rest (the client's HTTP calls and long poll, the server's bookkeeping). A rollout that fails (its
+   agent makes fewer than N calls, or it is unscorable) is listed, left out of the medians and replaced.
 3. **K sessions** (``--sessions``, default 64,128,256,512, a fresh server each): K rollouts on the slow
    engine, with a step limit out of reach. They are opened and started over the raw HTTP API from an
    asyncio client, at most ``--start-window`` starting at once (started: its agent process runs) and none
@@ -99,7 +99,7 @@ SPLIT, TASK = "train", "hello-file"
 MODEL = "fake-vllm"
 SAMPLING = {"temperature": 1.0}
 CPUS = os.cpu_count() or 1
-PHASES = ("capture_session", "sandbox_start", "install", "agent", "verifier", "trace", "cleanup")
+PHASES = ("capture_session", "sandbox_start", "install", "agent", "upload", "verifier", "trace", "cleanup")
 COLUMNS = ("row", "seconds", "held", "failed", "CPU %core", "CPU %machine", "proxy %core", "calls/s")
 COLUMNS += ("CPU ms/call",)
 COLUMNS += ("RSS MB", "threads", "ramp s", "drain s")
@@ -493,7 +493,7 @@ def summarize_point(
     result |= window | {"failed": len(point.errors), "errors": point.errors[:20], "limit": point.limit}
     result["drain_phases_s"] = {  # where a stopped rollout's time goes: median and largest
         name: [f(p.get(name, 0.0) for p in point.drain_phases) for f in (statistics.median, max)]
-        for name in ("verifier", "trace", "cleanup")
+        for name in ("upload", "verifier", "trace", "cleanup")
         if point.drain_phases
     }
     result["ok"] = window["held"] == point.sessions and not point.errors and not point.limit and after == 0

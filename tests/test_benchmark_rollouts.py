@@ -13,7 +13,8 @@ from tests.benchmark_scripts import BENCHMARKS, load_benchmark, run_quick
 benchmark_rollouts = load_benchmark("rollouts")
 
 ROWS = ("raw agent (2 calls)", "rollout (2 calls)", "overhead (rollout - raw)", "8 sessions")
-PARTS = ("capture_session", "sandbox_start", "install", "agent - raw", "verifier", "trace", "cleanup", "rest")
+PARTS = ("capture_session", "sandbox_start", "install", "agent - raw", "upload", "verifier", "trace")
+PARTS += ("cleanup", "rest")
 POINT_FIELDS = {"held", "failed", "cpu_pct_core", "cpu_pct_machine", "calls_per_s", "cpu_ms_per_call"}
 POINT_FIELDS |= {"rss_mb", "threads", "ramp_s", "drain_s", "wall_s", "limit", "ok", "agents_after"}
 POINT_FIELDS |= {"ramp_cpu_ms_per_session", "drain_cpu_ms_per_session", "drain_phases_s"}

@@ -22,7 +22,7 @@ from harness_trainer.harnesses.base import AgentEndpoint, AgentRun, Harness, Har
 from harness_trainer.rollouts.capture_client import CaptureClient, CaptureError, NothingTrainable
 from harness_trainer.rollouts.result import RolloutOptions, RolloutResult
 from harness_trainer.sandboxes.base import Sandbox, SandboxBackend, SandboxError
-from harness_trainer.tasks.reward import run_verifier
+from harness_trainer.tasks.reward import run_verifier, upload_tests
 from harness_trainer.tasks.task import HarborTask
 from harness_trainer.trace import CaptureContractError, load_trace
 
@@ -98,8 +98,10 @@ async def run_rollout(
                 run.tools.failures,
             )
             result.log_tail = run.log[-_LOG_TAIL:]
+        with _phase(result, "upload"):
+            await upload_tests(sandbox, task)
         with _phase(result, "verifier"):
-            outcome = await run_verifier(sandbox, task, reward_key=options.reward_key)
+            outcome = await run_verifier(sandbox, task, reward_key=options.reward_key, upload=False)
         result.reward, result.rewards, result.reward_detail = (
             outcome.reward,
             dict(outcome.rewards),

@@ -9,8 +9,8 @@ with ``sandbox="e2b"``, then :func:`~harness_trainer.rollouts.run.run_rollout`),
 2. build the task's template, or find it in the E2B account (the backend's own ``TemplateBuilder``; with
    ``agent_layer`` the harness's agent is preinstalled in it), timed on its own;
 3. the rollout: a sandbox from that template (``create``), the harness's agent install, the agent
-   (mini-swe-agent by default) pointed at ``proxy_public_url``, the task's verifier (which uploads the
-   task's ``tests/`` first), the trace export, then sandbox kill and capture-session delete;
+   (mini-swe-agent by default) pointed at ``proxy_public_url``, the upload of the task's
+   ``tests/``, the task's verifier, the trace export, then sandbox kill and capture-session delete;
 4. print one line per phase with its seconds (the rollout's own ``phase_seconds``), the reward, the
    trace's turn count, and ``ok`` or ``FAIL: <reason>``.
 
@@ -57,13 +57,15 @@ PHASES = {
     "sandbox_start": "create",
     "install": "install",
     "agent": "agent",
+    "upload": "upload",
     "verifier": "verifier",
     "trace": "trace",
     "cleanup": "cleanup",
 }
 PHASE_NOTES = {
     "sandbox_start": "the E2B sandbox from the template",
-    "verifier": "uploads tests/, runs tests/test.sh, reads the reward",
+    "upload": "the task's tests/, into the sandbox",
+    "verifier": "runs tests/test.sh, reads the reward",
     "cleanup": "sandbox killed, capture session deleted",
 }
 _LOG_LINES = 20

@@ -122,10 +122,9 @@ def _preview(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-async def run_verifier(
-    sandbox: Sandbox, task: HarborTask, *, timeout_s: float | None = None, reward_key: str = ""
-) -> VerifierOutcome:
-    """Run ``task``'s verifier in ``sandbox`` and read its reward; see the module docstring.
+async def upload_tests(sandbox: Sandbox, task: HarborTask) -> None:
+    """Empty the verifier's folders in ``sandbox`` and copy ``task``'s ``tests/`` in (only now: the agent
+    never sees them).
 
     Raises:
         SandboxError: the sandbox could not run commands or copy files (not the verifier's fault).
@@ -142,6 +141,23 @@ async def run_verifier(
         raise SandboxError(f"could not prepare {VERIFIER_LOG_DIR} and {TESTS_DIR}: {output}")
     await sandbox.upload_dir(task.tests_dir, TESTS_DIR)
 
+
+async def run_verifier(
+    sandbox: Sandbox,
+    task: HarborTask,
+    *,
+    timeout_s: float | None = None,
+    reward_key: str = "",
+    upload: bool = True,
+) -> VerifierOutcome:
+    """Run ``task``'s verifier in ``sandbox`` and read its reward; see the module docstring. ``upload``:
+    copy the tests in first (:func:`upload_tests`); False when the caller did, to time it on its own.
+
+    Raises:
+        SandboxError: the sandbox could not run commands or copy files (not the verifier's fault).
+    """
+    if upload:
+        await upload_tests(sandbox, task)
     limit = task.verifier_timeout_sec if timeout_s is None else timeout_s
     started = time.monotonic()
     result = await sandbox.exec(

@@ -131,8 +131,8 @@ def rollout_metrics(
 
 def phase_metrics(rollouts: Sequence[Rollout]) -> dict[str, float]:
     """``perf/<phase>_s``: the mean seconds of each phase (``sandbox_start``, ``install``, ``agent``,
-    ``verifier``…) over the rollouts that report it (``verify.metrics["phase_seconds"]``); none when no
-    rollout reports phases (an engine-side factory)."""
+    ``upload``, ``verifier``…) over the rollouts that report it (``verify.metrics["phase_seconds"]``);
+    none when no rollout reports phases (an engine-side factory)."""
     seconds: dict[str, list[float]] = {}
     for rollout in rollouts:
         for phase, value in (rollout.verify_metrics.get("phase_seconds") or {}).items():

@@ -31,7 +31,7 @@ from tests.sandboxes.conftest import TaskFactory, wait_until_present
 from tests.sandboxes.fake_e2b import FakeE2BCloud
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "tasks"
-PHASES = ("template", "session", "create", "install", "agent", "verifier", "trace", "cleanup")
+PHASES = ("template", "session", "create", "install", "agent", "upload", "verifier", "trace", "cleanup")
 
 
 def bash(command: str, content: str = "") -> dict[str, Any]:
