@@ -6,6 +6,7 @@ import functools
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,14 +31,36 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             pytest.skip(missing)
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (``--dist loadgroup``)
+VLLM_CPU_FILES = "vllm_cpu"
+"""Every ``vllm_cpu`` test lives in a file whose name holds this (checked at collection): under ``pytest -n
+N`` (the README's test command) they all run in one worker, one after the other, sharing one vLLM server
+(the session fixture below, started once per worker); two vLLMs at once would starve a small machine."""
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under ``pytest -n N --dist loadgroup`` (the README's test command) every ``vllm_cpu`` test runs in
-    one worker, one after the other: they share one vLLM server (a session fixture, started once), and
-    two vLLMs at once would starve a small machine."""
-    for item in items:
-        if item.get_closest_marker("vllm_cpu") is not None:
-            item.add_marker(pytest.mark.xdist_group("vllm_cpu"))
+    misplaced = [
+        item.nodeid
+        for item in items
+        if item.get_closest_marker("vllm_cpu") is not None and VLLM_CPU_FILES not in item.path.name
+    ]
+    if misplaced:
+        raise pytest.UsageError(f"vllm_cpu tests outside a *{VLLM_CPU_FILES}* file: {misplaced}")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """pytest-xdist's load scheduling, except that the ``*vllm_cpu*`` files are one unit of work (one
+    worker). By file name, because the scheduler sees node ids only, and pytest-xdist's own ``xdist_group``
+    mark does not reach them under pytest 9.2 (it renames ``item._nodeid``, which pytest no longer reads)."""
+    if config.getvalue("dist") != "load":  # another --dist asked for: pytest-xdist's own
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class VllmInOneWorker(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return VLLM_CPU_FILES if VLLM_CPU_FILES in nodeid.partition("::")[0] else nodeid
+
+    return VllmInOneWorker(config, log)
 
 
 @functools.cache

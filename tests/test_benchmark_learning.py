@@ -105,6 +105,7 @@ def test_an_unknown_arm_is_refused_naming_the_known_ones(capsys: pytest.CaptureF
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # it ran past 300 s beside another test process (pytest -n 2) on 2 cores
 def test_quick_learning_benchmark_runs_both_dev_loops_and_leaves_nothing_running(tmp_path: Path) -> None:
     out = tmp_path / "result.json"
 

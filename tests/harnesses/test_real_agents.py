@@ -11,6 +11,7 @@ or capture session is left.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -176,14 +177,26 @@ def _agent_processes_after_teardown(timeout_s: float = 5.0) -> list[str]:
 
 
 def _agent_processes() -> list[str]:
-    """Live processes running anything from the host tool cache (none may outlive its sandbox)."""
+    """Live processes of this test process (its descendants: other test processes may run agents too)
+    running anything from the host tool cache (none may outlive its sandbox)."""
     needle = str(host_tools_dir())
-    found = []
+    parents: dict[int, int] = {}
+    commands: dict[int, str] = {}
     for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
         try:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
+            parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
             continue
-        if entry.name.isdigit() and needle in cmdline:
-            found.append(f"{entry.name} {cmdline}")
-    return found
+        commands[int(entry.name)] = cmdline
+
+    def descends(pid: int) -> bool:
+        while pid > 1:
+            pid = parents.get(pid, 0)
+            if pid == os.getpid():
+                return True
+        return False
+
+    return [f"{pid} {cmd}" for pid, cmd in commands.items() if needle in cmd and descends(pid)]
