@@ -138,6 +138,15 @@ class _ConfigFields:
     agent_timeout: float | None = field(
         default=600.0, metadata=_help("Seconds an agent may run; its captured turns stay trainable after.")
     )
+    max_unexpected_errors: int = field(
+        default=3,
+        metadata=_help(
+            "Rollouts that may fail with an unexpected exception (a bug: not a sandbox, harness, capture, "
+            "transport or rollout-server failure; a rollout_reward_fn that raises counts too) before the run "
+            "stops with that error. Each is logged with its traceback and leaves its rollout unscorable; 0 "
+            "stops at the first."
+        ),
+    )
     dataset_shuffle: bool = field(default=False, metadata=_help("Shuffle rows each pass (seeded)."))
     chat_template_kwargs: dict[str, Any] | str | None = field(
         default=None,
@@ -484,6 +493,8 @@ def _checks(c: _ConfigFields) -> Sequence[str]:
         yield "groups_per_step must be at least 1"
     if c.agent_timeout is not None and c.agent_timeout <= 0:
         yield "agent_timeout must be positive (or None for no limit)"
+    if c.max_unexpected_errors < 0:
+        yield "max_unexpected_errors must be ≥ 0 (0 stops the run at the first)"
     if not c.learning_rate > 0:
         yield "learning_rate must be positive"
     if c.optim not in OPTIMIZERS:
