@@ -7,6 +7,10 @@ when the sandbox or agent install failed); ``fetch_training_trace()`` → the va
 task verifier's reward (None = ungraded); ``close()`` (idempotent). The in-process sessions also have
 async twins, which the trainer uses when a factory has a coroutine ``acreate``: ``await session.wait()``,
 ``await session.afetch_training_trace()``, ``await session.averify()``, ``await session.aclose()``.
+
+The rollout's capture session id (its journal: ``DATA_DIR/sessions/ID``) reaches the trainer with the
+result: in ``VerifyResult.metrics["capture_session_id"]``, and on :class:`RolloutUnscorable` as
+``capture_session_id`` when the rollout minted one before it failed.
 """
 
 from __future__ import annotations
@@ -19,7 +23,14 @@ from harness_trainer.trace import TrainingTrace, load_trace
 
 
 class RolloutUnscorable(RuntimeError):
-    """The rollout could not be scored (sandbox or install failure, server gone): train nothing from it."""
+    """The rollout could not be scored (sandbox or install failure, server gone): train nothing from it.
+
+    ``capture_session_id`` names the rollout's capture session when it had one (None otherwise).
+    """
+
+    def __init__(self, message: str, *, capture_session_id: str | None = None) -> None:
+        super().__init__(message)
+        self.capture_session_id = capture_session_id
 
 
 @dataclass
@@ -41,6 +52,7 @@ def verify_result(result: RolloutResult) -> VerifyResult:
         "model_calls": result.model_calls,
         "phase_seconds": dict(result.phase_seconds),
         "rewards": dict(result.rewards),
+        "capture_session_id": result.capture_session_id,
     }
     artifacts = {
         "reward_detail": result.reward_detail,
@@ -51,15 +63,23 @@ def verify_result(result: RolloutResult) -> VerifyResult:
 
 
 def trace_of(result: RolloutResult, session_id: str | None = None) -> TrainingTrace:
-    """The result's trace, validated; :class:`RolloutUnscorable` when it has none."""
+    """The result's trace, validated (errors name its capture session, else ``session_id``);
+    :class:`RolloutUnscorable` when it has none."""
     if result.error is not None or result.trace is None:
-        raise RolloutUnscorable(f"rollout of {result.task_name} is unscorable: {result.error}")
-    return load_trace(result.trace, session_id=session_id)
+        raise _unscorable(result)
+    return load_trace(result.trace, session_id=result.capture_session_id or session_id)
 
 
 def exit_code_of(result: RolloutResult) -> int:
     if result.error is not None:
-        raise RolloutUnscorable(f"rollout of {result.task_name} is unscorable: {result.error}")
+        raise _unscorable(result)
     if result.timed_out:
         raise TimeoutError(f"agent on {result.task_name} timed out; its captured turns stay trainable")
     return result.exit_code if result.exit_code is not None else -1
+
+
+def _unscorable(result: RolloutResult) -> RolloutUnscorable:
+    return RolloutUnscorable(
+        f"rollout of {result.task_name} is unscorable: {result.error}",
+        capture_session_id=result.capture_session_id,
+    )

@@ -10,8 +10,28 @@ starts at the first group it had not taken.
 Sessions follow OpenEnv's loop-owning protocol: sync sessions run in a thread pool; a factory with a
 coroutine ``acreate`` and sessions with ``wait`` / ``afetch_training_trace`` / ``averify`` / ``aclose`` run
 natively on the scheduler's event loop. Every session is closed on every path: done, failed, stopped.
-Transport failures make a rollout unscorable; a :class:`CaptureContractError` is a bug, so it stops the
-scheduler (after closing every live session) and is raised to the trainer.
+
+Failures, by kind:
+
+- An infrastructure failure (:data:`INFRASTRUCTURE_ERRORS`: the session's own :class:`RolloutUnscorable`,
+  the rollout server refusing or gone, a sandbox, harness or capture error, a connection dropped or timed
+  out) makes that rollout unscorable; the run goes on.
+- A :class:`CaptureContractError`, or a ``rollout_reward_fn`` returning a bool, a non-number, NaN or
+  infinity, is a bug: it stops the scheduler (after closing every live session) and is raised to the
+  trainer.
+- Any other exception (a bug in the trainer's code, the factory's or a ``rollout_reward_fn`` that raises)
+  is *unexpected*: logged with its traceback (once per place it comes from; later ones in one line), its
+  rollout unscorable; past ``max_unexpected_errors`` of them the scheduler stops and the trainer gets a
+  :class:`RolloutSchedulerError` whose cause is the last one. A reward function that raises counts here
+  because it is user code that TRL would let raise: a broken one stops the run instead of quietly making
+  every rollout unscorable. Nothing raised after the run began stopping is counted.
+- The admission task, a group's task or the event loop's thread dying stops the scheduler too: the
+  trainer's next :meth:`RolloutScheduler.next_group` raises a :class:`RolloutSchedulerError` caused by it,
+  instead of waiting forever.
+
+Each rollout keeps its ``rollout_id`` (the episode id the factory was given, ``group{G}-member{M}``, which
+the capture session's metadata records) and, once the session reports it, its ``capture_session_id`` (its
+journal: ``DATA_DIR/sessions/ID``, see :mod:`harness_trainer.rollouts.session`), unscorable ones included.
 """
 
 from __future__ import annotations
@@ -28,6 +48,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from harness_trainer.harnesses.base import HarnessError
+from harness_trainer.rollouts.capture_client import CaptureError
+from harness_trainer.rollouts.factory import RolloutServerError
+from harness_trainer.rollouts.session import RolloutUnscorable
+from harness_trainer.sandboxes.base import SandboxError
 from harness_trainer.trace import CaptureContractError, TrainingTrace, load_trace
 from harness_trainer.trainer.outcome import (
     HarnessRolloutOutcome,
@@ -41,6 +66,22 @@ from harness_trainer.trainer.rows import Row, build_rows
 logger = logging.getLogger(__name__)
 
 RewardFn = Callable[[HarnessRolloutOutcome], float | None]
+
+INFRASTRUCTURE_ERRORS: tuple[type[BaseException], ...] = (
+    RolloutUnscorable,  # the session's own verdict: sandbox, install, proxy or engine failure
+    RolloutServerError,  # the rollout server refused or could not be reached
+    SandboxError,
+    HarnessError,
+    CaptureError,
+    ConnectionError,
+    TimeoutError,
+    concurrent.futures.CancelledError,  # a rollout cancelled under us (its factory closing)
+)
+"""What makes a rollout unscorable without counting as unexpected (see the module docstring)."""
+
+
+class RolloutSchedulerError(RuntimeError):
+    """The scheduler stopped: a component died, or too many rollouts failed unexpectedly (cause chained)."""
 
 
 @dataclass
@@ -59,10 +100,17 @@ class Rollout:
     seconds: float = 0.0
     verify_metrics: dict[str, Any] = field(default_factory=dict)
     findings: list[Any] | None = None
+    capture_session_id: str | None = None
+    """The capture session the rollout's model calls went through, once its session reports it."""
 
     @property
     def scored(self) -> bool:
         return self.unscorable is None and self.reward is not None
+
+    @property
+    def rollout_id(self) -> str:
+        """The episode id its factory was given (the capture session's metadata keeps it)."""
+        return f"group{self.group}-member{self.member}"
 
 
 @dataclass
@@ -89,6 +137,8 @@ class SchedulerConfig:
     shuffle: bool = False
     vocab_size: int | None = None
     close_timeout_s: float = 60.0
+    max_unexpected_errors: int = 3
+    """Unexpected rollout errors tolerated; one more stops the scheduler (0: the first does)."""
 
 
 def row_order(num_rows: int, group: int, *, seed: int, shuffle: bool) -> int:
@@ -142,12 +192,13 @@ class RolloutScheduler:
         self._live_lock = threading.Lock()
         self._fatal: BaseException | None = None
         self._stopping = threading.Event()
-        self._reward_error_logged = False
+        self._unexpected_errors = 0
+        self._logged_origins: set[tuple[str, str, int]] = set()
         self._loop = asyncio.new_event_loop()
         self._pool = concurrent.futures.ThreadPoolExecutor(
             config.max_concurrent_rollouts, thread_name_prefix="rollout"
         )
-        self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-scheduler", daemon=True)
+        self._thread = threading.Thread(target=self._run_loop, name="rollout-scheduler", daemon=True)
         self._space: asyncio.Event | None = None
         self._slots: asyncio.Semaphore | None = None
         self._main: concurrent.futures.Future | None = None
@@ -158,11 +209,15 @@ class RolloutScheduler:
     def start(self) -> None:
         self._thread.start()
         self._main = asyncio.run_coroutine_threadsafe(self._admit(), self._loop)
+        self._main.add_done_callback(self._admission_ended)
 
     def next_group(self, timeout: float | None = None) -> Group | None:
         """The next group in admission order once all its members are done; None on timeout.
 
-        Raises the scheduler's fatal error (a CaptureContractError) once every session is closed.
+        Raises:
+            CaptureContractError: a rollout's capture was malformed.
+            RewardFunctionError: the reward function returned something that is not a reward.
+            RolloutSchedulerError: too many unexpected rollout errors, or a scheduler component died.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
@@ -206,6 +261,30 @@ class RolloutScheduler:
 
     # -- the loop's side ---------------------------------------------------------------------------------
 
+    def _run_loop(self) -> None:
+        died: BaseException | None = None
+        try:
+            self._loop.run_forever()
+        except BaseException as exc:  # the thread's end is silent otherwise: the trainer would wait forever
+            died = exc
+        if died is not None or not self._stopping.is_set():
+            self._fail(_died("event loop thread", died))
+
+    def _admission_ended(self, future: concurrent.futures.Future) -> None:
+        if future.cancelled():
+            return  # stop() cancels it
+        error = future.exception()
+        if error is not None or not self._stopping.is_set():
+            self._fail(_died("admission task", error))
+
+    def _group_ended(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if task.cancelled():
+            if not self._stopping.is_set():  # its group would never finish: the trainer would wait forever
+                self._fail(_died(f"task of {task.get_name()}", asyncio.CancelledError("cancelled")))
+        elif task.exception() is not None:
+            self._fail(_died(f"task of {task.get_name()}", task.exception()))
+
     async def _admit(self) -> None:
         self._space = asyncio.Event()
         self._slots = asyncio.Semaphore(self.config.max_concurrent_rollouts)
@@ -225,8 +304,9 @@ class RolloutScheduler:
         members = [Rollout(index, m) for m in range(self.config.num_generations)]
         group.rollouts = members
         task = asyncio.ensure_future(self._run_group(group))
+        task.set_name(f"group {index}")
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._group_ended)
 
     async def _run_group(self, group: Group) -> None:
         await asyncio.gather(*(self._run_member(group, rollout) for rollout in group.rollouts))
@@ -238,23 +318,66 @@ class RolloutScheduler:
         assert self._slots is not None
         async with self._slots:
             started = time.monotonic()
-            rollout.policy_version = self.policy_version()
             try:
+                rollout.policy_version = self.policy_version()
                 if self._stopping.is_set():
                     raise RuntimeError("training stopped before this rollout started")
                 if _is_async(self.factory):
                     await self._rollout_async(group, rollout)
                 else:
                     await self._loop.run_in_executor(self._pool, self._rollout_sync, group, rollout)
-            except (CaptureContractError, RewardFunctionError) as exc:
-                self._fail(exc)
-                rollout.unscorable = f"fatal: {exc}"
             except Exception as exc:
-                rollout.unscorable = rollout.unscorable or f"{type(exc).__name__}: {exc}"
+                rollout.capture_session_id = rollout.capture_session_id or getattr(
+                    exc, "capture_session_id", None
+                )
+                self._failed(rollout, exc)
             rollout.seconds = time.monotonic() - started
 
+    def _failed(self, rollout: Rollout, exc: Exception) -> None:
+        """Make ``rollout`` unscorable for ``exc``, and stop the scheduler when ``exc`` says so (module
+        docstring)."""
+        if isinstance(exc, CaptureContractError) or (
+            isinstance(exc, RewardFunctionError) and exc.__cause__ is None
+        ):
+            # A malformed capture; a NaN, a bool or a string from the user's function: stop and name it.
+            self._fail(exc)
+            rollout.unscorable = f"fatal: {exc}"
+        elif isinstance(exc, RewardFunctionError):
+            rollout.unscorable = f"reward function failed: {exc}"
+            self._unexpected(rollout, exc)
+        elif isinstance(exc, INFRASTRUCTURE_ERRORS) or self._stopping.is_set():
+            rollout.unscorable = f"{type(exc).__name__}: {exc}"
+        else:
+            rollout.unscorable = f"unexpected {type(exc).__name__}: {exc}"
+            self._unexpected(rollout, exc)
+
+    def _unexpected(self, rollout: Rollout, exc: Exception) -> None:
+        """Count a bug's exception, log it (with its traceback the first time it comes from its place), and
+        stop the scheduler once more than ``max_unexpected_errors`` have come."""
+        if self._stopping.is_set():
+            return  # raised while the run stops (sessions closed under it): not counted
+        self._unexpected_errors += 1
+        count, limit = self._unexpected_errors, self.config.max_unexpected_errors
+        where = f"rollout {rollout.rollout_id} (capture session {rollout.capture_session_id})"
+        origin = _origin(exc)
+        if origin not in self._logged_origins:
+            self._logged_origins.add(origin)
+            logger.error(
+                "%s failed unexpectedly (%d of %d tolerated, max_unexpected_errors); it is unscorable:\n%s",
+                where, count, limit, "".join(traceback.format_exception(exc)),
+            )  # fmt: skip
+        else:
+            logger.error("%s failed unexpectedly again (%d of %d tolerated): %r", where, count, limit, exc)
+        if count > limit:
+            error = RolloutSchedulerError(
+                f"{count} rollouts failed with unexpected errors, more than max_unexpected_errors={limit}; "
+                f"the last, {where}: {type(exc).__name__}: {exc}"
+            )
+            error.__cause__ = exc
+            self._fail(error)
+
     def _rollout_sync(self, group: Group, rollout: Rollout) -> None:
-        session = self.factory.create(group.row, seed=group.seed, episode_id=_episode(group, rollout))
+        session = self.factory.create(group.row, seed=group.seed, episode_id=rollout.rollout_id)
         self._track(session)
         try:
             try:
@@ -270,7 +393,7 @@ class RolloutScheduler:
             self._untrack(session)
 
     async def _rollout_async(self, group: Group, rollout: Rollout) -> None:
-        session = await self.factory.acreate(group.row, seed=group.seed, episode_id=_episode(group, rollout))
+        session = await self.factory.acreate(group.row, seed=group.seed, episode_id=rollout.rollout_id)
         self._track(session)
         try:
             try:
@@ -285,28 +408,17 @@ class RolloutScheduler:
             await session.aclose()
 
     def _score(self, rollout: Rollout, trace: TrainingTrace, verify: Any, session: Any) -> None:
-        session_id = getattr(session, "session_id", None)
+        """Rows, outcome and reward of a finished rollout; a reward function's failure propagates."""
+        rollout.verify_metrics = dict(getattr(verify, "metrics", None) or {})
+        reported = rollout.verify_metrics.get("capture_session_id")
+        rollout.capture_session_id = reported if isinstance(reported, str) else rollout.capture_session_id
+        session_id = rollout.capture_session_id or getattr(session, "session_id", None)
         rollout.trace = trace
         rollout.rows = build_rows(trace, vocab_size=self.config.vocab_size, session_id=session_id)
-        rollout.verify_metrics = dict(getattr(verify, "metrics", None) or {})
         rollout.findings = (getattr(verify, "artifacts", None) or {}).get("findings")
         rollout.outcome = build_outcome(trace, verify, timed_out=rollout.timed_out)
         rollout.timed_out = rollout.outcome.timed_out
-        try:
-            rollout.reward = apply_reward_fn(rollout.outcome, self.reward_fn)
-        except RewardFunctionError as exc:
-            if exc.__cause__ is None:
-                # A NaN, a bool or a string is a bug in the user's function: stop and name it.
-                self._fail(exc)
-                raise
-            rollout.unscorable = f"reward function failed: {exc}"
-            if not self._reward_error_logged:
-                self._reward_error_logged = True
-                logger.error(
-                    "rollout_reward_fn failed; the rollout is unscorable:\n%s", traceback.format_exc()
-                )
-            else:
-                logger.warning("rollout_reward_fn failed again: %s", exc)
+        rollout.reward = apply_reward_fn(rollout.outcome, self.reward_fn)
 
     def _track(self, session: Any) -> None:
         with self._live_lock:
@@ -345,8 +457,22 @@ class RolloutScheduler:
             await asyncio.wait(list(self._tasks), timeout=self.config.close_timeout_s)
 
 
-def _episode(group: Group, rollout: Rollout) -> str:
-    return f"group{group.index}-member{rollout.member}"
+def _died(what: str, error: BaseException | None) -> RolloutSchedulerError:
+    """The trainer's error for a scheduler component that ended while the run was going on."""
+    reason = f": {type(error).__name__}: {error}" if error is not None else " without an error"
+    died = RolloutSchedulerError(f"the rollout scheduler's {what} died{reason}")
+    died.__cause__ = error
+    return died
+
+
+def _origin(exc: BaseException) -> tuple[str, str, int]:
+    """Where an exception comes from (its type and innermost frame; a reward function's own exception for a
+    RewardFunctionError), so that each bug's traceback is logged once."""
+    inner = exc.__cause__ if isinstance(exc, RewardFunctionError) and exc.__cause__ is not None else exc
+    frames = traceback.extract_tb(inner.__traceback__)
+    if not frames:
+        return type(inner).__name__, "", 0
+    return type(inner).__name__, frames[-1].filename, frames[-1].lineno or 0
 
 
 def _close(session: Any) -> None:

@@ -141,7 +141,7 @@ def test_a_reward_function_that_raises_makes_rollouts_unscorable_and_counts_them
     trainer = HarnessAsyncGRPOTrainer(
         str(tiny_model_dir),
         builder(HandmadeFactory()),
-        config(tmp_path, max_steps=2),
+        config(tmp_path, max_steps=2, max_unexpected_errors=100),
         rollout_reward_fn=flaky,
     )
     trainer.train()
