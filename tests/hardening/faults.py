@@ -174,6 +174,22 @@ def leftover_capture_sessions(data_dir: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir()) if root.exists() else []
 
 
+def assert_trained_around_group_1(trainer: Any, out: Path) -> list[Any]:
+    """The run trained its 2 steps on groups 0 and 2 (reward 0.5 each) while both members of group 1 were
+    unscorable, counted and logged without a trace or reward; returns those two rollout log records."""
+    from harness_trainer.trainer.rollout_log import read_rollout_log
+
+    lines = metrics_lines(out)
+    assert [line["step"] for line in lines] == [1, 2]
+    assert trainer.trained_groups == [0, 2]
+    assert [line["reward"] for line in lines] == [0.5, 0.5]
+    assert lines[-1]["rollout/unscorable_total"] == 2 and lines[-1]["rollout/dropped_groups_total"] == 1
+    failed = [r for r in read_rollout_log(out) if r.unscorable is not None]
+    assert [(r.group, r.member) for r in failed] == [(1, 0), (1, 1)]
+    assert all(r.trace is None and r.reward is None for r in failed)
+    return failed
+
+
 # -- sandbox starts that fail ------------------------------------------------------------------------------
 
 

@@ -12,13 +12,12 @@ harness; mini-swe-agent itself is tested through the capture proxy in ``tests/ha
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,8 @@ import pytest
 
 from harness_trainer.cli import _e2b_smoke, build_parser
 from harness_trainer.demo import free_port
-from harness_trainer.dev_engine.process import EngineProcess, start_engine
+from harness_trainer.dev_engine.process import EngineProcess
+from tests.rollouts.conftest import scripted_engine  # noqa: F401 - the fixture
 from tests.sandboxes.conftest import TaskFactory, wait_until_present
 from tests.sandboxes.fake_e2b import FakeE2BCloud
 
@@ -46,24 +46,6 @@ SUM_NUMBERS = [
     bash("awk '{s += $1} END {print s}' /app/numbers.txt > /app/sum.txt"),
     {"content": "Done."},
 ]
-
-
-@pytest.fixture
-def scripted_engine(
-    tiny_model_dir: Path, tmp_path: Path
-) -> Iterator[Callable[[list[dict[str, Any]]], EngineProcess]]:
-    """Start a dev engine that replies with the given assistant messages, in order."""
-    started: list[EngineProcess] = []
-
-    def start(replies: list[dict[str, Any]]) -> EngineProcess:
-        script = tmp_path / f"script-{len(started)}.jsonl"
-        script.write_text("\n".join(json.dumps(reply) for reply in replies))
-        started.append(start_engine(tiny_model_dir, "--script", str(script), name="tiny"))
-        return started[-1]
-
-    yield start
-    for engine in started:
-        engine.stop()
 
 
 @pytest.fixture
@@ -100,7 +82,7 @@ def test_smoke_runs_mini_swe_agent_by_default() -> None:
 @pytest.mark.slow
 def test_smoke_runs_an_agent_through_the_proxy_and_prints_every_phase_then_cleans_up(
     cloud: FakeE2BCloud,
-    scripted_engine: Callable[[list[dict[str, Any]]], EngineProcess],
+    scripted_engine: Callable[[list[dict[str, Any]]], EngineProcess],  # noqa: F811 - the imported fixture
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     engine, port = scripted_engine(SUM_NUMBERS), free_port()
@@ -164,7 +146,7 @@ def test_smoke_fails_naming_the_reason_when_the_verifier_writes_no_reward(
 @pytest.mark.slow
 def test_ctrl_c_during_the_agent_kills_the_sandbox_and_stops_the_proxy(
     cloud: FakeE2BCloud,
-    scripted_engine: Callable[[list[dict[str, Any]]], EngineProcess],
+    scripted_engine: Callable[[list[dict[str, Any]]], EngineProcess],  # noqa: F811 - the imported fixture
     make_task: TaskFactory,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
