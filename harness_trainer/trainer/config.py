@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from harness_trainer.trainer.export import repo_name_problem
 from harness_trainer.trainer.trl_fields import TRL_ONLY, trl_flags, trl_problems
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ IMPORTANCE_SAMPLING_MODES = ("truncate", "mask", "none")
 ENGINE_KINDS = ("vllm", "dev", "none")
 WEIGHT_SYNCS = ("auto", "nccl", "file")
 LORA_SYNCS = ("adapter", "merged")
+LORA_SAVES = ("adapter", "merged")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 REPORT_TO = ("none", "all", "tensorboard", "wandb", "trackio")
 LOSS_NORMALIZATIONS = ("rollout", "step")
@@ -91,6 +93,14 @@ class _ConfigFields:
             f"How a LoRA policy reaches vLLM, one of {LORA_SYNCS}: 'adapter' (only the adapter, one served "
             "name per version; vLLM needs --enable-lora and --max-lora-rank >= lora_r) or 'merged' (the "
             "full weights with the adapter merged, by weight_sync)."
+        ),
+    )
+    lora_save: str = field(
+        default="adapter",
+        metadata=_help(
+            f"What save_model (and the Hub push) writes for a LoRA policy, one of {LORA_SAVES}: 'adapter' "
+            "(the adapter alone, as PEFT and TRL: PeftModel.from_pretrained, or vLLM with --enable-lora) or "
+            "'merged' (the full model with the adapter merged in, served like any model)."
         ),
     )
 
@@ -232,11 +242,37 @@ class _ConfigFields:
     push_to_hub: bool = field(
         default=False,
         metadata=_help(
-            "Not implemented yet: True is refused at construction (save with save_model, then upload)."
+            "At the end of a run that reached it (not one stopped early), save_model() into output_dir and "
+            "upload the files it wrote to hub_model_id (TRL's hub_strategy='end'). The repository is opened "
+            "(created if missing) at setup, so a missing token or a refused repository stops the run before "
+            "it trains. Rank 0 uploads."
         ),
     )
     hub_model_id: str | None = field(
-        default=None, metadata=_help("The Hub repository a push would go to; kept with the run's config.")
+        default=None,
+        metadata=_help(
+            "The Hub repository a push goes to ('namespace/name', or 'name' in the token's namespace); None: "
+            "output_dir's folder name (TRL)."
+        ),
+    )
+    hub_token: str | None = field(
+        default=None,
+        repr=False,
+        metadata=_help(
+            "The token of the push; None: huggingface_hub's (HF_TOKEN, then `hf auth login`'s). A secret: "
+            "to_dict() (the run's saved config, the trackers) shows '<HUB_TOKEN>'."
+        ),
+    )
+    hub_private_repo: bool | None = field(
+        default=None,
+        metadata=_help(
+            "Create the repository private (None: the Hub's default for the namespace); no effect on one "
+            "that exists."
+        ),
+    )
+    hub_revision: str | None = field(
+        default=None,
+        metadata=_help("The branch the push commits to, created from main if missing; None: main."),
     )
     report_to: list[str] = field(
         default_factory=lambda: ["none"], metadata=_help(f"Trackers, any of {REPORT_TO}.")
@@ -386,7 +422,11 @@ class _ConfigFields:
         return self.groups_per_step * self.num_generations
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields as a dict, ``hub_token`` masked (it is logged and saved with checkpoints)."""
+        values = asdict(self)
+        if values["hub_token"] is not None:
+            values["hub_token"] = "<HUB_TOKEN>"
+        return values
 
 
 class AsyncGRPOConfig(_ConfigFields):
@@ -549,11 +589,9 @@ def _checks(c: _ConfigFields) -> Sequence[str]:
         yield f"dtype {c.dtype!r} is not one of {DTYPES}"
     if c.bf16 and c.fp16:
         yield "bf16 and fp16 exclude each other"
-    if c.push_to_hub:
-        yield (
-            "push_to_hub is not implemented yet: the trainer does not upload; save with save_model (or take "
-            "a checkpoint's model/) and upload it yourself"
-        )
+    if (c.push_to_hub or c.hub_model_id is not None) and c.output_dir is not None:
+        if (problem := repo_name_problem(c.hub_model_id, c.output_dir)) is not None:
+            yield problem
     unknown = [name for name in c.report_to if name not in REPORT_TO]
     if unknown:
         yield f"report_to {unknown} not among {REPORT_TO}"
@@ -567,6 +605,8 @@ def _checks(c: _ConfigFields) -> Sequence[str]:
         yield "weight_sync_steps and weight_sync_retries must be ≥ 1 and weight_sync_timeout positive"
     if c.lora_sync not in LORA_SYNCS:
         yield f"lora_sync {c.lora_sync!r} is not one of {LORA_SYNCS}"
+    if c.lora_save not in LORA_SAVES:
+        yield f"lora_save {c.lora_save!r} is not one of {LORA_SAVES}"
     if c.use_peft and c.lora_r < 1:
         yield "lora_r must be at least 1"
 

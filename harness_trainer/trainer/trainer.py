@@ -41,6 +41,7 @@ from harness_trainer.trainer.checkpoint import (
 from harness_trainer.trainer.config import AsyncGRPOConfig
 from harness_trainer.trainer.distributed import (
     Collective,
+    GatheredModel,
     StepShare,
     checkpoint_parts,
     engine_state,
@@ -48,12 +49,21 @@ from harness_trainer.trainer.distributed import (
     savable_model,
     split_step,
 )
+from harness_trainer.trainer.export import (
+    HubError,
+    create_repo,
+    repo_name,
+    resolve_token,
+    tokenizer_source,
+    upload,
+    write_model_folder,
+)
 from harness_trainer.trainer.logprobs import token_logprobs
 from harness_trainer.trainer.loss import LossConfig, LossStats, policy_loss
 from harness_trainer.trainer.optim import build_optimizer
 from harness_trainer.trainer.outcome import HarnessRolloutOutcome
 from harness_trainer.trainer.packing import MicroBatch, collate
-from harness_trainer.trainer.policy import Reference, load_policy, vocab_size
+from harness_trainer.trainer.policy import Reference, is_peft, load_policy, vocab_size
 from harness_trainer.trainer.reporting import MetricsReporter
 from harness_trainer.trainer.rollout_log import RolloutLog, rollout_record
 from harness_trainer.trainer.scheduling import Group, RolloutScheduler, SchedulerConfig
@@ -83,6 +93,8 @@ class HarnessAsyncGRPOTrainer:
         rollout_reward_fn: ``fn(HarnessRolloutOutcome) -> float | None``; default: the verifier's reward.
         peft_config: a peft config to train an adapter (or ``args.use_peft``).
         engine: an ``InferenceEngine`` to push weights to (default: made from ``args``).
+        processing_class: the tokenizer :meth:`save_model` writes beside the model (TRL's name; default:
+            ``AutoTokenizer.from_pretrained`` of ``model``'s path, Hub id or ``name_or_path``).
     """
 
     def __init__(
@@ -94,6 +106,7 @@ class HarnessAsyncGRPOTrainer:
         rollout_reward_fn: Callable[[HarnessRolloutOutcome], float | None] | None = None,
         peft_config: Any = None,
         engine: Any = None,
+        processing_class: Any = None,
     ) -> None:
         if not callable(harness_session_factory):
             raise TypeError(
@@ -106,6 +119,7 @@ class HarnessAsyncGRPOTrainer:
         self.rollout_reward_fn = rollout_reward_fn
         self.peft_config = peft_config
         self.engine = engine
+        self.processing_class = processing_class
         self.state = TrainerState(step=0, groups_consumed=0, policy_version=0, rng={}, extra={})
         self.model: nn.Module | None = None
         """The policy itself (for LoRA, the PeftModel), trained in place."""
@@ -149,6 +163,8 @@ class HarnessAsyncGRPOTrainer:
             raise ValueError("fp16=True needs a GPU (float16 autocast, loss scaling): on CPU use bf16=True")
         args.check_processes(self.accelerator.num_processes)
         self.collective = Collective(self.accelerator.process_index, self.accelerator.num_processes)
+        if args.push_to_hub:  # the token, tokenizer and repository of the final push, before training
+            self._open_hub_repo(args.hub_token, args.hub_private_repo, args.hub_revision)
         self.output_dir = Path(args.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         # On this rank's device before the reference copies it, so both sit where the forwards run.
@@ -260,7 +276,14 @@ class HarnessAsyncGRPOTrainer:
     # -- train ---------------------------------------------------------------------------------------
 
     def train(self) -> Any:
-        """Run to ``max_steps`` or until stopped (SIGTERM, Ctrl-C); returns transformers' ``TrainOutput``."""
+        """Run to ``max_steps`` or until stopped (SIGTERM, Ctrl-C); returns transformers' ``TrainOutput``.
+
+        With ``push_to_hub``, a run that reached its end then pushes (:meth:`push_to_hub`), after every
+        session is closed; a run stopped early is checkpointed but not pushed.
+
+        Raises:
+            HubError: the push at the end failed (the model stays in ``output_dir``).
+        """
         from transformers.trainer_utils import TrainOutput
 
         previous = self._install_sigterm()
@@ -274,6 +297,15 @@ class HarnessAsyncGRPOTrainer:
                 self.cleanup()
                 if previous is not None:
                     signal.signal(signal.SIGTERM, previous)
+        if self.args.push_to_hub:
+            if self.stop_requested and not self.args.steps_done(self.state.step):
+                logger.warning(
+                    "the run stopped at step %d, before its end: not pushed to the Hub (the last checkpoint "
+                    "is in %s; trainer.push_to_hub() pushes the model as it is)", self.state.step,
+                    self.output_dir,
+                )  # fmt: skip
+            else:
+                self.push_to_hub()
         return TrainOutput(
             self.state.step, float(self.last_metrics.get("loss", 0.0)), dict(self.last_metrics)
         )
@@ -562,13 +594,101 @@ class HarnessAsyncGRPOTrainer:
             save_total_limit=self.args.save_total_limit,
         )  # fmt: skip
 
-    def save_model(self, path: str | Path) -> None:
-        """Save the policy (or its adapter) with ``save_pretrained``. With several processes, call it on
-        every rank: rank 0 writes (under FSDP, what the ranks gathered)."""
-        assert self._trained is not None and self.model is not None
-        model = savable_model(self.accelerator, self._trained, self.model)
+    def save_model(self, output_dir: str | Path | None = None) -> None:
+        """Save the policy for ``from_pretrained`` and vLLM into ``output_dir`` (default ``args.output_dir``):
+        config, weights, generation config, tokenizer and chat template; for LoRA, the adapter, or the
+        merged model with ``lora_save="merged"`` (:mod:`.export` lists the files). With several processes,
+        call it on every rank: rank 0 writes (under FSDP, what the ranks gathered)."""
+        self._save_model(output_dir)
+
+    def _save_model(self, output_dir: str | Path | None) -> tuple[Path, list[str]] | None:
+        """Rank 0: the folder and the files written; None elsewhere."""
+        assert self._trained is not None and self.model is not None, "save_model needs setup() or train()"
+        folder = Path(self.args.output_dir if output_dir is None else output_dir)
+        if is_peft(self.model) and self.args.lora_save == "merged":
+            weights = engine_state(self.accelerator, self._trained, self.model)  # the engine's merged weights
+            model = GatheredModel(self.model.get_base_model(), weights) if weights is not None else None
+        else:
+            model = savable_model(self.accelerator, self._trained, self.model)
+        if not self.collective.is_main:
+            return None
+        return folder, write_model_folder(model, self._tokenizer(), folder)
+
+    def push_to_hub(
+        self,
+        commit_message: str | None = "End of training",
+        blocking: bool = True,
+        token: str | None = None,
+        revision: str | None = None,
+        private: bool | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """:meth:`save_model` into ``args.output_dir``, then upload the files it wrote to ``hub_model_id``
+        (default: ``output_dir``'s folder name), created if missing: transformers' ``Trainer.push_to_hub``.
+
+        ``token``, ``revision`` (a branch, created from main if missing) and ``private`` default to
+        ``hub_token``, ``hub_revision`` and ``hub_private_repo``. ``kwargs`` are transformers' model card
+        arguments: no model card is written here, so they are logged and ignored. With several processes,
+        call it on every rank; rank 0 uploads.
+
+        Returns:
+            On rank 0, huggingface_hub's ``CommitInfo`` (with ``blocking=False``, a ``Future`` of it); None
+            on the other ranks.
+
+        Raises:
+            HubError: no token, the Hub refused the repository, or the upload failed.
+        """
+        if kwargs:
+            logger.warning("push_to_hub writes no model card: %s ignored", ", ".join(sorted(kwargs)))
+        args = self.args
+        token = token if token is not None else args.hub_token
+        revision = revision if revision is not None else args.hub_revision
+        private = private if private is not None else args.hub_private_repo
+        repo = self._open_hub_repo(token, private, revision)
+        saved = self._save_model(None)
+        if saved is None or repo is None:
+            return None
+        repo_id, token = repo
+        return upload(
+            repo_id, *saved, token=token, revision=revision, commit_message=commit_message, blocking=blocking
+        )
+
+    def _open_hub_repo(
+        self, token: str | None, private: bool | None, revision: str | None
+    ) -> tuple[str, str] | None:
+        """Rank 0: the token, the tokenizer, the repository (created if missing): its id and the token; None
+        on the other ranks. A failure on rank 0 is raised on every rank (they would wait for it)."""
+        found: tuple[str, str] | None = None
+        error: Exception | None = None
         if self.collective.is_main:
-            model.save_pretrained(str(path))
+            # Any failure here must reach the other ranks, or they wait for rank 0 in the next collective.
+            try:
+                found_token = resolve_token(token)
+                self._tokenizer()
+                name = repo_name(self.args.hub_model_id, str(self.args.output_dir))
+                found = create_repo(name, token=found_token, private=private, revision=revision), found_token
+            except Exception as exc:
+                error = exc
+        failed = self.collective.broadcast(None if error is None else f"{type(error).__name__}: {error}")
+        if error is not None:
+            raise error
+        if failed is not None:
+            raise HubError(f"rank 0 could not open the Hub repository: {failed}")
+        return found
+
+    def _tokenizer(self) -> Any:
+        """The tokenizer saved with the model: ``processing_class``, loaded once from the model's source."""
+        if self.processing_class is None:
+            source = tokenizer_source(self.model_source)
+            if source is None:
+                raise ValueError(
+                    "save_model writes the tokenizer beside the model, and the model was given as a module "
+                    "that names no folder or Hub id (name_or_path): pass processing_class= to the trainer"
+                )
+            from transformers import AutoTokenizer
+
+            self.processing_class = AutoTokenizer.from_pretrained(source)
+        return self.processing_class
 
     def cleanup(self) -> None:
         """Close every session, the factory, the trackers, the engine client's weight files. Safe to call

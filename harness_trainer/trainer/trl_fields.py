@@ -26,7 +26,8 @@ TRL_SUPPORTED: dict[str, str] = {
             "output_dir per_device_train_batch_size gradient_accumulation_steps num_train_epochs max_steps "
             "learning_rate lr_scheduler_type warmup_steps optim weight_decay max_grad_norm bf16 fp16 "
             "gradient_checkpointing logging_steps logging_first_step disable_tqdm report_to run_name project "
-            "save_steps save_total_limit push_to_hub hub_model_id seed resume_from_checkpoint "
+            "save_steps save_total_limit push_to_hub hub_model_id hub_token hub_private_repo hub_revision "
+            "seed resume_from_checkpoint "
             "model_init_kwargs dtype num_generations max_completion_length temperature chat_template_kwargs "
             "vllm_server_base_url weight_sync_timeout epsilon epsilon_high beta token_budget max_staleness "
             "weight_sync_steps log_completions num_completions_to_print"
@@ -127,8 +128,13 @@ TRL_REFUSED: tuple[tuple[str, dict[str, tuple[Any, ...]]], ...] = (
         },
     ),
     (
-        "uploading to the Hub is not implemented yet (push_to_hub=True is refused too): save with "
-        "save_model and upload it yourself",
+        "push_to_hub uploads the model once, at the end of the run (hub_strategy 'end', or call "
+        "trainer.push_to_hub()); pushing at every save or pushing checkpoints is not implemented",
+        {"hub_strategy": ("end",)},
+    ),
+    (
+        "completions are kept in output_dir/rollouts.jsonl (and printed with log_completions); uploading "
+        "them to a Hub dataset is not implemented",
         {"log_completions_hub_repo": (None,)},
     ),
     (
@@ -176,9 +182,9 @@ TRL_IGNORED: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     (
-        "settings of the Hub upload, which is not implemented yet (push_to_hub=True is refused); not stored "
-        "(hub_token is a secret)",
-        tuple("hub_token hub_private_repo hub_strategy hub_always_push hub_revision".split()),
+        "it decides whether a push at a save waits for the previous one, and the only push here is the one "
+        "at the end (hub_strategy 'end')",
+        ("hub_always_push",),
     ),
     (
         "settings of TRL's in-process rollout worker and generation: here rollouts are agent sessions run by "
@@ -218,7 +224,7 @@ TRL_ONLY = frozenset(
 
 
 def trl_problems(values: dict[str, Any]) -> list[str]:
-    """The refused TRL values, one message per group; logs the ignored ones (names only: hub_token)."""
+    """The refused TRL values, one message per group; logs the ignored ones (their names only)."""
     problems = []
     for reason, accepted in TRL_REFUSED:
         refused = [f"{n}={values[n]!r}" for n in accepted if n in values and values[n] not in accepted[n]]

@@ -149,9 +149,9 @@ def test_sampling_knobs_are_refused_unless_they_leave_plain_temperature_sampling
 
 
 def test_ignored_trl_fields_are_logged_with_their_reason_and_no_value(caplog):
-    AsyncGRPOConfig(dataloader_num_workers=4, hub_token="hf_secret")
+    AsyncGRPOConfig(dataloader_num_workers=4, hub_always_push="always-push-value")
     assert "dataloader_num_workers accepted and ignored: there is no DataLoader" in caplog.text
-    assert "hub_token accepted and ignored" in caplog.text and "hf_secret" not in caplog.text
+    assert "hub_always_push accepted and ignored" in caplog.text and "always-push-value" not in caplog.text
 
 
 def test_refusals_of_several_groups_come_in_one_message():
@@ -244,10 +244,23 @@ def test_bf16_and_fp16_choose_accelerates_mixed_precision():
         AsyncGRPOConfig(bf16=True, fp16=True)
 
 
-def test_push_to_hub_is_refused_as_not_implemented_yet_and_hub_model_id_is_kept():
-    with pytest.raises(ValueError, match="push_to_hub is not implemented yet"):
-        AsyncGRPOConfig(push_to_hub=True, hub_model_id="org/model")
-    assert AsyncGRPOConfig(hub_model_id="org/model").to_dict()["hub_model_id"] == "org/model"
+def test_push_to_hub_needs_a_valid_repository_named_by_hub_model_id_or_output_dir():
+    assert AsyncGRPOConfig(push_to_hub=True, hub_model_id="org/model").hub_model_id == "org/model"
+    AsyncGRPOConfig(push_to_hub=True, output_dir="runs/grpo-1")  # TRL: the repository 'grpo-1'
+    with pytest.raises(ValueError, match=r"repository '' \(output_dir's folder name .* set hub_model_id"):
+        AsyncGRPOConfig(push_to_hub=True, output_dir="/")
+    with pytest.raises(ValueError, match=r"repository 'org/my model' \(hub_model_id\) is not a valid"):
+        AsyncGRPOConfig(hub_model_id="org/my model")
+    AsyncGRPOConfig(push_to_hub=True, hub_strategy="end")
+    with pytest.raises(ValueError, match="hub_strategy='every_save' not supported: push_to_hub uploads"):
+        AsyncGRPOConfig(push_to_hub=True, hub_strategy="every_save")
+
+
+def test_hub_token_is_kept_out_of_the_repr_and_the_saved_config():
+    c = AsyncGRPOConfig(push_to_hub=True, hub_token="hf_secret_token")
+    assert c.hub_token == "hf_secret_token"
+    assert "hf_secret_token" not in repr(c) and c.to_dict()["hub_token"] == "<HUB_TOKEN>"
+    assert AsyncGRPOConfig().to_dict()["hub_token"] is None
 
 
 def test_chat_template_kwargs_are_kept_and_said_not_to_reach_the_engine(caplog):
