@@ -287,25 +287,29 @@ class HarnessAsyncGRPOTrainer:
         from transformers.trainer_utils import TrainOutput
 
         previous = self._install_sigterm()
+        ended = push = False
         try:
             self.setup()
             self._loop()
+            ended = not self.stop_requested or self.args.steps_done(self.state.step)
         finally:
             try:
                 self._save()
+                # Rank 0 decides, and reaches this broadcast even when it raised, so no rank waits for it.
+                push = self.args.push_to_hub and self.collective.broadcast(ended)
             finally:
                 self.cleanup()
                 if previous is not None:
                     signal.signal(signal.SIGTERM, previous)
-        if self.args.push_to_hub:
-            if self.stop_requested and not self.args.steps_done(self.state.step):
-                logger.warning(
-                    "the run stopped at step %d, before its end: not pushed to the Hub (the last checkpoint "
-                    "is in %s; trainer.push_to_hub() pushes the model as it is)", self.state.step,
-                    self.output_dir,
-                )  # fmt: skip
-            else:
-                self.push_to_hub()
+        if push:
+            self.push_to_hub()
+        elif self.args.push_to_hub and self.collective.is_main:
+            logger.warning(
+                "the run stopped at step %d, before its end: not pushed to the Hub (the last checkpoint is "
+                "in %s; trainer.push_to_hub() pushes the model as it is)",
+                self.state.step,
+                self.args.output_dir,
+            )
         return TrainOutput(
             self.state.step, float(self.last_metrics.get("loss", 0.0)), dict(self.last_metrics)
         )
@@ -638,6 +642,7 @@ class HarnessAsyncGRPOTrainer:
         Raises:
             HubError: no token, the Hub refused the repository, or the upload failed.
         """
+        assert self._trained is not None and self.model is not None, "push_to_hub needs setup() or train()"
         if kwargs:
             logger.warning("push_to_hub writes no model card: %s ignored", ", ".join(sorted(kwargs)))
         args = self.args

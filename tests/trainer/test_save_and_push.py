@@ -328,3 +328,16 @@ def test_a_run_stopped_before_its_end_is_not_pushed(tmp_path, tiny_model_dir, hu
         trainer.train()
     assert [name for name, _ in hub.calls] == ["create_repo"]
     assert "before its end: not pushed to the Hub" in caplog.text
+
+
+def test_a_run_that_fails_is_not_pushed(tmp_path, tiny_model_dir, hub):
+    from harness_trainer.trace import CaptureContractError
+
+    factory = HandmadeFactory(malformed=lambda n: True)
+    trainer = HarnessAsyncGRPOTrainer(
+        str(tiny_model_dir), builder(factory),
+        config(tmp_path, max_steps=3, push_to_hub=True, hub_token="hf_fake_token"),
+    )  # fmt: skip
+    with pytest.raises(CaptureContractError):
+        trainer.train()
+    assert [name for name, _ in hub.calls] == ["create_repo"]
