@@ -10,6 +10,12 @@ calls, failures, timings, findings), and each rollout's turns with every token c
     auxiliary  a completion token of a turn whose completion is all mask 0 (title generation, side calls)
     discarded  a completion token with mask 0 in a turn that has trained tokens
 
+Each rollout shows its ``rollout_id`` and ``capture_session_id`` and, with its trace, the
+``harness-trainer proxy-trace DATA_DIR/sessions/ID`` command that exports its trace again from its capture
+journal (``DATA_DIR`` is the capture proxy's data folder: ``capture_dir``, by default ``RUN_DIR/capture``
+when the run has one, as the dev loop's runs do; else the command says ``DATA_DIR``). A journal exists
+while the proxy keeps its session: a rollout deletes its capture session when it ends.
+
 A turn's prompt starts with what an earlier turn already showed (its parent's full sequence, or a
 sibling's prompt); that shared part is not repeated, so each rollout's tokens appear about once. Hovering a
 token shows its id and its behaviour logprob. Turns are collapsed; only the last ``max_steps_shown`` steps
@@ -32,6 +38,7 @@ import html
 import json
 import math
 import os
+import shlex
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
@@ -86,6 +93,8 @@ class RolloutView:
     turn_count: int = 0
     completion_tokens: int = 0
     left_out: bool = False
+    journal: str | None = None
+    """The command that exports the rollout's trace from its capture journal; None without a capture id."""
 
 
 @dataclass
@@ -110,8 +119,12 @@ def build_viewer(
     out: str | os.PathLike[str] | None = None,
     max_steps_shown: int = 20,
     max_tokens_shown: int = 1_000_000,
+    capture_dir: str | os.PathLike[str] | None = None,
 ) -> Path:
     """Write the viewer of ``run_dir`` (default ``run_dir/viewer.html``) and return its path.
+
+    ``capture_dir`` is the capture proxy's data folder, named in each rollout's ``proxy-trace`` command
+    (default: :func:`default_capture_dir`; without one the command says ``DATA_DIR``).
 
     ``tokenizer_dir`` decodes each token on its own (``transformers.AutoTokenizer``); without one, a token
     shows as ``⟨id⟩``. Traces are rendered newest step first until ``max_tokens_shown`` tokens are on the
@@ -136,7 +149,8 @@ def build_viewer(
         raise FileNotFoundError(f"{run} has no {ROLLOUTS_FILE}: it is written by a training run")
     records = read_rollout_log(run, last_steps=max_steps_shown, validate_traces=False)
     metrics = {line["step"]: line for line in read_metrics(run)} if (run / METRICS_FILE).is_file() else {}
-    steps = _steps(records, metrics, _TokenText(tokenizer_dir), max_tokens_shown)
+    capture = capture_dir if capture_dir is not None else default_capture_dir(run)
+    steps = _steps(records, metrics, _TokenText(tokenizer_dir), max_tokens_shown, capture)
     totals: Counter[str] = Counter()
     for step in steps:
         for group in step.groups:
@@ -149,6 +163,7 @@ def build_viewer(
         totals=totals,
         roles=ROLES,
         tokenizer=str(tokenizer_dir) if tokenizer_dir is not None else None,
+        capture_dir=str(capture) if capture is not None else None,
         max_steps_shown=max_steps_shown,
         max_tokens_shown=max_tokens_shown,
         script=_SCRIPT,
@@ -161,7 +176,11 @@ def build_viewer(
 
 
 def _steps(
-    records: list[RolloutRecord], metrics: dict[int, dict[str, Any]], text: _TokenText, budget: int
+    records: list[RolloutRecord],
+    metrics: dict[int, dict[str, Any]],
+    text: _TokenText,
+    budget: int,
+    capture_dir: str | os.PathLike[str] | None,
 ) -> list[StepView]:
     """Newest step first; groups and members in the order they were logged; traces rendered while the
     token ``budget`` lasts."""
@@ -172,9 +191,20 @@ def _steps(
         if group is None:
             group = groups[record.group] = GroupView(record.group, record.task_name, record.task_index, [])
         view = _rollout(record, text if budget > 0 else None)
+        if record.capture_session_id is not None:
+            view.journal = journal_command(record.capture_session_id, capture_dir)
         budget -= view.roles.total()
         group.rollouts.append(view)
     return [StepView(step, metrics.get(step), list(groups.values())) for step, groups in by_step.items()]
+
+
+def journal_command(capture_session_id: str, capture_dir: str | os.PathLike[str] | None) -> str:
+    """``harness-trainer proxy-trace …`` for a capture session's journal, quoted for a POSIX shell;
+    ``DATA_DIR`` stands for the capture proxy's data folder when ``capture_dir`` is None."""
+    if capture_dir is None:
+        return f"harness-trainer proxy-trace DATA_DIR/sessions/{shlex.quote(capture_session_id)}"
+    journal = Path(capture_dir) / "sessions" / capture_session_id
+    return f"harness-trainer proxy-trace {shlex.quote(str(journal))}"
 
 
 def _rollout(record: RolloutRecord, text: _TokenText | None) -> RolloutView:
@@ -292,9 +322,15 @@ def default_tokenizer_dir(run_dir: str | os.PathLike[str]) -> Path | None:
     return max(candidates)[1] if candidates else None
 
 
+def default_capture_dir(run_dir: str | os.PathLike[str]) -> Path | None:
+    """``run_dir/capture`` when it holds capture sessions (the dev loop's runs keep their journals there)."""
+    capture = Path(run_dir) / "capture"
+    return capture if (capture / "sessions").is_dir() else None
+
+
 def add_view_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of ``harness-trainer view RUN_DIR [--tokenizer DIR] [-o FILE] [--steps N]
-    [--max-tokens N]``."""
+    [--max-tokens N] [--capture-dir DIR]``."""
     parser.add_argument("run_dir", type=Path, help="a training run's output folder (holds rollouts.jsonl)")
     parser.add_argument(
         "--tokenizer",
@@ -313,6 +349,13 @@ def add_view_arguments(parser: argparse.ArgumentParser) -> None:
         default=1_000_000,
         help="tokens rendered at most, newest steps first; later traces are left out (about 40 bytes each)",
     )
+    parser.add_argument(
+        "--capture-dir",
+        type=Path,
+        default=None,
+        help="the capture proxy's data folder (its --data-dir), named in each rollout's proxy-trace command "
+        "(default: RUN_DIR/capture when it holds sessions/, as the dev loop's runs do; else DATA_DIR)",
+    )
 
 
 def run_view(args: argparse.Namespace) -> int:
@@ -325,6 +368,7 @@ def run_view(args: argparse.Namespace) -> int:
             out=args.output,
             max_steps_shown=args.steps,
             max_tokens_shown=args.max_tokens,
+            capture_dir=args.capture_dir,
         )
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -180,6 +180,54 @@ def test_without_a_tokenizer_tokens_show_as_their_ids(
     assert "shown as ⟨id⟩ (no tokenizer)" in page
 
 
+def journal_commands(page: str) -> list[str]:
+    """The proxy-trace commands on the page, as a reader copies them."""
+    return [html.unescape(c) for c in re.findall(r'<p class="journal">journal: <code>(.*?)</code>', page)]
+
+
+def test_each_rollout_shows_its_ids_and_the_command_that_opens_its_capture_journal(tmp_path: Path) -> None:
+    scored = rollout(0, 1, load_trace(chain_trace(0, 1)), 1)
+    scored.capture_session_id = "cs_scored-Id_1"
+    unscorable = Rollout(0, 2, unscorable="RolloutUnscorable: sandbox died", capture_session_id="cs_gone")
+    never_minted = Rollout(0, 3, unscorable="RolloutUnscorable: the capture proxy is unreachable")
+    hostile = Rollout(0, 4, unscorable="odd", capture_session_id="x; touch /tmp/pwned")
+    with RolloutLog(tmp_path) as log:
+        log.write(
+            rollout_record(r, step=1, task_name="t", task_index=0, advantage=None, verify_metrics=None,
+                           findings=None)
+            for r in (scored, unscorable, never_minted, hostile)
+        )  # fmt: skip
+
+    page = build_viewer(tmp_path, tokenizer_dir=None).read_text()
+    assert '<td class="text ids"><span>group0-member1</span><br>cs_scored-Id_1</td>' in page
+    assert '<td class="text ids"><span>group0-member2</span><br>cs_gone</td>' in page
+    assert '<td class="text ids"><span>group0-member3</span><br>no capture session</td>' in page
+    assert journal_commands(page) == [  # unscorable ones too; none for the rollout without a session
+        "harness-trainer proxy-trace DATA_DIR/sessions/cs_scored-Id_1",
+        "harness-trainer proxy-trace DATA_DIR/sessions/cs_gone",
+        "harness-trainer proxy-trace DATA_DIR/sessions/'x; touch /tmp/pwned'",  # quoted for the shell
+    ]
+
+    (tmp_path / "capture" / "sessions").mkdir(parents=True)  # where the dev loop keeps its journals
+    page = build_viewer(tmp_path, tokenizer_dir=None).read_text()
+    journals = tmp_path / "capture" / "sessions"
+    assert journal_commands(page)[1] == f"harness-trainer proxy-trace {journals / 'cs_gone'}"
+    elsewhere = tmp_path / "proxy data"
+    page = build_viewer(tmp_path, tokenizer_dir=None, capture_dir=elsewhere).read_text()
+    assert journal_commands(page)[1] == f"harness-trainer proxy-trace '{elsewhere / 'sessions' / 'cs_gone'}'"
+
+
+def test_the_view_command_takes_the_capture_proxys_data_folder(tmp_path: Path) -> None:
+    with RolloutLog(tmp_path) as log:
+        log.write([
+            rollout_record(Rollout(0, 0, unscorable="gone", capture_session_id="cs_a"), step=1,
+                           task_name="t", task_index=0, advantage=None, verify_metrics=None, findings=None)
+        ])  # fmt: skip
+    assert run_view(view_args(str(tmp_path), "--capture-dir", "/srv/capture")) == 0
+    page = (tmp_path / VIEWER_FILE).read_text()
+    assert journal_commands(page) == ["harness-trainer proxy-trace /srv/capture/sessions/cs_a"]
+
+
 def test_a_folder_without_rollouts_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"has no rollouts\.jsonl"):
         build_viewer(tmp_path, tokenizer_dir=None)

@@ -1,13 +1,17 @@
 """What each trained step's rollouts looked like: ``output_dir/rollouts.jsonl``, one line per rollout.
 
 Record format (one :class:`RolloutRecord` as JSON per line, fields in this order): ``step``, ``group``,
-``member``, ``task_name``, ``task_index``, ``reward`` (the trained reward, after ``rollout_reward_fn``),
-``env_reward`` (the verifier's), ``advantage`` (null when the rollout was not trained: unscorable,
-ungraded, a dropped group, a zero advantage left out), ``unscorable`` (the reason, or null),
-``timed_out``, ``seconds``, ``policy_version``, ``tool_call_count``, ``tool_failure_count``,
-``tool_calls_by_name``, ``phase_seconds``, ``findings`` (the verifier's, dicts or strings) and ``trace``
-(the TrainingTrace JSON, or null when nothing was captured). Every rollout of a step's groups is logged,
-dropped groups included.
+``member``, ``rollout_id`` (the episode id its factory was given, ``group{G}-member{M}``),
+``capture_session_id`` (the capture session its model calls went through, unscorable rollouts included
+when they got one, else null; its journal is ``DATA_DIR/sessions/ID`` in the capture proxy's data folder,
+read by ``harness-trainer proxy-trace``), ``task_name``, ``task_index``, ``reward`` (the trained reward,
+after ``rollout_reward_fn``), ``env_reward`` (the verifier's), ``advantage`` (null when the rollout was
+not trained: unscorable, ungraded, a dropped group, a zero advantage left out), ``unscorable`` (the
+reason, or null), ``timed_out``, ``seconds``, ``policy_version``, ``tool_call_count``,
+``tool_failure_count``, ``tool_calls_by_name``, ``phase_seconds``, ``findings`` (the verifier's, dicts or
+strings) and ``trace`` (the TrainingTrace JSON, or null when nothing was captured). Every rollout of a
+step's groups is logged, dropped groups included. Records written before ``rollout_id`` and
+``capture_session_id`` existed read with both null.
 
 The file is appended to (a resumed run writes to the same file) and flushed once per step, so a crash
 loses at most the step being written; a line it cut short is dropped when the log is opened again.
@@ -49,6 +53,8 @@ class RolloutRecord(BaseModel):
     step: int
     group: int
     member: int
+    rollout_id: str | None = None
+    capture_session_id: str | None = None
     task_name: str | None = None
     task_index: int | None = None
     reward: float | None = None
@@ -95,6 +101,8 @@ def rollout_record(
         step=step,
         group=rollout.group,
         member=rollout.member,
+        rollout_id=rollout.rollout_id,
+        capture_session_id=rollout.capture_session_id,
         task_name=None if task_name is None else str(task_name),
         task_index=task_index,
         reward=rollout.reward,

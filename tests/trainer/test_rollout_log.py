@@ -80,6 +80,49 @@ def test_an_unscorable_rollout_is_logged_without_trace_reward_or_advantage(tmp_p
     assert back.tool_call_count == 0 and back.tool_calls_by_name == {}
 
 
+def test_rollout_and_capture_session_ids_travel_into_the_log_unscorable_rollouts_included(
+    tmp_path: Path,
+) -> None:
+    from harness_trainer.rollouts.session import RolloutUnscorable
+
+    # Session 1 fails after its capture session was minted, session 2 before any session existed.
+    factory = HandmadeFactory(
+        num_tasks=1,
+        fail_wait=lambda n: RolloutUnscorable("sandbox died") if n == 1 else None,
+        fail_start=lambda n: n == 2,
+    )
+    config = SchedulerConfig(num_generations=4, max_concurrent_rollouts=1, admission_limit=1,
+                             agent_timeout=30.0, seed=0, close_timeout_s=10.0)  # fmt: skip
+    scheduler = RolloutScheduler(factory, factory.prompt_rows(), config)
+    scheduler.start()
+    try:
+        group = scheduler.next_group(timeout=30)
+    finally:
+        scheduler.stop()
+    assert group is not None
+    with RolloutLog(tmp_path) as log:
+        log.write(record(r, advantage=None) for r in group.rollouts)
+    records = read_rollout_log(tmp_path)
+    # One slot: members start in order, so session n is member n.
+    assert [(r.rollout_id, r.capture_session_id, r.unscorable is None) for r in records] == [
+        ("group0-member0", "cs-hand-0", True),
+        ("group0-member1", "cs-hand-1", False),
+        ("group0-member2", None, False),
+        ("group0-member3", "cs-hand-3", True),
+    ]
+    assert [episode for _, _, episode in factory.created] == [r.rollout_id for r in records]
+    line = (tmp_path / ROLLOUTS_FILE).read_text().splitlines()[1]
+    assert line.startswith(
+        '{"step":1,"group":0,"member":1,"rollout_id":"group0-member1","capture_session_id":"cs-hand-1",'
+    )
+
+
+def test_a_record_written_before_the_ids_existed_reads_with_both_null(tmp_path: Path) -> None:
+    (tmp_path / ROLLOUTS_FILE).write_text('{"step":1,"group":0,"member":0,"unscorable":"gone"}\n')
+    [back] = read_rollout_log(tmp_path)
+    assert back.rollout_id is None and back.capture_session_id is None
+
+
 def test_tool_counts_come_from_the_outcome_else_from_the_verify_metrics() -> None:
     reported = {"tool_calls_by_name": {"edit": 3, "bash": 1}, "tool_failure_count": 2}
     from_outcome = record(finished(0, 0, metrics=reported), verify_metrics={"tool_calls_by_name": {"x": 9}})
