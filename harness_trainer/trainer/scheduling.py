@@ -76,6 +76,7 @@ INFRASTRUCTURE_ERRORS: tuple[type[BaseException], ...] = (
     ConnectionError,
     TimeoutError,
     concurrent.futures.CancelledError,  # a rollout cancelled under us (its factory closing)
+    asyncio.CancelledError,  # the same, seen from the event loop
 )
 """What makes a rollout unscorable without counting as unexpected (see the module docstring)."""
 
@@ -192,6 +193,7 @@ class RolloutScheduler:
         self._live_lock = threading.Lock()
         self._fatal: BaseException | None = None
         self._stopping = threading.Event()
+        self._stopped = False
         self._unexpected_errors = 0
         self._logged_origins: set[tuple[str, str, int]] = set()
         self._loop = asyncio.new_event_loop()
@@ -239,9 +241,11 @@ class RolloutScheduler:
             return len(self._live)
 
     def stop(self) -> None:
-        """Stop admitting, close every live session, and wait (bounded) for the members to wind down."""
-        if self._stopping.is_set() and not self._thread.is_alive():
+        """Stop admitting, close every live session, and wait (bounded) for the members to wind down. A
+        second call does nothing."""
+        if self._stopped:
             return
+        self._stopped = True
         self._stopping.set()
         self._close_live()
         if self._thread.is_alive():
@@ -252,6 +256,12 @@ class RolloutScheduler:
                 logger.warning("rollouts did not wind down within %.0f s", self.config.close_timeout_s)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(10)
+        else:  # the loop died (or never ran): nothing drained the members still in the pool's threads
+            waiter = threading.Thread(
+                target=self._pool.shutdown, kwargs={"wait": True, "cancel_futures": True}, daemon=True
+            )
+            waiter.start()
+            waiter.join(self.config.close_timeout_s)
         self._close_live()
         self._pool.shutdown(wait=False, cancel_futures=True)
         if not self._loop.is_running():
@@ -327,15 +337,18 @@ class RolloutScheduler:
                 else:
                     await self._loop.run_in_executor(self._pool, self._rollout_sync, group, rollout)
             except Exception as exc:
-                rollout.capture_session_id = rollout.capture_session_id or getattr(
-                    exc, "capture_session_id", None
-                )
                 self._failed(rollout, exc)
+            except asyncio.CancelledError as exc:
+                task = asyncio.current_task()
+                if task is None or task.cancelling():
+                    raise
+                self._failed(rollout, exc)  # what it awaited was cancelled (its factory closing), not it
             rollout.seconds = time.monotonic() - started
 
-    def _failed(self, rollout: Rollout, exc: Exception) -> None:
+    def _failed(self, rollout: Rollout, exc: BaseException) -> None:
         """Make ``rollout`` unscorable for ``exc``, and stop the scheduler when ``exc`` says so (module
         docstring)."""
+        rollout.capture_session_id = rollout.capture_session_id or getattr(exc, "capture_session_id", None)
         if isinstance(exc, CaptureContractError) or (
             isinstance(exc, RewardFunctionError) and exc.__cause__ is None
         ):
@@ -351,7 +364,7 @@ class RolloutScheduler:
             rollout.unscorable = f"unexpected {type(exc).__name__}: {exc}"
             self._unexpected(rollout, exc)
 
-    def _unexpected(self, rollout: Rollout, exc: Exception) -> None:
+    def _unexpected(self, rollout: Rollout, exc: BaseException) -> None:
         """Count a bug's exception, log it (with its traceback the first time it comes from its place), and
         stop the scheduler once more than ``max_unexpected_errors`` have come."""
         if self._stopping.is_set():

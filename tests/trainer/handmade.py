@@ -2,7 +2,9 @@
 
 Each session's trace is a deterministic function of (task, seed, member): an append-only chain of turns
 whose completion ids say which member produced them, so rewards and data order can be checked. Faults are
-switches on the factory: sessions that fail to start, time out, return malformed captures, or hang.
+switches on the factory: sessions that fail to start, time out, return malformed captures, hang, or raise a
+given exception when waited on. Session ``n`` reports capture session ``cs-hand-n`` as ours do (in its
+verify metrics, and on the ``RolloutUnscorable`` it raises from waiting).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class HandmadeFactory:
     time_out: Callable[[int], bool] = lambda n: False
     malformed: Callable[[int], bool] = lambda n: False
     hang: Callable[[int], bool] = lambda n: False
+    fail_wait: Callable[[int], Exception | None] = lambda n: None
     delay_s: float = 0.0
     trace: Callable[[int, int], dict[str, Any]] = chain_trace
     created: list[tuple[int, int | None, str | None]] = field(default_factory=list)
@@ -86,6 +89,7 @@ class HandmadeSession:
     def __init__(self, factory: HandmadeFactory, task: int, member: int, n: int) -> None:
         self.factory, self.task, self.member, self.n = factory, task, member, n
         self.session_id = f"hand-{n}"
+        self.capture_session_id = f"cs-hand-{n}"
         self._closed = threading.Event()
 
     def wait_for_completion(self, timeout_s: float | None = None) -> int:
@@ -94,6 +98,11 @@ class HandmadeSession:
                 raise RolloutUnscorable("closed while running")
             raise TimeoutError("agent hung")
         time.sleep(self.factory.delay_s)
+        error = self.factory.fail_wait(self.n)
+        if isinstance(error, RolloutUnscorable):
+            error.capture_session_id = self.capture_session_id
+        if error is not None:
+            raise error
         if self.factory.time_out(self.n):
             raise TimeoutError("agent timed out")
         return 0
@@ -111,7 +120,7 @@ class HandmadeSession:
             from openenv.core.harness import VerifyResult as OpenEnvVerifyResult
 
             return OpenEnvVerifyResult(env_reward=reward)
-        return VerifyResult(env_reward=reward)
+        return VerifyResult(env_reward=reward, metrics={"capture_session_id": self.capture_session_id})
 
     def close(self) -> None:
         if self._closed.is_set():
