@@ -7,7 +7,6 @@ import dataclasses
 import logging
 import typing
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ from harness_trainer.trainer.scheduling import Rollout
 from harness_trainer.trainer.trainer import completions_text
 from harness_trainer.trainer.trl_fields import TRL_IGNORED, TRL_REFUSED, TRL_SUPPORTED
 from tests.trainer.handmade import HandmadeFactory
-from tests.trainer.test_trainer import builder, metrics_lines
+from tests.trainer.test_trainer import builder, config, metrics_lines
 
 REFUSED = {name for _, accepted in TRL_REFUSED for name in accepted}
 IGNORED = {name for _, names in TRL_IGNORED for name in names}
@@ -70,15 +69,6 @@ def other_value(f: dataclasses.Field) -> typing.Any:
             if kind in args:
                 return chosen
     return dataclasses.MISSING
-
-
-def config(tmp_path: Path, **overrides) -> AsyncGRPOConfig:
-    settings = dict(
-        output_dir=str(tmp_path / "out"), engine="none", num_generations=4, max_concurrent_rollouts=4,
-        max_steps=3, learning_rate=1e-3, disable_tqdm=True, seed=0, token_budget=64,
-    )  # fmt: skip
-    settings.update(overrides)
-    return AsyncGRPOConfig(**settings)
 
 
 @pytest.fixture
