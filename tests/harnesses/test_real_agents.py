@@ -27,6 +27,7 @@ from harness_trainer.harnesses.tools import ToolPackage, host_tools_dir
 from harness_trainer.sandboxes.local import LocalSandboxBackend
 from harness_trainer.tasks import load_task, run_verifier
 from harness_trainer.trace import load_trace
+from tests.hardening.faults import alive, descendants, describe
 from tests.harnesses.conftest import EXAMPLES, CaptureStack
 
 pytestmark = pytest.mark.slow
@@ -180,23 +181,4 @@ def _agent_processes() -> list[str]:
     """Live processes of this test process (its descendants: other test processes may run agents too)
     running anything from the host tool cache (none may outlive its sandbox)."""
     needle = str(host_tools_dir())
-    parents: dict[int, int] = {}
-    commands: dict[int, str] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        commands[int(entry.name)] = cmdline
-
-    def descends(pid: int) -> bool:
-        while pid > 1:
-            pid = parents.get(pid, 0)
-            if pid == os.getpid():
-                return True
-        return False
-
-    return [f"{pid} {cmd}" for pid, cmd in commands.items() if needle in cmd and descends(pid)]
+    return [line for line in describe(alive(descendants(os.getpid()))) if needle in line]
