@@ -11,11 +11,11 @@ Sessions follow OpenEnv's loop-owning protocol: sync sessions run in a thread po
 coroutine ``acreate`` and sessions with ``wait`` / ``afetch_training_trace`` / ``averify`` / ``aclose`` run
 natively on the scheduler's event loop. Every session is closed on every path: done, failed, stopped.
 
-Failures, by kind:
+Failures, by kind (judged by :mod:`.failures`):
 
-- An infrastructure failure (:data:`INFRASTRUCTURE_ERRORS`: the session's own :class:`RolloutUnscorable`,
-  the rollout server refusing or gone, a sandbox, harness or capture error, a connection dropped or timed
-  out) makes that rollout unscorable; the run goes on.
+- An infrastructure failure (:data:`.failures.INFRASTRUCTURE_ERRORS`: the session's own
+  :class:`RolloutUnscorable`, the rollout server refusing or gone, a sandbox, harness or capture error, a
+  connection dropped or timed out) makes that rollout unscorable; the run goes on.
 - A :class:`CaptureContractError`, or a ``rollout_reward_fn`` returning a bool, a non-number, NaN or
   infinity, is a bug: it stops the scheduler (after closing every live session) and is raised to the
   trainer.
@@ -48,15 +48,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness_trainer.harnesses.base import HarnessError
-from harness_trainer.rollouts.capture_client import CaptureError
-from harness_trainer.rollouts.factory import RolloutServerError
-from harness_trainer.rollouts.session import RolloutUnscorable
-from harness_trainer.sandboxes.base import SandboxError
-from harness_trainer.trace import CaptureContractError, TrainingTrace, load_trace
+from harness_trainer.trace import TrainingTrace, load_trace
+from harness_trainer.trainer.failures import FailureKind, judge, origin_of
 from harness_trainer.trainer.outcome import (
     HarnessRolloutOutcome,
-    RewardFunctionError,
     apply_reward_fn,
     build_outcome,
     completion_messages,
@@ -66,19 +61,6 @@ from harness_trainer.trainer.rows import Row, build_rows
 logger = logging.getLogger(__name__)
 
 RewardFn = Callable[[HarnessRolloutOutcome], float | None]
-
-INFRASTRUCTURE_ERRORS: tuple[type[BaseException], ...] = (
-    RolloutUnscorable,  # the session's own verdict: sandbox, install, proxy or engine failure
-    RolloutServerError,  # the rollout server refused or could not be reached
-    SandboxError,
-    HarnessError,
-    CaptureError,
-    ConnectionError,
-    TimeoutError,
-    concurrent.futures.CancelledError,  # a rollout cancelled under us (its factory closing)
-    asyncio.CancelledError,  # the same, seen from the event loop
-)
-"""What makes a rollout unscorable without counting as unexpected (see the module docstring)."""
 
 
 class RolloutSchedulerError(RuntimeError):
@@ -349,19 +331,11 @@ class RolloutScheduler:
         """Make ``rollout`` unscorable for ``exc``, and stop the scheduler when ``exc`` says so (module
         docstring)."""
         rollout.capture_session_id = rollout.capture_session_id or getattr(exc, "capture_session_id", None)
-        if isinstance(exc, CaptureContractError) or (
-            isinstance(exc, RewardFunctionError) and exc.__cause__ is None
-        ):
-            # A malformed capture; a NaN, a bool or a string from the user's function: stop and name it.
+        verdict = judge(exc, stopping=self._stopping.is_set())
+        rollout.unscorable = verdict.reason
+        if verdict.kind is FailureKind.FATAL:
             self._fail(exc)
-            rollout.unscorable = f"fatal: {exc}"
-        elif isinstance(exc, RewardFunctionError):
-            rollout.unscorable = f"reward function failed: {exc}"
-            self._unexpected(rollout, exc)
-        elif isinstance(exc, INFRASTRUCTURE_ERRORS) or self._stopping.is_set():
-            rollout.unscorable = f"{type(exc).__name__}: {exc}"
-        else:
-            rollout.unscorable = f"unexpected {type(exc).__name__}: {exc}"
+        elif verdict.kind is FailureKind.UNEXPECTED:
             self._unexpected(rollout, exc)
 
     def _unexpected(self, rollout: Rollout, exc: BaseException) -> None:
@@ -372,7 +346,7 @@ class RolloutScheduler:
         self._unexpected_errors += 1
         count, limit = self._unexpected_errors, self.config.max_unexpected_errors
         where = f"rollout {rollout.rollout_id} (capture session {rollout.capture_session_id})"
-        origin = _origin(exc)
+        origin = origin_of(exc)
         if origin not in self._logged_origins:
             self._logged_origins.add(origin)
             logger.error(
@@ -476,16 +450,6 @@ def _died(what: str, error: BaseException | None) -> RolloutSchedulerError:
     died = RolloutSchedulerError(f"the rollout scheduler's {what} died{reason}")
     died.__cause__ = error
     return died
-
-
-def _origin(exc: BaseException) -> tuple[str, str, int]:
-    """Where an exception comes from (its type and innermost frame; a reward function's own exception for a
-    RewardFunctionError), so that each bug's traceback is logged once."""
-    inner = exc.__cause__ if isinstance(exc, RewardFunctionError) and exc.__cause__ is not None else exc
-    frames = traceback.extract_tb(inner.__traceback__)
-    if not frames:
-        return type(inner).__name__, "", 0
-    return type(inner).__name__, frames[-1].filename, frames[-1].lineno or 0
 
 
 def _close(session: Any) -> None:

@@ -1,0 +1,75 @@
+"""How the rollout scheduler judges a rollout that failed: pure functions of the exception.
+
+- :data:`INFRASTRUCTURE_ERRORS` (the session's own :class:`RolloutUnscorable`, the rollout server refusing or
+  gone, a sandbox, harness or capture error, a connection dropped or timed out, a cancellation): the rollout
+  is unscorable, the run goes on;
+- a :class:`CaptureContractError`, or a ``rollout_reward_fn`` that returned a bool, a non-number, NaN or
+  infinity: fatal, the run stops naming it;
+- anything else, a raising ``rollout_reward_fn`` included: unexpected (a bug), counted against
+  ``max_unexpected_errors``;
+- whatever is raised once the run began stopping (sessions closed under it): unscorable, never counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import enum
+import traceback
+from dataclasses import dataclass
+
+from harness_trainer.harnesses.base import HarnessError
+from harness_trainer.rollouts.capture_client import CaptureError
+from harness_trainer.rollouts.factory import RolloutServerError
+from harness_trainer.rollouts.session import RolloutUnscorable
+from harness_trainer.sandboxes.base import SandboxError
+from harness_trainer.trace import CaptureContractError
+from harness_trainer.trainer.outcome import RewardFunctionError
+
+INFRASTRUCTURE_ERRORS: tuple[type[BaseException], ...] = (
+    RolloutUnscorable,  # the session's own verdict: sandbox, install, proxy or engine failure
+    RolloutServerError,  # the rollout server refused or could not be reached
+    SandboxError,
+    HarnessError,
+    CaptureError,
+    ConnectionError,
+    TimeoutError,
+    concurrent.futures.CancelledError,  # a rollout cancelled under us (its factory closing)
+    asyncio.CancelledError,  # the same, seen from the event loop
+)
+"""What makes a rollout unscorable without counting as unexpected (see the module docstring)."""
+
+
+class FailureKind(enum.Enum):
+    INFRASTRUCTURE = "infrastructure"
+    FATAL = "fatal"
+    UNEXPECTED = "unexpected"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    kind: FailureKind
+    reason: str
+    """The rollout's ``unscorable`` text."""
+
+
+def judge(exc: BaseException, *, stopping: bool) -> Verdict:
+    """What a rollout that failed with ``exc`` is (see the module docstring)."""
+    returned_badly = isinstance(exc, RewardFunctionError) and exc.__cause__ is None
+    if isinstance(exc, CaptureContractError) or returned_badly:
+        return Verdict(FailureKind.FATAL, f"fatal: {exc}")
+    if isinstance(exc, RewardFunctionError):
+        return Verdict(FailureKind.UNEXPECTED, f"reward function failed: {exc}")
+    if isinstance(exc, INFRASTRUCTURE_ERRORS) or stopping:
+        return Verdict(FailureKind.INFRASTRUCTURE, f"{type(exc).__name__}: {exc}")
+    return Verdict(FailureKind.UNEXPECTED, f"unexpected {type(exc).__name__}: {exc}")
+
+
+def origin_of(exc: BaseException) -> tuple[str, str, int]:
+    """Where an exception comes from (its type and innermost frame; a reward function's own exception for a
+    RewardFunctionError), so that each bug's traceback is logged once."""
+    inner = exc.__cause__ if isinstance(exc, RewardFunctionError) and exc.__cause__ is not None else exc
+    frames = traceback.extract_tb(inner.__traceback__)
+    if not frames:
+        return type(inner).__name__, "", 0
+    return type(inner).__name__, frames[-1].filename, frames[-1].lineno or 0
