@@ -1,6 +1,7 @@
 """Admin routes: mint, list, read, export and delete capture sessions (``Authorization: Bearer <admin>``).
 
-``POST /sessions`` → 201 ``{"session_id", "base_url", "root_url", "prefixed_base_url"}``;
+``POST /sessions`` → 201 ``{"session_id", "base_url", "root_url", "prefixed_base_url"}`` (400 for an
+``upstream`` the proxy was not allowed: it is no open relay);
 ``GET /sessions``; ``GET /sessions/{id}`` (status, call count, errors, findings);
 ``GET /sessions/{id}/trace`` → TrainingTrace JSON, or 409 with the reason when nothing is trainable;
 ``GET /sessions/{id}/calls`` → the journal records, expanded; ``DELETE /sessions/{id}``.
@@ -22,6 +23,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from capture_proxy.assembly import UntrainableSession, assemble_trace
+from capture_proxy.config import engine_root
 from capture_proxy.journal import JournalError
 from capture_proxy.sessions import Policy, Session, SessionSpec
 from capture_proxy.state import STATE, ProxyState
@@ -75,6 +77,10 @@ async def create_session(request: web.Request) -> web.Response:
         spec = SessionSpec.model_validate_json(raw or b"{}")
     except ValidationError as exc:
         raise AdminError(400, f"invalid session spec: {exc.errors(include_url=False)}") from exc
+    if spec.upstream is not None and engine_root(spec.upstream) not in state.upstreams:
+        allowed = ", ".join(state.upstreams)
+        message = f"engine {spec.upstream!r} is not one this proxy forwards to; allowed: {allowed}"
+        raise AdminError(400, message)
     try:  # what the session file will hold: refuse it here, before anything is written
         orjson.dumps(spec.model_dump(mode="json"))
     except orjson.JSONEncodeError as exc:

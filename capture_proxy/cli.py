@@ -17,7 +17,11 @@ if TYPE_CHECKING:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The proxy's flags, shared by both entry points."""
-    parser.add_argument("--upstream", required=True, help="engine base URL, e.g. http://127.0.0.1:8000")
+    parser.add_argument(
+        "--upstream", required=True, action="append",
+        help="engine base URL, e.g. http://127.0.0.1:8000; repeat it to allow sessions to name further "
+        "engines (the first is the default, no other is ever forwarded to)",
+    )  # fmt: skip
     parser.add_argument(
         "--host", default="127.0.0.1", help="address to bind (non-loopback needs an admin key)"
     )
@@ -97,7 +101,8 @@ def serve(args: argparse.Namespace) -> int:
             return 2
         print(f"capture proxy: admin key in {args.data_dir / ADMIN_KEY_FILE}", flush=True)
     config = ProxyConfig(
-        upstream=args.upstream,
+        upstream=args.upstream[0],
+        allowed_upstreams=tuple(args.upstream[1:]),
         data_dir=args.data_dir,
         admin_key=admin_key,
         host=args.host,
@@ -123,7 +128,8 @@ def serve(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(
-        f"capture proxy: http://{args.host}:{args.port} -> {args.upstream} (data: {args.data_dir}; "
+        f"capture proxy: http://{args.host}:{args.port} -> {', '.join(args.upstream)} "
+        f"(data: {args.data_dir}; "
         f"event loop: {type(loop).__module__.split('.')[0]})",
         flush=True,
     )

@@ -19,7 +19,8 @@ class ConfigError(ValueError):
 @dataclass
 class ProxyConfig:
     upstream: str
-    """Engine base URL (vLLM or the dev engine), e.g. ``http://127.0.0.1:8000``."""
+    """Engine base URL (vLLM or the dev engine), e.g. ``http://127.0.0.1:8000``: where a session's calls go
+    unless it names another engine."""
     data_dir: Path
     """Where sessions and journals live; reloaded on start."""
     admin_key: str | None = None
@@ -30,6 +31,9 @@ class ProxyConfig:
     """How agents reach the proxy (for ``base_url`` in minted sessions); default ``http://host:port``."""
     served_model: str | None = None
     """Model name sent upstream; default: the first of the engine's ``/v1/models``."""
+    allowed_upstreams: tuple[str, ...] = ()
+    """Further engines a session may name (``SessionSpec.upstream``); no other is ever forwarded to, so the
+    proxy is no open relay."""
     upstream_api_key: str | None = None
     upstream_timeout_s: float = 600.0
     upstream_pool: int = 512
@@ -53,11 +57,24 @@ class ProxyConfig:
             )
         if self.upstream_attempts < 1:
             raise ConfigError("upstream_attempts must be >= 1")
-        return ProxyConfig(**{**self.__dict__, "admin_key": key, "data_dir": Path(self.data_dir)})
+        fields = {**self.__dict__, "admin_key": key, "data_dir": Path(self.data_dir)}
+        return ProxyConfig(**{**fields, "allowed_upstreams": tuple(self.allowed_upstreams)})
+
+    @property
+    def engines(self) -> list[str]:
+        """Every engine a session may use, default first, each spelled by :func:`engine_root`."""
+        roots = [engine_root(url) for url in (self.upstream, *self.allowed_upstreams)]
+        return list(dict.fromkeys(roots))
 
     @property
     def base_url(self) -> str:
         return (self.public_url or f"http://{self.host}:{self.port}").rstrip("/")
+
+
+def engine_root(url: str) -> str:
+    """An engine's base URL in one spelling: no trailing ``/`` or ``/v1`` (how engines are compared)."""
+    root = url.strip().rstrip("/")
+    return root[: -len("/v1")] if root.endswith("/v1") else root
 
 
 def is_loopback(host: str) -> bool:

@@ -60,7 +60,12 @@ async def model_call(
         return await respond(request, state, dialect, call, done(outcome))
     # The policy current when the call is made picks the served model and the version its turn records.
     policy = state.policy
-    model = policy.model if policy is not None else await state.model_name(call.model)
+    spec = session.spec
+    upstream = state.upstream_of(spec)
+    if policy is not None:
+        model = policy.model
+    else:
+        model = spec.model or await state.model_name(call.model, upstream)
     upstream_body = session.spec.sampling.upstream_body(call, model)
     pending: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
     version = policy.version if policy is not None else None
@@ -109,7 +114,7 @@ async def forward(
     """Steps 3–4; owns the budget reservation from here on. ``policy_version`` is recorded on the turn
     when the engine's reply carries no ``weight_version`` of its own."""
     wall_start = time.time()
-    result = await state.upstream.chat(body)
+    result = await state.upstream_of(session.spec).chat(body, session.spec.engine_headers or None)
     state.metrics.upstream.observe(result.upstream_ms / 1000)
     timings: dict[str, float] = {"upstream_ms": round(result.upstream_ms, 3), "attempts": result.attempts}
     if result.reply is None:

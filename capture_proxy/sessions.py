@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from capture_proxy.journal import SESSION, SESSIONS, Journal, JournalError, read_records, write_session_file
 from capture_proxy.records import MODEL, CallRecord, Finding
@@ -46,6 +46,26 @@ class SessionSpec(BaseModel):
     """Model calls forwarded before the agent gets a terminal "step budget exhausted" reply."""
     metadata: dict[str, Any] = Field(default_factory=dict)
     """Free-form, returned by ``GET /sessions/{id}`` (e.g. task and episode ids)."""
+    upstream: str | None = None
+    """The engine this session's calls go to: the proxy's ``upstream`` (the default) or one of its
+    ``allowed_upstreams``; any other is refused when the session is minted."""
+    model: str | None = Field(default=None, min_length=1)
+    """The served model name at that engine; default: the proxy's ``served_model`` for its own upstream,
+    else the engine's first ``/v1/models`` entry. ``PUT /policy`` overrides it, as it does the default."""
+    engine_headers: dict[str, str] = Field(default_factory=dict)
+    """Headers sent to the engine with each of this session's calls (a token-gated engine's credential).
+    Kept in the session file, so a restarted proxy can still call the engine, and never returned by the
+    admin API."""
+
+    @field_validator("engine_headers")
+    @classmethod
+    def _header_lines(cls, headers: dict[str, str]) -> dict[str, str]:
+        for name, value in headers.items():
+            if not name or not all(c.isalnum() or c in "-_" for c in name):
+                raise ValueError(f"engine header name {name!r} is not a header token")
+            if any(c in value for c in "\r\n\0"):
+                raise ValueError(f"engine header {name} holds a line break")
+        return headers
 
 
 class Policy(BaseModel):
@@ -132,6 +152,8 @@ class Session:
             "trainable": self.model_calls > self.calls_without_ids,
             "sampling": self.spec.sampling.model_dump(),
             "metadata": self.spec.metadata,
+            "upstream": self.spec.upstream,
+            "model": self.spec.model,
             "journal_bytes": self.journal.bytes_written,
         }
 
@@ -188,6 +210,9 @@ class SessionStore:
                     sampling=meta["sampling"],
                     max_model_calls=meta.get("max_model_calls"),
                     metadata=meta.get("metadata") or {},
+                    upstream=meta.get("upstream"),
+                    model=meta.get("model"),
+                    engine_headers=meta.get("engine_headers") or {},
                 )
                 session = self._add(meta["session_id"], spec, meta["created_at"], directory)
                 for record in read_records(session.journal.path):

@@ -8,9 +8,9 @@ from typing import Any
 
 from aiohttp import web
 
-from capture_proxy.config import ProxyConfig
+from capture_proxy.config import ProxyConfig, engine_root
 from capture_proxy.metrics import Metrics
-from capture_proxy.sessions import Policy, SessionStore
+from capture_proxy.sessions import Policy, SessionSpec, SessionStore
 from capture_proxy.upstream import Upstream
 from capture_proxy.wal import SharedLog, replay
 from capture_proxy.writer import JournalWriter
@@ -24,25 +24,34 @@ class ProxyState:
         self.writer = JournalWriter()
         self.wal = SharedLog(config.data_dir, self.writer)
         self.store = SessionStore(config.data_dir, self.executor, self.writer, self.wal)
-        self.upstream = Upstream(
-            config.upstream,
-            timeout_s=config.upstream_timeout_s,
-            attempts=config.upstream_attempts,
-            pool_size=config.upstream_pool,
-            backoff_s=config.retry_backoff_s,
-            max_retry_after_s=config.max_retry_after_s,
-            api_key=config.upstream_api_key,
-        )
+        self.upstreams = {
+            root: Upstream(
+                root,
+                timeout_s=config.upstream_timeout_s,
+                attempts=config.upstream_attempts,
+                pool_size=config.upstream_pool,
+                backoff_s=config.retry_backoff_s,
+                max_retry_after_s=config.max_retry_after_s,
+                api_key=config.upstream_api_key,
+            )
+            for root in config.engines
+        }
+        self.upstream = self.upstreams[engine_root(config.upstream)]
+        """The default engine (``config.upstream``)."""
         self.metrics = Metrics()
         self.load_problems: list[str] = []
-        self._model: str | None = config.served_model
+        self._models: dict[str, str] = {}
+        """Served model name per engine root, learned from its ``/v1/models`` on first use."""
+        if config.served_model is not None:
+            self._models[self.upstream.root] = config.served_model
         self.policy: Policy | None = None
         """Set by ``PUT /policy``: overrides the served model name and stamps the version on each call."""
         self._model_lock = asyncio.Lock()
         self._inflight: set[asyncio.Future[Any]] = set()
 
     async def start(self) -> None:
-        await self.upstream.start()
+        for upstream in self.upstreams.values():
+            await upstream.start()
         self.load_problems = replay(self.config.data_dir, self.store.root)
         self.load_problems += self.store.load_all()
         self.wal.open()
@@ -53,7 +62,8 @@ class ProxyState:
             await asyncio.wait(set(self._inflight), timeout=grace_s)
         for task in list(self._inflight):
             task.cancel()
-        await self.upstream.close()
+        for upstream in self.upstreams.values():
+            await upstream.close()
         await self.wal.stop_checkpoints()
         self.writer.close()
         self.store.close()
@@ -74,19 +84,27 @@ class ProxyState:
         """``task`` has no more work to do (it is about to hand its outcome over)."""
         self._inflight.discard(task)
 
-    async def model_name(self, asked: str) -> str:
-        """The served model name: configured, else the engine's first model (asked once), else ``asked``."""
-        if self._model is not None:
-            return self._model
+    def upstream_of(self, spec: SessionSpec) -> Upstream:
+        """The engine a session's calls go to (its own, else the default); KeyError for one not allowed."""
+        if spec.upstream is None:
+            return self.upstream
+        return self.upstreams[engine_root(spec.upstream)]
+
+    async def model_name(self, asked: str, upstream: Upstream | None = None) -> str:
+        """The served model name at ``upstream`` (default: the default engine): configured, else the
+        engine's first model (asked once), else ``asked``."""
+        root = (upstream or self.upstream).root
+        if root in self._models:
+            return self._models[root]
         async with self._model_lock:
-            if self._model is None:
+            if root not in self._models:
                 try:
-                    names = await self.upstream.models()
+                    names = await (upstream or self.upstream).models()
                 except Exception:
                     return asked
                 if names:
-                    self._model = names[0]
-        return self._model or asked
+                    self._models[root] = names[0]
+        return self._models.get(root, asked)
 
 
 STATE = web.AppKey("capture_proxy_state", ProxyState)

@@ -17,6 +17,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from capture_proxy.config import engine_root
 from capture_proxy.reply import LogprobEntry, loads, read_reply
 
 RETRY_STATUSES = frozenset({408, 429}) | frozenset(range(500, 600))
@@ -55,8 +56,7 @@ class Upstream:
         pool_size: int = 256,
         api_key: str | None = None,
     ) -> None:
-        root = base_url.rstrip("/")
-        self.root = root[: -len("/v1")] if root.endswith("/v1") else root
+        self.root = engine_root(base_url)
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.attempts = attempts
         self.backoff_s = backoff_s
@@ -92,14 +92,17 @@ class Upstream:
             data = loads(await response.read())
         return [str(entry["id"]) for entry in data.get("data", [])]
 
-    async def chat(self, body: dict[str, Any]) -> UpstreamResult:
-        """POST ``body`` to ``/v1/chat/completions`` with retries; never raises for engine failures."""
+    async def chat(self, body: dict[str, Any], headers: dict[str, str] | None = None) -> UpstreamResult:
+        """POST ``body`` to ``/v1/chat/completions`` with retries; never raises for engine failures.
+
+        ``headers`` (a session's own engine credential) are sent on top of the pool's."""
         payload = orjson.dumps(body)
+        sent = {**self.headers, **headers} if headers else self.headers
         started = time.perf_counter()
         errors: list[str] = []
         result = UpstreamResult(None, 502)
         for attempt in range(1, self.attempts + 1):
-            result, retry_after = await self._attempt(payload)
+            result, retry_after = await self._attempt(payload, sent)
             result.attempts = attempt
             if result.reply is not None or result.status not in RETRY_STATUSES:
                 break
@@ -115,10 +118,10 @@ class Upstream:
             result.error = f"the engine failed after {result.attempts} attempts: {result.error}"
         return result
 
-    async def _attempt(self, payload: bytes) -> tuple[UpstreamResult, float | None]:
+    async def _attempt(self, payload: bytes, headers: dict[str, str]) -> tuple[UpstreamResult, float | None]:
         url = self.root + "/v1/chat/completions"
         try:
-            async with self.session.post(url, data=payload, headers=self.headers) as response:
+            async with self.session.post(url, data=payload, headers=headers) as response:
                 raw = await response.read()
                 status = response.status
                 retry_after = _retry_after(response.headers.get("Retry-After"))

@@ -82,6 +82,8 @@ class FakeEngine:
     def __init__(self) -> None:
         self.faults: list[dict[str, Any]] = []
         self.requests: list[dict[str, Any]] = []
+        self.authorizations: list[dict[str, str]] = []
+        """Per chat request, its ``Authorization`` and ``X-*`` headers (what a session's credential set)."""
         self.weight_version = 0
 
     def app(self) -> web.Application:
@@ -105,6 +107,9 @@ class FakeEngine:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests.append(body)
+        self.authorizations.append(
+            {k: v for k, v in request.headers.items() if k == "Authorization" or k.startswith("X-")}
+        )
         fault = self.faults.pop(0) if self.faults else {}
         mode = fault.get("mode")
         if mode in ("timeout", "delay"):
