@@ -1,4 +1,4 @@
-"""Every command in ``jobs/README.md`` runs: submissions against a fake ``HfApi`` (dry runs also as real
+"""Every command in ``docs/jobs.md`` runs: submissions against a fake ``HfApi`` (dry runs also as real
 processes), the launcher's dry run as a real process."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ LAUNCHER = ["python", "-m", "harness_trainer.jobs.job_launcher"]
 
 
 def readme_commands() -> list[list[str]]:
-    text = (ROOT / "jobs/README.md").read_text()
+    text = (ROOT / "docs/jobs.md").read_text()
     blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
     return [shlex.split(block.replace("\\\n", " ")) for block in blocks]
 

@@ -99,7 +99,7 @@ def test_the_runtime_gives_the_capture_proxy_url_to_the_backends_that_want_it() 
 
 
 def test_the_readme_table_says_what_the_classes_declare() -> None:
-    readme = (PACKAGE.parent / "README.md").read_text()
+    readme = (PACKAGE.parent / "docs/sandboxes.md").read_text()
     after = readme.split("<!-- sandbox-capabilities -->", 1)[1].strip().splitlines()
     table = list(itertools.takewhile(lambda line: line.startswith("|"), after))[2:]
     rows = {cells[0].strip("`"): cells[1:] for line in table
