@@ -348,7 +348,25 @@ def _non_negative_float(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="harness-trainer", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="harness-trainer",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "Train LLMs with reinforcement learning (async GRPO) on the behaviour of real coding agents.\n"
+            "Agents (opencode, mini-swe-agent, claude-code, codex) run their own loop in sandboxes; a capture\n"
+            "proxy records the exact tokens the engine sampled for them, and the trainer learns from those."
+        ),
+        epilog=(
+            "start here:\n"
+            "  harness-trainer dev            the whole loop on a CPU: tiny model, dev engine, a real agent\n"
+            "                                 in local sandboxes, GRPO; leaves curves and a trace viewer\n"
+            "  harness-trainer serve ...      the rollout server (with the capture proxy) for a real run\n"
+            "  harness-trainer jobs submit    a whole training run on Hugging Face Jobs\n"
+            "\n"
+            "'harness-trainer COMMAND --help' for a command's options. Documentation: README.md and docs/\n"
+            "in the repository; 'mkdocs serve' there builds it as a site."
+        ),
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     tiny = sub.add_parser("tiny-model", help="build (if needed) the tiny local model and print its directory")
