@@ -8,11 +8,12 @@ trainer. The rules, in the order they apply:
    prompt, ids that are ints in ``[0, 2**32)``) take part. Budget, context and upstream-error records are
    never turns. No model record at all, or model records of which none has usable ids, raise
    :class:`UntrainableSession` with the reason.
-2. **Parent.** A call's parent is the *other* candidate whose prompt+completion ids are the longest exact
-   prefix of its prompt ids; ties (identical full sequences) go to the lowest ``seq``. A candidate with
-   the same prompt is a sibling, never a parent (so an empty completion cannot make a cycle). A call
-   without a parent is a root: a rewritten history (compaction, stripped reasoning) opens a new root.
-   Parents depend on the ids and ``seq`` only, never on the order the records arrive in.
+2. **Parent.** :func:`capture_proxy.forest.parents` over the candidates in ``(seq, call_id)`` order: a
+   call's parent is the *other* candidate whose prompt+completion ids are the longest exact prefix of its
+   prompt ids; ties (identical full sequences) go to the lowest ``seq``. A candidate with the same prompt is
+   a sibling, never a parent (so an empty completion cannot make a cycle). A call without a parent is a
+   root: a rewritten history (compaction, stripped reasoning) opens a new root. Parents depend on the ids
+   and ``seq`` only, never on the order the records arrive in.
 3. **Abandoned retries are discarded.** Among siblings (identical prompts), those without descendants
    are dropped when at least one sibling has descendants; when none has, only the highest-``seq`` one
    (the answer the agent went on with) stays. Only leaves are dropped, so no other parent changes.
@@ -33,22 +34,21 @@ trainer. The rules, in the order they apply:
    ``timings``, ``started_at``, ``finished_at``, ``auxiliary``, ``duplicate_of`` and ``finding``. An
    empty completion is legal and kept.
 
-Cost: ids are packed once into ``uint32`` bytes; a call's parent is searched from the longest candidate
-length down and checked with ``bytes.startswith`` (memcmp, no copies), completion first, since that is
-where unrelated calls differ. In an append-only conversation the first length tried is the parent, so
-assembly is linear in the total number of ids. The turns share id lists with the records (no copies).
+Cost: ids are packed once into ``uint32`` bytes, which checks them; :mod:`capture_proxy.forest` searches
+parents on those bytes (memcmp), linear in the total number of ids for an append-only conversation, and
+they key the sibling and twin groups. The turns share id lists with the records (no copies).
 """
 
 from __future__ import annotations
 
 import math
 from array import array
-from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from capture_proxy.forest import parents
 from capture_proxy.records import MODEL, CallRecord
 
 SCHEMA_VERSION = 1
@@ -82,11 +82,10 @@ class CallTree:
 
 @dataclass(eq=False)
 class _Packed:
-    """A candidate's ids as bytes, for memcmp prefix checks and hashing."""
+    """A candidate's ids as ``uint32`` bytes: packing checks them, the parent search compares them with
+    memcmp, and they are compact keys for grouping."""
 
     call_id: str
-    prompt_length: int
-    full_length: int
     prompt: bytes
     completion: bytes
 
@@ -100,9 +99,7 @@ def _pack(record: CallRecord) -> _Packed | None:
         packed_prompt, packed_completion = array("I", prompt).tobytes(), array("I", completion).tobytes()
     except (OverflowError, TypeError):  # a negative, huge or non-int id: the capture flagged it
         return None
-    return _Packed(
-        record.call_id, len(prompt), len(prompt) + len(completion), packed_prompt, packed_completion
-    )
+    return _Packed(record.call_id, packed_prompt, packed_completion)
 
 
 def _order(record: CallRecord) -> tuple[int, str]:
@@ -116,7 +113,12 @@ def call_tree(records: Iterable[CallRecord]) -> CallTree:
     for record in sorted(records, key=_order):
         if record.kind == MODEL and (entry := _pack(record)) is not None:
             packed[record.call_id], calls[record.call_id] = entry, record
-    parent = _parents(list(packed.values()))
+    entries = list(packed.values())
+    found = parents([entry.prompt for entry in entries], [entry.completion for entry in entries])
+    parent = {
+        entry.call_id: None if index is None else entries[index].call_id
+        for entry, index in zip(entries, found, strict=True)
+    }
     children: dict[str, list[str]] = {call_id: [] for call_id in calls}
     for call_id, parent_id in parent.items():
         if parent_id is not None:
@@ -124,10 +126,10 @@ def call_tree(records: Iterable[CallRecord]) -> CallTree:
     root: dict[str, str] = {}
     depth: dict[str, int] = {}
     # A parent's prompt is strictly shorter than its child's, so this order visits parents first.
-    for entry in sorted(packed.values(), key=lambda entry: entry.prompt_length):
-        parent_id = parent[entry.call_id]
-        root[entry.call_id] = entry.call_id if parent_id is None else root[parent_id]
-        depth[entry.call_id] = 0 if parent_id is None else depth[parent_id] + 1
+    for entry in sorted(entries, key=lambda entry: len(entry.prompt)):
+        call_id, parent_id = entry.call_id, parent[entry.call_id]
+        root[call_id] = call_id if parent_id is None else root[parent_id]
+        depth[call_id] = 0 if parent_id is None else depth[parent_id] + 1
     siblings = _groups(packed.values(), lambda entry: entry.prompt)
     twins = _groups(packed.values(), lambda entry: (entry.prompt, entry.completion))
     return CallTree(calls, parent, children, root, depth, siblings, twins)
@@ -138,28 +140,6 @@ def _groups(entries: Iterable[_Packed], key: Callable[[_Packed], Hashable]) -> l
     for entry in entries:  # in seq order, so each group is too
         by_key[key(entry)].append(entry.call_id)
     return [group for group in by_key.values() if len(group) > 1]
-
-
-def _parents(entries: list[_Packed]) -> dict[str, str | None]:
-    """Each entry's parent (rule 2); ``entries`` in seq order, so each length's list is too."""
-    by_length: dict[int, list[_Packed]] = defaultdict(list)
-    for entry in entries:
-        by_length[entry.full_length].append(entry)
-    lengths = sorted(by_length)
-    return {entry.call_id: _longest_prefix(entry, by_length, lengths) for entry in entries}
-
-
-def _longest_prefix(entry: _Packed, by_length: dict[int, list[_Packed]], lengths: list[int]) -> str | None:
-    prompt = entry.prompt
-    for index in range(bisect_right(lengths, entry.prompt_length) - 1, -1, -1):
-        for other in by_length[lengths[index]]:
-            if (
-                other.prompt_length < entry.prompt_length  # not itself, not a sibling
-                and prompt.startswith(other.completion, len(other.prompt))
-                and prompt.startswith(other.prompt)
-            ):
-                return other.call_id
-    return None
 
 
 def abandoned_retries(tree: CallTree) -> set[str]:

@@ -1,12 +1,12 @@
 """Training rows from a TrainingTrace, on the engine's own token ids (never retokenized). Pure, no torch.
 
-A trace's turns form a prefix forest:
+A trace's turns form a prefix forest (:mod:`capture_proxy.forest`, the rule the proxy assembles traces by):
 
 - **Parent.** A turn's parent is the other turn whose prompt+completion ids are the longest exact prefix of
-  its prompt ids; ties (identical full sequences) go to the earliest turn in call order. A turn with the
+  its prompt ids; ties (identical full sequences) go to the earliest turn in trace order. A turn with the
   same prompt is a sibling, never a parent, so a prompt-only turn cannot make a cycle. A turn without a
-  parent is a root: a rewritten history (compaction, stripped reasoning) starts a new tree. Parents depend
-  on the ids alone, not on the order turns come in.
+  parent is a root: a rewritten history (compaction, stripped reasoning) starts a new tree. A parent may
+  come after its child in the trace: only ties depend on the order.
 - **Rows.** One row per leaf (a turn no other turn has as parent), in leaf call order: the leaf's full
   sequence, forwarded once. The completion of every turn on the root-to-leaf path sits at a known place
   in it, so its mask bits become targets there and its logprobs the behaviour logprobs. A fork (two
@@ -15,19 +15,16 @@ A trace's turns form a prefix forest:
   path contains it; in later rows it is context. Rows left with no target (a zero-masked auxiliary leaf)
   are dropped.
 
-Cost: turns are bucketed by full length and a turn's parent is searched from the longest candidate
-length down, comparing list slices (a C loop), completion first since that is where unrelated turns
-differ. In an append-only conversation the first candidate tried is the parent, so building is linear in
-the trace's tokens and gives one row; forwarded tokens equal unique tokens there.
+Cost: the parent search (:mod:`capture_proxy.forest`) is linear in the trace's tokens for an append-only
+conversation, which gives one row; forwarded tokens equal unique tokens there.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_right
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from capture_proxy.forest import leaves, parents
 from harness_trainer.trace import CaptureContractError, TrainingTrace, TrainingTurn
 
 
@@ -89,7 +86,7 @@ def build_rows(
     parent = _parents(turns)
     claimed = [False] * len(turns)
     rows: list[Row] = []
-    for leaf in _leaves(parent):
+    for leaf in leaves(parent):
         # A claimed turn's ancestors were claimed with it (by the same earlier row), so the walk stops
         # there: every turn is walked once in all, however many leaves share it.
         path: list[int] = []
@@ -132,37 +129,8 @@ def _check_vocabulary(turns: Sequence[TrainingTurn], vocab_size: int, session_id
 
 
 def _parents(turns: Sequence[TrainingTurn]) -> list[int | None]:
-    """Each turn's parent index (see the module docstring), or None for a root."""
-    by_length: dict[int, list[int]] = defaultdict(list)
-    for index, turn in enumerate(turns):  # in call order, so each length's list is too (the tie-break)
-        by_length[len(turn.prompt_token_ids) + len(turn.completion_token_ids)].append(index)
-    lengths = sorted(by_length)
-    return [_longest_prefix(turn.prompt_token_ids, turns, by_length, lengths) for turn in turns]
-
-
-def _longest_prefix(
-    prompt: list[int], turns: Sequence[TrainingTurn], by_length: dict[int, list[int]], lengths: list[int]
-) -> int | None:
-    for position in range(bisect_right(lengths, len(prompt)) - 1, -1, -1):
-        end = lengths[position]
-        for candidate in by_length[end]:
-            other = turns[candidate]
-            start = len(other.prompt_token_ids)
-            if (
-                start < len(prompt)  # not itself, not a sibling: parents' prompts strictly shorter, no cycles
-                and prompt[start:end] == other.completion_token_ids
-                and prompt[:start] == other.prompt_token_ids
-            ):
-                return candidate
-    return None
-
-
-def _leaves(parent: list[int | None]) -> list[int]:
-    has_child = [False] * len(parent)
-    for index in parent:
-        if index is not None:
-            has_child[index] = True
-    return [index for index, inner_node in enumerate(has_child) if not inner_node]
+    """Each turn's parent index, or None for a root (see the module docstring)."""
+    return parents([turn.prompt_token_ids for turn in turns], [turn.completion_token_ids for turn in turns])
 
 
 def _row(turns: Sequence[TrainingTurn], leaf: int, path: list[int], rollout: int) -> Row:
