@@ -8,9 +8,15 @@ A name in no table is a ``TypeError``, as for any dataclass. The fields added fo
 unless their help says why not; older fields kept theirs (``gradient_checkpointing``, ``max_staleness``,
 ``max_completion_length``, ``token_budget``, ``optim`` and ``weight_sync_timeout`` differ from TRL's).
 
-Invalid combinations are rejected at construction, every problem in one ``ValueError``, so a run never
-starts on settings that cannot work; validation never rewrites a value it was given (``None`` fields are
-resolved: ``epsilon_high``, ``groups_per_step``, ``max_concurrent_rollouts``, ``output_dir``).
+The loss's knobs live once, in the nested :class:`LossConfig` (``config.loss.beta``); they are also taken
+flat, as TRL takes them (``AsyncGRPOConfig(beta=0.04)``). The session sampling policy is the capture
+proxy's own :class:`~capture_proxy.sampling.SamplingPolicy`, built from ``temperature`` and
+``max_completion_length`` and checked at construction.
+
+Invalid combinations are rejected at construction, every problem in one :class:`ConfigProblems` (a
+``ValueError``), so a run never starts on settings that cannot work; validation never rewrites a value it
+was given (``None`` fields are resolved: ``loss.epsilon_high``, ``groups_per_step``,
+``max_concurrent_rollouts``, ``output_dir``).
 :func:`parse_config` reads CLI flags (``HfArgumentParser``) or a YAML file of the same names, TRL's
 included.
 """
@@ -26,6 +32,9 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
+from capture_proxy.sampling import SamplingPolicy
 from harness_trainer.trainer.export import repo_name_problem
 from harness_trainer.trainer.trl_fields import TRL_ONLY, trl_flags, trl_problems
 
@@ -48,6 +57,82 @@ DEFAULT_MAX_CONCURRENT_ROLLOUTS = 8
 
 def _help(text: str, **extra: Any) -> Any:
     return {"help": text, **extra}
+
+
+class ConfigProblems(ValueError):
+    """Every problem with a config's values, in one message; ``problems`` lists them one by one."""
+
+    def __init__(self, what: str, problems: Sequence[str]) -> None:
+        self.problems = list(problems)
+        super().__init__(f"invalid {what}: " + "; ".join(self.problems))
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """The knobs of the policy loss (:func:`harness_trainer.trainer.loss.policy_loss`) and of the advantages
+    and weights it is given (:func:`harness_trainer.trainer.batch.assemble`), checked on construction.
+
+    ``AsyncGRPOConfig.loss`` holds one; ``AsyncGRPOConfig`` also takes each knob flat, under the same name
+    (TRL's way: ``AsyncGRPOConfig(beta=0.04)``), and puts it here.
+
+    Raises:
+        ConfigProblems: every out-of-range value, in one message.
+    """
+
+    epsilon: float = field(
+        default=0.2,
+        metadata=_help("Lower clip range: no push on a ratio below 1 - epsilon; in [0, 1)."),
+    )
+    epsilon_high: float | None = field(
+        default=None,
+        metadata=_help("Upper clip range: no push above 1 + epsilon_high; ≥ 0 (None: epsilon, as TRL)."),
+    )
+    importance_sampling: str = field(
+        default="truncate",
+        metadata=_help(
+            f"Token-level importance sampling against the engine's logprobs, one of "
+            f"{IMPORTANCE_SAMPLING_MODES}: the ratio truncated to importance_sampling_cap, tokens above it "
+            "dropped, or the ratio as is."
+        ),
+    )
+    importance_sampling_cap: float = field(default=2.0, metadata=_help("Cap of the importance ratio (> 1)."))
+    beta: float = field(default=0.0, metadata=_help("KL (k3) coefficient to the reference policy (≥ 0)."))
+    loss_normalization: str = field(
+        default="rollout",
+        metadata=_help(
+            f"One of {LOSS_NORMALIZATIONS}. 'rollout': each rollout's token mean (every rollout counts the "
+            "same); 'step': tokens over the step's longest rollout (Dr. GRPO; no pull toward long failures)."
+        ),
+    )
+    advantage_epsilon: float = field(default=1e-4, metadata=_help("Added to the group std (> 0)."))
+
+    def __post_init__(self) -> None:
+        if self.epsilon_high is None:
+            object.__setattr__(self, "epsilon_high", self.epsilon)
+        problems = list(_loss_checks(self))
+        if problems:
+            raise ConfigProblems("LossConfig", problems)
+
+
+LOSS_FIELDS = frozenset(f.name for f in fields(LossConfig))
+"""The loss knobs' names, which ``AsyncGRPOConfig`` also takes flat."""
+
+
+def _loss_checks(c: LossConfig) -> Sequence[str]:
+    if not 0 <= c.epsilon < 1:
+        yield f"epsilon must be in [0, 1), got {c.epsilon}"
+    if not (c.epsilon_high is not None and c.epsilon_high >= 0):
+        yield f"epsilon_high must be ≥ 0, got {c.epsilon_high}"
+    if c.importance_sampling not in IMPORTANCE_SAMPLING_MODES:
+        yield f"importance_sampling {c.importance_sampling!r} is not one of {IMPORTANCE_SAMPLING_MODES}"
+    if not c.importance_sampling_cap > 1:
+        yield f"importance_sampling_cap must be greater than 1, got {c.importance_sampling_cap}"
+    if not c.beta >= 0:
+        yield f"beta must be ≥ 0, got {c.beta}"
+    if c.loss_normalization not in LOSS_NORMALIZATIONS:
+        yield f"loss_normalization {c.loss_normalization!r} is not one of {LOSS_NORMALIZATIONS}"
+    if not c.advantage_epsilon > 0:
+        yield f"advantage_epsilon must be positive, got {c.advantage_epsilon}"
 
 
 @dataclass
@@ -197,22 +282,14 @@ class _ConfigFields:
         default=None,
         metadata=_help("Cap on the tokens of each model call (the capture session's output cap)."),
     )
-    epsilon: float = field(default=0.2, metadata=_help("Lower clip range of the surrogate."))
-    epsilon_high: float | None = field(default=None, metadata=_help("Upper clip range (default: epsilon)."))
-    importance_sampling: str = field(
-        default="truncate",
-        metadata=_help(f"Token-level importance correction, one of {IMPORTANCE_SAMPLING_MODES}."),
-    )
-    importance_sampling_cap: float = field(default=2.0, metadata=_help("Cap of the importance ratio."))
-    beta: float = field(default=0.0, metadata=_help("KL (k3) coefficient to the reference policy."))
-    loss_normalization: str = field(
-        default="rollout",
+    loss: LossConfig = field(
+        default_factory=LossConfig,
         metadata=_help(
-            "'rollout': each rollout's token mean (every rollout counts the same); 'step': tokens over the "
-            "step's longest rollout (Dr. GRPO; no pull toward long failures)."
+            "The loss's knobs (LossConfig: epsilon, epsilon_high, importance_sampling, "
+            "importance_sampling_cap, beta, loss_normalization, advantage_epsilon); each is also taken "
+            "flat, TRL's way (beta=0.04)."
         ),
     )
-    advantage_epsilon: float = field(default=1e-4, metadata=_help("Added to the group std."))
 
     # Length of the run, checkpoints, logging.
     num_train_epochs: float = field(
@@ -330,7 +407,7 @@ class _ConfigFields:
     def __post_init__(self) -> None:
         # TRL's names that are not fields, set aside by AsyncGRPOConfig.__init__; dropped once checked.
         trl: dict[str, Any] = self.__dict__.pop("_trl_values", {})
-        problems: list[str] = []
+        problems = _resolve_loss(self, self.__dict__.pop("_loss_values", {}))
         for name in ("model_init_kwargs", "chat_template_kwargs"):
             text = getattr(self, name)
             if isinstance(text, str):
@@ -344,17 +421,16 @@ class _ConfigFields:
             self.report_to = [part.strip() for part in self.report_to.split(",") if part.strip()]
         if self.output_dir is None:
             self.output_dir = "outputs"
-        if self.epsilon_high is None:
-            self.epsilon_high = self.epsilon
         if self.resume_from_checkpoint == "":
             self.resume_from_checkpoint = None
         self._world_size = _processes()
         problems += _resolve_batch(self, self._world_size)
         problems += _resolve_concurrency(self, trl.get("max_inflight_tasks"))
         problems += _problems(self)
+        problems += _policy_problems(self)
         problems += trl_problems(trl)
         if problems:
-            raise ValueError("invalid AsyncGRPOConfig: " + "; ".join(problems))
+            raise ConfigProblems("AsyncGRPOConfig", problems)
         if self.chat_template_kwargs:
             logger.warning(
                 "chat_template_kwargs %s do not reach the engine: it renders each agent call's prompt and "
@@ -363,13 +439,16 @@ class _ConfigFields:
             )
 
     @property
+    def sampling_policy(self) -> SamplingPolicy:
+        """The capture proxy's policy for every session: ``temperature``, and ``max_completion_length`` as
+        its output cap (top_p 1, top_k off, no penalties); checked at construction."""
+        return SamplingPolicy(temperature=self.temperature, max_tokens=self.max_completion_length)
+
+    @property
     def sampling(self) -> dict[str, float | int]:
-        """The session sampling policy: temperature (top_p 1, top_k off, no penalties upstream), and the
-        output cap when one is set."""
-        policy: dict[str, float | int] = {"temperature": float(self.temperature)}
-        if self.max_completion_length is not None:
-            policy["max_tokens"] = int(self.max_completion_length)
-        return policy
+        """:attr:`sampling_policy` as the JSON the session factories send: its temperature, and its output
+        cap when one is set. top_p and top_k are left out: the policy type holds them at 1 and off."""
+        return self.sampling_policy.model_dump(exclude_none=True, exclude={"top_p", "top_k"})
 
     @property
     def admission_limit(self) -> int:
@@ -441,6 +520,7 @@ class AsyncGRPOConfig(_ConfigFields):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._loss_values = {name: kwargs.pop(name) for name in list(kwargs) if name in LOSS_FIELDS}
         self._trl_values = {name: kwargs.pop(name) for name in list(kwargs) if name in TRL_ONLY}
         super().__init__(*args, **kwargs)
 
@@ -454,6 +534,40 @@ def _step_count(value: float, max_steps: int) -> int:
     if 0 < value < 1:
         return max(1, math.ceil(value * max_steps))
     return int(value)
+
+
+def _resolve_loss(c: _ConfigFields, flat: dict[str, Any]) -> list[str]:
+    """Make ``c.loss`` a :class:`LossConfig`: from one, or from a dict (a YAML or JSON config), with the
+    knobs given flat laid over it."""
+    given = c.loss
+    if isinstance(given, LossConfig):
+        base = {f.name: getattr(given, f.name) for f in fields(LossConfig)}
+    elif isinstance(given, dict):
+        base = dict(given)
+    else:
+        return [f"loss must be a LossConfig or a dict of its fields, got {type(given).__name__}"]
+    unknown = sorted(set(base) - LOSS_FIELDS)
+    if unknown:
+        return [f"loss has no field {', '.join(unknown)} (its fields: {', '.join(sorted(LOSS_FIELDS))})"]
+    try:
+        c.loss = LossConfig(**{**base, **flat})
+    except ConfigProblems as exc:
+        return exc.problems
+    return []
+
+
+def _policy_problems(c: _ConfigFields) -> list[str]:
+    """What the capture proxy's :class:`SamplingPolicy` refuses, under this config's names."""
+    try:
+        _ = c.sampling_policy  # type: ignore[attr-defined]
+    except ValidationError as exc:
+        names = {"max_tokens": "max_completion_length"}
+        return [
+            f"sampling policy: {names.get(str(error['loc'][0]), error['loc'][0])} {error['msg']}, got "
+            f"{error['input']!r}"
+            for error in exc.errors()
+        ]
+    return []
 
 
 def _resolve_batch(c: _ConfigFields, processes: int) -> list[str]:
@@ -556,8 +670,6 @@ def _checks(c: _ConfigFields) -> Sequence[str]:
             yield f"{name}={value} is a fraction of max_steps: set max_steps > 0"
     if c.logging_steps == 0:
         yield "logging_steps must be positive"
-    if c.max_completion_length is not None and c.max_completion_length < 1:
-        yield "max_completion_length must be at least 1"
     if c.token_budget is None or c.token_budget < 1:
         yield (
             f"token_budget must be a positive number of tokens per micro-batch, got {c.token_budget} (TRL's "
@@ -565,18 +677,6 @@ def _checks(c: _ConfigFields) -> Sequence[str]:
         )
     if not 0 < c.temperature < float("inf"):
         yield "temperature must be a finite positive number (the policy samples the full vocabulary)"
-    if c.epsilon < 0 or (c.epsilon_high is not None and c.epsilon_high < 0):
-        yield "epsilon and epsilon_high must be ≥ 0"
-    if c.importance_sampling not in IMPORTANCE_SAMPLING_MODES:
-        yield f"importance_sampling {c.importance_sampling!r} is not one of {IMPORTANCE_SAMPLING_MODES}"
-    if not c.importance_sampling_cap > 1:
-        yield "importance_sampling_cap must be greater than 1"
-    if c.loss_normalization not in LOSS_NORMALIZATIONS:
-        yield f"loss_normalization {c.loss_normalization!r} is not one of {LOSS_NORMALIZATIONS}"
-    if c.beta < 0:
-        yield "beta must be ≥ 0"
-    if c.advantage_epsilon <= 0:
-        yield "advantage_epsilon must be positive"
     if c.max_steps <= 0 and not c.num_train_epochs > 0:
         yield "set max_steps > 0 or num_train_epochs > 0: the run needs an end"
     if c.rollout_log_steps < 0:
@@ -634,7 +734,7 @@ def parse_config(args: Sequence[str] | None = None, *, yaml_file: str | None = N
 
 
 def _check_names(values: dict[str, Any]) -> None:
-    known = {f.name for f in fields(_ConfigFields)} | TRL_ONLY
+    known = {f.name for f in fields(_ConfigFields)} | LOSS_FIELDS | TRL_ONLY
     unknown = sorted(name for name in values if name not in known)
     if unknown:
         raise ValueError(f"not AsyncGRPOConfig fields, nor TRL's: {unknown}")

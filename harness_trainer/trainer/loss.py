@@ -4,9 +4,9 @@ an optional KL (k3) penalty to a reference policy, normalised per rollout.
 Per target token ``t`` with advantage ``A``, behaviour logprob ``b`` (what the engine sampled with) and
 current logprob ``l`` (with grad), ``r = exp(l - b)``:
 
-- importance sampling, ``is_mode``: ``"truncate"`` uses ``min(r, C)`` as value and ``min(r, C)·∇l`` as
-  gradient (truncated IS, cap ``C = is_cap``); ``"mask"`` drops tokens with ``r > C`` (weight 0);
-  ``"none"`` uses ``r`` as is. Call the ratio used ``ρ``.
+- importance sampling, ``importance_sampling``: ``"truncate"`` uses ``min(r, C)`` as value and
+  ``min(r, C)·∇l`` as gradient (truncated IS, cap ``C = importance_sampling_cap``); ``"mask"`` drops
+  tokens with ``r > C`` (weight 0); ``"none"`` uses ``r`` as is. Call the ratio used ``ρ``.
 - surrogate ``s = min(ρ·A, clip(ρ, 1 - epsilon, 1 + epsilon_high)·A)``; the token's loss is ``-s``,
   plus ``beta · k3`` with ``k3 = exp(ref - l) - (ref - l) - 1`` when ``beta > 0``.
 - the micro-batch loss is ``Σ_t token_weights[t] · loss[t]``, nothing else divided. With
@@ -15,7 +15,8 @@ current logprob ``l`` (with grad), ``r = exp(l - b)``:
   over rollouts of each rollout's token mean, however the rows are split into micro-batches.
 
 :class:`LossStats` holds sums over target tokens (and counts), so the stats of micro-batches merge by
-addition and :meth:`LossStats.metrics` gives token means over the step.
+addition and :meth:`LossStats.metrics` gives token means over the step. The coefficients are the run's
+:class:`~harness_trainer.trainer.config.LossConfig` (``AsyncGRPOConfig.loss``), defined and checked there.
 """
 
 from __future__ import annotations
@@ -24,40 +25,10 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from harness_trainer.trainer.config import IMPORTANCE_SAMPLING_MODES
+from harness_trainer.trainer.config import LossConfig
 from harness_trainer.trainer.packing import MicroBatch, PaddedBatch
 
-
-@dataclass(frozen=True)
-class LossConfig:
-    """Coefficients of :func:`policy_loss`, checked on construction.
-
-    Raises:
-        ValueError: an out-of-range value or an unknown ``is_mode``.
-    """
-
-    epsilon: float = 0.2
-    """Lower clip range: the surrogate stops pushing a ratio below ``1 - epsilon`` down (0 ≤ epsilon < 1)."""
-    epsilon_high: float = 0.28
-    """Upper clip range: the surrogate stops pushing a ratio above ``1 + epsilon_high`` up (≥ 0)."""
-    is_mode: str = "truncate"
-    """Token-level importance sampling against the behaviour policy: truncate, mask or none."""
-    is_cap: float = 2.0
-    """Cap ``C`` of the importance ratio (> 1): truncated to it, or tokens above it dropped."""
-    beta: float = 0.0
-    """Coefficient of the k3 KL penalty to the reference policy (≥ 0; > 0 needs ``ref_logps``)."""
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.epsilon < 1:
-            raise ValueError(f"epsilon must be in [0, 1), got {self.epsilon}")
-        if not self.epsilon_high >= 0:
-            raise ValueError(f"epsilon_high must be ≥ 0, got {self.epsilon_high}")
-        if self.is_mode not in IMPORTANCE_SAMPLING_MODES:
-            raise ValueError(f"is_mode must be one of {IMPORTANCE_SAMPLING_MODES}, got {self.is_mode!r}")
-        if not self.is_cap > 1:
-            raise ValueError(f"is_cap must be > 1, got {self.is_cap}")
-        if not self.beta >= 0:
-            raise ValueError(f"beta must be ≥ 0, got {self.beta}")
+__all__ = ["LossConfig", "LossStats", "policy_loss"]
 
 
 @dataclass
@@ -66,7 +37,7 @@ class LossStats:
 
     n_tokens: int = 0
     ratio_sum: float = 0.0  # of r = exp(l - b), before truncation or masking
-    capped: int = 0  # tokens with r > is_cap (truncated, or dropped in "mask" mode)
+    capped: int = 0  # tokens with r > importance_sampling_cap (truncated, or dropped in "mask" mode)
     clipped_low: int = 0  # ρ < 1 - epsilon and A < 0
     clipped_high: int = 0  # ρ > 1 + epsilon_high and A > 0
     kl_sum: float = 0.0  # k3, when reference logprobs were given
@@ -116,11 +87,11 @@ def policy_loss(
     current, advantage = logps[mask], batch.advantages[mask]
     log_ratio = current - batch.behaviour_logps[mask]
     ratio = log_ratio.detach().exp()  # may be inf; only compared and logged
-    capped = ratio > cfg.is_cap
+    capped = ratio > cfg.importance_sampling_cap
     used = _importance_ratio(current, log_ratio, ratio, capped, cfg)
     clipped = used.clamp(1 - cfg.epsilon, 1 + cfg.epsilon_high)
     per_token = -torch.minimum(used * advantage, clipped * advantage)
-    if cfg.is_mode == "mask":
+    if cfg.importance_sampling == "mask":
         per_token = torch.where(capped, torch.zeros_like(per_token), per_token)
     k3 = None
     if ref_logps is not None:
@@ -160,12 +131,12 @@ def policy_loss(
 def _importance_ratio(
     current: torch.Tensor, log_ratio: torch.Tensor, ratio: torch.Tensor, capped: torch.Tensor, cfg: LossConfig
 ) -> torch.Tensor:
-    """The ratio the surrogate uses, ρ, by ``cfg.is_mode`` (see the module docstring)."""
-    if cfg.is_mode == "truncate":
+    """The ratio the surrogate uses, ρ, by ``cfg.importance_sampling`` (see the module docstring)."""
+    if cfg.importance_sampling == "truncate":
         # Value min(r, C), gradient min(r, C)·∇l; exp(l - l.detach()) is 1 with gradient ∇l, and never
         # overflows where r itself would.
-        return ratio.clamp(max=cfg.is_cap) * torch.exp(current - current.detach())
-    if cfg.is_mode == "mask":
+        return ratio.clamp(max=cfg.importance_sampling_cap) * torch.exp(current - current.detach())
+    if cfg.importance_sampling == "mask":
         # Dropped tokens get ratio 1 before their loss is zeroed: an overflowing exp there would turn the
         # zeroed loss's gradient into NaN.
         return torch.exp(torch.where(capped, torch.zeros_like(log_ratio), log_ratio))

@@ -170,17 +170,14 @@ class HarnessAsyncGRPOTrainer:
         # On this rank's device before the reference copies it, so both sit where the forwards run.
         model = load_policy(self.model_source, args, self.peft_config).to(self.accelerator.device)
         model.train()
-        self.reference = Reference(model) if args.beta > 0 else None
+        self.reference = Reference(model) if args.loss.beta > 0 else None
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = build_optimizer(args.optim, params, args.learning_rate, args.weight_decay)
         self.lr_scheduler = get_scheduler(
             args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_step_count,
             num_training_steps=args.max_steps,
         )  # fmt: skip
-        self.loss_config = LossConfig(
-            epsilon=args.epsilon, epsilon_high=float(args.epsilon_high or args.epsilon),
-            is_mode=args.importance_sampling, is_cap=args.importance_sampling_cap, beta=args.beta,
-        )  # fmt: skip
+        self.loss_config: LossConfig = args.loss
         resume = resolve_resume(_resume_flag(args.resume_from_checkpoint), self.output_dir)
         self._trained, self.optimizer, resumed = prepare(
             self.accelerator, model, optimizer, self.lr_scheduler, resume
@@ -424,8 +421,8 @@ class HarnessAsyncGRPOTrainer:
         )
         self.trained_groups.extend(group.index for group in groups)
         batch = assemble(
-            groups, advantage_epsilon=args.advantage_epsilon, keep_zero_advantage=args.beta > 0,
-            normalization=args.loss_normalization,
+            groups, advantage_epsilon=args.loss.advantage_epsilon, keep_zero_advantage=args.loss.beta > 0,
+            normalization=args.loss.loss_normalization,
         )  # fmt: skip
         self._log_rollouts([*self._dropped, *groups], batch)
         if args.log_completions and args.should_log(self.state.step + 1):

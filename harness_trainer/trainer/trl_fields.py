@@ -29,13 +29,15 @@ TRL_SUPPORTED: dict[str, str] = {
             "save_steps save_total_limit push_to_hub hub_model_id hub_token hub_private_repo hub_revision "
             "seed resume_from_checkpoint "
             "model_init_kwargs dtype num_generations max_completion_length temperature chat_template_kwargs "
-            "vllm_server_base_url weight_sync_timeout epsilon epsilon_high beta token_budget max_staleness "
+            "vllm_server_base_url weight_sync_timeout token_budget max_staleness "
             "weight_sync_steps log_completions num_completions_to_print"
         ).split()
     },
+    **{name: f"loss.{name}" for name in ("epsilon", "epsilon_high", "beta")},
     "max_inflight_tasks": "max_concurrent_rollouts",
 }
-"""TRL field → the field here that holds it (the same name, but for one alias)."""
+"""TRL field → the field here that holds it: the same name; the loss's knobs in the nested ``loss``
+(``AsyncGRPOConfig`` takes them flat too); one alias."""
 
 
 def _same(names: str, *accepted: Any) -> dict[str, tuple[Any, ...]]:
@@ -212,7 +214,7 @@ TRL_IGNORED: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 """(reason, TRL fields): accepted, ignored, and logged with the reason."""
 
-TRL_ALIASES = {trl: ours for trl, ours in TRL_SUPPORTED.items() if trl != ours}
+TRL_ALIASES = {trl: ours for trl, ours in TRL_SUPPORTED.items() if trl != ours and "." not in ours}
 TRL_ONLY = frozenset(
     [
         *TRL_ALIASES,

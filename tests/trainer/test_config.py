@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from harness_trainer.trainer.config import AsyncGRPOConfig, parse_config
+from capture_proxy.sampling import SamplingPolicy
+from harness_trainer.trainer.config import AsyncGRPOConfig, ConfigProblems, LossConfig, parse_config
 
 
 def test_defaults_are_a_valid_config_with_a_temperature_only_policy() -> None:
     config = AsyncGRPOConfig()
     assert config.sampling == {"temperature": 1.0}
-    assert config.epsilon_high == config.epsilon
+    assert config.loss.epsilon_high == config.loss.epsilon
     assert config.admission_limit == (config.max_staleness + 1) * config.groups_per_step
-    assert config.beta == 0.0 and config.importance_sampling == "truncate"
+    assert config.loss.beta == 0.0 and config.loss.importance_sampling == "truncate"
     assert AsyncGRPOConfig(max_completion_length=64).sampling == {"temperature": 1.0, "max_tokens": 64}
 
 
@@ -59,7 +62,7 @@ def test_yaml_gives_the_same_fields(tmp_path) -> None:
     path = tmp_path / "run.yaml"
     path.write_text("num_generations: 6\nmax_steps: 3\nreport_to: [tensorboard, wandb]\nbeta: 0.05\n")
     config = parse_config(yaml_file=str(path))
-    assert (config.num_generations, config.max_steps, config.beta) == (6, 3, 0.05)
+    assert (config.num_generations, config.max_steps, config.loss.beta) == (6, 3, 0.05)
     assert config.report_to == ["tensorboard", "wandb"]
 
 
@@ -68,3 +71,36 @@ def test_yaml_with_a_bad_combination_is_refused(tmp_path) -> None:
     path.write_text("num_generations: 1\n")
     with pytest.raises(ValueError, match="num_generations"):
         parse_config(yaml_file=str(path))
+
+
+def test_the_loss_knobs_live_in_the_nested_loss_and_are_taken_flat_too() -> None:
+    assert AsyncGRPOConfig(beta=0.04, loss_normalization="step").loss == LossConfig(
+        beta=0.04, loss_normalization="step"
+    )
+    assert AsyncGRPOConfig(loss={"epsilon": 0.1}).loss.epsilon_high == 0.1  # a dict: YAML or JSON
+    assert AsyncGRPOConfig(loss=LossConfig(beta=0.2), beta=0.3).loss.beta == 0.3  # flat over nested
+    assert "beta" not in {f.name for f in dataclasses.fields(AsyncGRPOConfig)}
+    with pytest.raises(ConfigProblems) as raised:
+        AsyncGRPOConfig(num_generations=1, epsilon=1.5, loss_normalization="token")
+    assert len(raised.value.problems) == 3 and "epsilon must be in [0, 1), got 1.5" in str(raised.value)
+    with pytest.raises(ValueError, match="loss has no field is_mode"):
+        AsyncGRPOConfig(loss={"is_mode": "mask"})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"temperature": 0.0}, "temperature must be a finite positive number"),
+        ({"temperature": 101.0}, "sampling policy: temperature Input should be less than or equal to 100"),
+        ({"max_completion_length": 0}, "sampling policy: max_completion_length Input should be greater than"),
+    ],
+)
+def test_a_sampling_policy_the_capture_proxy_refuses_is_refused_at_construction(overrides, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        AsyncGRPOConfig(**overrides)
+
+
+def test_the_sampling_policy_is_the_capture_proxys_own_type() -> None:
+    config = AsyncGRPOConfig(temperature=0.7, max_completion_length=256)
+    assert config.sampling_policy == SamplingPolicy(temperature=0.7, max_tokens=256)
+    assert SamplingPolicy(**config.sampling) == config.sampling_policy  # what the factories send

@@ -14,7 +14,7 @@ import torch
 from harness_trainer import HarnessAsyncGRPOTrainer
 from harness_trainer.trainer import trainer as trainer_module
 from harness_trainer.trainer.batch import StepBatch
-from harness_trainer.trainer.config import AsyncGRPOConfig, parse_config
+from harness_trainer.trainer.config import AsyncGRPOConfig, LossConfig, parse_config
 from harness_trainer.trainer.outcome import HarnessRolloutOutcome
 from harness_trainer.trainer.rollout_log import read_rollout_log
 from harness_trainer.trainer.scheduling import Rollout
@@ -88,6 +88,7 @@ def fresh_accelerate():
 
 def test_every_trl_field_is_supported_refused_or_ignored():
     ours = {f.name for f in dataclasses.fields(AsyncGRPOConfig)}
+    ours |= {f"loss.{f.name}" for f in dataclasses.fields(LossConfig)}
     for cls in trl_config_classes():
         names = {f.name for f in dataclasses.fields(cls)}
         unclassified = sorted(names - set(TRL_SUPPORTED) - REFUSED - IGNORED)

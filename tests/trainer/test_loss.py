@@ -19,7 +19,8 @@ from harness_trainer.trainer.packing import MicroBatch, collate, plan_micro_batc
 from harness_trainer.trainer.rows import Row
 
 # ------------------------------------------------------------------------------------ the worked example
-# Two rows of three tokens; the first token of each is context. ε = 0.2, ε_high = 0.28, C = 2.
+# Two rows of three tokens; the first token of each is context. ε = 0.2, ε_high = 0.28 (set: its default
+# is ε), C = 2.
 #   t1  rollout 0, A = +1, r = 1.0: ρ = 1, inside the clip range: loss −1, d loss/dl = −A·ρ = −1
 #   t2  rollout 0, A = +1, r = 1.5: clip(1.5) = 1.28 < 1.5, the min takes 1.28: loss −1.28, no gradient
 #   t3  rollout 1, A = −1, r = 0.5: clip(0.5) = 0.8, min(−0.5, −0.8) = −0.8: loss +0.8, no gradient
@@ -51,7 +52,7 @@ def worked_example() -> tuple[torch.Tensor, MicroBatch]:
 def test_truncated_importance_sampling_matches_the_hand_computed_example() -> None:
     logps, batch = worked_example()
 
-    loss, stats = policy_loss(logps, batch, LossConfig())
+    loss, stats = policy_loss(logps, batch, LossConfig(epsilon_high=0.28))
     loss.backward()
 
     assert loss.item() == pytest.approx(0.13, abs=1e-6)
@@ -76,7 +77,7 @@ def test_mask_mode_drops_the_token_above_the_cap() -> None:
     # t4 (r = 3 > 2) is dropped; its rollout's weight stays 1/4: loss (−1 − 1.28 + 0.8) / 4 = −0.37.
     logps, batch = worked_example()
 
-    loss, stats = policy_loss(logps, batch, LossConfig(is_mode="mask"))
+    loss, stats = policy_loss(logps, batch, LossConfig(epsilon_high=0.28, importance_sampling="mask"))
     loss.backward()
 
     assert loss.item() == pytest.approx(-0.37, abs=1e-6)
@@ -89,7 +90,7 @@ def test_no_importance_correction_uses_the_raw_ratio() -> None:
     # t4 at ρ = r = 3: min(−3, −1.28) = −3, loss +3, gradient −A·3 = 3: loss (−1 − 1.28 + 0.8 + 3) / 4 = 0.38.
     logps, batch = worked_example()
 
-    loss, _ = policy_loss(logps, batch, LossConfig(is_mode="none"))
+    loss, _ = policy_loss(logps, batch, LossConfig(epsilon_high=0.28, importance_sampling="none"))
     loss.backward()
 
     assert loss.item() == pytest.approx(0.38, abs=1e-6)
@@ -103,7 +104,7 @@ def test_the_k3_penalty_adds_beta_times_kl_and_its_gradient() -> None:
     ref = logps.detach().clone()
     ref[1] += math.log(2)
 
-    loss, stats = policy_loss(logps, batch, LossConfig(beta=0.1), ref_logps=ref)
+    loss, stats = policy_loss(logps, batch, LossConfig(epsilon_high=0.28, beta=0.1), ref_logps=ref)
     loss.backward()
 
     kl = 1 - math.log(2)
@@ -117,7 +118,7 @@ def test_reference_logprobs_are_measured_but_not_trained_at_beta_zero() -> None:
     logps, batch = worked_example()
     ref = logps.detach() + 0.5
 
-    loss, stats = policy_loss(logps, batch, LossConfig(), ref_logps=ref)
+    loss, stats = policy_loss(logps, batch, LossConfig(epsilon_high=0.28), ref_logps=ref)
 
     assert loss.item() == pytest.approx(0.13, abs=1e-6)
     assert stats.kl_sum == pytest.approx(4 * (math.exp(0.5) - 0.5 - 1))
@@ -127,7 +128,7 @@ def test_entropy_is_summed_over_targets_only() -> None:
     logps, batch = worked_example()
     entropy = torch.tensor([9.0, 1.0, 2.0, 9.0, 3.0, 4.0])
 
-    _, stats = policy_loss(logps, batch, LossConfig(), entropy=entropy)
+    _, stats = policy_loss(logps, batch, LossConfig(epsilon_high=0.28), entropy=entropy)
 
     assert stats.entropy_sum == 10.0 and stats.metrics()["entropy"] == 2.5
 
@@ -142,7 +143,7 @@ def test_a_huge_ratio_gives_finite_losses_and_gradients_in_every_mode() -> None:
 
     for mode in ("truncate", "mask"):
         current = far.clone().requires_grad_(True)
-        loss, _ = policy_loss(current, batch, LossConfig(is_mode=mode))
+        loss, _ = policy_loss(current, batch, LossConfig(epsilon_high=0.28, importance_sampling=mode))
         loss.backward()
         assert torch.isfinite(loss) and current.grad is not None and torch.isfinite(current.grad).all(), mode
 
@@ -153,8 +154,8 @@ def test_a_huge_ratio_gives_finite_losses_and_gradients_in_every_mode() -> None:
         ({"epsilon": -0.1}, "epsilon must be in"),
         ({"epsilon": 1.0}, "epsilon must be in"),
         ({"epsilon_high": -0.1}, "epsilon_high"),
-        ({"is_mode": "clip"}, "is_mode must be one of"),
-        ({"is_cap": 1.0}, "is_cap must be > 1"),
+        ({"importance_sampling": "clip"}, "importance_sampling 'clip' is not one of"),
+        ({"importance_sampling_cap": 1.0}, "importance_sampling_cap must be greater than 1"),
         ({"beta": -1.0}, "beta"),
     ],
 )
@@ -167,7 +168,7 @@ def test_a_kl_coefficient_without_reference_logprobs_is_refused() -> None:
     logps, batch = worked_example()
 
     with pytest.raises(ValueError, match="ref_logps"):
-        policy_loss(logps, batch, LossConfig(beta=0.1))
+        policy_loss(logps, batch, LossConfig(epsilon_high=0.28, beta=0.1))
 
 
 def test_stats_merge_by_addition() -> None:
@@ -228,7 +229,7 @@ def step_loss(
     for micro in plan:
         batch = collate(micro, ADVANTAGES, weights)
         logps, entropy = token_logprobs(model, batch, 0.9, targets_only=True)
-        loss, micro_stats = policy_loss(logps, batch, LossConfig(), entropy=entropy)
+        loss, micro_stats = policy_loss(logps, batch, LossConfig(epsilon_high=0.28), entropy=entropy)
         loss.backward()
         total += loss.item()
         stats = stats.merge(micro_stats)
@@ -293,7 +294,7 @@ def test_a_rollout_split_into_many_rows_weighs_the_same_as_an_unsplit_one() -> N
 
     def contribution(rows: list[Row]) -> tuple[float, list[torch.Tensor]]:
         batch = collate(rows, advantages, weights)
-        loss, _ = policy_loss(token_logprobs(model, batch, 1.0)[0], batch, LossConfig())
+        loss, _ = policy_loss(token_logprobs(model, batch, 1.0)[0], batch, LossConfig(epsilon_high=0.28))
         loss.backward()
         return loss.item(), grads(model)
 
