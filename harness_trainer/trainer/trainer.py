@@ -64,9 +64,10 @@ from harness_trainer.trainer.optim import build_optimizer
 from harness_trainer.trainer.outcome import HarnessRolloutOutcome
 from harness_trainer.trainer.packing import MicroBatch, collate
 from harness_trainer.trainer.policy import Reference, is_peft, load_policy, vocab_size
+from harness_trainer.trainer.records import Group
 from harness_trainer.trainer.reporting import MetricsReporter
 from harness_trainer.trainer.rollout_log import RolloutLog, rollout_record
-from harness_trainer.trainer.scheduling import Group, RolloutScheduler, SchedulerConfig
+from harness_trainer.trainer.scheduling import RolloutScheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
 

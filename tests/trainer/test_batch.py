@@ -6,8 +6,9 @@ import pytest
 
 from harness_trainer.trace import load_trace
 from harness_trainer.trainer.batch import assemble, rollout_metrics
+from harness_trainer.trainer.records import Group, Rollout
 from harness_trainer.trainer.rows import build_rows
-from harness_trainer.trainer.scheduling import Group, Rollout
+from tests.test_package_boundaries import modules_after
 from tests.trainer.handmade import chain_trace
 
 
@@ -77,3 +78,8 @@ def test_step_normalization_weighs_every_token_alike_and_still_counts_a_split_ro
     assert batch.weights[0] == batch.weights[1]
     longest = max(sum(r.n_targets for r in batch.rows if r.rollout == i) for i in (0, 1))
     assert batch.weights[0] == pytest.approx(1 / (longest * 2))
+
+
+def test_the_step_data_modules_do_not_import_the_threaded_scheduler() -> None:
+    statement = "import harness_trainer.trainer.batch, harness_trainer.trainer.rollout_log"
+    assert modules_after(statement, ["harness_trainer.trainer.scheduling", "torch"]) == []

@@ -11,6 +11,7 @@ from harness_trainer.rollouts.session import VerifyResult
 from harness_trainer.trace import load_trace
 from harness_trainer.trainer.batch import assemble
 from harness_trainer.trainer.outcome import build_outcome
+from harness_trainer.trainer.records import Rollout
 from harness_trainer.trainer.rollout_log import (
     ROLLOUTS_FILE,
     RolloutLog,
@@ -19,7 +20,7 @@ from harness_trainer.trainer.rollout_log import (
     rollout_record,
 )
 from harness_trainer.trainer.rows import build_rows
-from harness_trainer.trainer.scheduling import Rollout, RolloutScheduler, SchedulerConfig
+from harness_trainer.trainer.scheduling import RolloutScheduler, SchedulerConfig
 from tests.trainer.handmade import HandmadeFactory, chain_trace
 
 

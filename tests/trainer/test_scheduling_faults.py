@@ -22,12 +22,8 @@ from harness_trainer.rollouts.session import RolloutUnscorable
 from harness_trainer.sandboxes.base import SandboxError
 from harness_trainer.trainer import scheduling
 from harness_trainer.trainer.outcome import RewardFunctionError
-from harness_trainer.trainer.scheduling import (
-    Group,
-    RolloutScheduler,
-    RolloutSchedulerError,
-    SchedulerConfig,
-)
+from harness_trainer.trainer.records import Group
+from harness_trainer.trainer.scheduling import RolloutScheduler, RolloutSchedulerError, SchedulerConfig
 from tests.trainer.handmade import HandmadeFactory, chain_trace
 
 PROMPT_S = 10.0
