@@ -126,7 +126,7 @@ def run_server(
 @contextlib.contextmanager
 def running_engine(model: str, threads: int) -> Iterator[tuple[str, subprocess.Popen]]:
     """``harness-trainer engine`` on a free loopback port; stopped (terminate, then kill) on every path."""
-    from harness_trainer.demo import free_port, wait_until_healthy
+    from harness_trainer.net import free_port, wait_until_healthy
 
     port = free_port()
     command = [sys.executable, "-m", "harness_trainer.cli", "engine", "--model", model, "--port", str(port)]

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from importlib import resources
+
+from harness_trainer.net import free_port, wait_until_healthy
 
 TOOLS = [
     {
@@ -33,29 +33,6 @@ TOOLS = [
 ]
 CAPTURE = {"logprobs": True, "top_logprobs": 0}
 CAPTURE_EXTRA = {"return_token_ids": True}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_until_healthy(url: str, process: subprocess.Popen, timeout: float = 180.0) -> None:
-    """Poll ``url``/health until it answers 200; fail early if ``process`` exits."""
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the engine exited with code {process.returncode} before it was ready")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(f"the engine at {url} was not healthy after {timeout:.0f}s")
 
 
 def _show(title: str, completion) -> None:

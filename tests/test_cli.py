@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from harness_trainer.demo import free_port
+from harness_trainer.net import free_port
 
 
 def _console_script() -> str:

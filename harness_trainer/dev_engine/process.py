@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from harness_trainer.demo import free_port, wait_until_healthy
+from harness_trainer.net import free_port, wait_until_healthy
 
 
 @dataclass

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from harness_trainer.demo import free_port, wait_until_healthy
+from harness_trainer.net import free_port, wait_until_healthy
 
 CAPTURE_FLAGS = ("--logprobs-mode", "processed_logprobs", "--return-tokens-as-token-ids")
 """What the capture proxy needs from vLLM: the sampled ids and the logprobs after temperature."""

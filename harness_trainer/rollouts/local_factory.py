@@ -44,7 +44,7 @@ class LocalSessionFactory:
         admin_key: str | None = None,
         sandbox_options: dict[str, dict[str, Any]] | None = None,
     ) -> None:
-        from harness_trainer.demo import free_port
+        from harness_trainer.net import free_port
 
         self.tasks = open_task_source(tasks) if isinstance(tasks, str) else tasks
         self.split = split

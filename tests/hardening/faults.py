@@ -246,7 +246,7 @@ class FaultyUpstream:
     """
 
     def __init__(self, target: str) -> None:
-        from harness_trainer.demo import free_port
+        from harness_trainer.net import free_port
 
         self.target = target.rstrip("/")
         self.port = free_port()

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from harness_trainer import HarnessAsyncGRPOTrainer
-from harness_trainer.demo import free_port
+from harness_trainer.net import free_port
 from harness_trainer.rollouts.factory import HarborSession, HarborSessionFactory
 from harness_trainer.rollouts.runtime import RolloutRuntime, RuntimeConfig
 from tests.hardening.faults import (

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from capture_proxy.app import build_app
 from capture_proxy.config import ProxyConfig
-from harness_trainer.demo import free_port
+from harness_trainer.net import free_port
 from harness_trainer.rollouts.runtime import RuntimeConfig
 from harness_trainer.rollouts.server import RolloutServer
 from harness_trainer.tasks.sources import LocalTaskSource

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from harness_trainer.demo import free_port
+from harness_trainer.net import free_port
 from harness_trainer.jobs.install import build_wheel
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,7 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
-from harness_trainer.demo import free_port
+from harness_trainer.net import free_port
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm_cpu"
 MODEL = "tiny"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from harness_trainer.demo import free_port
+from harness_trainer.net import free_port
 from harness_trainer.launch.harbor_run import (
     WAIT_MARGIN_S,
     build_config,

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from harness_trainer.demo import free_port
+from harness_trainer.net import free_port
 from harness_trainer.launch.harbor_run import main
 from harness_trainer.launch.preflight import LAUNCH_FILE, PreflightError, check_capture_shapes
 from tests.launch.fakes import FIXTURES, FakeEngine, FakeRolloutServer, serving

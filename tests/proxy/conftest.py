@@ -19,7 +19,7 @@ from aiohttp import web
 
 from capture_proxy.app import build_app
 from capture_proxy.config import ProxyConfig
-from harness_trainer.demo import free_port
+from harness_trainer.net import free_port
 from tests.proxy.fake_engine import FakeEngine, ServerThread
 
 ADMIN_KEY = "test-admin-key"

@@ -22,7 +22,7 @@ import pytest
 import uvloop
 
 from capture_proxy.cli import new_event_loop
-from harness_trainer.demo import free_port, wait_until_healthy
+from harness_trainer.net import free_port, wait_until_healthy
 from harness_trainer.trace import TrainingTrace
 from tests.conftest import EngineProcess, start_engine
 

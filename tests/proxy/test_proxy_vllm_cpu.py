@@ -21,7 +21,7 @@ import pytest
 
 from capture_proxy.app import build_app
 from capture_proxy.config import ProxyConfig
-from harness_trainer.demo import free_port
+from harness_trainer.net import free_port
 from harness_trainer.trace import TrainingTrace
 from tests.proxy.fake_engine import ServerThread
 from tests.test_vllm_cpu_parity import model_dir, pytestmark, vllm_url  # noqa: F401 - fixtures and marks

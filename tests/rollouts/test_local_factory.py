@@ -112,7 +112,7 @@ def test_the_factory_rolls_out_through_an_external_capture_proxy_and_leaves_it_r
     rollout's calls go through a ``python -m capture_proxy`` process (its metrics count the journaled
     calls), the trace and session id come back as usual, the rollout's session is deleted there, and
     closing the factory leaves the external proxy running."""
-    from harness_trainer.demo import free_port
+    from harness_trainer.net import free_port
     from tests.hardening.faults import ProxyProcess
 
     engine = scripted_engine(HELLO)

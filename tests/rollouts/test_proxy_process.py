@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from harness_trainer.demo import free_port
+from harness_trainer.net import free_port
 from harness_trainer.rollouts.proxy_process import ProxyProcessError
 from harness_trainer.rollouts.runtime import RolloutRuntime, RuntimeConfig
 

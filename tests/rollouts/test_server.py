@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from harness_trainer.demo import free_port, wait_until_healthy
+from harness_trainer.net import free_port, wait_until_healthy
 from harness_trainer.rollouts.factory import HarborSessionFactory, RolloutServerError
 from tests.rollouts.conftest import EXAMPLES, bash_call, live_sandbox_processes
 

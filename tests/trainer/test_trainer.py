@@ -175,7 +175,7 @@ def test_a_malformed_capture_stops_training_after_closing_every_session(tmp_path
 
 
 def test_an_engine_that_is_down_at_a_weight_push_stops_the_run_with_a_checkpoint(tmp_path, tiny_model_dir):
-    from harness_trainer.demo import free_port
+    from harness_trainer.net import free_port
 
     factory = HandmadeFactory()
     settings = config(
