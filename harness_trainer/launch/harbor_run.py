@@ -5,8 +5,13 @@ are already up: the inference engine (vLLM, or the CPU dev engine) and the rollo
 (``harness-trainer serve``), which runs the agents in sandboxes behind its capture proxy. Before anything
 is spent, :func:`~harness_trainer.launch.preflight.run_preflight` checks both and the output directory; a
 failure is one line on stderr and exit code 2. Then the launcher records ``--model`` in
-``OUTPUT_DIR/launch.json`` (what a later ``--resume`` is checked against), lists the split's tasks from
-the server as the dataset, and trains with the reward of :mod:`harness_trainer.launch.rewards`.
+``OUTPUT_DIR/launch.json`` (what a later ``--resume`` is checked against) and the resolved config in
+``OUTPUT_DIR/run_config.json``, lists the split's tasks from the server as the dataset, and trains with
+the reward of :mod:`harness_trainer.launch.rewards`.
+
+Options come from flags and ``--config FILE`` (:mod:`harness_trainer.launch.config_file`): its ``run``
+section holds this launcher's own options, its ``trainer`` section the trainer's config; every trainer
+field also has a flag; a flag given wins over the file.
 """
 
 from __future__ import annotations
@@ -22,6 +27,16 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from harness_trainer.launch.config_file import (
+    TRAINER,
+    ConfigFileError,
+    add_trainer_arguments,
+    apply_config,
+    configurable,
+    given_trainer_flags,
+    trainer_values,
+    write_resolved,
+)
 from harness_trainer.launch.preflight import (
     FINGERPRINT_FIELDS,
     LAUNCH_FILE,
@@ -31,7 +46,7 @@ from harness_trainer.launch.preflight import (
 )
 from harness_trainer.launch.rewards import correctness_with_tool_efficiency
 from harness_trainer.sandboxes import describe_backends
-from harness_trainer.trainer.config import DTYPES, WEIGHT_SYNCS, AsyncGRPOConfig
+from harness_trainer.trainer.config import AsyncGRPOConfig
 
 WAIT_MARGIN_S = 600.0
 """Added to ``--agent-timeout`` for the trainer's own wait on a rollout. The server enforces the agent's
@@ -39,8 +54,18 @@ timeout; the trainer's wait also covers the sandbox start, the agent's install a
 only a backstop for a server that stopped answering."""
 
 
+TRAINER_DEFAULTS: dict[str, Any] = {"max_steps": 100, "output_dir": "outputs/async_grpo_harbor"}
+"""This launcher's defaults where they differ from ``AsyncGRPOConfig``'s: a bounded run, its own folder."""
+OWNED = {"engine": "engine", "vllm_server_base_url": "vllm_url", "agent_timeout": "agent_timeout"}
+"""Trainer fields this launcher sets from its own options (the trainer's wait is the agent's timeout plus
+:data:`WAIT_MARGIN_S`), so its config file's trainer section may not set them; ``server_capacity`` is
+what preflight measures."""
+SECTION = "run"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The launcher's flags (``--help`` lists them); only ``--model`` is required."""
+    """The launcher's flags (``--help`` lists them): its own, and one per trainer config field; ``--model``
+    is required, on the command line or in ``--config``. Parse with :func:`parse_args`."""
     parser = argparse.ArgumentParser(
         description="Async GRPO on Harbor tasks: real agents in sandboxes, through a rollout server.",
         epilog="Start vLLM and `harness-trainer serve` first: examples/async_grpo_harbor/README.md.",
@@ -54,15 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="engine kind (auto: the dev engine if it answers GET /weight_version, else vLLM)",
     )
-    where.add_argument(
-        "--weight-sync",
-        choices=WEIGHT_SYNCS,
-        default="auto",
-        help="how weights reach vLLM: file (its in-place reload from /dev/shm; same host), nccl (its NCCL "
-        "transfer; another GPU or host), auto (file for a vLLM on this host, else nccl)",
-    )
     where.add_argument("--model", required=True, help="the policy to train: a model directory or hub id")
-    where.add_argument("--dtype", choices=DTYPES, default="float32", help="training dtype")
 
     tasks = parser.add_argument_group("tasks and agents")
     tasks.add_argument("--split", default="train", help="task split on the rollout server")
@@ -77,60 +94,57 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tasks.add_argument("--agent-timeout", type=float, default=600.0, help="seconds an agent may run")
     tasks.add_argument("--agent-step-limit", type=int, default=30, help="agent steps (0: harness default)")
-
-    train = parser.add_argument_group("training")
-    train.add_argument("--num-generations", type=int, default=8, help="rollouts per task (a group)")
-    train.add_argument("--max-concurrent-rollouts", type=int, default=8, help="sessions live at once")
-    train.add_argument("--max-steps", type=int, default=100, help="optimizer steps")
-    train.add_argument("--learning-rate", type=float, default=1e-6)
-    train.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
-    train.add_argument("--max-staleness", type=int, default=1, help="policy versions a rollout may lag")
-    train.add_argument(
-        "--lora", action="store_true",
-        help="train a LoRA adapter (vLLM gets the adapter alone: serve it with --enable-lora)",
-    )  # fmt: skip
-    train.add_argument("--output-dir", type=Path, default=Path("outputs/async_grpo_harbor"))
-    train.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps (0: at the end)")
-    train.add_argument("--report-to", default="none", help="none, tensorboard, wandb, trackio (comma list)")
-    train.add_argument(
-        "--resume",
-        nargs="?",
-        const="latest",
-        default=None,
-        metavar="CHECKPOINT",
-        help="continue from the latest checkpoint in --output-dir, or from CHECKPOINT",
-    )
-    train.add_argument(
+    tasks.add_argument(
         "--preflight-only", action="store_true", help="run the checks, print what they found, and exit"
     )
+    add_trainer_arguments(
+        parser,
+        defaults=TRAINER_DEFAULTS,
+        exclude=[*OWNED, "server_capacity"],
+        aliases={"use_peft": ["--lora"], "resume_from_checkpoint": ["--resume"]},
+        extra={"resume_from_checkpoint": {"nargs": "?", "const": "latest", "metavar": "CHECKPOINT"}},
+    )
+    configurable(parser, SECTION)
     return parser
 
 
-def build_config(args: argparse.Namespace, **overrides: Any) -> AsyncGRPOConfig:
-    """The trainer's config from the flags (``overrides`` win).
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The launcher's options, each the flag given, else ``--config``'s ``run`` section, else the default.
 
     Raises:
-        ValueError: a value ``AsyncGRPOConfig`` refuses.
+        ValueError: a config file's problems (:class:`ConfigFileError`), or no ``--model``.
     """
-    fields: dict[str, Any] = {
-        "num_generations": args.num_generations,
-        "max_concurrent_rollouts": args.max_concurrent_rollouts,
-        "max_staleness": args.max_staleness,
+    return apply_config(build_parser().parse_args(argv))
+
+
+def build_config(args: argparse.Namespace, **overrides: Any) -> AsyncGRPOConfig:
+    """The trainer's config: :data:`TRAINER_DEFAULTS` < ``--config``'s trainer section < the trainer flags
+    given < what the launcher's own options set (:data:`OWNED`) < ``overrides``.
+
+    Raises:
+        ValueError: a value ``AsyncGRPOConfig`` refuses, or a trainer field of :data:`OWNED` in the file.
+    """
+    from_file = args.config_sections.get(TRAINER, {})
+    clash = [f"{TRAINER}.{name}: set by {SECTION}.{OWNED[name]} here" for name in OWNED if name in from_file]
+    if clash:
+        raise ConfigFileError(args.config, clash)
+    owned = {
         "agent_timeout": args.agent_timeout + WAIT_MARGIN_S,
-        "learning_rate": args.learning_rate,
-        "temperature": args.temperature,
-        "max_steps": args.max_steps,
-        "save_steps": args.save_steps,
-        "use_peft": args.lora,
-        "dtype": args.dtype,
-        "output_dir": str(args.output_dir),
-        "report_to": args.report_to,
-        "resume_from_checkpoint": args.resume,
         "vllm_server_base_url": args.vllm_url,
         "engine": "vllm" if args.engine == "auto" else args.engine,
-        "weight_sync": args.weight_sync,
     }
-    return AsyncGRPOConfig(**{**fields, **overrides})
+    values = trainer_values(TRAINER_DEFAULTS, from_file, given_trainer_flags(args))
+    return AsyncGRPOConfig(**{**values, **owned, **overrides})
+
+
+def resolve(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, AsyncGRPOConfig]:
+    """The launcher's options and the trainer's config for ``argv``, checked: what a run would start with.
+
+    Raises:
+        ValueError: a config file's problems, or a value the trainer's config refuses.
+    """
+    args = parse_args(argv)
+    return args, build_config(args)
 
 
 def session_builder(args: argparse.Namespace) -> partial[Any]:
@@ -162,23 +176,23 @@ def preflight_options(args: argparse.Namespace, config: AsyncGRPOConfig) -> Pref
         model=args.model,
         harness=args.harness,
         sandbox=args.sandbox,
-        output_dir=args.output_dir,
+        output_dir=Path(config.output_dir),
         engine=args.engine,
         split=args.split,
-        max_concurrent_rollouts=args.max_concurrent_rollouts,
+        max_concurrent_rollouts=config.max_concurrent_rollouts,
         task_indices=args.task_indices,
         num_tasks=args.num_tasks,
-        resume=args.resume,
+        resume=config.resume_from_checkpoint,
         fingerprint={key: settings[key] for key in FINGERPRINT_FIELDS},
         weight_sync=config.weight_sync,
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the launcher; returns the exit code (2: bad flags or a failed preflight, nothing spent)."""
-    args = build_parser().parse_args(argv)
+    """Run the launcher; returns the exit code (2: bad flags, a bad config or a failed preflight, nothing
+    spent). The resolved config is written to ``OUTPUT_DIR/run_config.json`` once the run starts."""
     try:
-        config = build_config(args)
+        args, config = resolve(argv)
     except ValueError as exc:
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2
@@ -195,7 +209,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # else one line per rollout poll
     config = dataclasses.replace(config, engine=report.engine_kind, server_capacity=report.server_capacity)
-    _write_launch_record(args, report.engine_kind, argv)
+    _write_launch_record(args, config, report.engine_kind, argv)
+    run_options = {dest: getattr(args, dest) for dest in args.config_layers.defaults}
+    write_resolved(config.output_dir, {SECTION: run_options, TRAINER: config.to_dict()})
     builder = session_builder(args)
     from harness_trainer.trainer.trainer import HarnessAsyncGRPOTrainer  # torch: only once a run starts
 
@@ -219,7 +235,9 @@ def _task_rows(builder: partial[Any], config: AsyncGRPOConfig) -> list[dict[str,
         factory.close()  # frees its metadata session before the trainer's own factory opens one
 
 
-def _write_launch_record(args: argparse.Namespace, engine_kind: str, argv: Sequence[str] | None) -> None:
+def _write_launch_record(
+    args: argparse.Namespace, config: AsyncGRPOConfig, engine_kind: str, argv: Sequence[str] | None
+) -> None:
     """``OUTPUT_DIR/launch.json``: what a later ``--resume`` must match (written atomically)."""
     record = {
         "model": args.model,
@@ -231,10 +249,11 @@ def _write_launch_record(args: argparse.Namespace, engine_kind: str, argv: Seque
         "engine_url": args.vllm_url,
         "argv": list(sys.argv[1:] if argv is None else argv),
     }
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    staging = args.output_dir / f".{LAUNCH_FILE}.{os.getpid()}.tmp"
+    output_dir = Path(config.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    staging = output_dir / f".{LAUNCH_FILE}.{os.getpid()}.tmp"
     staging.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(staging, args.output_dir / LAUNCH_FILE)
+    os.replace(staging, output_dir / LAUNCH_FILE)
 
 
 def _one_line(exc: BaseException) -> str:

@@ -113,12 +113,16 @@ def test_the_learning_rate_defaults_by_what_is_trained_and_an_explicit_one_wins(
         FULL_LEARNING_RATE,
         LORA_LEARNING_RATE,
         add_dev_arguments,
-        learning_rate,
-        options_from,
+        build_dev_config,
     )
+    from harness_trainer.launch.config_file import apply_config
 
     parser = argparse.ArgumentParser()
     add_dev_arguments(parser)
-    assert learning_rate(options_from(parser.parse_args([]))) == FULL_LEARNING_RATE == 0.05
-    assert learning_rate(options_from(parser.parse_args(["--lora"]))) == LORA_LEARNING_RATE == 1.0
-    assert learning_rate(options_from(parser.parse_args(["--lora", "--learning-rate", "1e-9"]))) == 1e-9
+
+    def learning_rate(*argv: str) -> float:
+        return build_dev_config(apply_config(parser.parse_args(list(argv)))).learning_rate
+
+    assert learning_rate() == FULL_LEARNING_RATE == 0.05
+    assert learning_rate("--lora") == LORA_LEARNING_RATE == 1.0
+    assert learning_rate("--lora", "--learning-rate", "1e-9") == 1e-9

@@ -46,20 +46,38 @@ def test_trainer_settings_read_what_the_launcher_needs_and_default_like_the_trai
     assert trainer_settings(["--model", "m", "--lora", "--sandbox", "local"]).lora
 
 
-def test_trainer_settings_default_like_the_trainer_launcher() -> None:
-    from harness_trainer.launch.harbor_run import build_parser as trainer_parser
+def test_trainer_settings_are_the_trainer_launchers_resolved_options(tmp_path) -> None:
+    from harness_trainer.launch.harbor_run import resolve
 
-    defaults = trainer_parser().parse_args(["--model", "m"])
+    args, config = resolve(["--model", "m"])
     settings = trainer_settings(["--model", "m"])
-    assert settings.sandbox == defaults.sandbox == "e2b"
-    assert settings.max_concurrent_rollouts == defaults.max_concurrent_rollouts
-    assert settings.lora is defaults.lora is False
-    assert settings.output_dir == str(defaults.output_dir)
+    assert settings.sandbox == args.sandbox == "e2b"
+    assert settings.max_concurrent_rollouts == config.max_concurrent_rollouts
+    assert settings.lora is config.use_peft is False
+    assert settings.output_dir == config.output_dir
+    run = tmp_path / "run.yaml"
+    run.write_text(
+        "run: {model: org/m, sandbox: local}\ntrainer: {use_peft: true, max_concurrent_rollouts: 3}\n"
+    )
+    from_file = trainer_settings(["--config", str(run), "--max-concurrent-rollouts", "5"])
+    assert (from_file.model, from_file.sandbox, from_file.lora, from_file.max_concurrent_rollouts) == (
+        "org/m",
+        "local",
+        True,
+        5,
+    )
 
 
 def test_trainer_arguments_without_a_model_are_refused() -> None:
-    with pytest.raises(LaunchError, match="need --model"):
+    with pytest.raises(LaunchError, match="--model is required"):
         trainer_settings(["--harness", "opencode"])
+
+
+def test_trainer_arguments_the_trainer_refuses_are_refused_before_the_job() -> None:
+    with pytest.raises(LaunchError, match="unrecognized arguments: --no-such-flag"):
+        trainer_settings(["--model", "m", "--no-such-flag"])
+    with pytest.raises(LaunchError, match="num_generations must be at least 2"):
+        trainer_settings(["--model", "m", "--num-generations", "1"])
 
 
 @pytest.mark.parametrize("flag", ["--server", "--vllm-url"])
@@ -222,7 +240,7 @@ def test_bad_trainer_arguments_are_one_error_line_and_exit_2() -> None:
     )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "error: the trainer arguments need --model (vLLM serves it and the trainer trains it)"
+        "error: trainer arguments: --model is required (or run.model in a --config file)"
     ]
 
 

@@ -284,7 +284,7 @@ def test_a_missing_secret_is_one_error_line_naming_it_and_nothing_is_submitted(
         (["--flavor", "h300x9"], TRAINER, "--flavor 'h300x9' is not a Jobs flavor; known: cpu-basic"),
         (["--timeout", "soon"], TRAINER, "--timeout 'soon'"),
         (["--secret", "NOT-A-NAME"], TRAINER, "--secret 'NOT-A-NAME' is not an environment variable name"),
-        ([], ["--harness", "opencode"], "the trainer arguments need --model"),
+        ([], ["--harness", "opencode"], "trainer arguments: --model is required"),
         ([], [*TRAINER, "--vllm-url", "http://x"], "the launcher sets --vllm-url"),
         ([], [*TRAINER, "--sandbox", "moon"], "the trainer's --sandbox: unknown sandbox backend 'moon'"),
         (["--volume", "hf://org"], TRAINER, "--volume hf://org: Invalid HF URI"),

@@ -16,8 +16,8 @@ from harness_trainer.net import free_port
 from harness_trainer.launch.harbor_run import (
     WAIT_MARGIN_S,
     build_config,
-    build_parser,
     main,
+    parse_args,
     session_builder,
 )
 from harness_trainer.rollouts.factory import HarborSessionFactory
@@ -31,7 +31,7 @@ BRIEF_FLAGS = (
 
 
 def parse(*argv: str):
-    return build_parser().parse_args(["--model", "m", *argv])
+    return parse_args(["--model", "m", *argv])
 
 
 def test_flags_become_the_trainer_config() -> None:
