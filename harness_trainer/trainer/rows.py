@@ -21,6 +21,7 @@ conversation, which gives one row; forwarded tokens equal unique tokens there.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -72,17 +73,26 @@ class RowStats:
 
 
 def build_rows(
-    trace: TrainingTrace, rollout: int = 0, *, vocab_size: int | None = None, session_id: str | None = None
+    trace: TrainingTrace,
+    rollout: int = 0,
+    *,
+    vocab_size: int | None = None,
+    temperature: float | None = None,
+    session_id: str | None = None,
 ) -> list[Row]:
     """The rollout's training rows, one per leaf that has something to train (rules in the module docstring).
 
     Raises:
         CaptureContractError: with ``vocab_size`` given, an id (prompt or completion) is not below it
-            (rule ``out_of_vocabulary``).
+            (rule ``out_of_vocabulary``); with ``temperature`` given (the one the trainer computes logprobs
+            at), a turn's recorded ``metadata["sampling"]["temperature"]`` is another (rule
+            ``temperature_mismatch``). A turn that records no sampling temperature is accepted.
     """
     turns = trace.turns
     if vocab_size is not None:
         _check_vocabulary(turns, vocab_size, session_id)
+    if temperature is not None:
+        _check_temperature(turns, temperature, session_id)
     parent = _parents(turns)
     claimed = [False] * len(turns)
     rows: list[Row] = []
@@ -126,6 +136,28 @@ def _check_vocabulary(turns: Sequence[TrainingTurn], vocab_size: int, session_id
                     session_id=session_id,
                     node_id=turn.node_id,
                 )
+
+
+def _check_temperature(turns: Sequence[TrainingTurn], temperature: float, session_id: str | None) -> None:
+    # The behaviour logprobs were processed at the recorded temperature: trained at another, the ratio
+    # compares two different distributions, so the run stops as for any broken capture contract.
+    for turn in turns:
+        sampling = turn.metadata.get("sampling")
+        if not isinstance(sampling, dict) or "temperature" not in sampling:
+            continue  # older traces and hand-built ones record no sampling
+        recorded = sampling["temperature"]
+        number = isinstance(recorded, int | float) and not isinstance(recorded, bool)
+        if number and math.isclose(recorded, temperature, rel_tol=1e-9):
+            continue
+        session = f"session {session_id!r}" if session_id is not None else "an unnamed session"
+        raise CaptureContractError(
+            f"node {turn.node_id!r} of {session} was sampled at temperature {recorded!r} but the trainer "
+            f"computes logprobs at temperature {temperature!r}: its behaviour logprobs describe another "
+            "distribution than the one trained on; give the sessions the trainer's sampling policy",
+            rules=["temperature_mismatch"],
+            session_id=session_id,
+            node_id=turn.node_id,
+        )
 
 
 def _parents(turns: Sequence[TrainingTurn]) -> list[int | None]:

@@ -77,6 +77,8 @@ class SchedulerConfig:
     seed: int
     shuffle: bool = False
     vocab_size: int | None = None
+    temperature: float | None = None
+    """The temperature the trainer computes logprobs at; every captured turn must have sampled at it."""
     close_timeout_s: float = 60.0
     max_unexpected_errors: int = 3
     """Unexpected rollout errors tolerated; one more stops the scheduler (0: the first does)."""
@@ -359,7 +361,12 @@ class RolloutScheduler:
         rollout.capture_session_id = reported if isinstance(reported, str) else rollout.capture_session_id
         session_id = rollout.capture_session_id or getattr(session, "session_id", None)
         rollout.trace = trace
-        rollout.rows = build_rows(trace, vocab_size=self.config.vocab_size, session_id=session_id)
+        rollout.rows = build_rows(
+            trace,
+            vocab_size=self.config.vocab_size,
+            temperature=self.config.temperature,
+            session_id=session_id,
+        )
         rollout.findings = (getattr(verify, "artifacts", None) or {}).get("findings")
         rollout.outcome = build_outcome(trace, verify, timed_out=rollout.timed_out)
         rollout.timed_out = rollout.outcome.timed_out

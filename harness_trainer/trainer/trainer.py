@@ -224,6 +224,7 @@ class HarnessAsyncGRPOTrainer:
                 seed=args.seed,
                 shuffle=args.dataset_shuffle,
                 vocab_size=vocab_size(self.model),
+                temperature=args.temperature,
                 max_unexpected_errors=args.max_unexpected_errors,
             ),
             reward_fn=self.rollout_reward_fn,

@@ -218,6 +218,49 @@ def test_ids_just_below_the_vocabulary_size_are_fine() -> None:
     assert row.input_ids == [31999, 31999]
 
 
+def sampled_at(turn: dict[str, Any], sampling: dict[str, Any]) -> dict[str, Any]:
+    return {**turn, "metadata": {"sampling": sampling}}
+
+
+def test_a_turn_sampled_at_another_temperature_is_a_capture_contract_error() -> None:
+    trace = make_trace(
+        sampled_at(make_turn("n0", [1], [2]), {"temperature": 1.0}),
+        sampled_at(make_turn("n1", [1, 2, 3], [4]), {"temperature": 0.5, "top_p": 1.0}),
+    )
+
+    with pytest.raises(CaptureContractError) as caught:
+        build_rows(trace, temperature=1.0, session_id="sess-1")
+
+    error = caught.value
+    assert error.rules == ["temperature_mismatch"]
+    assert (error.node_id, error.session_id) == ("n1", "sess-1")
+    assert "'n1'" in str(error) and "'sess-1'" in str(error)
+    assert "temperature 0.5" in str(error) and "temperature 1.0" in str(error)
+
+
+def test_turns_sampled_at_the_trainers_temperature_pass_after_a_json_round_trip() -> None:
+    trace = make_trace(*(sampled_at(turn, {"temperature": 0.7}) for turn in append_only_chain(3)))
+    trace = TrainingTrace.model_validate_json(trace.model_dump_json())
+
+    assert build_rows(trace, temperature=0.7) == build_rows(trace)
+
+
+@pytest.mark.parametrize("metadata", [{}, {"sampling": {}}, {"sampling": {"seed": 3}}])
+def test_a_turn_that_records_no_sampling_temperature_is_accepted(metadata: dict[str, Any]) -> None:
+    trace = make_trace({**make_turn("n0", [1], [2]), "metadata": metadata})
+
+    assert len(build_rows(trace, temperature=1.0)) == 1
+
+
+@pytest.mark.parametrize("recorded", [None, "0.7", True])
+def test_a_recorded_temperature_that_is_not_a_number_is_a_capture_contract_error(recorded: Any) -> None:
+    trace = make_trace(sampled_at(make_turn("n0", [1], [2]), {"temperature": recorded}))
+
+    with pytest.raises(CaptureContractError) as caught:
+        build_rows(trace, temperature=1.0)
+    assert caught.value.rules == ["temperature_mismatch"]
+
+
 def test_row_with_misaligned_lists_is_rejected() -> None:
     with pytest.raises(ValueError, match="must be as many"):
         Row(rollout=0, input_ids=[1, 2], targets=[0, 1], behaviour_logps=[0.0])

@@ -295,6 +295,22 @@ def test_a_trace_with_an_out_of_vocabulary_id_stops_training_naming_it(tmp_path,
     assert not factory.live and factory.factory_closed
 
 
+def test_a_trace_sampled_at_another_temperature_stops_training_naming_both(tmp_path, tiny_model_dir):
+    def sampled_at_half(task: int, member: int) -> dict:
+        trace = chain_trace(task, member)
+        for turn in trace["turns"]:
+            turn["metadata"] = {"sampling": {"temperature": 0.5}}
+        return trace
+
+    factory = HandmadeFactory(trace=sampled_at_half)
+    settings = config(tmp_path, temperature=1.0)
+    trainer = HarnessAsyncGRPOTrainer(str(tiny_model_dir), builder(factory), settings)
+    with pytest.raises(CaptureContractError, match=r"temperature 0\.5 .* temperature 1\.0") as raised:
+        trainer.train()
+    assert raised.value.rules == ["temperature_mismatch"] and raised.value.node_id == "n0"
+    assert not factory.live and factory.factory_closed
+
+
 def test_metrics_reach_tensorboard_through_report_to(tmp_path, tiny_model_dir):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
