@@ -1,6 +1,6 @@
-"""The dev engine: a CPU, transformers-backed server with vLLM's wire shapes (see ``server``).
+"""The dev engine: a CPU, transformers-backed server with vLLM's wire shapes (see ``api``).
 
-``load_engine(...)`` builds the state (model, tokenizer, worker) that ``server.build_app`` serves;
+``load_engine(...)`` builds the state (model, tokenizer, worker) that ``api.build_app`` serves;
 ``serve(...)`` runs it until interrupted. Models load with ``from_pretrained``, so a local directory
 (the tiny model) and a hub name take the same path.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness_trainer.dev_engine.server import EngineConfig, EngineState, build_app
+from harness_trainer.dev_engine.api import EngineConfig, EngineState, build_app
 
 
 def load_engine(

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from harness_trainer.dev_engine.sampling import (
+from harness_trainer.dev_engine.decoding import (
     IncrementalDetokenizer,
     find_stop,
     processed_logprobs,

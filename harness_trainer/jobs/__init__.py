@@ -4,7 +4,7 @@
   spec and submits it with ``huggingface_hub``.
 - :mod:`.job_launcher`: what the job runs: vLLM, the rollout server and its capture proxy, a warm-up
   sandbox (:mod:`.warm`) and the trainer, as planned by :mod:`.plan` (pure) and supervised as one
-  (:mod:`.supervisor`).
+  (:mod:`.process_supervisor`).
 
 Nothing is imported here, so ``python -m harness_trainer.jobs.job_launcher`` runs its module once, and
 none of these modules imports ``huggingface_hub`` or torch at import time (the CLI's ``--help`` stays

@@ -40,10 +40,10 @@ to vLLM, the server and the trainer; ``E2B_API_KEY`` to the server and the warm-
 (e.g. ``WANDB_API_KEY``) to the trainer. No secret is ever on a command line, and none reaches a sandbox: the
 server starts sandboxes with the task's environment only, and agents get their session id as API key.
 
-On SIGTERM / SIGINT, or when a service dies, everything is stopped (see :mod:`.supervisor`), trainer first.
-Exit status: the trainer's when it ends by itself; 128 + N after signal N; 1 when a component did not
-come up or died; 2 for bad arguments. ``--dry-run`` prints the plan (commands, environment, secret names)
-as JSON and starts nothing.
+On SIGTERM / SIGINT, or when a service dies, everything is stopped (see :mod:`.process_supervisor`),
+trainer first. Exit status: the trainer's when it ends by itself; 128 + N after signal N; 1 when a
+component did not come up or died; 2 for bad arguments. ``--dry-run`` prints the plan (commands,
+environment, secret names) as JSON and starts nothing.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ from harness_trainer.jobs.plan import (
     build_plan,
     step_env,
 )
-from harness_trainer.jobs.supervisor import Child, Interrupted, LaunchError, Supervisor, log
+from harness_trainer.jobs.process_supervisor import Child, Interrupted, LaunchError, Supervisor, log
 
 _HEALTH_POLL_S = 0.5
 # The trainer launcher's entry point; its module has no ``__main__`` block, so it cannot be run with -m.

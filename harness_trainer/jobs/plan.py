@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
-from harness_trainer.jobs.supervisor import LaunchError
+from harness_trainer.jobs.process_supervisor import LaunchError
 from harness_trainer.sandboxes import capabilities, credential_variables
 
 DEFAULT_VLLM_PORT = 8000

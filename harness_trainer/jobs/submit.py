@@ -71,7 +71,7 @@ from harness_trainer.jobs.plan import (
     engine_arguments,
     trainer_settings,
 )
-from harness_trainer.jobs.supervisor import LaunchError
+from harness_trainer.jobs.process_supervisor import LaunchError
 from harness_trainer.launch.config_file import TRAINER, apply_config, configurable
 from harness_trainer.sandboxes import capabilities
 

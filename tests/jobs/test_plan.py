@@ -23,7 +23,7 @@ from harness_trainer.jobs.plan import (
     step_env,
     trainer_settings,
 )
-from harness_trainer.jobs.supervisor import LaunchError
+from harness_trainer.jobs.process_supervisor import LaunchError
 from tests.jobs.conftest import SECRETS, FakeHfApi
 
 ROOT = Path(__file__).resolve().parents[2]

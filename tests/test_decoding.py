@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from harness_trainer.dev_engine.sampling import (
+from harness_trainer.dev_engine.decoding import (
     IncrementalDetokenizer,
     StopMatch,
     find_stop,

@@ -11,7 +11,7 @@ def test_orphans_re_parented_to_the_launcher_do_not_stay_zombies() -> None:
     program = textwrap.dedent(
         """
         import ctypes, os
-        from harness_trainer.jobs.supervisor import Supervisor
+        from harness_trainer.jobs.process_supervisor import Supervisor
 
         ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: orphans come to us, as to a PID 1
         supervisor = Supervisor()
