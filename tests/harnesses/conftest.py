@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
-from harness_trainer.net import free_port, wait_until_healthy
 from harness_trainer.harnesses.tools import ToolPackage, ensure_host_install
+from harness_trainer.net import free_port, wait_until_healthy
 from harness_trainer.sandboxes.base import ExecResult
 from tests.conftest import EngineProcess, start_engine
 

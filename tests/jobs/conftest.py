@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from harness_trainer.net import free_port
 from harness_trainer.jobs.install import build_wheel
+from harness_trainer.net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 FAKE = Path(__file__).parent / "fake_process.py"

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from e2b import AuthenticationException
 
-from harness_trainer.net import free_port
 from harness_trainer.jobs.warm import WarmupError, warm_sandbox
+from harness_trainer.net import free_port
 from tests.jobs.fake_process import Health
 from tests.sandboxes.fake_e2b import FakeE2BCloud
 

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from harness_trainer.net import free_port
 from harness_trainer.launch.harbor_run import (
     WAIT_MARGIN_S,
     build_config,
@@ -20,6 +19,7 @@ from harness_trainer.launch.harbor_run import (
     parse_args,
     session_builder,
 )
+from harness_trainer.net import free_port
 from harness_trainer.rollouts.factory import HarborSessionFactory
 
 TRAIN = Path(__file__).resolve().parents[2] / "examples" / "async_grpo_harbor" / "train.py"

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from harness_trainer.net import free_port
 from harness_trainer.launch.harbor_run import main
 from harness_trainer.launch.preflight import LAUNCH_FILE, PreflightError, check_capture_shapes
+from harness_trainer.net import free_port
 from tests.launch.fakes import FIXTURES, FakeEngine, FakeRolloutServer, serving
 
 READ_ONLY_ENGINE_ROUTES = {
