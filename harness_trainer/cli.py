@@ -107,15 +107,15 @@ def _serve(args: argparse.Namespace) -> int:
     from capture_proxy.app import tune_gc
     from harness_trainer.rollouts.runtime import RolloutRuntime, RuntimeConfig
     from harness_trainer.rollouts.server import RolloutServer
-    from harness_trainer.tasks.sources import open_task_source
+    from harness_trainer.tasks.catalog import TaskCatalog
     from harness_trainer.tasks.task import TaskError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        tasks = open_task_source(args.dataset)
+        tasks = TaskCatalog.open(args.dataset)
         tasks.splits()
     except (TaskError, OSError, ValueError) as exc:
-        print(f"error: cannot load tasks from {args.dataset}: {exc}", file=sys.stderr)
+        print(f"error: cannot load tasks from {', '.join(args.dataset)}: {exc}", file=sys.stderr)
         return 2
     if (agent_layer := _agent_layer(args.e2b_agent, "--e2b-agent")) is None:
         return 2
@@ -126,7 +126,8 @@ def _serve(args: argparse.Namespace) -> int:
               "$CAPTURE_PROXY_ADMIN_KEY)", file=sys.stderr)  # fmt: skip
         return 2
     config = RuntimeConfig(
-        upstream=args.upstream,
+        upstream=args.upstream[0],
+        allowed_upstreams=tuple(args.upstream[1:]),
         data_dir=args.data_dir,
         capture_url=args.capture_url,
         admin_key=admin_key,
@@ -151,7 +152,7 @@ def _serve(args: argparse.Namespace) -> int:
     print(
         f"rollout server: http://{args.host}:{args.port} (capture proxy "
         f"{args.capture_url or f'on port {args.capture_port}, {args.proxy}'}, "
-        f"engine {args.upstream}, at most {limit} sessions)",
+        f"engines {', '.join(args.upstream)}, datasets {', '.join(args.dataset)}, at most {limit} sessions)",
         flush=True,
     )
     web.run_app(server.app(), host=args.host, port=args.port, access_log=None, print=None)
@@ -353,8 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
             "Train LLMs with reinforcement learning (async GRPO) on the behaviour of real coding agents.\n"
-            "Agents (opencode, mini-swe-agent, claude-code, codex) run their own loop in sandboxes; a capture\n"
-            "proxy records the exact tokens the engine sampled for them, and the trainer learns from those."
+            "Agents (opencode, mini-swe-agent, claude-code, codex) run their own loop in sandboxes; a "
+            "capture\nproxy records the exact tokens the engine sampled for them, and the trainer learns "
+            "from those."
         ),
         epilog=(
             "start here:\n"
@@ -416,9 +418,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="serve rollouts of Harbor tasks over HTTP, with the capture proxy")
     serve.add_argument(
-        "--dataset", required=True, help="a folder of task splits, or a Hugging Face dataset id"
-    )
-    serve.add_argument("--upstream", required=True, help="the engine's base URL (vLLM or the dev engine)")
+        "--dataset", required=True, action="append",
+        help="a folder of task splits, or a Hugging Face dataset id (repeatable: a factory's split= names "
+        "one as given, NAME:SPLIT one of its splits; a bare split name means the first dataset's)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--upstream", required=True, action="append",
+        help="the engine's base URL (vLLM or the dev engine); repeatable: a rollout's llm_url may name any "
+        "given (the first is the default), and no other",
+    )  # fmt: skip
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8200)
     serve.add_argument("--capture-host", default="127.0.0.1", help="where the capture proxy binds")

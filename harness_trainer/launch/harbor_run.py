@@ -148,7 +148,9 @@ def resolve(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, Asyn
 
 
 def session_builder(args: argparse.Namespace) -> partial[Any]:
-    """The factory builder the trainer calls with its sampling policy."""
+    """The factory builder the trainer calls with its sampling policy. Rollouts sample from the trainer's
+    engine (``llm_url``) under the name the rollout server learned from it: ``--model`` is what the
+    trainer loads, which the engine may serve under another name (preflight checks they are one model)."""
     from harness_trainer.rollouts.factory import HarborSessionFactory
 
     return partial(
@@ -158,7 +160,6 @@ def session_builder(args: argparse.Namespace) -> partial[Any]:
         harness=args.harness,
         sandbox=args.sandbox,
         llm_url=args.vllm_url,
-        model=args.model,
         agent_timeout_sec=args.agent_timeout,
         agent_step_limit=args.agent_step_limit,
         reward_key=args.reward_key,

@@ -82,9 +82,15 @@ class CaptureClient:
         return response
 
     async def mint(
-        self, sampling: dict[str, Any] | None, max_model_calls: int | None, metadata: dict[str, Any]
+        self,
+        sampling: dict[str, Any] | None,
+        max_model_calls: int | None,
+        metadata: dict[str, Any],
+        engine: dict[str, Any] | None = None,
     ) -> CaptureSession:
-        body: dict[str, Any] = {"metadata": metadata}
+        """A new session. ``engine``: its own engine fields of the proxy's session spec (``upstream``,
+        ``model``, ``engine_headers``), where it does not use the proxy's default engine."""
+        body: dict[str, Any] = {"metadata": metadata, **(engine or {})}
         if sampling:
             body["sampling"] = sampling
         if max_model_calls:

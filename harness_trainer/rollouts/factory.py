@@ -1,11 +1,36 @@
 """``HarborSessionFactory``: the trainer's client of a rollout server (``harness-trainer serve``).
 
-Pass it as a builder: ``partial(HarborSessionFactory, server_url, split="train", harness="opencode",
-sandbox="local", llm_url=..., model=...)``; the trainer calls ``builder(sampling=policy)``. It is
-picklable (it holds settings only; HTTP clients are made on use). ``create(task, seed, episode_id)`` maps
-the prompt back to its task (a row's ``task_index``, else the instruction text) and starts the rollout in
-its own server session. The factory keeps one extra session open for metadata (listing tasks), so the
-server needs ``MAX_CONCURRENT_ENVS >= max_concurrent_rollouts + 1``.
+Pass it as a builder, as with OpenEnv: ``partial(HarborSessionFactory, server_url, split="owner/tasks",
+harness="opencode", sandbox="local", llm_url=..., model=...)``; the trainer calls
+``builder(sampling=policy)``.
+Keywords keep OpenEnv's meanings:
+
+- ``split``: a dataset the server serves (``serve --dataset A --dataset B``), ``A:test`` for one of its
+  sub-folder splits, or a bare split of its first dataset (``train``); see
+  :mod:`harness_trainer.tasks.catalog`. ``GET /splits`` lists them.
+- ``llm_url`` / ``model``: the engine and served model this factory's rollouts sample from; the server
+  forwards only to engines it was allowed (``serve --upstream``, repeatable). Omitted: the server's first.
+  ``api_key`` / ``auth_header``: that engine's credential (``Authorization: Bearer KEY``, or ``KEY``
+  under ``auth_header``), sent by the capture proxy, never shown to the agent.
+- ``agent_timeout_sec``: 0 (the default) = each task file's ``[agent] timeout_sec``.
+- ``reward_key``: which named score of ``reward.json`` is the reward: a key, or a comma-separated
+  preference list; checked against the first verifier result that writes scores (a key it does not
+  hold stops the run with a :class:`RolloutConfigError` naming the keys it wrote).
+- ``indices`` / ``num_tasks``: which tasks of the split (``indices=[]`` is refused: it would train on
+  nothing); ``create(task)`` maps a prompt row to its task by its ``task_index``, else by its instruction.
+- OpenEnv keywords that do not apply here (``keep_sandbox``, ``force_build``, a ``provider`` other than
+  ``openai``, ``purpose="eval"``, ``eval_sampling``) are refused with the reason, never dropped.
+
+Everything that can be checked is checked at construction, against the server: it answers, the split
+exists, ``llm_url`` is allowed and serves ``model``, ``indices`` are in range. Each is a
+:class:`RolloutConfigError` naming the value and the allowed ones (an unreachable server: a
+:class:`RolloutServerError`).
+
+A session's wait covers the whole rollout, not only its agent: ``wait_for_completion()`` without a
+timeout waits the agent's timeout plus the task's verifier timeout plus ``setup_timeout_sec`` (sandbox
+start and agent install), then stops the agent (its captured turns stay trainable). The factory is
+picklable (it holds settings only; HTTP clients are made on use) and keeps one extra server session open
+for metadata, so the server needs ``MAX_CONCURRENT_ENVS >= max_concurrent_rollouts + 1``.
 """
 
 from __future__ import annotations
@@ -15,10 +40,12 @@ from typing import Any
 
 import httpx
 
+from capture_proxy.config import engine_root
+from harness_trainer.rollouts.errors import RolloutConfigError, error_for
 from harness_trainer.rollouts.result import RolloutResult
 from harness_trainer.rollouts.session import (
-    RolloutUnscorable,
     VerifyResult,
+    check_reward_key,
     exit_code_of,
     trace_of,
     verify_result,
@@ -26,10 +53,32 @@ from harness_trainer.rollouts.session import (
 from harness_trainer.trace import TrainingTrace
 
 _POLL_S = 30.0
+_REFUSED_OPENENV = {
+    "keep_sandbox": "every sandbox is closed when its rollout ends, on every path (none is left to pay "
+    "for); a rollout's journal and log tail say what happened in it",
+    "force_build": "E2B templates are built once per task environment, on first use or by `harness-trainer "
+    "e2b build-templates`, not per rollout",
+    "provider": "agents reach the engine through the capture proxy, which speaks each harness's own "
+    "dialect; only 'openai' (the engine's wire) applies",
+    "purpose": "every rollout of a training factory is a training rollout; only 'auto' or 'train' apply",
+    "eval_sampling": "the sampling policy is the trainer's (temperature only), so that the engine's "
+    "logprobs describe what is trained",
+}
+_OPENENV_DEFAULTS: dict[str, Any] = {
+    "keep_sandbox": (False,),
+    "force_build": (False,),
+    "provider": ("openai",),
+    "purpose": ("auto", "train"),
+    "eval_sampling": (None,),
+}
 
 
 class RolloutServerError(RuntimeError):
-    """The rollout server refused or could not be reached."""
+    """The rollout server refused (``status``, its HTTP status) or could not be reached (``status`` None)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class HarborSessionFactory:
@@ -42,27 +91,59 @@ class HarborSessionFactory:
         sandbox: str = "e2b",
         llm_url: str | None = None,
         model: str | None = None,
+        api_key: str | None = None,
+        auth_header: str | None = None,
         sampling: dict[str, Any] | None = None,
-        agent_timeout_sec: float = 600,
+        agent_timeout_sec: float = 0,
         agent_step_limit: int = 0,
         reward_key: str = "",
         num_tasks: int | None = None,
         indices: list[int] | None = None,
+        setup_timeout_sec: float = 900.0,
         request_timeout_s: float = 60.0,
+        keep_sandbox: bool = False,
+        force_build: bool = False,
+        provider: str = "openai",
+        purpose: str = "auto",
+        eval_sampling: dict[str, Any] | None = None,
     ) -> None:
+        """See the module docstring. ``setup_timeout_sec``: what a rollout may take beyond its agent and
+        verifier (sandbox start, agent install, trace export) before the trainer stops waiting."""
+        given = {"keep_sandbox": keep_sandbox, "force_build": force_build, "provider": provider}
+        given.update(purpose=purpose, eval_sampling=eval_sampling)
+        for name, value in given.items():
+            if value not in _OPENENV_DEFAULTS[name]:
+                raise RolloutConfigError(f"{name}={value!r} does not apply here: {_REFUSED_OPENENV[name]}")
+        if agent_timeout_sec is None or agent_timeout_sec < 0:
+            raise RolloutConfigError(
+                f"agent_timeout_sec={agent_timeout_sec!r}: give seconds, or 0 for each task's own timeout"
+            )
+        if agent_step_limit < 0 or setup_timeout_sec <= 0 or request_timeout_s <= 0:
+            raise RolloutConfigError("agent_step_limit must be ≥ 0, setup and request timeouts positive")
+        if indices is not None and len(indices) == 0:
+            raise RolloutConfigError("indices=[] selects no task: give task indices, or None for all")
+        if num_tasks is not None and num_tasks < 1:
+            raise RolloutConfigError(f"num_tasks={num_tasks}: give at least 1, or None for all")
         self.server_url = server_url.rstrip("/")
         self.split, self.harness, self.sandbox = split, harness, sandbox
-        self.llm_url, self.model, self.sampling = llm_url, model, sampling
+        self.llm_url, self.model, self.sampling = llm_url or None, model or None, sampling
+        self.api_key, self.auth_header = api_key or None, auth_header or None
         self.agent_timeout_sec, self.agent_step_limit, self.reward_key = (
-            agent_timeout_sec,
+            float(agent_timeout_sec),
             agent_step_limit,
             reward_key,
         )
-        self.num_tasks, self.indices = num_tasks, indices
-        self.request_timeout_s = request_timeout_s
+        self.num_tasks, self.indices = num_tasks, None if indices is None else list(indices)
+        self.setup_timeout_sec, self.request_timeout_s = setup_timeout_sec, request_timeout_s
         self._client: httpx.Client | None = None
         self._metadata_session: str | None = None
         self._tasks: list[dict[str, Any]] | None = None
+        self._reward_key_checked = False
+        try:
+            self._check_server()
+        except BaseException:
+            self.close()
+            raise
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -81,8 +162,42 @@ class HarborSessionFactory:
         except httpx.HTTPError as exc:
             raise RolloutServerError(f"rollout server {self.server_url} unreachable: {exc!r}") from exc
         if response.status_code >= 400:
-            raise RolloutServerError(f"{method} {path}: {response.status_code} {response.text[:500]}")
+            message = f"{method} {path}: {response.status_code} {_message(response)}"
+            raise RolloutServerError(message, status=response.status_code)
         return response.json()
+
+    def _check_server(self) -> None:
+        health = self.request("GET", "/health")
+        engines = {engine_root(e["url"]): list(e["models"]) for e in health.get("engines", [])}
+        if engines:
+            url = engine_root(self.llm_url) if self.llm_url else next(iter(engines))
+            if url not in engines:
+                raise RolloutConfigError(
+                    f"llm_url {self.llm_url!r} is not an engine the rollout server at {self.server_url} "
+                    f"forwards to; allowed: {', '.join(engines)} (start it with --upstream {self.llm_url})"
+                )
+            if self.model is not None and self.model not in engines[url]:
+                raise RolloutConfigError(
+                    f"model {self.model!r} is not served by the engine at {url}; it serves {engines[url]}"
+                )
+        if not self.split:  # OpenEnv's default: the server's first dataset
+            self.split = self.request("GET", "/splits")["datasets"][0]["name"]
+        try:  # listed without the metadata session: a factory built only to be pickled holds none
+            listed = self.request("GET", f"/splits/{self.split}/tasks")["tasks"]
+        except RolloutServerError as exc:
+            if exc.status != 404:
+                raise
+            known = self.request("GET", "/splits").get("splits", [])
+            raise RolloutConfigError(
+                f"split {self.split!r} is not served by {self.server_url}; splits: {known}"
+            ) from None
+        have = {t["index"] for t in listed}
+        if self.indices is not None and (missing := sorted(set(self.indices) - have)):
+            raise RolloutConfigError(
+                f"indices {missing} are not in split {self.split!r} (it has tasks 0..{len(have) - 1})"
+            )
+        if not listed:
+            raise RolloutConfigError(f"split {self.split!r} of {self.server_url} has no task to run")
 
     def set_policy(self, model: str, version: int) -> None:
         """Send every model call of the server's rollouts from now on to served model ``model``, recording
@@ -90,7 +205,8 @@ class HarborSessionFactory:
         self.request("PUT", "/policy", json={"model": model, "version": version})
 
     def tasks(self) -> list[dict[str, Any]]:
-        """The split's tasks (``index``, ``name``, ``instruction``), narrowed by ``indices``/``num_tasks``."""
+        """The split's tasks (``index``, ``name``, ``instruction``, timeouts), narrowed by ``indices`` /
+        ``num_tasks``."""
         if self._tasks is None:
             if self._metadata_session is None:
                 self._metadata_session = self.request("POST", "/sessions")["session_id"]
@@ -125,21 +241,36 @@ class HarborSessionFactory:
                 return int(listed["index"])
         raise LookupError(f"no task in split {self.split!r} has this instruction: {str(text)[:120]!r}")
 
+    def wait_timeout_s(self, index: int) -> float:
+        """How long the trainer waits for a rollout of task ``index``: agent + verifier + setup."""
+        listed = next((t for t in self.tasks() if t["index"] == index), {})
+        agent = self.agent_timeout_sec or float(listed.get("agent_timeout_sec", 600.0))
+        return agent + float(listed.get("verifier_timeout_sec", 600.0)) + self.setup_timeout_sec
+
     def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> HarborSession:
         index = self.task_index(task)
         session_id = self.request("POST", "/sessions")["session_id"]
         body = {
             "split": self.split, "index": index, "harness": self.harness, "sandbox": self.sandbox,
-            "sampling": self.sampling, "agent_timeout_sec": self.agent_timeout_sec,
+            "sampling": self.sampling, "agent_timeout_sec": self.agent_timeout_sec or None,
             "agent_step_limit": self.agent_step_limit, "reward_key": self.reward_key, "seed": seed,
             "episode_id": episode_id,
         }  # fmt: skip
+        engine = {"llm_url": self.llm_url, "model": self.model}
+        engine.update(api_key=self.api_key, auth_header=self.auth_header)
+        body.update({k: v for k, v in engine.items() if v is not None})
         try:
             self.request("POST", f"/sessions/{session_id}/rollout", json=body)
         except RolloutServerError:
             self.request("DELETE", f"/sessions/{session_id}")
             raise
-        return HarborSession(self, session_id)
+        return HarborSession(self, session_id, wait_timeout_s=self.wait_timeout_s(index))
+
+    def check_reward_key(self, result: RolloutResult) -> None:
+        """Once, on the first result whose verifier wrote named scores: ``reward_key`` must name one."""
+        if not self._reward_key_checked and result.rewards:
+            self._reward_key_checked = True
+            check_reward_key(self.reward_key, result)
 
     def close(self) -> None:
         if self._metadata_session is not None:
@@ -152,19 +283,37 @@ class HarborSessionFactory:
             self._client.close()
             self._client = None
 
+    def __enter__(self) -> HarborSessionFactory:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _message(response: httpx.Response) -> str:
+    try:
+        error = response.json().get("error", {})
+        return str(error.get("message", response.text[:500]))
+    except (ValueError, AttributeError):
+        return response.text[:500]
+
 
 class HarborSession:
     """One rollout running on the server (OpenEnv's ``TrainableSession``)."""
 
-    def __init__(self, factory: HarborSessionFactory, session_id: str) -> None:
+    def __init__(self, factory: HarborSessionFactory, session_id: str, wait_timeout_s: float) -> None:
         self.factory = factory
         self.session_id = session_id
+        self.wait_timeout_s = wait_timeout_s
+        """The whole rollout's bound: its agent, verifier and setup timeouts (see the module docstring)."""
         self.result: RolloutResult | None = None
         self.timed_out = False
         self._closed = False
 
     def wait_for_completion(self, timeout_s: float | None = None) -> int:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        """The agent's exit code once the rollout is done; past ``timeout_s`` (default: the rollout's own
+        bound, ``wait_timeout_s``) the agent is stopped and ``TimeoutError`` raised, its turns kept."""
+        deadline = time.monotonic() + (self.wait_timeout_s if timeout_s is None else timeout_s)
         while self.result is None:
             wait = _POLL_S if deadline is None else min(_POLL_S, max(deadline - time.monotonic(), 0.0))
             body = self.factory.request("GET", f"/sessions/{self.session_id}", params={"wait": wait})
@@ -184,7 +333,7 @@ class HarborSession:
             self.wait_for_completion()
         assert self.result is not None
         if self.result.error is not None:
-            raise RolloutUnscorable(f"rollout unscorable: {self.result.error}")
+            raise error_for(self.result)
         self.result.trace = self.factory.request("GET", f"/sessions/{self.session_id}/trace")
         return trace_of(self.result, self.session_id)
 
@@ -192,6 +341,7 @@ class HarborSession:
         if self.result is None:
             self.wait_for_completion()
         assert self.result is not None
+        self.factory.check_reward_key(self.result)
         return verify_result(self.result)
 
     def close(self) -> None:

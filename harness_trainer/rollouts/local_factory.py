@@ -2,10 +2,14 @@
 
 For the local dev loop and tests: a background thread runs a :class:`RolloutRuntime` (capture proxy,
 sandboxes) in its own event loop; ``create`` submits a rollout to it and returns a session with the same
-sync API (and the same exceptions) as a server-backed one. ``close()`` cancels what still runs and shuts
-the runtime down; the factory is also a context manager. With ``capture_url`` (and its ``admin_key``) the
-rollouts go through an already-running capture proxy (``python -m capture_proxy``), which the factory
-neither starts nor stops.
+sync API, the same keywords' meanings and the same exceptions (one mapping,
+:func:`~harness_trainer.rollouts.errors.error_for`) as a server-backed one: ``split`` names a dataset of
+``tasks`` (:mod:`harness_trainer.tasks.catalog`), ``agent_timeout_sec`` None or 0 means each task's own,
+``reward_key`` is a key or a comma-separated preference list checked on the first verifier result, and a
+session's wait without a timeout covers its agent, verifier and ``setup_timeout_sec``. ``close()``
+cancels what still runs and shuts the runtime down; the factory is also a context manager. With
+``capture_url`` (and its ``admin_key``) the rollouts go through an already-running capture proxy
+(``python -m capture_proxy``), which the factory neither starts nor stops.
 """
 
 from __future__ import annotations
@@ -17,17 +21,25 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from harness_trainer.rollouts.errors import RolloutConfigError
 from harness_trainer.rollouts.result import RolloutOptions, RolloutResult
 from harness_trainer.rollouts.runtime import RolloutRuntime, RuntimeConfig
-from harness_trainer.rollouts.session import VerifyResult, exit_code_of, trace_of, verify_result
-from harness_trainer.tasks.sources import TaskSource, open_task_source
+from harness_trainer.rollouts.session import (
+    VerifyResult,
+    check_reward_key,
+    exit_code_of,
+    trace_of,
+    verify_result,
+)
+from harness_trainer.tasks.catalog import TaskCatalog, as_catalog
+from harness_trainer.tasks.sources import TaskSource
 from harness_trainer.trace import TrainingTrace
 
 
 class LocalSessionFactory:
     def __init__(
         self,
-        tasks: TaskSource | str,
+        tasks: TaskSource | TaskCatalog | str,
         *,
         upstream: str,
         split: str = "train",
@@ -43,11 +55,23 @@ class LocalSessionFactory:
         capture_url: str | None = None,
         admin_key: str | None = None,
         sandbox_options: dict[str, dict[str, Any]] | None = None,
+        setup_timeout_sec: float = 900.0,
     ) -> None:
         from harness_trainer.net import free_port
 
-        self.tasks = open_task_source(tasks) if isinstance(tasks, str) else tasks
+        if agent_timeout_sec is not None and agent_timeout_sec < 0:
+            raise RolloutConfigError(
+                f"agent_timeout_sec={agent_timeout_sec!r}: give seconds, or 0 for each task's own timeout"
+            )
+        self.tasks = as_catalog(tasks)
+        try:
+            self.tasks.resolve(split)
+        except KeyError as exc:
+            raise RolloutConfigError(str(exc.args[0])) from None
         self.split = split
+        self.reward_key, self.setup_timeout_sec = reward_key, setup_timeout_sec
+        self._reward_key_checked = False
+        agent_timeout_sec = agent_timeout_sec or None
         self.options = RolloutOptions(
             harness=harness, sandbox=sandbox, sampling=sampling, agent_timeout_sec=agent_timeout_sec,
             agent_step_limit=agent_step_limit, reward_key=reward_key,
@@ -107,9 +131,17 @@ class LocalSessionFactory:
         future = asyncio.run_coroutine_threadsafe(
             self.runtime.rollout(harbor_task, options, stop), self._loop
         )
-        session = LocalSession(self, future, stop)
+        agent = self.options.agent_timeout_sec or harbor_task.agent_timeout_sec
+        bound = agent + harbor_task.verifier_timeout_sec + self.setup_timeout_sec
+        session = LocalSession(self, future, stop, wait_timeout_s=bound)
         self._sessions.add(session)
         return session
+
+    def check_reward_key(self, result: RolloutResult) -> None:
+        """Once, on the first result whose verifier wrote named scores: ``reward_key`` must name one."""
+        if not self._reward_key_checked and result.rewards:
+            self._reward_key_checked = True
+            check_reward_key(self.reward_key, result)
 
     async def acreate(
         self, task: Any, seed: int | None = None, episode_id: str | None = None
@@ -145,8 +177,11 @@ class LocalSession:
         factory: LocalSessionFactory,
         future: concurrent.futures.Future[RolloutResult],
         stop: asyncio.Event,
+        wait_timeout_s: float,
     ) -> None:
         self.factory = factory
+        self.wait_timeout_s = wait_timeout_s
+        """The whole rollout's bound (agent, verifier, setup): the wait when no timeout is given."""
         self.future = future
         self.stop = stop
         self.timed_out = False
@@ -164,7 +199,7 @@ class LocalSession:
 
     def wait_for_completion(self, timeout_s: float | None = None) -> int:
         try:
-            self.future.result(timeout_s)
+            self.future.result(self.wait_timeout_s if timeout_s is None else timeout_s)
         except concurrent.futures.TimeoutError:
             self.factory._loop.call_soon_threadsafe(self.stop.set)
             self.future.result()
@@ -177,12 +212,15 @@ class LocalSession:
         return trace_of(self.result, self.session_id)
 
     def verify(self, completion: list[dict[str, Any]] | None = None, final_state: Any = None) -> VerifyResult:
+        self.factory.check_reward_key(self.result)
         return verify_result(self.result)
 
     async def wait(self, timeout_s: float | None = None) -> int:
         """``wait_for_completion`` without blocking the caller's event loop."""
         running = asyncio.wrap_future(self.future)
-        done, _ = await asyncio.wait({running}, timeout=timeout_s)
+        done, _ = await asyncio.wait(
+            {running}, timeout=self.wait_timeout_s if timeout_s is None else timeout_s
+        )
         if not done:
             self.factory._loop.call_soon_threadsafe(self.stop.set)
             await running
@@ -195,7 +233,9 @@ class LocalSession:
         return trace_of(await asyncio.wrap_future(self.future), self.session_id)
 
     async def averify(self, completion: list[dict[str, Any]] | None = None) -> VerifyResult:
-        return verify_result(await asyncio.wrap_future(self.future))
+        result = await asyncio.wrap_future(self.future)
+        self.factory.check_reward_key(result)
+        return verify_result(result)
 
     async def aclose(self) -> None:
         await asyncio.to_thread(self.close)

@@ -40,8 +40,10 @@ class ProxyProcess:
         port: int,
         public_url: str | None = None,
         served_model: str | None = None,
+        allowed_upstreams: tuple[str, ...] = (),
     ) -> None:
         self.upstream, self.data_dir, self.admin_key = upstream, Path(data_dir), admin_key
+        self.allowed_upstreams = allowed_upstreams
         self.host, self.port, self.public_url, self.served_model = host, port, public_url, served_model
         self.process: asyncio.subprocess.Process | None = None
 
@@ -59,6 +61,8 @@ class ProxyProcess:
         argv = [setpriv, "--pdeathsig", "TERM"] if setpriv else []
         argv += [sys.executable, "-m", "capture_proxy", "--upstream", self.upstream, "--host", self.host]
         argv += ["--port", str(self.port), "--data-dir", str(self.data_dir)]
+        for engine in self.allowed_upstreams:
+            argv += ["--upstream", engine]
         if self.public_url:
             argv += ["--public-url", self.public_url]
         if self.served_model:

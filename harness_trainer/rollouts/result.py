@@ -6,6 +6,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from harness_trainer.rollouts.errors import ErrorKind
+
 
 class RolloutOptions(BaseModel):
     """How to run one rollout of a task (everything but the task itself)."""
@@ -23,16 +25,37 @@ class RolloutOptions(BaseModel):
     agent_step_limit: int = Field(default=0, ge=0)
     """Agent steps (0 = the harness default); also the capture session's model-call budget when > 0."""
     reward_key: str = ""
-    """Which named score of ``reward.json`` is the reward (default: the only one, or ``reward``)."""
+    """Which named score of ``reward.json`` is the reward: a key, or a comma-separated preference list
+    (the first present wins); default: the only one, or ``reward``."""
     seed: int | None = None
     episode_id: str | None = None
+    llm_url: str | None = None
+    """The engine this rollout's model calls go to: one the server was allowed (``serve --upstream``,
+    repeatable); default: the first."""
+    model: str | None = Field(default=None, min_length=1)
+    """The served model at that engine; default: the server's ``--served-model`` for its first engine,
+    else the engine's first ``/v1/models`` entry."""
+    api_key: str | None = Field(default=None, repr=False)
+    """Credential for a token-gated ``llm_url`` (sent by the capture proxy, never to the agent)."""
+    auth_header: str | None = None
+    """Header to send ``api_key`` under when not ``Authorization`` (then the key is sent as is, not as
+    ``Bearer KEY``)."""
+
+    def engine_headers(self) -> dict[str, str]:
+        """The headers the capture proxy sends the engine for this rollout's calls."""
+        if not self.api_key:
+            return {}
+        if not self.auth_header or self.auth_header.lower() == "authorization":
+            return {"Authorization": f"Bearer {self.api_key}"}
+        return {self.auth_header: self.api_key}
 
 
 class RolloutResult(BaseModel):
     """The outcome of one rollout. ``reward`` None means ungraded (never coerced to 0).
 
     ``error`` set means unscorable (the sandbox or agent install failed, the proxy was unreachable):
-    the trainer excludes it from the group baseline and trains nothing from it.
+    the trainer excludes it from the group baseline and trains nothing from it; ``error_kind`` says why,
+    and a malformed capture (``capture_contract``) stops training.
     """
 
     task_name: str
@@ -53,6 +76,10 @@ class RolloutResult(BaseModel):
     phase_seconds: dict[str, float] = Field(default_factory=dict)
     log_tail: str = ""
     error: str | None = None
+    error_kind: ErrorKind | None = None
+    """Why ``error`` (:mod:`harness_trainer.rollouts.errors`): how the trainer's side treats it."""
+    error_rules: list[str] = Field(default_factory=list)
+    """With ``error_kind == "capture_contract"``: the trace rules the capture broke."""
     trace: dict[str, Any] | None = None
     """The TrainingTrace JSON (``{"schema_version": 1, "turns": []}`` when nothing was captured)."""
 

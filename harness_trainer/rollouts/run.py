@@ -3,9 +3,11 @@
 ``run_rollout`` never raises for what an agent or sandbox does: a crash, a hang past the timeout (the
 agent is killed, its captured turns kept, ``timed_out`` set) or a spent step budget are results, and a
 sandbox, install or proxy failure, or an engine that failed a model call past retries, makes the result
-unscorable (``error`` set, reward None). It raises only
-:class:`~harness_trainer.trace.CaptureContractError`, for a malformed capture: that is a bug and stops
-training. Every path closes the sandbox and deletes the capture session (after the trace is read).
+unscorable (``error`` set, reward None, ``error_kind`` saying which). A malformed capture (a
+:class:`~harness_trainer.trace.CaptureContractError`) is a result too, of kind ``capture_contract``: the
+trainer's side raises it again (:func:`~harness_trainer.rollouts.errors.error_for`) and stops training.
+It raises only when cancelled. Every path closes the sandbox and deletes the capture session (after the
+trace is read).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 from harness_trainer.harnesses import HARNESSES
 from harness_trainer.harnesses.base import AgentEndpoint, AgentRun, Harness, HarnessError
 from harness_trainer.rollouts.capture_client import CaptureClient, CaptureError, NothingTrainable
+from harness_trainer.rollouts.errors import ErrorKind
 from harness_trainer.rollouts.result import RolloutOptions, RolloutResult
 from harness_trainer.sandboxes.base import Sandbox, SandboxBackend, SandboxError
 from harness_trainer.tasks.reward import run_verifier, upload_tests
@@ -51,8 +54,12 @@ async def run_rollout(
     model: str,
     harness: Harness | None = None,
     stop: asyncio.Event | None = None,
+    engine: dict[str, Any] | None = None,
 ) -> RolloutResult:
     """Run ``options.harness`` on ``task`` in a ``backend`` sandbox, its model calls through ``capture``.
+
+    ``model`` is the served model name the agent is told; ``engine`` the capture session's own engine
+    fields (``upstream``, ``model``, ``engine_headers``) when the rollout does not use the proxy's default.
 
     Setting ``stop`` ends the agent early as a timeout would (killed, ``timed_out``, turns kept); the
     verifier and trace export still run.
@@ -75,7 +82,8 @@ async def run_rollout(
                 "index": task.index,
                 "episode_id": options.episode_id,
             }
-            session = await capture.mint(options.sampling, options.agent_step_limit or None, metadata)
+            limit = options.agent_step_limit or None
+            session = await capture.mint(options.sampling, limit, metadata, engine=engine)
         session_id = result.capture_session_id = session.session_id
         timeout = options.agent_timeout_sec or task.agent_timeout_sec
         with _phase(result, "sandbox_start"):
@@ -122,19 +130,26 @@ async def run_rollout(
         if failed:
             detail = str(failed[0].get("detail", ""))
             result.error = f"EngineFailure: the engine failed {len(failed)} model call(s): {detail}"
-    except CaptureContractError:
-        raise
+            result.error_kind = "engine"
+    except CaptureContractError as exc:
+        result.error, result.error_kind, result.error_rules = str(exc), "capture_contract", list(exc.rules)
     except (SandboxError, HarnessError, CaptureError) as exc:
-        result.error = f"{type(exc).__name__}: {exc}"
+        result.error, result.error_kind = f"{type(exc).__name__}: {exc}", _kind(exc)
     except Exception as exc:  # a rollout's failure is a result, never a crash of the caller
         log.exception("rollout of %s failed unexpectedly", task.name)
-        result.error = f"unexpected {type(exc).__name__}: {exc}"
+        result.error, result.error_kind = f"unexpected {type(exc).__name__}: {exc}", "unexpected"
     finally:
         with _phase(result, "cleanup"):
             await _cleanup(capture, session_id, sandbox)
     if result.error is not None:
         result.reward, result.trace = None, None
     return result
+
+
+def _kind(exc: SandboxError | HarnessError | CaptureError) -> ErrorKind:
+    if isinstance(exc, SandboxError):
+        return "sandbox"
+    return "harness" if isinstance(exc, HarnessError) else "capture"
 
 
 def _engine_failure(finding: dict[str, Any]) -> bool:

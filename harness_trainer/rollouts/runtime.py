@@ -23,7 +23,7 @@ import httpx
 from aiohttp import web
 
 from capture_proxy.app import build_app
-from capture_proxy.config import ProxyConfig
+from capture_proxy.config import ProxyConfig, engine_root
 from harness_trainer.rollouts.capture_client import CaptureClient
 from harness_trainer.rollouts.proxy_process import ProxyProcess
 from harness_trainer.rollouts.result import RolloutOptions, RolloutResult
@@ -38,7 +38,7 @@ LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 @dataclass
 class RuntimeConfig:
     upstream: str
-    """The engine's base URL (vLLM or the dev engine)."""
+    """The engine's base URL (vLLM or the dev engine): where rollouts that name none send their calls."""
     data_dir: Path
     """Capture journals live here."""
     capture_url: str | None = None
@@ -63,6 +63,8 @@ class RuntimeConfig:
     """Sandbox creates in flight at once, per backend (the rest queue); None = no cap."""
     sandbox_start_jitter_s: float = 0.0
     """Each sandbox start first waits a random 0..this many seconds (a group's members spread out)."""
+    allowed_upstreams: tuple[str, ...] = ()
+    """Further engines a rollout may name (``RolloutOptions.llm_url``); no other is forwarded to."""
     proxy_process: bool = False
     """Run the capture proxy the runtime starts as a child process (``python -m capture_proxy``) instead of
     in this event loop: its own core and interpreter lock, and a crash of one does not take the other."""
@@ -75,6 +77,8 @@ class RolloutRuntime:
         self.config = config
         self.admin_key = config.admin_key or secrets.token_urlsafe(24)
         self.model = config.served_model or ""
+        self.engines: dict[str, list[str]] = {}
+        """Each allowed engine (as :func:`engine_root` spells it, default first) → the models it serves."""
         self.capture: CaptureClient | None = None
         self._runner: web.AppRunner | None = None
         self._proxy_process: ProxyProcess | None = None
@@ -108,8 +112,51 @@ class RolloutRuntime:
             await self._start_proxy_process()
         else:
             await self._start_proxy()
-        if not self.model:
-            self.model = await served_model(self.config.upstream)
+        default, *others = self.engine_urls
+        # A configured served model is trusted as before (the engine may come up later); others are asked.
+        self.engines[default] = [self.model] if self.model else await engine_models(default)
+        self.model = self.model or self.engines[default][0]
+        for url in others:
+            self.engines[url] = await engine_models(url)
+
+    @property
+    def engine_urls(self) -> list[str]:
+        """Every engine rollouts may use, default first."""
+        roots = [engine_root(u) for u in (self.config.upstream, *self.config.allowed_upstreams)]
+        return list(dict.fromkeys(roots))
+
+    async def engine_problem(self, llm_url: str | None, model: str | None) -> str | None:
+        """Why a rollout naming ``llm_url`` / ``model`` cannot run here, in one line; None when it can.
+
+        The engine must be one this server was allowed (no open relay), and serve ``model`` (asked again
+        once before refusing: LoRA adapters come and go)."""
+        url = engine_root(llm_url) if llm_url else self.engine_urls[0]
+        if url not in self.engine_urls:
+            allowed = ", ".join(self.engine_urls)
+            return f"llm_url {llm_url!r} is not an engine this server forwards to; allowed: {allowed}"
+        if model is None or (model == self.model and url == self.engine_urls[0]):
+            return None
+        if model not in self.engines.get(url, []):
+            try:
+                self.engines[url] = await engine_models(url)
+            except RuntimeError as exc:
+                return str(exc)
+        if model not in self.engines[url]:
+            return f"engine {url} does not serve model {model!r}; it serves {self.engines[url]}"
+        return None
+
+    def engine_of(self, options: RolloutOptions) -> tuple[str, dict[str, Any] | None]:
+        """The served model the agent is told, and the capture session's engine fields (None: the
+        proxy's default engine and model)."""
+        url = engine_root(options.llm_url) if options.llm_url else self.engine_urls[0]
+        headers = options.engine_headers()
+        if url == self.engine_urls[0] and options.model is None and not headers:
+            return self.model, None
+        model = options.model or (self.model if url == self.engine_urls[0] else self.engines[url][0])
+        fields: dict[str, Any] = {"upstream": url, "model": model}
+        if headers:
+            fields["engine_headers"] = headers
+        return model, fields
 
     async def _start_proxy(self) -> None:
         proxy = ProxyConfig(
@@ -120,6 +167,7 @@ class RolloutRuntime:
             port=self.config.capture_port,
             public_url=self.config.public_url,
             served_model=self.config.served_model,
+            allowed_upstreams=self.config.allowed_upstreams,
         )
         self._runner = web.AppRunner(build_app(proxy), access_log=None, handler_cancellation=True)
         await self._runner.setup()
@@ -135,6 +183,7 @@ class RolloutRuntime:
             self.config.capture_port,
             public_url=self.config.public_url,
             served_model=self.config.served_model,
+            allowed_upstreams=self.config.allowed_upstreams,
         )
         client = CaptureClient(self.capture_url, self.admin_key, public_url=self.config.public_url)
         try:
@@ -202,13 +251,15 @@ class RolloutRuntime:
         """Run one rollout (see :func:`run_rollout`); cancelled by :meth:`aclose`."""
         if self.capture is None:
             raise RuntimeError("RolloutRuntime.start() was not awaited")
+        model, engine = self.engine_of(options)
         coroutine = run_rollout(
             task,
             options,
             capture=self.capture,
             backend=self.backend(options.sandbox),
-            model=self.model,
+            model=model,
             stop=stop,
+            engine=engine,
         )
         running = asyncio.ensure_future(coroutine)
         self._running.add(running)
@@ -237,13 +288,16 @@ class RolloutRuntime:
             self._proxy_process = None
 
 
-async def served_model(upstream: str) -> str:
-    """The first model the engine serves (``GET /v1/models``)."""
-    root = upstream.rstrip("/").removesuffix("/v1")
+async def engine_models(upstream: str) -> list[str]:
+    """The models the engine serves (``GET /v1/models``), at least one."""
+    root = engine_root(upstream)
     async with httpx.AsyncClient(timeout=30) as client:
         try:
             response = await client.get(root + "/v1/models")
             response.raise_for_status()
-            return str(response.json()["data"][0]["id"])
-        except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+            models = [str(entry["id"]) for entry in response.json()["data"]]
+        except (httpx.HTTPError, KeyError, TypeError, ValueError) as exc:
             raise RuntimeError(f"cannot learn the served model from {root}/v1/models: {exc!r}") from exc
+    if not models:
+        raise RuntimeError(f"the engine at {root} serves no model ({root}/v1/models is empty)")
+    return models

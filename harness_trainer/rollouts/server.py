@@ -7,13 +7,17 @@ more is answered ``429`` with ``Retry-After``. A session holds one slot from ``P
 metadata, so serve with ``MAX_CONCURRENT_ENVS >= max_concurrent_rollouts + 1``.
 
 Routes (JSON):
-- ``GET /health`` → status, open sessions, limit, served model.
-- ``GET /splits`` → ``{"splits": [...]}``; ``GET /splits/{split}/tasks`` → ``{"tasks": [{"index", "name",
-  "instruction"}]}``.
+- ``GET /health`` → status, open sessions, limit, served model, and ``engines``: every engine rollouts
+  may name (``--upstream``, repeatable; the first is the default) with the models it serves.
+- ``GET /splits`` → ``{"splits": ["DATASET:SPLIT", ...], "datasets": [{"name", "splits": [{"name",
+  "split", "num_tasks"}]}]}`` (split names: :mod:`harness_trainer.tasks.catalog`);
+  ``GET /splits/{split}/tasks`` → ``{"split": "DATASET:SPLIT", "tasks": [{"index", "name",
+  "instruction", "agent_timeout_sec", "verifier_timeout_sec"}]}`` (404 naming the known splits).
 - ``POST /sessions`` → 201 ``{"session_id"}`` (429 when full).
 - ``POST /sessions/{id}/rollout`` with ``{"split", "index" | "instruction", **RolloutOptions}`` → 202
-  (404 unknown task, 409 already started, 400 bad options or a sandbox backend that cannot run
-  here: unknown, its credentials missing, or remote with no public URL for the capture proxy).
+  (404 unknown task, 409 already started, 400 bad options, an ``llm_url`` this server was not allowed
+  or a ``model`` that engine does not serve, or a sandbox backend that cannot run here: unknown, its
+  credentials missing, or remote with no public URL for the capture proxy).
 - ``GET /sessions/{id}?wait=SECONDS`` → ``{"status": "idle"|"running"|"done", "result": {...}}``; long
   polls up to ``wait`` (≤ 60) for the rollout to finish. ``result`` omits the trace.
 - ``POST /sessions/{id}/stop`` → ends the agent as a timeout would (turns kept, ``timed_out``).
@@ -47,6 +51,7 @@ from pydantic import ValidationError
 from capture_proxy.sessions import Policy
 from harness_trainer.rollouts.result import RolloutOptions, RolloutResult
 from harness_trainer.rollouts.runtime import RolloutRuntime
+from harness_trainer.tasks.catalog import TaskCatalog, as_catalog
 from harness_trainer.tasks.sources import TaskSource
 from harness_trainer.tasks.task import HarborTask
 
@@ -76,14 +81,14 @@ class RolloutServer:
     def __init__(
         self,
         runtime: RolloutRuntime,
-        tasks: TaskSource,
+        tasks: TaskSource | TaskCatalog,
         max_concurrent_envs: int = 8,
         idle_timeout_s: float | None = 3600.0,
     ) -> None:
         """``idle_timeout_s``: a session no client asked about for this long, and not running a rollout,
         is closed (a crashed trainer's sessions would otherwise hold their slots until a restart)."""
         self.runtime = runtime
-        self.tasks = tasks
+        self.tasks = as_catalog(tasks)
         self.limit = max_concurrent_envs
         self.idle_timeout_s = idle_timeout_s
         self.slots: dict[str, Slot] = {}
@@ -94,7 +99,7 @@ class RolloutServer:
         app.cleanup_ctx.append(self._lifecycle)
         app.router.add_get("/health", self.health)
         app.router.add_get("/splits", self.splits)
-        app.router.add_get("/splits/{split}/tasks", self.split_tasks)
+        app.router.add_get("/splits/{split:.+}/tasks", self.split_tasks)  # Hub ids hold a "/"
         app.router.add_post("/sessions", self.open_session)
         app.router.add_get("/sessions/{id}", self.session_status)
         app.router.add_post("/sessions/{id}/rollout", self.start_rollout)
@@ -133,7 +138,8 @@ class RolloutServer:
         body = {"status": "ok", "sessions": len(self.slots), "max_concurrent_envs": self.limit}
         body["reaped_idle_sessions"] = self.reaped
         body["capture_sessions"] = await self.runtime.open_capture_sessions()
-        return web.json_response({**body, "model": self.runtime.model})
+        engines = [{"url": url, "models": models} for url, models in self.runtime.engines.items()]
+        return web.json_response({**body, "model": self.runtime.model, "engines": engines})
 
     async def put_policy(self, request: web.Request) -> web.Response:
         """``PUT /policy {"model", "version"}``: the capture proxy's policy, for every later model call."""
@@ -145,16 +151,35 @@ class RolloutServer:
         return web.json_response({"policy": policy.model_dump()})
 
     async def splits(self, request: web.Request) -> web.Response:
-        return web.json_response({"splits": self.tasks.splits()})
+        datasets = [
+            {
+                "name": name,
+                "splits": [
+                    {"name": f"{name}:{own}", "split": own, "num_tasks": len(source.tasks(own))}
+                    for own in source.splits()
+                ],
+            }
+            for name, source in self.tasks.datasets.items()
+        ]
+        return web.json_response({"splits": self.tasks.splits(), "datasets": datasets})
 
     async def split_tasks(self, request: web.Request) -> web.Response:
         split = request.match_info["split"]
-        if split not in self.tasks.splits():
-            raise _error(404, f"no split {split!r}; splits: {self.tasks.splits()}")
+        try:
+            canonical, tasks = self.tasks.canonical(split), self.tasks.tasks(split)
+        except KeyError as exc:
+            raise _error(404, str(exc.args[0])) from exc
         listed = [
-            {"index": t.index, "name": t.name, "instruction": t.instruction} for t in self.tasks.tasks(split)
+            {
+                "index": t.index,
+                "name": t.name,
+                "instruction": t.instruction,
+                "agent_timeout_sec": t.agent_timeout_sec,
+                "verifier_timeout_sec": t.verifier_timeout_sec,
+            }
+            for t in tasks
         ]
-        return web.json_response({"tasks": listed})
+        return web.json_response({"split": canonical, "tasks": listed})
 
     async def open_session(self, request: web.Request) -> web.Response:
         if len(self.slots) >= self.limit:
@@ -185,6 +210,8 @@ class RolloutServer:
         except ValidationError as exc:
             raise _error(400, f"invalid rollout options: {exc.errors(include_url=False)}") from exc
         if problem := self.runtime.sandbox_problem(options.sandbox):
+            raise _error(400, problem)
+        if problem := await self.runtime.engine_problem(options.llm_url, options.model):
             raise _error(400, problem)
         slot.task = task
         slot.job = asyncio.ensure_future(self.runtime.rollout(task, options, slot.stop))
@@ -256,12 +283,14 @@ _TASK_KEYS = ("split", "index", "instruction")
 def _result(slot: Slot) -> RolloutResult:
     assert slot.job is not None and slot.task is not None
     if slot.job.cancelled():
-        return RolloutResult(task_name=slot.task.name, harness="", sandbox="", error="cancelled")
-    exc = slot.job.exception()
-    if exc is not None:
-        # CaptureContractError (a capture bug) and anything unexpected: reported, never trained on.
         return RolloutResult(
-            task_name=slot.task.name, harness="", sandbox="", error=f"{type(exc).__name__}: {exc}"
+            task_name=slot.task.name, harness="", sandbox="", error="cancelled", error_kind="cancelled"
+        )
+    exc = slot.job.exception()
+    if exc is not None:  # run_rollout turns every failure into a result: this is a bug of the server's
+        error = f"{type(exc).__name__}: {exc}"
+        return RolloutResult(
+            task_name=slot.task.name, harness="", sandbox="", error=error, error_kind="unexpected"
         )
     return slot.job.result()
 

@@ -1,8 +1,9 @@
 """One rollout as the trainer sees it: OpenEnv's loop-owning session protocol.
 
 ``wait_for_completion(timeout_s)`` → the agent's exit code (raises ``TimeoutError`` on timeout: the agent
-is stopped, its captured turns stay trainable and ``timed_out`` is set; raises :class:`RolloutUnscorable`
-when the sandbox or agent install failed); ``fetch_training_trace()`` → the validated
+is stopped, its captured turns stay trainable and ``timed_out`` is set; a failed rollout raises what
+:func:`~harness_trainer.rollouts.errors.error_for` maps its ``error_kind`` to: :class:`RolloutUnscorable`,
+or ``CaptureContractError`` for a malformed capture); ``fetch_training_trace()`` → the validated
 :class:`~harness_trainer.trace.TrainingTrace`; ``verify(completion)`` → :class:`VerifyResult` with the
 task verifier's reward (None = ungraded); ``close()`` (idempotent). The in-process sessions also have
 async twins, which the trainer uses when a factory has a coroutine ``acreate``: ``await session.wait()``,
@@ -18,19 +19,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from harness_trainer.rollouts.errors import RolloutConfigError, RolloutUnscorable, error_for
 from harness_trainer.rollouts.result import RolloutResult
+from harness_trainer.tasks.reward import reward_keys
 from harness_trainer.trace import TrainingTrace, load_trace
 
-
-class RolloutUnscorable(RuntimeError):
-    """The rollout could not be scored (sandbox or install failure, server gone): train nothing from it.
-
-    ``capture_session_id`` names the rollout's capture session when it had one (None otherwise).
-    """
-
-    def __init__(self, message: str, *, capture_session_id: str | None = None) -> None:
-        super().__init__(message)
-        self.capture_session_id = capture_session_id
+__all__ = [
+    "RolloutUnscorable",
+    "VerifyResult",
+    "check_reward_key",
+    "exit_code_of",
+    "trace_of",
+    "verify_result",
+]
 
 
 @dataclass
@@ -66,20 +67,24 @@ def trace_of(result: RolloutResult, session_id: str | None = None) -> TrainingTr
     """The result's trace, validated (errors name its capture session, else ``session_id``);
     :class:`RolloutUnscorable` when it has none."""
     if result.error is not None or result.trace is None:
-        raise _unscorable(result)
+        raise error_for(result)
     return load_trace(result.trace, session_id=result.capture_session_id or session_id)
 
 
 def exit_code_of(result: RolloutResult) -> int:
     if result.error is not None:
-        raise _unscorable(result)
+        raise error_for(result)
     if result.timed_out:
         raise TimeoutError(f"agent on {result.task_name} timed out; its captured turns stay trainable")
     return result.exit_code if result.exit_code is not None else -1
 
 
-def _unscorable(result: RolloutResult) -> RolloutUnscorable:
-    return RolloutUnscorable(
-        f"rollout of {result.task_name} is unscorable: {result.error}",
-        capture_session_id=result.capture_session_id,
-    )
+def check_reward_key(reward_key: str, result: RolloutResult) -> None:
+    """:class:`RolloutConfigError` when ``reward_key`` names none of the scores ``result``'s verifier
+    wrote (a misspelled key would leave every rollout ungraded)."""
+    keys = reward_keys(reward_key)
+    if keys and result.rewards and not any(key in result.rewards for key in keys):
+        raise RolloutConfigError(
+            f"reward_key {reward_key!r} names no score the verifier of {result.task_name} wrote; "
+            f"it wrote {sorted(result.rewards)}"
+        )

@@ -2,7 +2,8 @@
 
 Contract of :func:`parse_reward` (pure):
 
-- ``reward_key`` given and ``reward.json`` present → ``reward.json[reward_key]`` (missing → None).
+- ``reward_key`` given and ``reward.json`` present → ``reward.json[key]`` for the first of
+  :func:`reward_keys` it holds (none → None): a key, or a comma-separated preference list.
 - else ``reward.txt`` present → the one number it holds (surrounding whitespace allowed).
 - else ``reward.json`` present → its only entry, else its ``"reward"`` entry, else None.
 - neither file → None ("the verifier wrote no reward").
@@ -74,6 +75,15 @@ def parse_reward(reward_txt: bytes | None, reward_json: bytes | None, reward_key
     return RewardResult(None, {}, "the verifier wrote no reward")
 
 
+def reward_keys(reward_key: str) -> list[str]:
+    """A ``reward_key``'s candidates in order: the whole text (a key may hold a comma), then each
+    comma-separated part (OpenEnv's preference list)."""
+    if not reward_key:
+        return []
+    parts = [part.strip() for part in reward_key.split(",") if part.strip()]
+    return list(dict.fromkeys([reward_key, *parts]))
+
+
 def _from_txt(data: bytes) -> RewardResult:
     try:
         text = data.decode("utf-8").strip()
@@ -98,9 +108,10 @@ def _from_json(data: bytes, reward_key: str) -> RewardResult:
         return RewardResult(None, {}, f"reward.json is not an object of named numbers: {_preview(parsed)}")
     rewards = {key: float(value) for key, value in parsed.items() if _is_score(value)}
     if reward_key:
-        key = reward_key
-        if key not in parsed:
-            return RewardResult(None, rewards, f"reward.json has no {key!r} (keys: {sorted(parsed)})")
+        found = [key for key in reward_keys(reward_key) if key in parsed]
+        if not found:
+            return RewardResult(None, rewards, f"reward.json has no {reward_key!r} (keys: {sorted(parsed)})")
+        key = found[0]
     elif len(parsed) == 1:
         key = next(iter(parsed))
     elif "reward" in parsed:

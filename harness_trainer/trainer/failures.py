@@ -3,7 +3,8 @@
 - :data:`INFRASTRUCTURE_ERRORS` (the session's own :class:`RolloutUnscorable`, the rollout server refusing or
   gone, a sandbox, harness or capture error, a connection dropped or timed out, a cancellation): the rollout
   is unscorable, the run goes on;
-- a :class:`CaptureContractError`, or a ``rollout_reward_fn`` that returned a bool, a non-number, NaN or
+- a :class:`CaptureContractError`, a :class:`RolloutConfigError` (a factory setting that cannot work, e.g.
+  a reward key no verifier writes), or a ``rollout_reward_fn`` that returned a bool, a non-number, NaN or
   infinity: fatal, the run stops naming it;
 - anything else, a raising ``rollout_reward_fn`` included: unexpected (a bug), counted against
   ``max_unexpected_errors``;
@@ -20,8 +21,8 @@ from dataclasses import dataclass
 
 from harness_trainer.harnesses.base import HarnessError
 from harness_trainer.rollouts.capture_client import CaptureError
+from harness_trainer.rollouts.errors import RolloutConfigError, RolloutUnscorable
 from harness_trainer.rollouts.factory import RolloutServerError
-from harness_trainer.rollouts.session import RolloutUnscorable
 from harness_trainer.sandboxes.base import SandboxError
 from harness_trainer.trace import CaptureContractError
 from harness_trainer.trainer.outcome import RewardFunctionError
@@ -56,7 +57,7 @@ class Verdict:
 def judge(exc: BaseException, *, stopping: bool) -> Verdict:
     """What a rollout that failed with ``exc`` is (see the module docstring)."""
     returned_badly = isinstance(exc, RewardFunctionError) and exc.__cause__ is None
-    if isinstance(exc, CaptureContractError) or returned_badly:
+    if isinstance(exc, (CaptureContractError, RolloutConfigError)) or returned_badly:
         return Verdict(FailureKind.FATAL, f"fatal: {exc}")
     if isinstance(exc, RewardFunctionError):
         return Verdict(FailureKind.UNEXPECTED, f"reward function failed: {exc}")

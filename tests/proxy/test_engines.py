@@ -51,7 +51,7 @@ def test_a_session_naming_an_allowed_engine_reaches_it_with_its_model_and_creden
     assert "engine-key" not in two_engine_stack.admin.get("/sessions").text  # never handed back
 
 
-def test_an_engine_the_proxy_was_not_allowed_is_a_400_naming_the_allowed_ones(two_engine_stack: Stack) -> None:
+def test_an_engine_not_allowed_is_a_400_naming_the_allowed_ones(two_engine_stack: Stack) -> None:
     response = two_engine_stack.admin.post("/sessions", json={"upstream": "http://169.254.169.254:80"})
 
     assert response.status_code == 400
