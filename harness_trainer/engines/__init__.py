@@ -19,6 +19,26 @@ from harness_trainer.engines.weight_sync import WEIGHT_SYNCS, FileWeightSync, ch
 ENGINES: dict[str, type] = {"dev": DevEngine, "vllm": VLLMEngine}
 
 
+def detect_engine_kind(base_url: str, timeout_s: float = 30.0) -> str:
+    """``dev`` when the engine at ``base_url`` answers ``GET /weight_version`` (a route only the dev engine
+    has), else ``vllm``.
+
+    Raises:
+        EngineUnavailable: nothing answers at ``base_url``.
+    """
+    import httpx
+
+    root = base_url.rstrip("/").removesuffix("/v1")
+    try:
+        reply = httpx.get(root + "/weight_version", timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        raise EngineUnavailable(f"no engine answers at {root} (to tell its kind): {exc!r}") from exc
+    try:
+        return "dev" if reply.status_code == 200 and "weight_version" in reply.json() else "vllm"
+    except ValueError:
+        return "vllm"
+
+
 def make_engine(kind: str, base_url: str, **kwargs: Any) -> InferenceEngine:
     """The ``kind`` engine client for ``base_url``; ``kwargs`` go to its constructor.
 
@@ -46,5 +66,6 @@ __all__ = [
     "WeightTransport",
     "WeightTransportError",
     "choose_weight_sync",
+    "detect_engine_kind",
     "make_engine",
 ]

@@ -35,6 +35,7 @@ for metadata, so the server needs ``MAX_CONCURRENT_ENVS >= max_concurrent_rollou
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -138,6 +139,7 @@ class HarborSessionFactory:
         self._client: httpx.Client | None = None
         self._metadata_session: str | None = None
         self._tasks: list[dict[str, Any]] | None = None
+        self._tasks_lock = threading.Lock()  # rollout threads list tasks at once: one metadata session
         self._reward_key_checked = False
         try:
             self._check_server()
@@ -147,8 +149,11 @@ class HarborSessionFactory:
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_client=None, _metadata_session=None, _tasks=None)
+        state.update(_client=None, _metadata_session=None, _tasks=None, _tasks_lock=None)
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _tasks_lock=threading.Lock())
 
     @property
     def client(self) -> httpx.Client:
@@ -207,14 +212,15 @@ class HarborSessionFactory:
     def tasks(self) -> list[dict[str, Any]]:
         """The split's tasks (``index``, ``name``, ``instruction``, timeouts), narrowed by ``indices`` /
         ``num_tasks``."""
-        if self._tasks is None:
-            if self._metadata_session is None:
-                self._metadata_session = self.request("POST", "/sessions")["session_id"]
-            listed = self.request("GET", f"/splits/{self.split}/tasks")["tasks"]
-            if self.indices is not None:
-                listed = [t for t in listed if t["index"] in set(self.indices)]
-            self._tasks = listed[: self.num_tasks] if self.num_tasks is not None else listed
-        return self._tasks
+        with self._tasks_lock:
+            if self._tasks is None:
+                if self._metadata_session is None:
+                    self._metadata_session = self.request("POST", "/sessions")["session_id"]
+                listed = self.request("GET", f"/splits/{self.split}/tasks")["tasks"]
+                if self.indices is not None:
+                    listed = [t for t in listed if t["index"] in set(self.indices)]
+                self._tasks = listed[: self.num_tasks] if self.num_tasks is not None else listed
+            return self._tasks
 
     def prompt_rows(self) -> list[dict[str, Any]]:
         """Dataset rows, one per task: ``prompt`` (a user message), ``task_index``, ``task_name``."""

@@ -41,7 +41,7 @@ from harness_trainer.trainer.trl_fields import TRL_ONLY, trl_flags, trl_problems
 logger = logging.getLogger(__name__)
 
 IMPORTANCE_SAMPLING_MODES = ("truncate", "mask", "none")
-ENGINE_KINDS = ("vllm", "dev", "none")
+ENGINE_KINDS = ("auto", "vllm", "dev", "none")
 WEIGHT_SYNCS = ("auto", "nccl", "file")
 LORA_SYNCS = ("adapter", "merged")
 LORA_SAVES = ("adapter", "merged")
@@ -231,7 +231,13 @@ class _ConfigFields:
         metadata=_help("The rollout server's MAX_CONCURRENT_ENVS, when known: must be ≥ concurrency + 1."),
     )
     agent_timeout: float | None = field(
-        default=600.0, metadata=_help("Seconds an agent may run; its captured turns stay trainable after.")
+        default=None,
+        metadata=_help(
+            "Seconds the trainer waits for a rollout before it stops the agent (its captured turns stay "
+            "trainable). None: each session's own bound, which for HarborSessionFactory and "
+            "LocalSessionFactory covers sandbox start, install, agent and verifier (the factory's timeouts "
+            "plus setup_timeout_sec), so a slow start never cuts an agent short."
+        ),
     )
     max_unexpected_errors: int = field(
         default=3,
@@ -387,7 +393,14 @@ class _ConfigFields:
         default="http://localhost:8000",
         metadata=_help("The inference engine's URL (vLLM or the dev engine)."),
     )
-    engine: str = field(default="vllm", metadata=_help(f"Engine kind, one of {ENGINE_KINDS}."))
+    engine: str = field(
+        default="auto",
+        metadata=_help(
+            f"Engine kind, one of {ENGINE_KINDS}. 'auto': told by asking the engine at vllm_server_base_url "
+            "when the trainer is made (the dev engine answers GET /weight_version, vLLM does not), so the "
+            "same script runs against either; 'none' pushes no weights."
+        ),
+    )
     weight_sync_steps: int = field(default=1, metadata=_help("Push weights every N steps."))
     weight_sync_retries: int = field(default=3, metadata=_help("Attempts of a weight push before stopping."))
     weight_sync_timeout: float = field(default=300.0, metadata=_help("Seconds one weight push may take."))
@@ -646,7 +659,7 @@ def _checks(c: _ConfigFields) -> Sequence[str]:
     if c.groups_per_step is not None and c.groups_per_step < 1:
         yield "groups_per_step must be at least 1"
     if c.agent_timeout is not None and c.agent_timeout <= 0:
-        yield "agent_timeout must be positive (or None for no limit)"
+        yield "agent_timeout must be positive (or None for each session's own bound)"
     if c.max_unexpected_errors < 0:
         yield "max_unexpected_errors must be ≥ 0 (0 stops the run at the first)"
     if not c.learning_rate > 0:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from harness_trainer.engines import EngineUnavailable, PushRefused, make_engine
+from harness_trainer.engines import ENGINES, EngineUnavailable, PushRefused, detect_engine_kind, make_engine
 from harness_trainer.trainer.adapter_sync import AdapterFolders
 from harness_trainer.trainer.batch import StepBatch, assemble, rollout_metrics
 from harness_trainer.trainer.checkpoint import (
@@ -139,12 +139,14 @@ class HarnessAsyncGRPOTrainer:
         self.trained_groups: list[int] = []
         self._stop = threading.Event()
         self._pushes = False
-        self._adapter_sync = (
-            self.args.use_peft and self.args.lora_sync == "adapter" and self.args.engine == "vllm"
-        )
         self._adapter_folders: AdapterFolders | None = None
         self._policy: tuple[str, int] | None = None
         self._counters = {"rollout/unscorable_total": 0, "rollout/dropped_groups_total": 0}
+
+    @property
+    def _adapter_sync(self) -> bool:
+        """LoRA published as an adapter per version (vLLM loads it) instead of merged weights."""
+        return self.args.use_peft and self.args.lora_sync == "adapter" and self.args.engine == "vllm"
 
     # -- setup ---------------------------------------------------------------------------------------
 
@@ -158,6 +160,8 @@ class HarnessAsyncGRPOTrainer:
         from transformers import get_scheduler
 
         args = self.args
+        if args.engine == "auto":  # the kind decides the weight path: tell it before anything else
+            args.engine = _engine_kind(self.engine, args.vllm_server_base_url)
         _seed_everything(args.seed)
         self.accelerator = Accelerator(mixed_precision=args.mixed_precision)
         if args.fp16 and self.accelerator.device.type == "cpu":
@@ -776,3 +780,11 @@ def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def _engine_kind(engine: Any, url: str | None) -> str:
+    """``engine='auto'`` resolved: the given client's kind, else the kind of the engine at ``url``."""
+    if engine is not None:
+        return next((kind for kind, cls in ENGINES.items() if isinstance(engine, cls)), "dev")
+    assert url is not None  # the config refuses an engine kind other than 'none' without a URL
+    return detect_engine_kind(url)

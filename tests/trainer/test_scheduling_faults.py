@@ -86,7 +86,7 @@ class FinishedLocalFactory:
     def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> LocalSession:
         future: concurrent.futures.Future[RolloutResult] = concurrent.futures.Future()
         future.set_result(result_of(member_of(episode_id)))
-        session = LocalSession(self, future, asyncio.Event())  # type: ignore[arg-type]
+        session = LocalSession(self, future, asyncio.Event(), wait_timeout_s=60)  # type: ignore[arg-type]
         self._sessions.add(session)
         return session
 
@@ -94,6 +94,9 @@ class FinishedLocalFactory:
         self, task: Any, seed: int | None = None, episode_id: str | None = None
     ) -> LocalSession:
         return self.create(task, seed, episode_id)
+
+    def check_reward_key(self, result: RolloutResult) -> None:
+        """No ``reward_key`` was given: nothing to check (what the real factories do then)."""
 
 
 class FinishedServer:
@@ -110,7 +113,10 @@ class FinishedServer:
     def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> HarborSession:
         session_id = f"srv-{len(self.results)}"
         self.results[session_id] = result_of(member_of(episode_id))
-        return HarborSession(self, session_id)  # type: ignore[arg-type]
+        return HarborSession(self, session_id, wait_timeout_s=60)  # type: ignore[arg-type]
+
+    def check_reward_key(self, result: RolloutResult) -> None:
+        """No ``reward_key`` was given: nothing to check (what the real factories do then)."""
 
     def request(self, method: str, path: str, **kwargs: Any) -> Any:
         session_id = path.split("/")[2]
