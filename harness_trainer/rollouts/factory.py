@@ -141,6 +141,9 @@ class HarborSessionFactory:
         self._tasks: list[dict[str, Any]] | None = None
         self._tasks_lock = threading.Lock()  # rollout threads list tasks at once: one metadata session
         self._reward_key_checked = False
+        self.rollout_engine: str | None = None
+        self.rollout_model: str | None = None
+        """The engine and served model this factory's rollouts sample from (learned at construction)."""
         try:
             self._check_server()
         except BaseException:
@@ -185,6 +188,10 @@ class HarborSessionFactory:
                 raise RolloutConfigError(
                     f"model {self.model!r} is not served by the engine at {url}; it serves {engines[url]}"
                 )
+            self.rollout_engine, self.rollout_model = (
+                url,
+                self.model or (health.get("model") if url == next(iter(engines)) else engines[url][0]),
+            )
         if not self.split:  # OpenEnv's default: the server's first dataset
             self.split = self.request("GET", "/splits")["datasets"][0]["name"]
         try:  # listed without the metadata session: a factory built only to be pickled holds none
@@ -203,6 +210,26 @@ class HarborSessionFactory:
             )
         if not listed:
             raise RolloutConfigError(f"split {self.split!r} of {self.server_url} has no task to run")
+
+    def check_engine(self, engine_url: str) -> None:
+        """The trainer's engine at ``engine_url`` must serve the model this factory's rollouts sample from
+        (else the trainer would learn from another model's tokens); :class:`RolloutConfigError` if not."""
+        if self.rollout_model is None:
+            return
+        root = engine_root(engine_url)
+        try:
+            reply = httpx.get(root + "/v1/models", timeout=self.request_timeout_s)
+            served = [str(entry["id"]) for entry in reply.json()["data"]]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            raise RolloutServerError(
+                f"the trainer's engine at {root} does not list its models: {exc!r}"
+            ) from exc
+        if self.rollout_model not in served:
+            raise RolloutConfigError(
+                f"the rollout server's agents sample from model {self.rollout_model!r} at "
+                f"{self.rollout_engine}, which the trainer's engine at {root} does not serve ({served}): "
+                f"they must be one engine (pass llm_url={root!r})"
+            )
 
     def set_policy(self, model: str, version: int) -> None:
         """Send every model call of the server's rollouts from now on to served model ``model``, recording

@@ -209,6 +209,8 @@ class HarnessAsyncGRPOTrainer:
         args = self.args
         assert self.model is not None
         self.factory = self.factory_builder(sampling=args.sampling)
+        if self.engine is not None and args.vllm_server_base_url and hasattr(self.factory, "check_engine"):
+            self.factory.check_engine(args.vllm_server_base_url)  # rollouts and trainer on one model
         if self._policy is not None:  # an adapter pushed on resume, before the factory existed
             self._publish_policy(*self._policy)
         rows = self._rows()

@@ -127,6 +127,14 @@ def test_an_engine_or_model_the_server_does_not_have_is_refused_naming_the_allow
     httpx.delete(f"{stack.url}/sessions/{session_id}")
 
 
+def test_a_trainer_engine_that_serves_another_model_is_refused(stack: Stack) -> None:
+    with factory(stack, llm_url=stack.engine_b.url) as on_b:
+        assert (on_b.rollout_engine, on_b.rollout_model) == (stack.engine_b.url, "tiny-b")
+        on_b.check_engine(stack.engine_b.url + "/v1")
+        with pytest.raises(RolloutConfigError, match=r"'tiny-b'.*\['tiny-a'\].*llm_url="):
+            on_b.check_engine(stack.engine_a.url)
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
