@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from harness_trainer.rollouts.session import VerifyResult
+from harness_trainer.rollouts.client.session import VerifyResult
 from harness_trainer.trace import TrainingTrace, load_trace
 from harness_trainer.trainer.outcome import build_outcome
 from harness_trainer.trainer.records import Rollout

@@ -31,7 +31,8 @@ Failures, by kind (judged by :mod:`.failures`):
 
 Each rollout keeps its ``rollout_id`` (the episode id the factory was given, ``group{G}-member{M}``, which
 the capture session's metadata records) and, once the session reports it, its ``capture_session_id`` (its
-journal: ``DATA_DIR/sessions/ID``, see :mod:`harness_trainer.rollouts.session`), unscorable ones included.
+journal: ``DATA_DIR/sessions/ID``, see :mod:`harness_trainer.rollouts.client.session`), unscorable ones
+included.
 """
 
 from __future__ import annotations
