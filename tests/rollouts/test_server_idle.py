@@ -8,7 +8,7 @@ import time
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from harness_trainer.rollouts.server.api import RolloutServer
+from harness_trainer.rollouts.server.routes import RolloutServer
 from harness_trainer.rollouts.server.runtime import RuntimeConfig
 from harness_trainer.tasks.sources import LocalTaskSource
 from tests.hardening.fakes import IdleRuntime
