@@ -51,13 +51,13 @@ from typing import Any
 
 from harness_trainer.trace import TrainingTrace, load_trace
 from harness_trainer.trainer.failures import FailureKind, judge, origin_of
+from harness_trainer.trainer.groups import Group, Rollout
 from harness_trainer.trainer.outcome import (
     HarnessRolloutOutcome,
     apply_reward_fn,
     build_outcome,
     completion_messages,
 )
-from harness_trainer.trainer.records import Group, Rollout
 from harness_trainer.trainer.rows import build_rows
 
 logger = logging.getLogger(__name__)

@@ -10,8 +10,8 @@ import pytest
 from harness_trainer.rollouts.client.session import VerifyResult
 from harness_trainer.trace import load_trace
 from harness_trainer.trainer.batch import assemble
+from harness_trainer.trainer.groups import Rollout
 from harness_trainer.trainer.outcome import build_outcome
-from harness_trainer.trainer.records import Rollout
 from harness_trainer.trainer.rollout_log import (
     ROLLOUTS_FILE,
     RolloutLog,

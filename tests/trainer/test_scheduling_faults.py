@@ -21,8 +21,8 @@ from harness_trainer.rollouts.result import RolloutResult
 from harness_trainer.rollouts.server.capture_client import CaptureError
 from harness_trainer.sandboxes.base import SandboxError
 from harness_trainer.trainer import scheduling
+from harness_trainer.trainer.groups import Group
 from harness_trainer.trainer.outcome import RewardFunctionError
-from harness_trainer.trainer.records import Group
 from harness_trainer.trainer.scheduling import RolloutScheduler, RolloutSchedulerError, SchedulerConfig
 from tests.trainer.handmade import HandmadeFactory, chain_trace
 
