@@ -88,8 +88,8 @@ from benchmarks.common import (
     stop_process,
     tree_cpu_seconds,
 )
-from harness_trainer.rollouts.factory import HarborSessionFactory
-from harness_trainer.rollouts.session import RolloutUnscorable
+from harness_trainer.rollouts.client.factory import HarborSessionFactory
+from harness_trainer.rollouts.client.session import RolloutUnscorable
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

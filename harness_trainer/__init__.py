@@ -15,8 +15,8 @@ _EXPORTS = {
     "AsyncGRPOConfig": "harness_trainer.trainer.config",
     "HarnessAsyncGRPOTrainer": "harness_trainer.trainer.trainer",
     "HarnessRolloutOutcome": "harness_trainer.trainer.outcome",
-    "HarborSessionFactory": "harness_trainer.rollouts.factory",
-    "LocalSessionFactory": "harness_trainer.rollouts.local_factory",
+    "HarborSessionFactory": "harness_trainer.rollouts.client.factory",
+    "LocalSessionFactory": "harness_trainer.rollouts.client.local_factory",
     "TrainingTrace": "harness_trainer.trace",
     "CaptureContractError": "harness_trainer.trace",
 }

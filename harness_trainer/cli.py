@@ -105,8 +105,8 @@ def _serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from capture_proxy.app import tune_gc
-    from harness_trainer.rollouts.runtime import RolloutRuntime, RuntimeConfig
-    from harness_trainer.rollouts.server import RolloutServer
+    from harness_trainer.rollouts.server.routes import RolloutServer
+    from harness_trainer.rollouts.server.runtime import RolloutRuntime, RuntimeConfig
     from harness_trainer.tasks.catalog import TaskCatalog
     from harness_trainer.tasks.task import TaskError
 

@@ -39,3 +39,10 @@ def test_importing_the_cli_loads_neither_torch_nor_transformers(statement: str) 
 def test_building_the_cli_parser_loads_neither_torch_nor_transformers() -> None:
     statement = "from harness_trainer.cli import build_parser\nbuild_parser().format_help()"
     assert modules_after(statement, ["torch", "transformers"]) == []
+
+
+def test_tasks_are_pure_data_and_the_rollout_client_needs_no_server() -> None:
+    server_side = ["harness_trainer.sandboxes", "harness_trainer.rollouts.server", "aiohttp", "torch"]
+    assert modules_after("import harness_trainer.tasks", server_side) == []
+    statement = "from harness_trainer.rollouts.client.factory import HarborSessionFactory"
+    assert modules_after(statement, server_side) == []

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from harness_trainer.rollouts.session import VerifyResult
+from harness_trainer.rollouts.client.session import VerifyResult
 from harness_trainer.trace import TrainingTrace, load_trace
+from harness_trainer.trainer.groups import Rollout
 from harness_trainer.trainer.outcome import build_outcome
-from harness_trainer.trainer.records import Rollout
 from harness_trainer.trainer.reporting import MetricsReporter
 from harness_trainer.trainer.rollout_log import RolloutLog, rollout_record
 from harness_trainer.trainer.rows import build_rows

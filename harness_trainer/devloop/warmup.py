@@ -31,7 +31,7 @@ import torch
 
 from harness_trainer.dev_engine.process import start_engine
 from harness_trainer.devloop.solver import distractor_replies, solver_replies
-from harness_trainer.rollouts.local_factory import LocalSessionFactory
+from harness_trainer.rollouts.client.local_factory import LocalSessionFactory
 from harness_trainer.tasks.sources import LocalTaskSource
 from harness_trainer.trace import TrainingTrace
 from harness_trainer.trainer.logprobs import token_logprobs, use_packed_attention

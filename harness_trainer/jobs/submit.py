@@ -443,7 +443,7 @@ def _without(text: str, values: Iterable[str]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``jobs/submit.py``'s entry point: the same options as ``harness-trainer jobs submit``."""
-    parser = argparse.ArgumentParser(prog="jobs/submit.py", description=__doc__.split("\n")[0])
+    """``examples/jobs/submit.py``'s entry point: the same options as ``harness-trainer jobs submit``."""
+    parser = argparse.ArgumentParser(prog="examples/jobs/submit.py", description=__doc__.split("\n")[0])
     add_submit_arguments(parser)
     return run_submit(parser.parse_args(argv))

@@ -151,7 +151,7 @@ def session_builder(args: argparse.Namespace) -> partial[Any]:
     """The factory builder the trainer calls with its sampling policy. Rollouts sample from the trainer's
     engine (``llm_url``) under the name the rollout server learned from it: ``--model`` is what the
     trainer loads, which the engine may serve under another name (preflight checks they are one model)."""
-    from harness_trainer.rollouts.factory import HarborSessionFactory
+    from harness_trainer.rollouts.client.factory import HarborSessionFactory
 
     return partial(
         HarborSessionFactory,

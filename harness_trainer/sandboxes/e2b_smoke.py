@@ -1,8 +1,9 @@
 """Live checks of the E2B backend, for users with ``E2B_API_KEY`` (the CI cannot reach E2B).
 
 ``harness-trainer e2b smoke --task DIR --engine-url URL --proxy-public-url URL`` (:func:`smoke_rollout`):
-one rollout through the project's own rollout path (:class:`~harness_trainer.rollouts.runtime.RolloutRuntime`
-with ``sandbox="e2b"``, then :func:`~harness_trainer.rollouts.run.run_rollout`), in this order of work:
+one rollout through the project's own rollout path
+(:class:`~harness_trainer.rollouts.server.runtime.RolloutRuntime` with ``sandbox="e2b"``, then
+:func:`~harness_trainer.rollouts.server.run.run_rollout`), in this order of work:
 
 1. start the capture proxy on ``proxy_host:proxy_port`` in front of the engine, and learn the served model
    from the engine's ``/v1/models`` unless one is given;
@@ -101,7 +102,7 @@ async def smoke_rollout(
 ) -> int:
     """Run one rollout of ``config.task`` in E2B and print each phase; returns the exit status (0 ok, 1
     FAIL, 2 a usage error found before anything started)."""
-    from harness_trainer.rollouts.runtime import LOOPBACK_HOSTS, RolloutRuntime, RuntimeConfig
+    from harness_trainer.rollouts.server.runtime import LOOPBACK_HOSTS, RolloutRuntime, RuntimeConfig
 
     if sandbox_class is None and urlsplit(config.proxy_public_url).hostname in LOOPBACK_HOSTS:
         say(

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from harness_trainer.trainer.advantages import group_advantages, scored
-from harness_trainer.trainer.records import Group, Rollout
+from harness_trainer.trainer.groups import Group, Rollout
 from harness_trainer.trainer.rows import Row
 
 

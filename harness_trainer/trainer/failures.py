@@ -20,9 +20,9 @@ import traceback
 from dataclasses import dataclass
 
 from harness_trainer.harnesses.base import HarnessError
-from harness_trainer.rollouts.capture_client import CaptureError
+from harness_trainer.rollouts.client.factory import RolloutServerError
 from harness_trainer.rollouts.errors import RolloutConfigError, RolloutUnscorable
-from harness_trainer.rollouts.factory import RolloutServerError
+from harness_trainer.rollouts.server.capture_client import CaptureError
 from harness_trainer.sandboxes.base import SandboxError
 from harness_trainer.trace import CaptureContractError
 from harness_trainer.trainer.outcome import RewardFunctionError

@@ -55,9 +55,9 @@ def build_outcome(trace: TrainingTrace, verify: Any, *, timed_out: bool) -> Harn
     """The outcome of a rollout from its trace and its verify result.
 
     ``verify`` is any object with ``env_reward`` (float | None) and optionally ``metrics`` (a dict), like
-    :class:`~harness_trainer.rollouts.session.VerifyResult` or OpenEnv's. ``metrics["tool_calls_by_name"]``
-    and ``metrics["tool_failure_count"]`` are used when present, else derived from the trace entries;
-    ``timed_out`` is the argument or ``metrics["timed_out"]``.
+    :class:`~harness_trainer.rollouts.client.session.VerifyResult` or OpenEnv's.
+    ``metrics["tool_calls_by_name"]`` and ``metrics["tool_failure_count"]`` are used when present, else
+    derived from the trace entries; ``timed_out`` is the argument or ``metrics["timed_out"]``.
     """
     metrics: dict[str, Any] = getattr(verify, "metrics", None) or {}
     entries = trace.to_trace_entries()

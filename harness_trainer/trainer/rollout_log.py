@@ -34,7 +34,7 @@ import orjson
 from pydantic import BaseModel, Field, ValidationError
 
 from harness_trainer.trace import TrainingTrace, TrainingTurn
-from harness_trainer.trainer.records import Rollout
+from harness_trainer.trainer.groups import Rollout
 
 logger = logging.getLogger(__name__)
 

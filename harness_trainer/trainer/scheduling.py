@@ -31,7 +31,8 @@ Failures, by kind (judged by :mod:`.failures`):
 
 Each rollout keeps its ``rollout_id`` (the episode id the factory was given, ``group{G}-member{M}``, which
 the capture session's metadata records) and, once the session reports it, its ``capture_session_id`` (its
-journal: ``DATA_DIR/sessions/ID``, see :mod:`harness_trainer.rollouts.session`), unscorable ones included.
+journal: ``DATA_DIR/sessions/ID``, see :mod:`harness_trainer.rollouts.client.session`), unscorable ones
+included.
 """
 
 from __future__ import annotations
@@ -50,13 +51,13 @@ from typing import Any
 
 from harness_trainer.trace import TrainingTrace, load_trace
 from harness_trainer.trainer.failures import FailureKind, judge, origin_of
+from harness_trainer.trainer.groups import Group, Rollout
 from harness_trainer.trainer.outcome import (
     HarnessRolloutOutcome,
     apply_reward_fn,
     build_outcome,
     completion_messages,
 )
-from harness_trainer.trainer.records import Group, Rollout
 from harness_trainer.trainer.rows import build_rows
 
 logger = logging.getLogger(__name__)

@@ -58,13 +58,13 @@ from harness_trainer.trainer.export import (
     upload,
     write_model_folder,
 )
+from harness_trainer.trainer.groups import Group
 from harness_trainer.trainer.logprobs import token_logprobs
 from harness_trainer.trainer.loss import LossConfig, LossStats, policy_loss
 from harness_trainer.trainer.optim import build_optimizer
 from harness_trainer.trainer.outcome import HarnessRolloutOutcome
 from harness_trainer.trainer.packing import MicroBatch, collate
 from harness_trainer.trainer.policy import Reference, is_peft, load_policy, vocab_size
-from harness_trainer.trainer.records import Group
 from harness_trainer.trainer.reporting import MetricsReporter
 from harness_trainer.trainer.rollout_log import RolloutLog, rollout_record
 from harness_trainer.trainer.scheduling import RolloutScheduler, SchedulerConfig

@@ -87,7 +87,7 @@ def test_nothing_in_the_repository_points_outside_it() -> None:
     assert not found, "\n".join(found)
 
 
-@pytest.mark.parametrize("name", ["README.md", "jobs/README.md", "examples/async_grpo_harbor/README.md"])
+@pytest.mark.parametrize("name", ["README.md", "examples/async_grpo_harbor/README.md"])
 def test_each_relative_link_of_the_readmes_resolves_to_a_file(name: str) -> None:
     links = relative_links((ROOT / name).read_text())
     assert links or name != "README.md"

@@ -11,7 +11,7 @@ from typing import Any
 
 def main(argv: list[str]) -> int:
     from harness_trainer.cli import main as cli_main
-    from harness_trainer.rollouts.runtime import RolloutRuntime
+    from harness_trainer.rollouts.server.runtime import RolloutRuntime
 
     keyfile = Path(argv[0])
     original = RolloutRuntime.__init__

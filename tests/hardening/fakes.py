@@ -6,7 +6,7 @@ import asyncio
 from typing import Any
 
 from harness_trainer.rollouts.result import RolloutOptions, RolloutResult
-from harness_trainer.rollouts.runtime import RolloutRuntime
+from harness_trainer.rollouts.server.runtime import RolloutRuntime
 from harness_trainer.tasks.task import HarborTask
 
 

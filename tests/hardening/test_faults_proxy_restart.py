@@ -20,8 +20,8 @@ import pytest
 
 from harness_trainer import HarnessAsyncGRPOTrainer
 from harness_trainer.net import free_port
-from harness_trainer.rollouts.factory import HarborSession, HarborSessionFactory
-from harness_trainer.rollouts.runtime import RolloutRuntime, RuntimeConfig
+from harness_trainer.rollouts.client.factory import HarborSession, HarborSessionFactory
+from harness_trainer.rollouts.server.runtime import RolloutRuntime, RuntimeConfig
 from tests.hardening.faults import (
     SOLVE_CMD,
     ProxyProcess,

@@ -28,8 +28,8 @@ from hypothesis import strategies as st
 from capture_proxy.app import build_app
 from capture_proxy.config import ProxyConfig
 from harness_trainer.net import free_port
-from harness_trainer.rollouts.runtime import RuntimeConfig
-from harness_trainer.rollouts.server import RolloutServer
+from harness_trainer.rollouts.server.routes import RolloutServer
+from harness_trainer.rollouts.server.runtime import RuntimeConfig
 from harness_trainer.tasks.sources import LocalTaskSource
 from tests.hardening.fakes import IdleRuntime
 from tests.proxy.fake_engine import FakeEngine, ServerThread

@@ -25,8 +25,8 @@ import httpx
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from harness_trainer.rollouts.runtime import RolloutRuntime, RuntimeConfig
-from harness_trainer.rollouts.server import MAX_BODY_BYTES, RolloutServer
+from harness_trainer.rollouts.server.routes import MAX_BODY_BYTES, RolloutServer
+from harness_trainer.rollouts.server.runtime import RolloutRuntime, RuntimeConfig
 from harness_trainer.sandboxes.local import LocalSandboxBackend
 from harness_trainer.tasks.sources import LocalTaskSource
 from harness_trainer.tasks.task import EnvironmentSpec, HarborTask

@@ -24,8 +24,9 @@ from harness_trainer.dev_engine.script import completion_ids
 from harness_trainer.harnesses import make_harness
 from harness_trainer.harnesses.base import AgentEndpoint, AgentRun
 from harness_trainer.harnesses.tools import ToolPackage, host_tools_dir
+from harness_trainer.rollouts.server.verifier import run_verifier
 from harness_trainer.sandboxes.local import LocalSandboxBackend
-from harness_trainer.tasks import load_task, run_verifier
+from harness_trainer.tasks import load_task
 from harness_trainer.trace import load_trace
 from tests.hardening.faults import alive, descendants, describe
 from tests.harnesses.conftest import EXAMPLES, CaptureStack

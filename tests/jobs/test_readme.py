@@ -39,7 +39,7 @@ def console_script() -> str:
 
 
 def cli_has_jobs() -> bool:
-    """Whether ``harness-trainer jobs submit`` is wired into the CLI yet (``jobs/submit.py`` always is)."""
+    """Whether ``harness-trainer jobs submit`` is in the CLI (``examples/jobs/submit.py`` always is)."""
     result = subprocess.run([console_script(), "jobs", "submit", "--help"], capture_output=True, timeout=60)
     return result.returncode == 0
 
@@ -83,7 +83,7 @@ def test_each_readme_submission_runs(
 @pytest.mark.slow  # each process builds the wheel (seconds)
 def test_the_readme_dry_run_runs_as_a_process_through_the_script_and_the_cli() -> None:
     (dry_run,) = [c for c in readme_commands() if c[:3] == SUBMIT and "--dry-run" in c]
-    entries = [[sys.executable, "jobs/submit.py"]]
+    entries = [[sys.executable, "examples/jobs/submit.py"]]
     if cli_has_jobs():
         entries.append([console_script(), "jobs", "submit"])
     for entry in entries:

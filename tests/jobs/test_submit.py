@@ -379,7 +379,7 @@ def test_a_huggingface_hub_that_cannot_expose_a_port_is_refused(
 def test_the_thin_script_dry_runs_like_the_cli(project_wheel: Path) -> None:
     options = ["--dataset", "org/tasks", "--install", str(project_wheel), "--dry-run"]
     result = subprocess.run(
-        [sys.executable, "jobs/submit.py", *options, "--", *TRAINER],
+        [sys.executable, "examples/jobs/submit.py", *options, "--", *TRAINER],
         capture_output=True,
         text=True,
         timeout=60,

@@ -20,7 +20,7 @@ from harness_trainer.launch.harbor_run import (
     session_builder,
 )
 from harness_trainer.net import free_port
-from harness_trainer.rollouts.factory import HarborSessionFactory
+from harness_trainer.rollouts.client.factory import HarborSessionFactory
 
 TRAIN = Path(__file__).resolve().parents[2] / "examples" / "async_grpo_harbor" / "train.py"
 BRIEF_FLAGS = (

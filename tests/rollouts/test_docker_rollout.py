@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness_trainer.rollouts.local_factory import LocalSessionFactory
+from harness_trainer.rollouts.client.local_factory import LocalSessionFactory
 from tests.rollouts.conftest import EXAMPLES, bash_call
 
 pytestmark = pytest.mark.docker

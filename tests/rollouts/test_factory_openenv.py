@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from harness_trainer.net import free_port, wait_until_healthy
+from harness_trainer.rollouts.client.factory import HarborSessionFactory, RolloutServerError
 from harness_trainer.rollouts.errors import RolloutConfigError
-from harness_trainer.rollouts.factory import HarborSessionFactory, RolloutServerError
 from harness_trainer.rollouts.result import RolloutOptions
 from tests.conftest import EngineProcess, start_engine
 from tests.rollouts.conftest import EXAMPLES, bash_call, live_sandbox_processes

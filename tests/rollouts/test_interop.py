@@ -14,7 +14,7 @@ import threading
 
 import pytest
 
-from harness_trainer.rollouts.local_factory import LocalSessionFactory
+from harness_trainer.rollouts.client.local_factory import LocalSessionFactory
 from tests.rollouts.conftest import EXAMPLES, bash_call
 
 HELLO = [bash_call("printf 'Hello, Harbor!\\n' > /app/hello.txt"), {"content": "Done."}]

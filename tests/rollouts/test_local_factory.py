@@ -6,8 +6,8 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from harness_trainer.rollouts.local_factory import LocalSessionFactory
-from harness_trainer.rollouts.session import RolloutUnscorable
+from harness_trainer.rollouts.client.local_factory import LocalSessionFactory
+from harness_trainer.rollouts.client.session import RolloutUnscorable
 from tests.rollouts.conftest import EXAMPLES, bash_call, live_sandbox_processes
 
 HELLO = [bash_call("printf 'Hello, Harbor!\\n' > /app/hello.txt"), {"content": "Done."}]

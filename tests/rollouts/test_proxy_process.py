@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from harness_trainer.net import free_port
-from harness_trainer.rollouts.proxy_process import ProxyProcessError
-from harness_trainer.rollouts.runtime import RolloutRuntime, RuntimeConfig
+from harness_trainer.rollouts.server.proxy_process import ProxyProcessError
+from harness_trainer.rollouts.server.runtime import RolloutRuntime, RuntimeConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -88,7 +88,7 @@ def test_the_child_dies_with_a_sigkilled_parent(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""
         import asyncio, sys
-        from harness_trainer.rollouts.runtime import RolloutRuntime, RuntimeConfig
+        from harness_trainer.rollouts.server.runtime import RolloutRuntime, RuntimeConfig
 
         async def main():
             config = RuntimeConfig(upstream="http://127.0.0.1:9", data_dir={str(tmp_path)!r},

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from harness_trainer.net import free_port, wait_until_healthy
-from harness_trainer.rollouts.factory import HarborSessionFactory, RolloutServerError
+from harness_trainer.rollouts.client.factory import HarborSessionFactory, RolloutServerError
 from tests.rollouts.conftest import EXAMPLES, bash_call, live_sandbox_processes
 
 HELLO = [bash_call("printf 'Hello, Harbor!\\n' > /app/hello.txt"), {"content": "Done."}]

@@ -8,8 +8,8 @@ import time
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from harness_trainer.rollouts.runtime import RuntimeConfig
-from harness_trainer.rollouts.server import RolloutServer
+from harness_trainer.rollouts.server.routes import RolloutServer
+from harness_trainer.rollouts.server.runtime import RuntimeConfig
 from harness_trainer.tasks.sources import LocalTaskSource
 from tests.hardening.fakes import IdleRuntime
 from tests.rollouts.conftest import EXAMPLES

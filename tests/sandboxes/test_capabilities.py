@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 import harness_trainer
-from harness_trainer.rollouts.runtime import RolloutRuntime, RuntimeConfig
+from harness_trainer.rollouts.server.runtime import RolloutRuntime, RuntimeConfig
 from harness_trainer.sandboxes import (
     SANDBOXES,
     Capabilities,

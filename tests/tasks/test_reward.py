@@ -11,8 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from harness_trainer.rollouts.server.verifier import run_verifier
 from harness_trainer.sandboxes.base import ExecResult, SandboxError
-from harness_trainer.tasks import HarborTask, RewardResult, load_task, parse_reward, run_verifier
+from harness_trainer.tasks import HarborTask, RewardResult, load_task, parse_reward
 
 from .conftest import TaskWriter
 

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from harness_trainer.rollouts.server.verifier import VerifierOutcome, run_verifier
 from harness_trainer.sandboxes import LocalSandboxBackend, Sandbox
 from harness_trainer.sandboxes.processes import missing_tools
-from harness_trainer.tasks import HarborTask, LocalTaskSource, VerifierOutcome, load_task, run_verifier
+from harness_trainer.tasks import HarborTask, LocalTaskSource, load_task
 
 from .conftest import EXAMPLES, TaskWriter
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness_trainer.rollouts.session import RolloutUnscorable, VerifyResult
+from harness_trainer.rollouts.client.session import RolloutUnscorable, VerifyResult
 from harness_trainer.trace import TrainingTrace, load_trace
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from harness_trainer.trace import load_trace
 from harness_trainer.trainer.batch import assemble, rollout_metrics
-from harness_trainer.trainer.records import Group, Rollout
+from harness_trainer.trainer.groups import Group, Rollout
 from harness_trainer.trainer.rows import build_rows
 from tests.test_package_boundaries import modules_after
 from tests.trainer.handmade import chain_trace

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from harness_trainer.rollouts.session import VerifyResult
+from harness_trainer.rollouts.client.session import VerifyResult
 from harness_trainer.trace import TrainingTrace
 from harness_trainer.trainer.outcome import (
     HarnessRolloutOutcome,

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from harness_trainer.rollouts.session import VerifyResult
+from harness_trainer.rollouts.client.session import VerifyResult
 from harness_trainer.trace import load_trace
 from harness_trainer.trainer.batch import assemble
+from harness_trainer.trainer.groups import Rollout
 from harness_trainer.trainer.outcome import build_outcome
-from harness_trainer.trainer.records import Rollout
 from harness_trainer.trainer.rollout_log import (
     ROLLOUTS_FILE,
     RolloutLog,
@@ -84,7 +84,7 @@ def test_an_unscorable_rollout_is_logged_without_trace_reward_or_advantage(tmp_p
 def test_rollout_and_capture_session_ids_travel_into_the_log_unscorable_rollouts_included(
     tmp_path: Path,
 ) -> None:
-    from harness_trainer.rollouts.session import RolloutUnscorable
+    from harness_trainer.rollouts.client.session import RolloutUnscorable
 
     # Session 1 fails after its capture session was minted, session 2 before any session existed.
     factory = HandmadeFactory(

@@ -21,16 +21,16 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from harness_trainer.rollouts.errors import RolloutConfigError
-from harness_trainer.rollouts.result import RolloutOptions, RolloutResult
-from harness_trainer.rollouts.runtime import RolloutRuntime, RuntimeConfig
-from harness_trainer.rollouts.session import (
+from harness_trainer.rollouts.client.session import (
     VerifyResult,
     check_reward_key,
     exit_code_of,
     trace_of,
     verify_result,
 )
+from harness_trainer.rollouts.errors import RolloutConfigError
+from harness_trainer.rollouts.result import RolloutOptions, RolloutResult
+from harness_trainer.rollouts.server.runtime import RolloutRuntime, RuntimeConfig
 from harness_trainer.tasks.catalog import TaskCatalog, as_catalog
 from harness_trainer.tasks.sources import TaskSource
 from harness_trainer.trace import TrainingTrace

@@ -24,10 +24,10 @@ from aiohttp import web
 
 from capture_proxy.app import build_app
 from capture_proxy.config import ProxyConfig, engine_root
-from harness_trainer.rollouts.capture_client import CaptureClient
-from harness_trainer.rollouts.proxy_process import ProxyProcess
 from harness_trainer.rollouts.result import RolloutOptions, RolloutResult
-from harness_trainer.rollouts.run import run_rollout
+from harness_trainer.rollouts.server.capture_client import CaptureClient
+from harness_trainer.rollouts.server.proxy_process import ProxyProcess
+from harness_trainer.rollouts.server.run import run_rollout
 from harness_trainer.sandboxes import SandboxSupervisor, capabilities, make_backend, missing_credentials
 from harness_trainer.sandboxes.base import SandboxBackend
 from harness_trainer.tasks.task import HarborTask

@@ -21,11 +21,11 @@ from typing import Any
 
 from harness_trainer.harnesses import HARNESSES
 from harness_trainer.harnesses.base import AgentEndpoint, AgentRun, Harness, HarnessError
-from harness_trainer.rollouts.capture_client import CaptureClient, CaptureError, NothingTrainable
 from harness_trainer.rollouts.errors import ErrorKind
 from harness_trainer.rollouts.result import RolloutOptions, RolloutResult
+from harness_trainer.rollouts.server.capture_client import CaptureClient, CaptureError, NothingTrainable
+from harness_trainer.rollouts.server.verifier import run_verifier, upload_tests
 from harness_trainer.sandboxes.base import Sandbox, SandboxBackend, SandboxError
-from harness_trainer.tasks.reward import run_verifier, upload_tests
 from harness_trainer.tasks.task import HarborTask
 from harness_trainer.trace import CaptureContractError, load_trace
 

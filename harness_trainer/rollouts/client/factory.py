@@ -42,15 +42,15 @@ from typing import Any
 import httpx
 
 from capture_proxy.config import engine_root
-from harness_trainer.rollouts.errors import RolloutConfigError, error_for
-from harness_trainer.rollouts.result import RolloutResult
-from harness_trainer.rollouts.session import (
+from harness_trainer.rollouts.client.session import (
     VerifyResult,
     check_reward_key,
     exit_code_of,
     trace_of,
     verify_result,
 )
+from harness_trainer.rollouts.errors import RolloutConfigError, error_for
+from harness_trainer.rollouts.result import RolloutResult
 from harness_trainer.trace import TrainingTrace
 
 _POLL_S = 30.0

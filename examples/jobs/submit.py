@@ -1,6 +1,6 @@
 """Submit a training run to Hugging Face Jobs; the same options as ``harness-trainer jobs submit``.
 
-python jobs/submit.py --flavor h200x2 --dataset ORG/TASKS --dry-run -- --harness opencode --model ...
+python examples/jobs/submit.py --flavor h200x2 --dataset ORG/TASKS --dry-run -- --harness opencode --model ...
 """
 
 from __future__ import annotations

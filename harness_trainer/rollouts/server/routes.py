@@ -3,7 +3,7 @@
 ``harness-trainer serve --dataset DIR_OR_HF_DATASET --port 8200 --capture-port 8300 --upstream ENGINE``.
 At most ``max_concurrent_envs`` sessions (env ``MAX_CONCURRENT_ENVS``, default 8) are open at once; one
 more is answered ``429`` with ``Retry-After``. A session holds one slot from ``POST /sessions`` until
-``DELETE``; the :class:`~harness_trainer.rollouts.factory.HarborSessionFactory` keeps one open for task
+``DELETE``; the :class:`~harness_trainer.rollouts.client.factory.HarborSessionFactory` keeps one open for task
 metadata, so serve with ``MAX_CONCURRENT_ENVS >= max_concurrent_rollouts + 1``.
 
 Routes (JSON):
@@ -50,7 +50,7 @@ from pydantic import ValidationError
 
 from capture_proxy.sessions import Policy
 from harness_trainer.rollouts.result import RolloutOptions, RolloutResult
-from harness_trainer.rollouts.runtime import RolloutRuntime
+from harness_trainer.rollouts.server.runtime import RolloutRuntime
 from harness_trainer.tasks.catalog import TaskCatalog, as_catalog
 from harness_trainer.tasks.sources import TaskSource
 from harness_trainer.tasks.task import HarborTask

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 
 from capture_proxy.config import ADMIN_KEY_ENV
-from harness_trainer.rollouts.capture_client import CaptureClient
+from harness_trainer.rollouts.server.capture_client import CaptureClient
 
 
 class ProxyProcessError(RuntimeError):

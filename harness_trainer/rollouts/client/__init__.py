@@ -1,0 +1,5 @@
+"""The trainer's side of the rollout wire: session factories and their sessions (OpenEnv's protocol).
+
+``factory.HarborSessionFactory`` talks to a rollout server over HTTP; ``local_factory.LocalSessionFactory``
+runs the server's runtime in process; ``session`` holds what both hand the trainer.
+"""

@@ -1,0 +1,101 @@
+"""The task's verifier, run in the rollout's sandbox: the server side of a rollout (tasks/ stays pure data).
+
+Contract of :func:`run_verifier`: clears ``/logs/verifier``, replaces ``/tests`` with the task's
+``tests/`` (so nothing the agent wrote there is run or read), runs ``bash /tests/test.sh`` with the
+verifier timeout and ``[verifier] env``, then parses what it wrote. The verifier's own failures (non-zero
+exit, timeout → ``timed_out`` and reward None, garbage or no reward file) are results; only a
+:class:`~harness_trainer.sandboxes.base.SandboxError` (the sandbox itself failed) propagates.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from harness_trainer.sandboxes.base import Sandbox, SandboxError
+from harness_trainer.tasks.reward import parse_reward
+from harness_trainer.tasks.task import HarborTask
+
+VERIFIER_LOG_DIR = "/logs/verifier"
+REWARD_TXT = f"{VERIFIER_LOG_DIR}/reward.txt"
+REWARD_JSON = f"{VERIFIER_LOG_DIR}/reward.json"
+TESTS_DIR = "/tests"
+OUTPUT_TAIL_CHARS = 4096
+_SETUP_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class VerifierOutcome:
+    """One verifier run. ``exit_code`` is None when it was killed on timeout (``timed_out``)."""
+
+    reward: float | None
+    rewards: dict[str, float]
+    detail: str
+    exit_code: int | None
+    timed_out: bool
+    output_tail: str
+    duration_s: float = 0.0
+
+
+async def upload_tests(sandbox: Sandbox, task: HarborTask) -> None:
+    """Empty the verifier's folders in ``sandbox`` and copy ``task``'s ``tests/`` in (only now: the agent
+    never sees them).
+
+    Raises:
+        SandboxError: the sandbox could not run commands or copy files (not the verifier's fault).
+    """
+    prepared = await sandbox.exec(
+        # empty rather than remove: either folder may be a mount point in the sandbox
+        f"mkdir -p {VERIFIER_LOG_DIR} {TESTS_DIR} && find {VERIFIER_LOG_DIR} {TESTS_DIR} -mindepth 1 -delete",
+        timeout_s=_SETUP_TIMEOUT_S,
+    )
+    if prepared.exit_code != 0:
+        output = _tail(prepared.stdout + prepared.stderr)
+        raise SandboxError(f"could not prepare {VERIFIER_LOG_DIR} and {TESTS_DIR}: {output}")
+    await sandbox.upload_dir(task.tests_dir, TESTS_DIR)
+
+
+async def run_verifier(
+    sandbox: Sandbox,
+    task: HarborTask,
+    *,
+    timeout_s: float | None = None,
+    reward_key: str = "",
+    upload: bool = True,
+) -> VerifierOutcome:
+    """Run ``task``'s verifier in ``sandbox`` and read its reward; see the module docstring. ``upload``:
+    copy the tests in first (:func:`upload_tests`); False when the caller did, to time it on its own.
+
+    Raises:
+        SandboxError: the sandbox could not run commands or copy files (not the verifier's fault).
+    """
+    if upload:
+        await upload_tests(sandbox, task)
+    limit = task.verifier_timeout_sec if timeout_s is None else timeout_s
+    started = time.monotonic()
+    result = await sandbox.exec(
+        f"bash {TESTS_DIR}/test.sh", timeout_s=limit, env=dict(task.verifier_env) or None
+    )
+    duration = time.monotonic() - started
+    output_tail = _tail(result.stdout + result.stderr)
+    if result.timed_out:
+        detail = f"the verifier timed out after {limit:g} s"
+        return VerifierOutcome(None, {}, detail, result.exit_code, True, output_tail, duration)
+
+    parsed = parse_reward(
+        await _read_optional(sandbox, REWARD_TXT), await _read_optional(sandbox, REWARD_JSON), reward_key
+    )
+    return VerifierOutcome(
+        parsed.reward, parsed.rewards, parsed.detail, result.exit_code, False, output_tail, duration
+    )
+
+
+async def _read_optional(sandbox: Sandbox, path: str) -> bytes | None:
+    try:
+        return await sandbox.read_file(path)
+    except FileNotFoundError:
+        return None
+
+
+def _tail(text: str, limit: int = OUTPUT_TAIL_CHARS) -> str:
+    return text if len(text) <= limit else text[-limit:]
