@@ -61,8 +61,9 @@ def test_a_proxy_killed_mid_run_and_restarted_loses_no_answered_call_and_fails_n
     answer. First it is restarted at once (10 s leaves a loaded CI machine time to start it; 4 s and 6 s
     did not always): the agent's session, reloaded from its journal, goes on, and its trace holds both
     calls. Then it stays down for 12 s: the agent's next call fails (the toy agent gives up), and the
-    rollout's export waits for the restarted proxy and yields the one answered call. For every rollout, the trace holds exactly the calls its agent got an answer for (counted from the
-    agent's own log); the run trains its 2 steps; no capture session, agent or sandbox is left."""
+    rollout's export waits for the restarted proxy and yields the one answered call. For every rollout,
+    the trace holds exactly the calls its agent got an answer for (counted from the agent's own log); the
+    run trains its 2 steps; no capture session, agent or sandbox is left."""
     slow, fast = bash_call(f"{SOLVE_CMD}; sleep 10"), bash_call(SOLVE_CMD)
     engine = scripted_engine([slow, fast, slow] + [fast] * 40)
     data = tmp_path / "capture"
