@@ -111,7 +111,7 @@ def run_preflight(options: PreflightOptions) -> PreflightReport:
     resume_from = check_output_dir(options.output_dir, options.resume, options.model, options.fingerprint)
     engine_url = options.engine_url.rstrip("/").removesuffix("/v1")
     with httpx.Client(timeout=options.timeout_s) as client:
-        kind = detect_engine(client, engine_url) if options.engine == "auto" else options.engine
+        kind = detect_engine(engine_url, options.timeout_s) if options.engine == "auto" else options.engine
         served = check_engine(client, engine_url, kind, weight_sync=options.weight_sync)
         capacity, open_sessions = check_capacity(
             client, options.server_url.rstrip("/"), options.max_concurrent_rollouts + 1, served, engine_url
@@ -178,12 +178,14 @@ def check_output_dir(
     return checkpoint
 
 
-def detect_engine(client: httpx.Client, engine_url: str) -> str:
-    """``dev`` when the engine answers ``GET /weight_version`` (only the dev engine has it), else ``vllm``."""
-    reply = _get(client, engine_url, "/weight_version", "engine")
-    if reply.status_code == 200 and "weight_version" in _json_or_empty(reply):
-        return "dev"
-    return "vllm"
+def detect_engine(engine_url: str, timeout_s: float) -> str:
+    """The engine's kind (:func:`~harness_trainer.engines.detect_engine_kind`, which the trainer asks too)."""
+    from harness_trainer.engines import EngineUnavailable, detect_engine_kind  # late: engines loads torch
+
+    try:
+        return detect_engine_kind(engine_url, timeout_s)
+    except EngineUnavailable as exc:
+        raise PreflightError(f"engine at {engine_url} unreachable (GET /weight_version): {exc}") from exc
 
 
 def check_engine(client: httpx.Client, engine_url: str, kind: str, *, weight_sync: str = "auto") -> list[str]:
