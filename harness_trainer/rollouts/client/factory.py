@@ -43,8 +43,8 @@ import httpx
 
 from capture_proxy.config import engine_root
 from harness_trainer.rollouts.client.session import (
+    RewardKeyCheck,
     VerifyResult,
-    check_reward_key,
     exit_code_of,
     trace_of,
     verify_result,
@@ -54,24 +54,18 @@ from harness_trainer.rollouts.result import RolloutResult
 from harness_trainer.trace import TrainingTrace
 
 _POLL_S = 30.0
-_REFUSED_OPENENV = {
-    "keep_sandbox": "every sandbox is closed when its rollout ends, on every path (none is left to pay "
-    "for); a rollout's journal and log tail say what happened in it",
-    "force_build": "E2B templates are built once per task environment, on first use or by `harness-trainer "
-    "e2b build-templates`, not per rollout",
-    "provider": "agents reach the engine through the capture proxy, which speaks each harness's own "
-    "dialect; only 'openai' (the engine's wire) applies",
-    "purpose": "every rollout of a training factory is a training rollout; only 'auto' or 'train' apply",
-    "eval_sampling": "the sampling policy is the trainer's (temperature only), so that the engine's "
-    "logprobs describe what is trained",
-}
-_OPENENV_DEFAULTS: dict[str, Any] = {
-    "keep_sandbox": (False,),
-    "force_build": (False,),
-    "provider": ("openai",),
-    "purpose": ("auto", "train"),
-    "eval_sampling": (None,),
-}
+_OPENENV_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
+    # OpenEnv keyword: (the values that apply here, why others do not)
+    "keep_sandbox": ((False,), "every sandbox is closed when its rollout ends, on every path (none is left "
+                     "to pay for); a rollout's journal and log tail say what happened in it"),
+    "force_build": ((False,), "E2B templates are built once per task environment, on first use or by "
+                    "`harness-trainer e2b build-templates`, not per rollout"),
+    "provider": (("openai",), "agents reach the engine through the capture proxy, which speaks each "
+                 "harness's own dialect; only 'openai' (the engine's wire) applies"),
+    "purpose": (("auto", "train"), "every rollout of a training factory is a training rollout"),
+    "eval_sampling": ((None,), "the sampling policy is the trainer's (temperature only), so that the "
+                      "engine's logprobs describe what is trained"),
+}  # fmt: skip
 
 
 class RolloutServerError(RuntimeError):
@@ -113,8 +107,9 @@ class HarborSessionFactory:
         given = {"keep_sandbox": keep_sandbox, "force_build": force_build, "provider": provider}
         given.update(purpose=purpose, eval_sampling=eval_sampling)
         for name, value in given.items():
-            if value not in _OPENENV_DEFAULTS[name]:
-                raise RolloutConfigError(f"{name}={value!r} does not apply here: {_REFUSED_OPENENV[name]}")
+            applies, why = _OPENENV_ONLY[name]
+            if value not in applies:
+                raise RolloutConfigError(f"{name}={value!r} does not apply here: {why}")
         if agent_timeout_sec is None or agent_timeout_sec < 0:
             raise RolloutConfigError(
                 f"agent_timeout_sec={agent_timeout_sec!r}: give seconds, or 0 for each task's own timeout"
@@ -140,7 +135,8 @@ class HarborSessionFactory:
         self._metadata_session: str | None = None
         self._tasks: list[dict[str, Any]] | None = None
         self._tasks_lock = threading.Lock()  # rollout threads list tasks at once: one metadata session
-        self._reward_key_checked = False
+        self.check_reward_key = RewardKeyCheck(reward_key)
+        """Called by each session's ``verify`` (checks once)."""
         self.rollout_engine: str | None = None
         self.rollout_model: str | None = None
         """The engine and served model this factory's rollouts sample from (learned at construction)."""
@@ -298,12 +294,6 @@ class HarborSessionFactory:
             self.request("DELETE", f"/sessions/{session_id}")
             raise
         return HarborSession(self, session_id, wait_timeout_s=self.wait_timeout_s(index))
-
-    def check_reward_key(self, result: RolloutResult) -> None:
-        """Once, on the first result whose verifier wrote named scores: ``reward_key`` must name one."""
-        if not self._reward_key_checked and result.rewards:
-            self._reward_key_checked = True
-            check_reward_key(self.reward_key, result)
 
     def close(self) -> None:
         if self._metadata_session is not None:

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from harness_trainer.rollouts.client.session import (
+    RewardKeyCheck,
     VerifyResult,
-    check_reward_key,
     exit_code_of,
     trace_of,
     verify_result,
@@ -70,7 +70,8 @@ class LocalSessionFactory:
             raise RolloutConfigError(str(exc.args[0])) from None
         self.split = split
         self.reward_key, self.setup_timeout_sec = reward_key, setup_timeout_sec
-        self._reward_key_checked = False
+        self.check_reward_key = RewardKeyCheck(reward_key)
+        """Called by each session's ``verify`` (checks once)."""
         agent_timeout_sec = agent_timeout_sec or None
         self.options = RolloutOptions(
             harness=harness, sandbox=sandbox, sampling=sampling, agent_timeout_sec=agent_timeout_sec,
@@ -136,12 +137,6 @@ class LocalSessionFactory:
         session = LocalSession(self, future, stop, wait_timeout_s=bound)
         self._sessions.add(session)
         return session
-
-    def check_reward_key(self, result: RolloutResult) -> None:
-        """Once, on the first result whose verifier wrote named scores: ``reward_key`` must name one."""
-        if not self._reward_key_checked and result.rewards:
-            self._reward_key_checked = True
-            check_reward_key(self.reward_key, result)
 
     async def acreate(
         self, task: Any, seed: int | None = None, episode_id: str | None = None

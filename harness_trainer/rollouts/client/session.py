@@ -79,6 +79,20 @@ def exit_code_of(result: RolloutResult) -> int:
     return result.exit_code if result.exit_code is not None else -1
 
 
+@dataclass
+class RewardKeyCheck:
+    """A factory's ``reward_key`` check, made once: on the first result whose verifier wrote named scores
+    (:func:`check_reward_key`); later results are not checked again."""
+
+    reward_key: str
+    done: bool = False
+
+    def __call__(self, result: RolloutResult) -> None:
+        if not self.done and result.rewards:
+            self.done = True
+            check_reward_key(self.reward_key, result)
+
+
 def check_reward_key(reward_key: str, result: RolloutResult) -> None:
     """:class:`RolloutConfigError` when ``reward_key`` names none of the scores ``result``'s verifier
     wrote (a misspelled key would leave every rollout ungraded)."""
