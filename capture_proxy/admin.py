@@ -77,7 +77,9 @@ async def create_session(request: web.Request) -> web.Response:
         spec = SessionSpec.model_validate_json(raw or b"{}")
     except ValidationError as exc:
         raise AdminError(400, f"invalid session spec: {exc.errors(include_url=False)}") from exc
-    if spec.upstream is not None and engine_root(spec.upstream) not in state.upstreams:
+    if spec.upstream is not None:  # one spelling from here on: each call then looks it up as is
+        spec = spec.model_copy(update={"upstream": engine_root(spec.upstream)})
+    if spec.upstream is not None and spec.upstream not in state.upstreams:
         allowed = ", ".join(state.upstreams)
         message = f"engine {spec.upstream!r} is not one this proxy forwards to; allowed: {allowed}"
         raise AdminError(400, message)

@@ -37,6 +37,7 @@ from capture_proxy.records import (
 )
 from capture_proxy.sessions import Session
 from capture_proxy.state import ProxyState
+from capture_proxy.upstream import Upstream
 
 log = logging.getLogger(__name__)
 BUDGET_MESSAGE = "Step budget exhausted: this episode is over. Stop now."
@@ -69,7 +70,7 @@ async def model_call(
     upstream_body = session.spec.sampling.upstream_body(call, model)
     pending: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
     version = policy.version if policy is not None else None
-    work = forward(state, session, dialect, call, upstream_body, started, version)
+    work = forward(state, session, upstream, dialect, call, upstream_body, started, version)
     state.track(asyncio.ensure_future(_settle(state, pending, work)))
     response = await respond(request, state, dialect, call, pending)
     added = time.perf_counter() - started - pending.result().upstream_ms / 1000
@@ -105,6 +106,7 @@ async def _settle(
 async def forward(
     state: ProxyState,
     session: Session,
+    upstream: Upstream,
     dialect: Dialect,
     call: ChatCall,
     body: dict[str, Any],
@@ -114,7 +116,7 @@ async def forward(
     """Steps 3–4; owns the budget reservation from here on. ``policy_version`` is recorded on the turn
     when the engine's reply carries no ``weight_version`` of its own."""
     wall_start = time.time()
-    result = await state.upstream_of(session.spec).chat(body, session.spec.engine_headers or None)
+    result = await upstream.chat(body, session.spec.engine_headers or None)
     state.metrics.upstream.observe(result.upstream_ms / 1000)
     timings: dict[str, float] = {"upstream_ms": round(result.upstream_ms, 3), "attempts": result.attempts}
     if result.reply is None:

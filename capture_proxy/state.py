@@ -85,10 +85,9 @@ class ProxyState:
         self._inflight.discard(task)
 
     def upstream_of(self, spec: SessionSpec) -> Upstream:
-        """The engine a session's calls go to (its own, else the default); KeyError for one not allowed."""
-        if spec.upstream is None:
-            return self.upstream
-        return self.upstreams[engine_root(spec.upstream)]
+        """The engine a session's calls go to (its own, else the default); KeyError for one not allowed.
+        ``spec.upstream`` is spelled by :func:`engine_root` since the session was minted."""
+        return self.upstream if spec.upstream is None else self.upstreams[spec.upstream]
 
     async def model_name(self, asked: str, upstream: Upstream | None = None) -> str:
         """The served model name at ``upstream`` (default: the default engine): configured, else the
