@@ -185,7 +185,8 @@ def detect_engine(engine_url: str, timeout_s: float) -> str:
     try:
         return detect_engine_kind(engine_url, timeout_s)
     except EngineUnavailable as exc:
-        raise PreflightError(f"engine at {engine_url} unreachable (GET /weight_version): {exc}") from exc
+        cause = exc.__cause__ or exc  # the transport's own error, as the other unreachable checks name it
+        raise PreflightError(f"engine at {engine_url} unreachable (GET /weight_version): {cause!r}") from exc
 
 
 def check_engine(client: httpx.Client, engine_url: str, kind: str, *, weight_sync: str = "auto") -> list[str]:
