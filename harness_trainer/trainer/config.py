@@ -51,6 +51,7 @@ LOSS_NORMALIZATIONS = ("rollout", "step")
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 DECAYING_SCHEDULERS = ("linear", "cosine")
 OPTIMIZERS = ("adamw_torch", "sgd")
+EVAL_STRATEGIES = ("no", "steps")
 DEFAULT_GROUPS_PER_STEP = 1
 DEFAULT_MAX_CONCURRENT_ROLLOUTS = 8
 
@@ -388,6 +389,48 @@ class _ConfigFields:
     )
     disable_tqdm: bool | None = field(default=False, metadata=_help("No progress bar."))
 
+    # Evaluation (harness_trainer.trainer.evaluation).
+    eval_strategy: str | None = field(
+        default=None,
+        metadata=_help(
+            f"One of {EVAL_STRATEGIES}: 'steps' evaluates every eval_steps steps (TRL's meaning). Default: "
+            "'steps' when eval_steps is set, else 'no'."
+        ),
+    )
+    eval_steps: float | None = field(
+        default=None,
+        metadata=_help(
+            "Evaluate every N steps (below 1: a fraction of max_steps); with eval_strategy 'steps' and no "
+            "eval_steps, logging_steps (TRL's rule). Needs an eval split or the trainer's eval_dataset."
+        ),
+    )
+    eval_on_start: bool = field(
+        default=False,
+        metadata=_help("Evaluate once before the first step (logged at step 0; not again on resume)."),
+    )
+    eval_split: str | None = field(
+        default=None,
+        metadata=_help(
+            "The session factory's split to evaluate on (the builder gets split=); default: the training "
+            "split, with the trainer's eval_dataset as the rows."
+        ),
+    )
+    eval_num_generations: int = field(
+        default=1,
+        metadata=_help("Rollouts per eval task (k of pass@k; TRL's num_generations_eval).", aliases=[]),
+    )
+    eval_temperature: float = field(
+        default=0.0,
+        metadata=_help(
+            "Sampling temperature of eval rollouts; 0 (the default): greedy, one answer per task. Raise it "
+            "with eval_num_generations > 1, or the k samples repeat one answer."
+        ),
+    )
+    pass_reward: float = field(
+        default=1.0,
+        metadata=_help("A rollout passes (eval pass@k) when its reward is at least this."),
+    )
+
     # Engine and weight sync.
     vllm_server_base_url: str | None = field(
         default="http://localhost:8000",
@@ -436,14 +479,26 @@ class _ConfigFields:
             self.output_dir = "outputs"
         if self.resume_from_checkpoint == "":
             self.resume_from_checkpoint = None
+        if self.eval_strategy is None:
+            self.eval_strategy = "steps" if self.eval_steps is not None else "no"
+        elif self.eval_strategy == "steps" and self.eval_steps is None:
+            self.eval_steps = self.logging_steps
         self._world_size = _processes()
         problems += _resolve_batch(self, self._world_size)
         problems += _resolve_concurrency(self, trl.get("max_inflight_tasks"))
+        if trl.get("num_generations_eval") is not None:  # TRL's name; its None leaves our default
+            self.eval_num_generations = trl["num_generations_eval"]
         problems += _problems(self)
         problems += _policy_problems(self)
         problems += trl_problems(trl)
         if problems:
             raise ConfigProblems("AsyncGRPOConfig", problems)
+        if self.eval_num_generations > 1 and self.eval_temperature == 0:
+            logger.warning(
+                "eval_num_generations=%d at eval_temperature 0: greedy samples repeat one answer, so pass@%d "
+                "is pass@1; raise eval_temperature to sample k answers", self.eval_num_generations,
+                self.eval_num_generations,
+            )  # fmt: skip
         if self.chat_template_kwargs:
             logger.warning(
                 "chat_template_kwargs %s do not reach the engine: it renders each agent call's prompt and "
@@ -462,6 +517,23 @@ class _ConfigFields:
         """:attr:`sampling_policy` as the JSON the session factories send: its temperature, and its output
         cap when one is set. top_p and top_k are left out: the policy type holds them at 1 and off."""
         return self.sampling_policy.model_dump(exclude_none=True, exclude={"top_p", "top_k"})
+
+    @property
+    def eval_sampling(self) -> dict[str, float | int]:
+        """:attr:`sampling` with ``eval_temperature``: the policy of eval rollouts."""
+        policy = SamplingPolicy(temperature=self.eval_temperature, max_tokens=self.max_completion_length)
+        return policy.model_dump(exclude_none=True, exclude={"top_p", "top_k"})
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether the run evaluates at all: every ``eval_steps`` steps, or once at its start."""
+        return self.eval_strategy == "steps" or self.eval_on_start
+
+    def should_evaluate(self, step: int) -> bool:
+        """Whether step ``step`` (1-based) is followed by an evaluation."""
+        if self.eval_strategy != "steps" or self.eval_steps is None:
+            return False
+        return step % _step_count(self.eval_steps, self.max_steps) == 0
 
     @property
     def admission_limit(self) -> int:
@@ -692,6 +764,22 @@ def _checks(c: _ConfigFields) -> Sequence[str]:
         yield "temperature must be a finite positive number (the policy samples the full vocabulary)"
     if c.max_steps <= 0 and not c.num_train_epochs > 0:
         yield "set max_steps > 0 or num_train_epochs > 0: the run needs an end"
+    if c.eval_strategy not in EVAL_STRATEGIES:
+        yield f"eval_strategy {c.eval_strategy!r} is not one of {EVAL_STRATEGIES} (no per-epoch evaluation)"
+    elif c.eval_strategy == "no" and c.eval_steps is not None:
+        yield f"eval_steps={c.eval_steps} with eval_strategy 'no': drop one of them"
+    if c.eval_steps is not None:
+        value = c.eval_steps
+        if value <= 0 or (value >= 1 and value != int(value)):
+            yield f"eval_steps must be a whole number of steps, or below 1 a fraction of max_steps: {value}"
+        elif value < 1 and c.max_steps <= 0:
+            yield f"eval_steps={value} is a fraction of max_steps: set max_steps > 0"
+    if c.eval_num_generations < 1:
+        yield "eval_num_generations must be at least 1"
+    if not 0 <= c.eval_temperature < float("inf"):
+        yield "eval_temperature must be ≥ 0 and finite (0: greedy)"
+    if not math.isfinite(c.pass_reward):
+        yield "pass_reward must be a finite number"
     if c.rollout_log_steps < 0:
         yield "rollout_log_steps must be ≥ 0"
     if c.save_total_limit is not None and c.save_total_limit < 1:

@@ -83,6 +83,8 @@ class SchedulerConfig:
     close_timeout_s: float = 60.0
     max_unexpected_errors: int = 3
     """Unexpected rollout errors tolerated; one more stops the scheduler (0: the first does)."""
+    max_groups: int | None = None
+    """Groups admitted in all, then none (an evaluation's one pass over its tasks); None: without end."""
 
 
 def row_order(num_rows: int, group: int, *, seed: int, shuffle: bool) -> int:
@@ -130,6 +132,7 @@ class RolloutScheduler:
         self.policy_version = policy_version
         self.next_to_take = start_group
         self._next_to_admit = start_group
+        self._start_group_index = start_group
         self._finished: dict[int, Group] = {}
         self._cond = threading.Condition()
         self._live: set[Any] = set()
@@ -244,12 +247,16 @@ class RolloutScheduler:
         while not self._stopping.is_set():
             with self._cond:
                 in_system = self._next_to_admit - self.next_to_take
-            if in_system >= self.config.admission_limit:
+            if in_system >= self.config.admission_limit or self._admitted_all():
                 self._space.clear()
                 await self._space.wait()
                 continue
             self._start_group(self._next_to_admit)
             self._next_to_admit += 1
+
+    def _admitted_all(self) -> bool:
+        limit = self.config.max_groups
+        return limit is not None and self._next_to_admit - self._start_group_index >= limit
 
     def _start_group(self, index: int) -> None:
         position = row_order(len(self.rows), index, seed=self.config.seed, shuffle=self.config.shuffle)

@@ -49,6 +49,7 @@ from harness_trainer.trainer.distributed import (
     savable_model,
     split_step,
 )
+from harness_trainer.trainer.evaluation import EVAL_SEED_OFFSET, Evaluator, overlapping_tasks
 from harness_trainer.trainer.export import (
     HubError,
     create_repo,
@@ -96,6 +97,12 @@ class HarnessAsyncGRPOTrainer:
         engine: an ``InferenceEngine`` to push weights to (default: made from ``args``).
         processing_class: the tokenizer :meth:`save_model` writes beside the model (TRL's name; default:
             ``AutoTokenizer.from_pretrained`` of ``model``'s path, Hub id or ``name_or_path``).
+        eval_dataset: the rows to evaluate on (TRL's name; :mod:`.evaluation`), passed to the eval factory's
+            ``create``; default: the eval factory's ``prompt_rows()`` (``args.eval_split``'s tasks).
+
+    Raises:
+        ValueError: ``args`` asks for evaluation (``eval_steps``, ``eval_on_start``) with neither an
+            ``eval_split`` nor an ``eval_dataset`` to evaluate on.
     """
 
     def __init__(
@@ -108,12 +115,19 @@ class HarnessAsyncGRPOTrainer:
         peft_config: Any = None,
         engine: Any = None,
         processing_class: Any = None,
+        eval_dataset: Any = None,
     ) -> None:
         if not callable(harness_session_factory):
             raise TypeError(
                 "harness_session_factory must be a factory builder: partial(HarborSessionFactory, …)"
             )
         self.args = args or AsyncGRPOConfig()
+        if self.args.evaluates and self.args.eval_split is None and eval_dataset is None:
+            raise ValueError(
+                "evaluation is on (eval_steps / eval_on_start) but there is nothing to evaluate on: set "
+                "eval_split (the factory's split of eval tasks) or pass eval_dataset= to the trainer"
+            )
+        self.eval_dataset = eval_dataset
         self.model_source = model
         self.factory_builder = harness_session_factory
         self.train_dataset = train_dataset
@@ -131,6 +145,8 @@ class HarnessAsyncGRPOTrainer:
         self.lr_scheduler: Any = None
         self.factory: Any = None
         self.scheduler: RolloutScheduler | None = None
+        self.evaluator: Evaluator | None = None
+        self._eval_factory: Any = None
         self.reporter: MetricsReporter | None = None
         self.rollout_log: RolloutLog | None = None
         self._dropped: list[Group] = []
@@ -214,6 +230,8 @@ class HarnessAsyncGRPOTrainer:
         if self._policy is not None:  # an adapter pushed on resume, before the factory existed
             self._publish_policy(*self._policy)
         rows = self._rows()
+        if args.evaluates:
+            self.evaluator = self._make_evaluator(rows)
         self.reporter = MetricsReporter(
             self.output_dir, args.report_to, run_name=args.run_name, config=args.to_dict(),
             project=args.project,
@@ -237,7 +255,53 @@ class HarnessAsyncGRPOTrainer:
             policy_version=lambda: self.state.policy_version,
             start_group=self.state.groups_consumed,
         )
+        if args.eval_on_start and self.state.step == 0:  # a resumed run logged its start step already
+            self._evaluate()
         self.scheduler.start()
+
+    def _make_evaluator(self, train_rows: list[dict[str, Any]]) -> Evaluator:
+        """The eval factory (the builder with the eval sampling and split) and its rows, checked."""
+        args = self.args
+        assert self.model is not None
+        kwargs: dict[str, Any] = {"sampling": args.eval_sampling}
+        if args.eval_split is not None:
+            kwargs["split"] = args.eval_split
+        self._eval_factory = self.factory_builder(**kwargs)
+        if self.eval_dataset is not None:
+            rows = [dict(row) for row in self.eval_dataset]
+        elif hasattr(self._eval_factory, "prompt_rows"):
+            rows = list(self._eval_factory.prompt_rows())
+        else:
+            raise ValueError("pass eval_dataset: the eval factory has no prompt_rows() to list its tasks")
+        if overlap := overlapping_tasks(train_rows, rows):
+            logger.warning(
+                "%d eval task(s) have a training task's instruction, so they are not held out: %s",
+                len(overlap), ", ".join(overlap),
+            )  # fmt: skip
+        return Evaluator(
+            self._eval_factory, rows,
+            SchedulerConfig(
+                num_generations=args.eval_num_generations,
+                max_concurrent_rollouts=args.max_concurrent_rollouts,
+                admission_limit=len(rows), agent_timeout=args.agent_timeout,
+                seed=args.seed + EVAL_SEED_OFFSET, vocab_size=vocab_size(self.model),
+                temperature=args.eval_temperature, max_unexpected_errors=args.max_unexpected_errors,
+                max_groups=len(rows),
+            ),
+            reward_fn=self.rollout_reward_fn, output_dir=self.output_dir, split=args.eval_split,
+            temperature=args.eval_temperature, pass_reward=args.pass_reward,
+        )  # fmt: skip
+
+    def _evaluate(self) -> dict[str, float]:
+        """Rank 0: one evaluation at the weights the engine serves now; at step 0 (``eval_on_start``) its
+        metrics are logged on their own line, later ones go with the step's. {} when the run is stopping."""
+        assert self.evaluator is not None and self.reporter is not None
+        metrics = self.evaluator.evaluate(self.state.step, self.state.policy_version, self._stop)
+        if metrics is None:
+            return {}
+        if self.state.step == 0:
+            self.reporter.log(metrics, 0)
+        return metrics
 
     def _make_engine(self) -> Any:
         args = self.args
@@ -347,8 +411,11 @@ class HarnessAsyncGRPOTrainer:
                 metrics = self._step(share)
                 metrics["perf/wait_s"] = waited
                 metrics["perf/step_s"] = time.monotonic() - started
+                evaluated = self.evaluator is not None and args.should_evaluate(self.state.step)
+                if evaluated:  # after the step's push: at the weights it made
+                    metrics.update(self._evaluate())
                 self.last_metrics = metrics
-                if args.should_log(self.state.step) and self.reporter is not None:
+                if (args.should_log(self.state.step) or evaluated) and self.reporter is not None:
                     self.reporter.log(metrics, self.state.step)
                 bar.update(1)
                 live = self.scheduler.live_sessions() if self.scheduler is not None else 0
@@ -711,6 +778,12 @@ class HarnessAsyncGRPOTrainer:
             except Exception:
                 logger.warning("closing the session factory failed", exc_info=True)
             self.factory = None
+        if self._eval_factory is not None and hasattr(self._eval_factory, "close"):
+            try:
+                self._eval_factory.close()
+            except Exception:
+                logger.warning("closing the eval session factory failed", exc_info=True)
+        self._eval_factory = None
         if self.reporter is not None:
             self.reporter.close()
         if self.rollout_log is not None:

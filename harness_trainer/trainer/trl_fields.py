@@ -30,14 +30,16 @@ TRL_SUPPORTED: dict[str, str] = {
             "seed resume_from_checkpoint "
             "model_init_kwargs dtype num_generations max_completion_length temperature chat_template_kwargs "
             "vllm_server_base_url weight_sync_timeout token_budget max_staleness "
-            "weight_sync_steps log_completions num_completions_to_print"
+            "weight_sync_steps log_completions num_completions_to_print "
+            "eval_strategy eval_steps eval_on_start"
         ).split()
     },
     **{name: f"loss.{name}" for name in ("epsilon", "epsilon_high", "beta")},
     "max_inflight_tasks": "max_concurrent_rollouts",
+    "num_generations_eval": "eval_num_generations",
 }
 """TRL field → the field here that holds it: the same name; the loss's knobs in the nested ``loss``
-(``AsyncGRPOConfig`` takes them flat too); one alias."""
+(``AsyncGRPOConfig`` takes them flat too); two aliases."""
 
 
 def _same(names: str, *accepted: Any) -> dict[str, tuple[Any, ...]]:
@@ -105,11 +107,9 @@ TRL_REFUSED: tuple[tuple[str, dict[str, tuple[Any, ...]]], ...] = (
         },
     ),
     (
-        "there is no evaluation loop: the run trains on rollouts only (evaluate its checkpoints separately)",
-        {
-            "eval_strategy": ("no",), "metric_for_best_model": (None,),
-            **_same("do_eval do_predict eval_on_start load_best_model_at_end", False),
-        },
+        "evaluation rolls the eval tasks out and logs eval/ metrics (eval_strategy 'steps', eval_on_start); "
+        "there is no prediction loop and no best-model tracking",
+        {"metric_for_best_model": (None,), **_same("do_predict load_best_model_at_end", False)},
     ),
     (
         "dataset rows are taken in order, one pass after another, reshuffled each pass from seed when "
@@ -176,11 +176,13 @@ TRL_IGNORED: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     (
-        "settings of an evaluation that never runs here (turning evaluation on is refused)",
+        "settings of transformers' batched evaluation loop: evaluation here is k rollouts per eval task "
+        "(eval_num_generations), run by the scheduler at the current weights; do_eval is informational, as "
+        "in transformers (eval_strategy and eval_on_start decide)",
         tuple(
-            "eval_steps eval_delay per_device_eval_batch_size prediction_loss_only eval_do_concat_batches "
+            "do_eval eval_delay per_device_eval_batch_size prediction_loss_only eval_do_concat_batches "
             "eval_use_gather_object eval_accumulation_steps include_for_metrics batch_eval_metrics "
-            "bf16_full_eval fp16_full_eval greater_is_better num_generations_eval".split()
+            "bf16_full_eval fp16_full_eval greater_is_better".split()
         ),
     ),
     (

@@ -147,9 +147,9 @@ def test_ignored_trl_fields_are_logged_with_their_reason_and_no_value(caplog):
 
 def test_refusals_of_several_groups_come_in_one_message():
     with pytest.raises(ValueError) as raised:
-        AsyncGRPOConfig(top_p=0.5, adam_beta1=0.8, eval_strategy="steps", num_generations=1)
+        AsyncGRPOConfig(top_p=0.5, adam_beta1=0.8, load_best_model_at_end=True, num_generations=1)
     message = str(raised.value)
-    for part in ("top_p=0.5", "adam_beta1=0.8", "eval_strategy='steps'", "num_generations"):
+    for part in ("top_p=0.5", "adam_beta1=0.8", "load_best_model_at_end=True", "num_generations"):
         assert part in message
 
 

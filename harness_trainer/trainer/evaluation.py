@@ -1,0 +1,284 @@
+"""Evaluation: ``k`` rollouts of every eval task at the current weights, scored and written down.
+
+An evaluation is one pass over the eval rows: each row rolled out ``eval_num_generations`` times (one
+group, seeded as training seeds its groups, from a seed of its own so every evaluation of a run, and the
+same-seed runs of a benchmark, roll each task out with the same seeds), through a session factory of its
+own (the trainer's builder with ``sampling=`` the eval policy and ``split=`` the eval split), run by a
+:class:`~harness_trainer.trainer.scheduling.RolloutScheduler` of its own. Eval rollouts are never trained
+on and never enter the training scheduler, so they count toward no staleness bound; the trainer does not
+step while it evaluates, so they all run at one weight version, which is recorded.
+
+Scoring, per task (pure: :func:`task_results`, :func:`summarize`):
+
+- a sample *passes* when its reward (the verifier's, after ``rollout_reward_fn``, as in training) is at
+  least ``pass_reward``;
+- an unscorable sample (an infrastructure failure: no sandbox, the engine gone) says nothing about the
+  policy: it is left out of the task's ``n`` and counted in ``eval/unscorable``; a task with no scored
+  sample is left out of the means;
+- ``pass@1`` and ``pass@k`` are the unbiased estimates of Chen et al. (2021) from ``n`` scored samples of
+  which ``c`` passed: ``1 - C(n - c, k) / C(n, k)`` (``pass@1`` = ``c / n``); ``pass@k`` uses the
+  configured ``k``, and with fewer than ``k`` scored samples it uses ``n``.
+
+Metrics (the step's ``metrics.jsonl`` line; ``eval_on_start``'s at step 0): ``eval/reward`` (mean reward
+of the scored samples), ``eval/pass@1`` and ``eval/pass@k`` (means over tasks), ``eval/unscorable``,
+``eval/policy_version``, ``eval/wall_s``. ``output_dir/eval.jsonl`` gets one line per task and evaluation
+(:class:`EvalRecord`), appended and flushed when the evaluation ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from harness_trainer.trainer.groups import Group
+from harness_trainer.trainer.scheduling import RewardFn, RolloutScheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+EVAL_FILE = "eval.jsonl"
+EVAL_SEED_OFFSET = 1_000_003
+"""Added to the run's seed for eval groups: apart from the training groups' seeds (seed + group index)."""
+
+
+class EvalRecord(BaseModel):
+    """One task of one evaluation, as a line of ``eval.jsonl``."""
+
+    step: int
+    """The trainer's step when it ran (0: before training)."""
+    policy_version: int
+    split: str | None
+    task_name: str | None
+    task_index: int | None
+    k: int
+    temperature: float
+    rewards: list[float | None]
+    """Each sample's reward; null when it was unscorable."""
+    unscorable: list[str | None]
+    """Each sample's unscorable reason, or null."""
+    passed: int
+    pass_at_1: float | None
+    pass_at_k: float | None
+
+    def line(self) -> dict[str, Any]:
+        """The JSON object written, ``pass@1`` / ``pass@k`` spelled as in the metrics."""
+        values = self.model_dump()
+        values["pass@1"] = values.pop("pass_at_1")
+        values["pass@k"] = values.pop("pass_at_k")
+        return values
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k estimate from ``n`` samples of which ``c`` passed (Chen et al., 2021); ``k`` is
+    capped at ``n``.
+
+    Raises:
+        ValueError: ``n`` < 1, ``c`` outside ``[0, n]`` or ``k`` < 1.
+    """
+    if n < 1 or not 0 <= c <= n or k < 1:
+        raise ValueError(f"pass@k needs n ≥ 1, 0 ≤ c ≤ n and k ≥ 1; got n={n}, c={c}, k={k}")
+    k = min(k, n)
+    if n - c < k:
+        return 1.0
+    # C(n - c, k) / C(n, k) as a product, exact in floats for the small n of an evaluation.
+    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
+
+
+@dataclass(frozen=True)
+class TaskResult:
+    """One eval task's samples: each reward (None: unscorable) and unscorable reason."""
+
+    task_name: str | None
+    task_index: int | None
+    rewards: tuple[float | None, ...]
+    unscorable: tuple[str | None, ...]
+
+    def scored(self) -> list[float]:
+        return [reward for reward in self.rewards if reward is not None]
+
+    def passed(self, pass_reward: float) -> int:
+        return sum(reward >= pass_reward for reward in self.scored())
+
+
+def task_results(groups: Sequence[Group]) -> list[TaskResult]:
+    """Each eval group as its task's result; an ungraded sample (no reward, no reason) is unscorable."""
+    results = []
+    for group in groups:
+        rewards = tuple(r.reward if r.scored else None for r in group.rollouts)
+        reasons = tuple(None if r.scored else (r.unscorable or "ungraded") for r in group.rollouts)
+        results.append(TaskResult(group.row.get("task_name"), group.row.get("task_index"), rewards, reasons))
+    return results
+
+
+def summarize(results: Sequence[TaskResult], *, k: int, pass_reward: float) -> dict[str, float]:
+    """The ``eval/`` metrics of one evaluation (module docstring); NaN means where no task was scored."""
+    scored = [r for r in results if r.scored()]
+    rewards = [reward for r in scored for reward in r.scored()]
+    at_1 = [pass_at_k(len(r.scored()), r.passed(pass_reward), 1) for r in scored]
+    at_k = [pass_at_k(len(r.scored()), r.passed(pass_reward), k) for r in scored]
+    return {
+        "eval/reward": _mean(rewards),
+        "eval/pass@1": _mean(at_1),
+        "eval/pass@k": _mean(at_k),
+        "eval/unscorable": float(sum(reason is not None for r in results for reason in r.unscorable)),
+        "eval/tasks": float(len(results)),
+    }
+
+
+def eval_records(
+    results: Sequence[TaskResult], *, step: int, policy_version: int, split: str | None, k: int,
+    temperature: float, pass_reward: float,
+) -> list[EvalRecord]:  # fmt: skip
+    """One :class:`EvalRecord` per task."""
+    records = []
+    for r in results:
+        n, c = len(r.scored()), r.passed(pass_reward)
+        records.append(
+            EvalRecord(
+                step=step,
+                policy_version=policy_version,
+                split=split,
+                task_name=r.task_name,
+                task_index=r.task_index,
+                k=k,
+                temperature=temperature,
+                rewards=list(r.rewards),
+                unscorable=list(r.unscorable),
+                passed=c,
+                pass_at_1=pass_at_k(n, c, 1) if n else None,
+                pass_at_k=pass_at_k(n, c, k) if n else None,
+            )
+        )
+    return records
+
+
+def instruction_of(row: dict[str, Any]) -> str | None:
+    """A dataset row's instruction: its ``prompt`` (text, or the last user message's content)."""
+    prompt = row.get("prompt")
+    if isinstance(prompt, str):
+        return prompt.strip()
+    if isinstance(prompt, list):
+        users = [m.get("content") for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
+        if users and isinstance(users[-1], str):
+            return users[-1].strip()
+    return None
+
+
+def overlapping_tasks(train_rows: Sequence[dict[str, Any]], eval_rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The eval rows whose instruction is also a training row's, named (task name, else the instruction's
+    start)."""
+    trained = {text for row in train_rows if (text := instruction_of(row))}
+    overlap = []
+    for row in eval_rows:
+        text = instruction_of(row)
+        if text is not None and text in trained:
+            overlap.append(str(row.get("task_name") or text[:60]))
+    return overlap
+
+
+class Evaluator:
+    """Runs evaluations of the eval rows through ``factory`` and writes ``eval.jsonl``.
+
+    Args:
+        factory: the eval session factory (the trainer's builder with the eval sampling and split).
+        rows: the eval rows, one task each.
+        config: the scheduler's settings for one evaluation (``num_generations`` = k).
+        reward_fn: the run's ``rollout_reward_fn``.
+        output_dir: where ``eval.jsonl`` is.
+        split: the eval split's name, recorded.
+        temperature, pass_reward: recorded, and the pass test.
+    """
+
+    def __init__(
+        self,
+        factory: Any,
+        rows: Sequence[dict[str, Any]],
+        config: SchedulerConfig,
+        *,
+        reward_fn: RewardFn | None,
+        output_dir: Path,
+        split: str | None,
+        temperature: float,
+        pass_reward: float,
+    ) -> None:
+        if not rows:
+            raise ValueError("the eval dataset has no rows")
+        self.factory = factory
+        self.rows = list(rows)
+        self.config = config
+        self.reward_fn = reward_fn
+        self.path = output_dir / EVAL_FILE
+        self.split = split
+        self.temperature = temperature
+        self.pass_reward = pass_reward
+
+    def evaluate(self, step: int, policy_version: int, stop: threading.Event) -> dict[str, float] | None:
+        """One evaluation at ``policy_version``: its metrics, after its records are in ``eval.jsonl``; None
+        when ``stop`` was set first (nothing is written). Every eval session is closed on every path.
+
+        Raises:
+            what :meth:`RolloutScheduler.next_group` raises (a malformed capture, a broken reward function).
+        """
+        started = time.monotonic()
+        scheduler = RolloutScheduler(
+            self.factory, self.rows, self.config, reward_fn=self.reward_fn,
+            policy_version=lambda: policy_version,
+        )  # fmt: skip
+        groups: list[Group] = []
+        scheduler.start()
+        try:
+            while len(groups) < len(self.rows):
+                if stop.is_set():
+                    return None
+                group = scheduler.next_group(timeout=0.5)
+                if group is not None:
+                    groups.append(group)
+        finally:
+            scheduler.stop()
+        k = self.config.num_generations
+        results = task_results(groups)
+        records = eval_records(
+            results, step=step, policy_version=policy_version, split=self.split, k=k,
+            temperature=self.temperature, pass_reward=self.pass_reward,
+        )  # fmt: skip
+        _append(self.path, [record.line() for record in records])
+        metrics = summarize(results, k=k, pass_reward=self.pass_reward)
+        metrics["eval/policy_version"] = float(policy_version)
+        metrics["eval/wall_s"] = time.monotonic() - started
+        logger.warning(
+            "eval at step %d (weights v%d): pass@1 %.3f, pass@%d %.3f over %d tasks in %.0f s", step,
+            policy_version, metrics["eval/pass@1"], k, metrics["eval/pass@k"], len(results),
+            metrics["eval/wall_s"],
+        )  # fmt: skip
+        return metrics
+
+
+def read_eval(output_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The lines of a run's ``eval.jsonl`` (an unterminated last line skipped); [] when there is none."""
+    from harness_trainer.trainer.rollout_log import read_jsonl
+
+    path = Path(output_dir) / EVAL_FILE
+    if not path.exists():
+        return []
+    return [values for _, _, values in read_jsonl(path)]
+
+
+def _append(path: Path, lines: list[dict[str, Any]]) -> None:
+    import orjson
+
+    with path.open("ab") as handle:
+        handle.write(b"".join(orjson.dumps(line) + b"\n" for line in lines))
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _mean(values: Sequence[float]) -> float:
+    return math.fsum(values) / len(values) if values else math.nan

@@ -1,0 +1,174 @@
+"""Evaluation during training: the pure scoring, and the trainer evaluating through an eval factory."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import pytest
+
+from harness_trainer import HarnessAsyncGRPOTrainer
+from harness_trainer.trainer.evaluation import (
+    EVAL_SEED_OFFSET,
+    TaskResult,
+    overlapping_tasks,
+    pass_at_k,
+    read_eval,
+    summarize,
+)
+from tests.trainer.handmade import HandmadeFactory
+from tests.trainer.test_trainer import config, metrics_lines
+
+
+@pytest.mark.parametrize(
+    ("n", "c", "k", "expected"),
+    [(4, 1, 1, 0.25), (4, 1, 2, 0.5), (4, 0, 4, 0.0), (4, 3, 2, 1.0), (1, 1, 1, 1.0), (2, 1, 5, 1.0)],
+)
+def test_pass_at_k_is_the_unbiased_estimate(n, c, k, expected):
+    assert pass_at_k(n, c, k) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(("n", "c", "k"), [(0, 0, 1), (2, 3, 1), (2, -1, 1), (2, 1, 0)])
+def test_pass_at_k_refuses_impossible_counts(n, c, k):
+    with pytest.raises(ValueError, match="pass@k needs"):
+        pass_at_k(n, c, k)
+
+
+def test_unscorable_samples_are_left_out_of_the_pass_rates_and_counted():
+    results = [
+        TaskResult("a", 0, (1.0, 0.0, None), (None, None, "sandbox down")),
+        TaskResult("b", 1, (0.0, 0.0, 0.0), (None, None, None)),
+        TaskResult("c", 2, (None, None, None), ("x", "y", "z")),  # no scored sample: out of the means
+    ]
+    metrics = summarize(results, k=3, pass_reward=1.0)
+    assert metrics["eval/pass@1"] == pytest.approx((0.5 + 0.0) / 2)
+    assert metrics["eval/pass@k"] == pytest.approx((1.0 + 0.0) / 2)  # a: k capped at its 2 scored samples
+    assert metrics["eval/reward"] == pytest.approx(1.0 / 5)
+    assert metrics["eval/unscorable"] == 4
+    assert metrics["eval/tasks"] == 3
+    assert math.isnan(summarize([results[2]], k=1, pass_reward=1.0)["eval/pass@1"])
+
+
+def test_pass_reward_sets_what_passes():
+    result = [TaskResult("a", 0, (0.4, 0.6), (None, None))]
+    assert summarize(result, k=1, pass_reward=0.5)["eval/pass@1"] == 0.5
+    assert summarize(result, k=1, pass_reward=1.0)["eval/pass@1"] == 0.0
+
+
+def test_overlapping_eval_tasks_are_named_by_instruction():
+    train = [{"prompt": [{"role": "user", "content": "Do A "}], "task_name": "a"}, {"prompt": "Do B"}]
+    held_out = [
+        {
+            "prompt": [{"role": "system", "content": "x"}, {"role": "user", "content": "Do A"}],
+            "task_name": "a2",
+        },
+        {"prompt": "Do C", "task_name": "c"},
+    ]
+    assert overlapping_tasks(train, held_out) == ["a2"]
+    assert overlapping_tasks(train, [{"prompt": "Do B"}]) == ["Do B"]
+
+
+def split_builder(train: HandmadeFactory, held_out: HandmadeFactory, calls: list[dict]):
+    """A factory builder with the trainer's keywords: split 'test' is the held-out factory."""
+
+    def build(sampling=None, split=None):
+        calls.append({"sampling": sampling, "split": split})
+        factory = held_out if split == "test" else train
+        factory.sampling = sampling
+        return factory
+
+    return build
+
+
+def test_the_trainer_evaluates_on_start_and_every_eval_steps_at_the_weights_of_the_step(
+    tmp_path, tiny_model_dir
+):
+    train = HandmadeFactory()
+    # Task 0 passes on one of two samples, task 1 never: pass@1 0.25, pass@2 0.5 at every evaluation.
+    held_out = HandmadeFactory(num_tasks=2, reward=lambda task, member: float(task == 0 and member % 2 == 1))
+    calls: list[dict] = []
+    args = config(
+        tmp_path, max_steps=4, eval_steps=2, eval_on_start=True, eval_split="test", eval_num_generations=2,
+        eval_temperature=0.5,
+    )  # fmt: skip
+    HarnessAsyncGRPOTrainer(str(tiny_model_dir), split_builder(train, held_out, calls), args).train()
+
+    assert calls[0] == {"sampling": {"temperature": 1.0}, "split": None}
+    assert calls[1] == {"sampling": {"temperature": 0.5}, "split": "test"}
+    evals = read_eval(tmp_path / "out")
+    assert [(e["step"], e["policy_version"], e["task_name"]) for e in evals] == [
+        (step, step, name) for step in (0, 2, 4) for name in ("t0", "t1")
+    ]
+    assert evals[0]["rewards"] == [0.0, 1.0] and evals[0]["pass@1"] == 0.5 and evals[0]["pass@k"] == 1.0
+    assert evals[1]["passed"] == 0 and evals[1]["k"] == 2 and evals[1]["temperature"] == 0.5
+    lines = {line["step"]: line for line in metrics_lines(tmp_path / "out")}
+    assert sorted(lines) == [0, 1, 2, 3, 4]
+    assert set(lines[0]) == {"step", "time"} | {
+        f"eval/{name}"
+        for name in ("reward", "pass@1", "pass@k", "unscorable", "tasks", "policy_version", "wall_s")
+    }
+    for step in (0, 2, 4):
+        assert lines[step]["eval/pass@1"] == 0.25 and lines[step]["eval/pass@k"] == 0.5
+        assert lines[step]["eval/policy_version"] == step
+    assert "eval/pass@1" not in lines[1] and "reward" in lines[2]
+    # Every evaluation rolls each task out with the same seeds; never the training groups' seeds.
+    seeds = sorted({seed for _, seed, _ in held_out.created})
+    assert seeds == [args.seed + EVAL_SEED_OFFSET, args.seed + EVAL_SEED_OFFSET + 1]
+    assert len(held_out.created) == 3 * 2 * 2
+    assert not held_out.live and held_out.closed == len(held_out.created) and held_out.factory_closed
+    assert not train.live and train.closed == len(train.created)
+
+
+def test_the_eval_dataset_is_evaluated_and_an_overlap_with_training_is_warned(
+    tmp_path, caplog, tiny_model_dir
+):
+    train = HandmadeFactory()
+    rows = train.prompt_rows()[:2]
+    args = config(tmp_path, max_steps=1, eval_on_start=True, eval_num_generations=1)
+    trainer = HarnessAsyncGRPOTrainer(
+        str(tiny_model_dir), split_builder(train, train, []), args, eval_dataset=rows
+    )
+    with caplog.at_level(logging.WARNING):
+        trainer.train()
+    assert "2 eval task(s) have a training task's instruction" in caplog.text and "t0, t1" in caplog.text
+    assert [e["task_name"] for e in read_eval(tmp_path / "out")] == ["t0", "t1"]
+
+
+def test_an_unscorable_eval_sample_is_recorded_with_its_reason(tmp_path, tiny_model_dir):
+    train = HandmadeFactory()
+    held_out = HandmadeFactory(num_tasks=1, fail_start=lambda n: n == 0, reward=lambda task, member: 1.0)
+    args = config(tmp_path, max_steps=1, eval_on_start=True, eval_split="test", eval_num_generations=2,
+                  eval_temperature=0.7)  # fmt: skip
+    HarnessAsyncGRPOTrainer(str(tiny_model_dir), split_builder(train, held_out, []), args).train()
+    (record,) = read_eval(tmp_path / "out")
+    assert record["rewards"].count(None) == 1 and record["rewards"].count(1.0) == 1
+    assert [reason for reason in record["unscorable"] if reason] == [
+        "RolloutUnscorable: sandbox 0 would not start"
+    ]
+    assert record["pass@1"] == 1.0
+    line = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])
+    assert line["eval/unscorable"] == 1
+
+
+@pytest.mark.parametrize("settings", [{"eval_steps": 2}, {"eval_on_start": True}])
+def test_evaluation_with_nothing_to_evaluate_on_is_refused_at_construction(tmp_path, settings):
+    with pytest.raises(ValueError, match=r"set eval_split .* or pass eval_dataset"):
+        HarnessAsyncGRPOTrainer("unused", lambda **kw: HandmadeFactory(), config(tmp_path, **settings))
+
+
+def test_eval_settings_are_checked_and_take_trls_names(tmp_path):
+    with pytest.raises(ValueError, match="eval_strategy 'epoch' is not one of"):
+        config(tmp_path, eval_strategy="epoch")
+    with pytest.raises(ValueError, match="eval_steps=3 with eval_strategy 'no'"):
+        config(tmp_path, eval_strategy="no", eval_steps=3)
+    with pytest.raises(ValueError, match="eval_num_generations must be at least 1"):
+        config(tmp_path, eval_num_generations=0)
+    with pytest.raises(ValueError, match="eval_temperature must be"):
+        config(tmp_path, eval_temperature=-1.0)
+    assert config(tmp_path, num_generations_eval=3).eval_num_generations == 3
+    steps = config(tmp_path, eval_strategy="steps", logging_steps=2, max_steps=6)
+    assert steps.eval_steps == 2 and [s for s in range(1, 7) if steps.should_evaluate(s)] == [2, 4, 6]
+    fraction = config(tmp_path, eval_steps=0.5, max_steps=6)
+    assert [s for s in range(1, 7) if fraction.should_evaluate(s)] == [3, 6]
+    assert not config(tmp_path).evaluates
