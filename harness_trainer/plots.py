@@ -1,9 +1,11 @@
-"""Training curves from a run's ``metrics.jsonl`` as one PNG: reward (± reward_std), completion length,
-tool calls per rollout and loss, per step.
+"""Training curves from a run's ``metrics.jsonl`` as one PNG: reward (± reward_std), held-out eval
+(``eval/pass@1`` and ``eval/pass@k``, at the steps that evaluated), completion length, tool calls per
+rollout, loss and seconds per step.
 
 Drawn with matplotlib's Agg canvas on a bare ``Figure`` (no pyplot, no display, no global state), so it
 works on a headless host and from any thread. A metric a run did not log leaves its panel empty with a
-note; a ``null`` value (a non-finite number) leaves a gap. Steps follow the latest timeline: when a resumed
+note; a ``null`` value (a non-finite number) leaves a gap, except in a panel of sparse metrics (eval), which
+joins the steps that logged it. Steps follow the latest timeline: when a resumed
 run logged a step again, the earlier run's lines from that step on are left out. Importing this module
 loads neither matplotlib nor pydantic (the CLI builds its parser with :func:`add_plot_arguments`).
 """
@@ -22,17 +24,21 @@ from harness_trainer.trainer.reporting import METRICS_FILE
 
 CURVES_FILE = "curves.png"
 INSTALL_HINT = "pip install 'harness-trainer[plots]'"
-FIGURE_SIZE_IN = (10.0, 7.0)
+FIGURE_SIZE_IN = (14.0, 7.0)
 DPI = 100
-"""The PNG is ``FIGURE_SIZE_IN × DPI`` pixels: 1000 × 700."""
+"""The PNG is ``FIGURE_SIZE_IN × DPI`` pixels: 1400 × 700."""
 
 PANELS: tuple[tuple[str, str, str | None], ...] = (
     ("reward", "reward (band: ± reward_std)", "reward_std"),
+    ("eval/pass@1", "eval: pass@1 (dashed: pass@k)", None),
     ("completions/mean_length", "completion tokens per rollout", None),
     ("tools/call_frequency", "tool calls per rollout", None),
     ("loss", "loss", None),
+    ("perf/step_s", "seconds per step", None),
 )
 """Each panel: the metric, its title, and the metric drawn as a ± band around it (if any)."""
+SPARSE = {"eval/pass@1": "eval/pass@k"}
+"""Metrics logged only at some steps, joined across the others; each with a second metric drawn dashed."""
 
 
 def metrics_file(path: str | os.PathLike[str]) -> Path:
@@ -87,10 +93,13 @@ def plot_metrics(metrics_path: str | os.PathLike[str], out: str | os.PathLike[st
     figure = Figure(figsize=FIGURE_SIZE_IN, dpi=DPI, layout="constrained")
     FigureCanvasAgg(figure)
     figure.suptitle(f"{file.resolve().parent.name}: {len(lines)} logged steps")
-    for axes, (name, title, band) in zip(figure.subplots(2, 2).flat, PANELS, strict=True):
+    for axes, (name, title, band) in zip(figure.subplots(2, 3).flat, PANELS, strict=True):
         axes.set_title(title, fontsize=10)
         axes.set_xlabel("step")
         axes.grid(alpha=0.3)
+        if name in SPARSE:
+            _draw_sparse(axes, lines, name)
+            continue
         values = _series(lines, name)
         if all(math.isnan(value) for value in values):
             axes.text(0.5, 0.5, f"{name}: not logged", ha="center", va="center", transform=axes.transAxes)
@@ -104,6 +113,25 @@ def plot_metrics(metrics_path: str | os.PathLike[str], out: str | os.PathLike[st
     target.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(target, format="png")
     return target
+
+
+def logged_points(lines: list[dict[str, Any]], name: str) -> tuple[list[int], list[float]]:
+    """The steps that logged ``name`` as a number, and its values there."""
+    points = [(line["step"], value) for line, value in zip(lines, _series(lines, name), strict=True)]
+    kept = [(step, value) for step, value in points if not math.isnan(value)]
+    return [step for step, _ in kept], [value for _, value in kept]
+
+
+def _draw_sparse(axes: Any, lines: list[dict[str, Any]], name: str) -> None:
+    steps, values = logged_points(lines, name)
+    if not steps:
+        axes.text(0.5, 0.5, f"{name}: not logged", ha="center", va="center", transform=axes.transAxes)
+        return
+    axes.plot(steps, values, marker="o", linewidth=1.5, label=name)
+    second_steps, second = logged_points(lines, SPARSE[name])
+    if second_steps:
+        axes.plot(second_steps, second, marker="o", linestyle="--", linewidth=1.0, label=SPARSE[name])
+    axes.set_ylim(-0.05, 1.05)
 
 
 def _series(lines: list[dict[str, Any]], name: str) -> list[float]:

@@ -14,6 +14,7 @@ from harness_trainer.plots import (
     DPI,
     FIGURE_SIZE_IN,
     add_plot_arguments,
+    logged_points,
     plot_metrics,
     read_metrics,
     run_plot,
@@ -55,7 +56,7 @@ def test_curves_of_a_real_metrics_file_are_a_png_of_the_expected_size(tmp_path: 
     out = plot_metrics(metrics)
     assert out == tmp_path / CURVES_FILE
     assert png_size(out) == (int(FIGURE_SIZE_IN[0] * DPI), int(FIGURE_SIZE_IN[1] * DPI))
-    assert out.stat().st_size > 10_000  # four panels with axes and curves, not an empty canvas
+    assert out.stat().st_size > 10_000  # six panels with axes and curves, not an empty canvas
 
 
 def test_metrics_the_run_did_not_log_leave_their_panel_empty(tmp_path: Path) -> None:
@@ -108,3 +109,17 @@ def test_the_plot_command_reports_a_missing_or_bad_file_and_exits_2(tmp_path: Pa
     (tmp_path / METRICS_FILE).write_text("")
     assert run_plot(parser().parse_args([str(tmp_path)])) == 2
     assert "no metrics lines" in capsys.readouterr().err
+
+
+def test_eval_metrics_are_drawn_at_the_steps_that_evaluated(tmp_path: Path) -> None:
+    with MetricsReporter(tmp_path, "none") as reporter:
+        reporter.log({"eval/pass@1": 0.25, "eval/pass@k": 0.5}, 0)
+        for step in (1, 2, 3, 4):
+            metrics = {"reward": 0.5}
+            if step % 2 == 0:
+                metrics.update({"eval/pass@1": 0.25 * step, "eval/pass@k": 1.0})
+            reporter.log(metrics, step)
+    lines = read_metrics(tmp_path)
+    assert logged_points(lines, "eval/pass@1") == ([0, 2, 4], [0.25, 0.5, 1.0])
+    assert logged_points(lines, "reward") == ([1, 2, 3, 4], [0.5] * 4)
+    assert png_size(plot_metrics(tmp_path)) == (int(FIGURE_SIZE_IN[0] * DPI), int(FIGURE_SIZE_IN[1] * DPI))
