@@ -67,6 +67,10 @@ TRAINER_DEFAULTS: dict[str, Any] = {
     "agent_timeout": 120.0,
     "seed": 0,
     "lora_r": 8,
+    # The held-out split, greedy, before the first step and every 5 (so at the default run's end too).
+    "eval_split": "test",
+    "eval_steps": 5,
+    "eval_on_start": True,
 }
 OWNED = ("engine", "vllm_server_base_url")
 """Trainer fields the dev loop sets itself: the engine it starts, and its URL."""
@@ -252,6 +256,10 @@ def _run_dev_loop(
         raise ValueError(problem)
     source = LocalTaskSource(options.tasks)
     rows = source.prompt_rows(options.split)
+    if config.eval_split is not None and config.eval_split not in source.splits():
+        _say(f"no split {config.eval_split!r} in {options.tasks} to evaluate on: evaluation is off")
+        config = dataclasses.replace(config, eval_split=None, eval_strategy="no", eval_steps=None,
+                                     eval_on_start=False)  # fmt: skip
     output = Path(config.output_dir)
     if config.resume_from_checkpoint is None and any(output.glob("checkpoint-*")):
         raise ValueError(
@@ -312,8 +320,9 @@ def _run_dev_loop(
 
 
 def step_rewards(metrics: Path) -> list[float]:
-    """Each step's mean reward, from a run's ``metrics.jsonl``."""
-    return [json.loads(line)["reward"] for line in metrics.read_text().splitlines() if line.strip()]
+    """Each step's mean reward, from a run's ``metrics.jsonl`` (``eval_on_start``'s step-0 line has none)."""
+    lines = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return [line["reward"] for line in lines if "reward" in line]
 
 
 def reward_windows(rewards: list[float]) -> tuple[int, float, float]:
@@ -324,8 +333,9 @@ def reward_windows(rewards: list[float]) -> tuple[int, float, float]:
 
 
 def _finish(output: Path, model_dir: Path, seconds: float) -> None:
-    """The pictures, and the reward curve's first and last steps, said plainly."""
-    from harness_trainer.plots import plot_metrics
+    """The pictures, the reward curve's first and last steps and the first and last evaluation, said
+    plainly."""
+    from harness_trainer.plots import logged_points, plot_metrics, read_metrics
     from harness_trainer.viewer import build_viewer
 
     curves = plot_metrics(output / "metrics.jsonl")
@@ -335,4 +345,7 @@ def _finish(output: Path, model_dir: Path, seconds: float) -> None:
         f"done in {seconds / 60:.1f} min: mean reward {first:.2f} over the first {k} steps, "
         f"{last:.2f} over the last {k}"
     )
+    steps, passes = logged_points(read_metrics(output), "eval/pass@1")
+    if steps:
+        _say(f"held-out pass@1 {passes[0]:.2f} at step {steps[0]}, {passes[-1]:.2f} at step {steps[-1]}")
     _say(f"metrics {output / 'metrics.jsonl'}; curves {curves}; viewer {viewer}")

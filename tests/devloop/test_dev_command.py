@@ -45,6 +45,8 @@ def test_the_dev_loop_runs_to_the_end_and_leaves_metrics_curves_viewer_and_check
     assert "hello-file" in (run / "viewer.html").read_text()
     assert (run / "checkpoint-2" / "trainer_state.json").exists()
     assert "engine up" in done.stdout and "mean reward" in done.stdout
+    assert "no split 'test' in" in done.stdout and "evaluation is off" in done.stdout
+    assert not (run / "eval.jsonl").exists()
     for command in (["plot", str(run), "-o", str(tmp_path / "again.png")],
                     ["view", str(run), "-o", str(tmp_path / "again.html")]):  # fmt: skip
         again = subprocess.run(
@@ -52,6 +54,25 @@ def test_the_dev_loop_runs_to_the_end_and_leaves_metrics_curves_viewer_and_check
         )
         assert again.returncode == 0, again.stderr
     assert (tmp_path / "again.png").exists() and "hello-file" in (tmp_path / "again.html").read_text()
+
+
+def test_the_dev_loop_evaluates_the_held_out_split_at_the_start_every_eval_steps_and_the_end(tmp_path):
+    tasks = one_task(tmp_path)
+    shutil.copytree(EXAMPLES / "test" / "greet-script", tasks / "test" / "greet-script")
+    done = subprocess.run(
+        dev(tmp_path, "--max-steps", "2", "--eval-steps", "1"), cwd=ROOT, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run = tmp_path / "run"
+    evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["split"], e["task_name"], e["temperature"]) for e in evals] == [
+        (step, "test", "greet-script", 0.0) for step in (0, 1, 2)
+    ]
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines if "eval/pass@1" in line] == [0, 1, 2]
+    assert "held-out pass@1" in done.stdout
+    assert (run / "curves.png").exists()
 
 
 def test_ctrl_c_stops_everything_and_leaves_a_checkpoint_the_next_run_resumes(tmp_path):
