@@ -550,8 +550,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_dev_arguments(dev)
     dev.set_defaults(func=_dev)
 
+    from harness_trainer.devloop.evaluate import add_eval_arguments, run_eval
     from harness_trainer.plots import add_plot_arguments, run_plot
     from harness_trainer.viewer import add_view_arguments, run_view
+
+    evaluate = sub.add_parser(
+        "eval", help="evaluate a checkpoint on a split of local tasks: k rollouts per task, pass@1 and pass@k"
+    )
+    add_eval_arguments(evaluate)
+    evaluate.set_defaults(func=run_eval)
 
     view = sub.add_parser("view", help="write a run's static HTML trace viewer (one file, no server)")
     add_view_arguments(view)

@@ -237,15 +237,9 @@ def _run_dev_loop(
     import torch
 
     from harness_trainer import HarnessAsyncGRPOTrainer, LocalSessionFactory
-    from harness_trainer.dev_engine.process import start_engine
+    from harness_trainer.devloop.engine import start_local_engine
     from harness_trainer.devloop.warmup import WarmupRecipe, ensure_warm_model
-    from harness_trainer.engines.vllm_process import (
-        check_vllm_python,
-        serve_env,
-        serve_flags,
-        start_vllm,
-        vllm_python,
-    )
+    from harness_trainer.engines.vllm_process import check_vllm_python, vllm_python
     from harness_trainer.models.tiny import ensure_tiny_model
     from harness_trainer.tasks.sources import LocalTaskSource
 
@@ -276,19 +270,10 @@ def _run_dev_loop(
         model_dir = ensure_warm_model(source, options.split, base, recipe, log=_say)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     with (output / "engine.log").open("ab") as engine_log:
-        if options.engine == "vllm":
-            lora_rank = config.lora_r if config.use_peft else None
-            flags = [
-                *serve_flags(
-                    served_model_name="tiny", lora_rank=lora_rank, max_loras=config.max_staleness + 1
-                )
-            ]
-            engine = start_vllm(
-                model_dir, [*flags, "--seed", str(config.seed)], python=vllm,
-                env=serve_env(lora=config.use_peft), output=engine_log,
-            )  # fmt: skip
-        else:
-            engine = start_engine(model_dir, "--seed", str(config.seed), output=engine_log, own_session=True)
+        engine = start_local_engine(
+            options.engine, model_dir, seed=config.seed, output=engine_log, vllm_python=vllm,
+            lora_rank=config.lora_r if config.use_peft else None, max_loras=config.max_staleness + 1,
+        )  # fmt: skip
     try:
         _say(f"engine up: {options.engine} at {engine.url} serving {model_dir.name}")
         config = dataclasses.replace(config, vllm_server_base_url=engine.url)

@@ -662,6 +662,8 @@ class HarnessAsyncGRPOTrainer:
         if self.collective.broadcast(self.collective.is_main and path.exists()):
             return path if self.collective.is_main else None
         self.state.extra = {"config": self.args.to_dict(), "counters": dict(self._counters)}
+        if isinstance(self.model_source, str | Path):  # what `harness-trainer eval` takes a tokenizer from
+            self.state.extra["model"] = str(self.model_source)
         model, optimizer = checkpoint_parts(self.accelerator, self._trained, self.model, self.optimizer)
         if not self.collective.is_main:
             return None
