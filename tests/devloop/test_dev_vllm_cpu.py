@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ import pytest
 
 from tests.devloop.test_dev_command import ROOT, dev
 from tests.hardening.faults import alive, descendants, wait_until
+from tests.rollouts.conftest import EXAMPLES
 
 pytestmark = pytest.mark.slow
 
@@ -99,6 +102,7 @@ def test_on_a_real_vllm_the_loop_pushes_each_step_survives_vllm_dying_and_resume
 @pytest.mark.vllm_cpu
 @pytest.mark.timeout(900)
 def test_the_dev_loop_with_lora_on_vllm_pushes_adapters_and_routes_rollouts_to_the_newest(tmp_path):
+    """And its last checkpoint evaluates standalone on vLLM (``harness-trainer eval --engine vllm``)."""
     done = subprocess.run(
         dev(tmp_path, "--max-steps", "4", "--engine", "vllm", "--lora"), cwd=ROOT, capture_output=True,
         text=True, timeout=600,
@@ -128,3 +132,20 @@ def test_the_dev_loop_with_lora_on_vllm_pushes_adapters_and_routes_rollouts_to_t
         adapters
     )
     assert not [folder for folder in adapters if folder.exists()]
+
+    # The run's last checkpoint (an adapter), evaluated standalone on vLLM: merged into its base and served.
+    tasks = tmp_path / "eval-tasks"
+    shutil.copytree(EXAMPLES / "test" / "greet-script", tasks / "test" / "greet-script")
+    evaluate = [
+        sys.executable, "-m", "harness_trainer.cli", "eval",
+        "--checkpoint", str(tmp_path / "run" / "checkpoint-4"), "--split", "test", "--tasks", str(tasks),
+        "--harness", "toy", "--engine", "vllm", "--max-completion-length", "32",
+        "--output-dir", str(tmp_path / "eval"),
+    ]  # fmt: skip
+    code, output, commands = run_watching(evaluate)
+    assert code == 0, output[-4000:]
+    (record,) = [json.loads(line) for line in (tmp_path / "eval" / "eval.jsonl").read_text().splitlines()]
+    assert (record["task_name"], record["step"], record["policy_version"]) == ("greet-script", 4, 4)
+    assert record["unscorable"] == [None]  # the rollout ran on vLLM and was scored
+    assert any("vllm.entrypoints" in command for command in commands.values())
+    assert wait_until(lambda: not alive(set(commands)), 30), alive(set(commands))
