@@ -159,3 +159,132 @@ def test_status_reads_only_the_last_window_groups() -> None:
     assert task_status(
         TaskRecord(recent=((3, 4),), groups=1, passes=3), PassRateRule(window=1, retire_threshold=0.75)
     ) == ("retired")
+
+
+# -- with the scheduler and the trainer ------------------------------------------------------------------
+
+
+def test_the_scheduler_rolls_out_the_rows_the_curriculum_chooses() -> None:
+    from harness_trainer.trainer.scheduling import RolloutScheduler, SchedulerConfig
+    from tests.trainer.handmade import HandmadeFactory
+
+    factory = HandmadeFactory(
+        num_tasks=3, reward=lambda task, member: 1.0 if task == 0 else float(member % 2)
+    )
+    curriculum = PassRateCurriculum(3, PassRateRule(window=1), seed=4, lag=2)
+    settings = SchedulerConfig(
+        num_generations=2, max_concurrent_rollouts=4, admission_limit=2, agent_timeout=30.0, seed=4
+    )
+    scheduler = RolloutScheduler(factory, factory.prompt_rows(), settings, row_chooser=curriculum)
+    scheduler.start()
+    try:
+        groups = [scheduler.next_group(timeout=30) for _ in range(30)]
+    finally:
+        scheduler.stop()
+    rows = [g.row["task_index"] for g in groups]
+    first_solved = rows.index(0)
+    assert 0 not in rows[first_solved + 2 :]  # chosen after group first_solved was taken: retired
+    assert set(rows) == {0, 1, 2}
+    expected = PassRateCurriculum(3, PassRateRule(window=1), seed=4, lag=2)
+    rewards = factory.reward
+    assert drive(expected, lambda row, i: [rewards(row, m) for m in range(2)], start=0, stop=30) == rows
+
+
+def curriculum_config(tmp_path, **overrides):
+    from tests.trainer.test_trainer import config
+
+    return config(tmp_path, curriculum="pass_rate", curriculum_window=1, **overrides)
+
+
+def solved_task_0(task: int, member: int) -> float:
+    return 1.0 if task == 0 else float(member % 2)
+
+
+def trained_rows(output_dir) -> dict[int, int]:
+    from harness_trainer.trainer.rollout_log import read_rollout_log
+
+    return {r.group: r.task_index for r in read_rollout_log(output_dir)}
+
+
+def test_a_trainer_with_the_curriculum_stops_rolling_out_a_solved_task_and_resumes_to_the_same_rows(
+    tmp_path, tiny_model_dir
+):
+    from harness_trainer import HarnessAsyncGRPOTrainer
+    from tests.trainer.handmade import HandmadeFactory
+    from tests.trainer.test_trainer import builder, metrics_lines
+
+    straight_factory = HandmadeFactory(reward=solved_task_0)
+    straight = HarnessAsyncGRPOTrainer(
+        str(tiny_model_dir), builder(straight_factory), curriculum_config(tmp_path / "a", max_steps=6)
+    )
+    straight.train()
+    rows = trained_rows(tmp_path / "a" / "out")  # every group taken, dropped ones included
+    solved_at = min(group for group, row in rows.items() if row == 0)
+    assert [row for group, row in rows.items() if group > solved_at + 1 and row == 0] == []
+    assert {row for _, row in rows.items()} == {0, 1, 2}
+    assert metrics_lines(tmp_path / "a" / "out")[-1]["curriculum/retired_tasks"] == 1
+
+    first = HarnessAsyncGRPOTrainer(
+        str(tiny_model_dir),
+        builder(HandmadeFactory(reward=solved_task_0)),
+        curriculum_config(tmp_path / "b", max_steps=3),
+    )
+    first.train()
+    resumed = HarnessAsyncGRPOTrainer(
+        str(tiny_model_dir),
+        builder(HandmadeFactory(reward=solved_task_0)),
+        curriculum_config(tmp_path / "b", max_steps=6, resume_from_checkpoint="latest"),
+    )
+    resumed.train()
+    assert first.trained_groups + resumed.trained_groups == straight.trained_groups
+    assert trained_rows(tmp_path / "b" / "out") == rows
+
+
+def test_a_trainer_whose_curriculum_retires_every_task_stops_saying_so(tmp_path, tiny_model_dir):
+    from harness_trainer import HarnessAsyncGRPOTrainer
+    from tests.trainer.handmade import HandmadeFactory
+    from tests.trainer.test_trainer import builder
+
+    factory = HandmadeFactory(reward=lambda task, member: 1.0)
+    trainer = HarnessAsyncGRPOTrainer(str(tiny_model_dir), builder(factory), curriculum_config(tmp_path))
+    with pytest.raises(CurriculumExhausted, match="of 3 tasks, 3 are retired"):
+        trainer.train()
+    assert not factory.live and factory.closed == len(factory.created) and factory.factory_closed
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"curriculum": "easy_first"}, "curriculum 'easy_first' is not one of"),
+        ({"curriculum": "pass_rate", "curriculum_window": 0}, "curriculum_window must be at least 1"),
+        ({"curriculum": "pass_rate", "curriculum_retire_threshold": 0.0}, "every task is retired"),
+        (
+            {"curriculum": "pass_rate", "curriculum_unsolved_weight": 1.5},
+            r"curriculum_unsolved_weight must be in \[0, 1\]",
+        ),
+        (
+            {"curriculum": "pass_rate", "curriculum_retired_weight": -0.1},
+            r"curriculum_retired_weight must be in",
+        ),
+        (
+            {"curriculum": "pass_rate", "curriculum_pass_reward": float("nan")},
+            "curriculum_pass_reward must be finite",
+        ),
+        (
+            {"curriculum": "pass_rate", "dataset_shuffle": True},
+            "dataset_shuffle does nothing with curriculum",
+        ),
+    ],
+)
+def test_a_bad_curriculum_setting_is_refused_with_a_clear_message(overrides, message) -> None:
+    from harness_trainer.trainer.config import AsyncGRPOConfig, ConfigProblems
+
+    with pytest.raises(ConfigProblems, match=message):
+        AsyncGRPOConfig(**overrides)
+
+
+def test_the_curriculum_is_off_by_default() -> None:
+    from harness_trainer.trainer.config import AsyncGRPOConfig
+
+    config = AsyncGRPOConfig()
+    assert config.curriculum == "none" and config.drop_zero_variance_groups
