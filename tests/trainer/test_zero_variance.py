@@ -26,6 +26,7 @@ def test_groups_with_equal_rewards_are_dropped_and_the_step_takes_the_next_group
     assert [line["rollout/zero_variance_dropped"] for line in lines] == [1, 2]
     assert [line["rollout/zero_variance_dropped_total"] for line in lines] == [1, 3]
     assert [line["rollout/dropped_groups_total"] for line in lines] == [0, 0]
+    assert all(line["staleness/max"] <= 1 for line in lines)  # refills stay within max_staleness
     # The reward metrics cover the dropped groups too: step 1 saw four 1.0s and 0, 1, 0, 1.
     assert lines[0]["reward"] == pytest.approx(6 / 8)
     assert [line["frac_reward_zero_std"] for line in lines] == pytest.approx([1 / 2, 2 / 3])
