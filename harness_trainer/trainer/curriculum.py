@@ -49,7 +49,8 @@ class CurriculumStateError(ValueError):
 
 @dataclass(frozen=True)
 class PassRateRule:
-    """The curriculum's knobs (``AsyncGRPOConfig.curriculum_*``; checked there)."""
+    """The curriculum's knobs: ``AsyncGRPOConfig.curriculum_*``, checked and documented there, with the same
+    defaults."""
 
     window: int = 2
     pass_reward: float = 1.0
@@ -131,8 +132,7 @@ def draw(row_weights: Sequence[float], seed: int, index: int) -> int:
 
 def exhausted_message(tasks: dict[int, TaskRecord], num_rows: int, rule: PassRateRule) -> str:
     """Why no task can be chosen: how many were retired, and how many given up as never solved."""
-    records = [tasks.get(row, TaskRecord()) for row in range(num_rows)]
-    unsolved = sum(r.groups >= rule.window and r.passes == 0 for r in records)
+    unsolved = sum(task_status(tasks.get(row, TaskRecord()), rule) == "unsolved" for row in range(num_rows))
     return (
         f"the curriculum has no task left to sample: of {num_rows} tasks, {num_rows - unsolved} are retired "
         f"(pass rate ≥ curriculum_retire_threshold={rule.retire_threshold} over their last "

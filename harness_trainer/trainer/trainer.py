@@ -425,7 +425,8 @@ class HarnessAsyncGRPOTrainer:
                 self._zero_variance.append(group)
                 zero_variance_in_a_row += 1
                 if zero_variance_in_a_row >= self.args.max_zero_variance_groups_in_a_row:
-                    raise NoLearningSignal(_no_signal_message(self._zero_variance[-zero_variance_in_a_row:]))
+                    streak = self._zero_variance[-zero_variance_in_a_row:]
+                    raise NoLearningSignal(_no_signal_message(streak, self.args.curriculum))
                 continue
             taken.append(group)
             zero_variance_in_a_row = 0
@@ -825,14 +826,19 @@ def completions_text(batch: StepBatch, step: int, limit: int | None) -> str:
     return "\n".join(lines)
 
 
-def _no_signal_message(groups: list[Group]) -> str:
+def _no_signal_message(groups: list[Group], curriculum: str) -> str:
     """Why the run stops after ``groups``, dropped in a row for equal rewards."""
     rewards = sorted({r.reward for g in groups for r in g.scored if r.reward is not None})
+    remedy = (
+        "other tasks"
+        if curriculum != "none"
+        else "curriculum='pass_rate' (it retires solved tasks), other tasks"
+    )
     return (
         f"{len(groups)} groups in a row gave each of their scored rollouts the same reward (rewards seen: "
         f"{rewards}), so none had an advantage to train on (max_zero_variance_groups_in_a_row): the tasks "
-        "are all solved, or all too hard, for this policy. Use curriculum='pass_rate', other tasks, or "
-        "drop_zero_variance_groups=False to train on such groups anyway"
+        f"are all solved, or all too hard, for this policy. Use {remedy}, or drop_zero_variance_groups=False "
+        "to train on such groups anyway"
     )
 
 

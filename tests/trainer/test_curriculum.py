@@ -283,8 +283,10 @@ def test_a_bad_curriculum_setting_is_refused_with_a_clear_message(overrides, mes
         AsyncGRPOConfig(**overrides)
 
 
-def test_the_curriculum_is_off_by_default() -> None:
+def test_the_curriculum_is_off_by_default_and_its_rule_has_the_configs_defaults() -> None:
     from harness_trainer.trainer.config import AsyncGRPOConfig
 
     config = AsyncGRPOConfig()
     assert config.curriculum == "none" and config.drop_zero_variance_groups
+    fields = {name: getattr(config, f"curriculum_{name}") for name in PassRateRule.__dataclass_fields__}
+    assert PassRateRule(**fields) == PassRateRule()
