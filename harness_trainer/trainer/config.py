@@ -52,6 +52,7 @@ LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 DECAYING_SCHEDULERS = ("linear", "cosine")
 OPTIMIZERS = ("adamw_torch", "sgd")
 EVAL_STRATEGIES = ("no", "steps")
+CURRICULA = ("none", "pass_rate")
 DEFAULT_GROUPS_PER_STEP = 1
 DEFAULT_MAX_CONCURRENT_ROLLOUTS = 8
 
@@ -250,6 +251,54 @@ class _ConfigFields:
         ),
     )
     dataset_shuffle: bool = field(default=False, metadata=_help("Shuffle rows each pass (seeded)."))
+    drop_zero_variance_groups: bool = field(
+        default=True,
+        metadata=_help(
+            "Leave out of the step a group whose scored rollouts all got the same reward (its advantages are "
+            "all 0: every task solved, or none) and take further groups in its place: DAPO's dynamic "
+            "sampling (TRL has no such option). Dropped groups still go to rollouts.jsonl (advantage null) "
+            "and the step's reward metrics, and count in rollout/zero_variance_dropped. With beta > 0 they "
+            "are dropped too, so their tokens no longer carry the KL term: set False to keep them."
+        ),
+    )
+    max_zero_variance_groups_in_a_row: int = field(
+        default=64,
+        metadata=_help(
+            "Zero-variance groups dropped in a row after which the run stops, naming the reward they all "
+            "got: the tasks no longer teach the policy anything (use curriculum='pass_rate', harder tasks, "
+            "or drop_zero_variance_groups=False)."
+        ),
+    )
+    curriculum: str = field(
+        default="none",
+        metadata=_help(
+            f"How each group's row is chosen, one of {CURRICULA}: 'none' cycles the rows in order "
+            "(dataset_shuffle: reshuffled each pass); 'pass_rate' draws each group's row by weight from "
+            "each task's pass rate over its last curriculum_window groups: solved tasks are retired, tasks "
+            "never solved retried less often. An epoch is then as many groups as rows, not a pass over "
+            "every row."
+        ),
+    )
+    curriculum_window: int = field(
+        default=2, metadata=_help("Last groups of a task its pass rate is measured over (≥ 1).")
+    )
+    curriculum_retire_threshold: float = field(
+        default=1.0,
+        metadata=_help(
+            "A task whose pass rate over its last curriculum_window groups is at least this (in (0, 1]) is "
+            "retired: sampled with curriculum_retired_weight."
+        ),
+    )
+    curriculum_retired_weight: float = field(
+        default=0.0,
+        metadata=_help("Sampling weight of a retired task, in [0, 1] (other tasks weigh 1; 0: never again)."),
+    )
+    curriculum_unsolved_weight: float = field(
+        default=0.25,
+        metadata=_help(
+            "Sampling weight, in [0, 1], of a task that had curriculum_window groups and never passed."
+        ),
+    )
     chat_template_kwargs: dict[str, Any] | str | None = field(
         default=None,
         metadata=_help(
@@ -428,7 +477,10 @@ class _ConfigFields:
     )
     pass_reward: float = field(
         default=1.0,
-        metadata=_help("A rollout passes (eval pass@k) when its reward is at least this."),
+        metadata=_help(
+            "A rollout passes when its reward is at least this (1.0: the verifier's full marks): eval's "
+            "pass@k and the pass-rate curriculum."
+        ),
     )
 
     # Engine and weight sync.
@@ -734,6 +786,7 @@ def _checks(c: _ConfigFields) -> Sequence[str]:
         yield "agent_timeout must be positive (or None for each session's own bound)"
     if c.max_unexpected_errors < 0:
         yield "max_unexpected_errors must be ≥ 0 (0 stops the run at the first)"
+    yield from _curriculum_checks(c)
     if not c.learning_rate > 0:
         yield "learning_rate must be positive"
     if c.optim not in OPTIMIZERS:
@@ -779,7 +832,7 @@ def _checks(c: _ConfigFields) -> Sequence[str]:
     if not 0 <= c.eval_temperature < float("inf"):
         yield "eval_temperature must be ≥ 0 and finite (0: greedy)"
     if not math.isfinite(c.pass_reward):
-        yield "pass_reward must be a finite number"
+        yield f"pass_reward must be finite, got {c.pass_reward}"
     if c.rollout_log_steps < 0:
         yield "rollout_log_steps must be ≥ 0"
     if c.save_total_limit is not None and c.save_total_limit < 1:
@@ -810,6 +863,28 @@ def _checks(c: _ConfigFields) -> Sequence[str]:
         yield f"lora_save {c.lora_save!r} is not one of {LORA_SAVES}"
     if c.use_peft and c.lora_r < 1:
         yield "lora_r must be at least 1"
+
+
+def _curriculum_checks(c: _ConfigFields) -> Sequence[str]:
+    if c.max_zero_variance_groups_in_a_row < 1:
+        yield "max_zero_variance_groups_in_a_row must be at least 1 (a run needs a bound when nothing varies)"
+    if c.curriculum not in CURRICULA:
+        yield f"curriculum {c.curriculum!r} is not one of {CURRICULA}"
+        return
+    if c.curriculum == "none":
+        return
+    if c.dataset_shuffle:
+        yield f"dataset_shuffle does nothing with curriculum={c.curriculum!r} (it chooses each row): unset it"
+    if c.curriculum_window < 1:
+        yield f"curriculum_window must be at least 1, got {c.curriculum_window}"
+    if not 0 < c.curriculum_retire_threshold <= 1:
+        yield (
+            f"curriculum_retire_threshold must be in (0, 1], got {c.curriculum_retire_threshold} (at 0 every "
+            "task is retired as soon as it was tried)"
+        )
+    for name in ("curriculum_retired_weight", "curriculum_unsolved_weight"):
+        if not 0 <= getattr(c, name) <= 1:
+            yield f"{name} must be in [0, 1], got {getattr(c, name)}"
 
 
 def parse_config(args: Sequence[str] | None = None, *, yaml_file: str | None = None) -> AsyncGRPOConfig:

@@ -1,9 +1,10 @@
 """Rollout scheduling: groups of sessions run in the background while the trainer trains.
 
-Dataset rows are cycled in order (reshuffled per pass when asked); group ``i`` rolls row ``i`` out
-``num_generations`` times with one seed. At most ``max_concurrent_rollouts`` sessions are live; a new group
-is admitted only while groups in flight plus groups finished but not yet taken stay within
-``admission_limit`` ((max_staleness + 1) × groups per step), which bounds how stale a trained rollout can be.
+Dataset rows are cycled in order (reshuffled per pass when asked), or chosen by a :class:`RowChooser` (a
+curriculum, :mod:`.curriculum`); group ``i`` rolls its row out ``num_generations`` times with one seed. At
+most ``max_concurrent_rollouts`` sessions are live; a new group is admitted only while groups in flight plus
+groups finished but not yet taken stay within ``admission_limit`` ((max_staleness + 1) × groups per step),
+which bounds how stale a trained rollout can be.
 The trainer takes finished groups in admission order, so the data order is reproducible and a resumed run
 starts at the first group it had not taken.
 
@@ -47,7 +48,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from harness_trainer.trace import TrainingTrace, load_trace
 from harness_trainer.trainer.failures import FailureKind, judge, origin_of
@@ -67,6 +68,24 @@ RewardFn = Callable[[HarnessRolloutOutcome], float | None]
 
 class RolloutSchedulerError(RuntimeError):
     """The scheduler stopped: a component died, or too many rollouts failed unexpectedly (cause chained)."""
+
+
+class RowChooser(Protocol):
+    """Decides each group's row at admission, told of each group as the trainer takes it.
+
+    :meth:`choose` runs on the scheduler's loop thread, :meth:`taken` on the trainer's, inside
+    :meth:`RolloutScheduler.next_group` before the take frees room for admission: a group admitted because
+    group ``g`` was taken is chosen after ``taken(g)``. An implementation locks what the two share; what
+    :meth:`taken` raises reaches the trainer (the group stays untaken).
+    """
+
+    def choose(self, index: int) -> int:
+        """The row (position in the dataset) group ``index`` rolls out; called in increasing ``index``."""
+        ...
+
+    def taken(self, group: Group) -> None:
+        """``group``, the next in admission order, is taken."""
+        ...
 
 
 @dataclass
@@ -122,6 +141,7 @@ class RolloutScheduler:
         reward_fn: RewardFn | None = None,
         policy_version: Callable[[], int] = lambda: 0,
         start_group: int = 0,
+        row_chooser: RowChooser | None = None,
     ) -> None:
         if not rows:
             raise ValueError("the training dataset has no rows")
@@ -130,6 +150,7 @@ class RolloutScheduler:
         self.config = config
         self.reward_fn = reward_fn
         self.policy_version = policy_version
+        self.row_chooser = row_chooser
         self.next_to_take = start_group
         self._next_to_admit = start_group
         self._start_group_index = start_group
@@ -166,6 +187,7 @@ class RolloutScheduler:
             CaptureContractError: a rollout's capture was malformed.
             RewardFunctionError: the reward function returned something that is not a reward.
             RolloutSchedulerError: too many unexpected rollout errors, or a scheduler component died.
+            Exception: what the row chooser's ``taken`` raised (the group stays untaken).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
@@ -176,6 +198,8 @@ class RolloutScheduler:
                 if left is not None and left <= 0:
                     return None
                 self._cond.wait(left if left is not None else 1.0)
+            if self.row_chooser is not None:  # before admission can see the take: see RowChooser
+                self.row_chooser.taken(self._finished[self.next_to_take])
             group = self._finished.pop(self.next_to_take)
             self.next_to_take += 1
         if self._space is not None:
@@ -259,7 +283,10 @@ class RolloutScheduler:
         return limit is not None and self._next_to_admit - self._start_group_index >= limit
 
     def _start_group(self, index: int) -> None:
-        position = row_order(len(self.rows), index, seed=self.config.seed, shuffle=self.config.shuffle)
+        if self.row_chooser is not None:
+            position = self.row_chooser.choose(index)
+        else:
+            position = row_order(len(self.rows), index, seed=self.config.seed, shuffle=self.config.shuffle)
         group = Group(index, self.rows[position], self.config.seed + index, [])
         members = [Rollout(index, m) for m in range(self.config.num_generations)]
         group.rollouts = members

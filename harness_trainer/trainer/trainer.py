@@ -39,6 +39,7 @@ from harness_trainer.trainer.checkpoint import (
     save_checkpoint,
 )
 from harness_trainer.trainer.config import AsyncGRPOConfig
+from harness_trainer.trainer.curriculum import PassRateCurriculum, PassRateRule
 from harness_trainer.trainer.distributed import (
     Collective,
     GatheredModel,
@@ -79,6 +80,10 @@ MAX_CONSECUTIVE_DROPPED_GROUPS = 32
 
 class WeightSyncError(RuntimeError):
     """The engine could not take the new weights after every retry; a checkpoint was written first."""
+
+
+class NoLearningSignal(RuntimeError):
+    """``max_zero_variance_groups_in_a_row`` groups in a row gave every member the same reward."""
 
 
 class HarnessAsyncGRPOTrainer:
@@ -150,6 +155,8 @@ class HarnessAsyncGRPOTrainer:
         self.reporter: MetricsReporter | None = None
         self.rollout_log: RolloutLog | None = None
         self._dropped: list[Group] = []
+        self._zero_variance: list[Group] = []  # the step's groups dropped for equal rewards (metrics)
+        self.curriculum: PassRateCurriculum | None = None
         self.reference: Reference | None = None
         self.last_metrics: dict[str, float] = {}
         self.trained_groups: list[int] = []
@@ -157,7 +164,11 @@ class HarnessAsyncGRPOTrainer:
         self._pushes = False
         self._adapter_folders: AdapterFolders | None = None
         self._policy: tuple[str, int] | None = None
-        self._counters = {"rollout/unscorable_total": 0, "rollout/dropped_groups_total": 0}
+        self._counters = {
+            "rollout/unscorable_total": 0,
+            "rollout/dropped_groups_total": 0,
+            "rollout/zero_variance_dropped_total": 0,
+        }
 
     @property
     def _adapter_sync(self) -> bool:
@@ -216,6 +227,7 @@ class HarnessAsyncGRPOTrainer:
             self._adapter_folders = AdapterFolders(args.weight_sync_dir, keep=args.max_staleness + 1)
         if resumed is not None:
             self.state = resumed
+            self._counters.update(resumed.extra.get("counters", {}))
             logger.info("resumed from %s at step %d", resume, self.state.step)
             self._push_weights()
         if self.collective.is_main:
@@ -232,6 +244,18 @@ class HarnessAsyncGRPOTrainer:
         rows = self._rows()
         if args.evaluates:
             self.evaluator = self._make_evaluator(rows)
+        if args.curriculum == "pass_rate":
+            rule = PassRateRule(
+                window=args.curriculum_window,
+                pass_reward=args.pass_reward,
+                retire_threshold=args.curriculum_retire_threshold,
+                retired_weight=args.curriculum_retired_weight,
+                unsolved_weight=args.curriculum_unsolved_weight,
+            )
+            self.curriculum = PassRateCurriculum(
+                len(rows), rule, seed=args.seed, lag=args.admission_limit,
+                state=self.state.extra.get("curriculum"), start=self.state.groups_consumed,
+            )  # fmt: skip
         self.reporter = MetricsReporter(
             self.output_dir, args.report_to, run_name=args.run_name, config=args.to_dict(),
             project=args.project,
@@ -254,6 +278,7 @@ class HarnessAsyncGRPOTrainer:
             reward_fn=self.rollout_reward_fn,
             policy_version=lambda: self.state.policy_version,
             start_group=self.state.groups_consumed,
+            row_chooser=self.curriculum,
         )
         if args.eval_on_start and self.state.step == 0:  # a resumed run logged its start step already
             self._evaluate()
@@ -428,29 +453,50 @@ class HarnessAsyncGRPOTrainer:
             bar.close()
 
     def _take_groups(self) -> list[Group] | None:
-        """The next ``groups_per_step`` groups with at least two scored members, in admission order."""
+        """The next ``groups_per_step`` groups with at least two scored members, in admission order; with
+        ``drop_zero_variance_groups``, only groups whose scored members' rewards differ.
+
+        Every group dropped is replaced by the next one. That stays within the staleness bound: a step
+        that drops groups takes more than ``groups_per_step`` of them, so fewer policy versions pass
+        between a group's admission (bounded by the scheduler's admission limit) and its training.
+
+        Raises:
+            RuntimeError: ``MAX_CONSECUTIVE_DROPPED_GROUPS`` groups in a row had fewer than two scored
+                members.
+            NoLearningSignal: ``max_zero_variance_groups_in_a_row`` groups in a row were dropped for equal
+                rewards.
+        """
         assert self.scheduler is not None
         taken: list[Group] = []
-        dropped_in_a_row = 0
+        dropped_in_a_row = zero_variance_in_a_row = 0
         while len(taken) < self.args.groups_per_step:
             if self._stop.is_set():
                 return None
             group = self.scheduler.next_group(timeout=0.5)
             if group is None:
                 continue
-            if len(group.scored) >= 2:
-                taken.append(group)
-                dropped_in_a_row = 0
+            if len(group.scored) < 2:
+                self._note_dropped(group)
+                self._dropped.append(group)
+                dropped_in_a_row += 1
+                if dropped_in_a_row >= MAX_CONSECUTIVE_DROPPED_GROUPS:
+                    reasons = sorted({r.unscorable or "ungraded" for r in group.rollouts})
+                    raise RuntimeError(
+                        f"{dropped_in_a_row} groups in a row had fewer than two scored rollouts; the last "
+                        f"one's rollouts failed with: {reasons}"
+                    )
                 continue
-            self._note_dropped(group)
-            self._dropped.append(group)
-            dropped_in_a_row += 1
-            if dropped_in_a_row >= MAX_CONSECUTIVE_DROPPED_GROUPS:
-                reasons = sorted({r.unscorable or "ungraded" for r in group.rollouts})
-                raise RuntimeError(
-                    f"{dropped_in_a_row} groups in a row had fewer than two scored rollouts; the last one's "
-                    f"rollouts failed with: {reasons}"
-                )
+            dropped_in_a_row = 0
+            if self.args.drop_zero_variance_groups and _zero_variance(group):
+                self._dropped.append(group)
+                self._zero_variance.append(group)
+                zero_variance_in_a_row += 1
+                if zero_variance_in_a_row >= self.args.max_zero_variance_groups_in_a_row:
+                    streak = self._zero_variance[-zero_variance_in_a_row:]
+                    raise NoLearningSignal(_no_signal_message(streak, self.args.curriculum))
+                continue
+            taken.append(group)
+            zero_variance_in_a_row = 0
         return taken
 
     def _log_rollouts(self, groups: list[Group], batch: StepBatch) -> None:
@@ -488,12 +534,17 @@ class HarnessAsyncGRPOTrainer:
         args = self.args
         if self._stop.is_set() or args.epochs_done(self.scheduler.next_to_take, len(self.scheduler.rows)):
             return None
+        if self.curriculum is not None:  # every earlier step is done: no resume goes back before it
+            self.curriculum.settle(self.state.groups_consumed)
         groups = self._take_groups()
         if groups is None:
             return None
+        # Over the groups dropped for equal rewards too, so reward and frac_reward_zero_std read the same
+        # whether they are dropped or not.
         metrics = rollout_metrics(
-            groups, policy_version=self.state.policy_version, reward_name=_reward_name(self.rollout_reward_fn)
-        )
+            [*self._zero_variance, *groups], policy_version=self.state.policy_version,
+            reward_name=_reward_name(self.rollout_reward_fn),
+        )  # fmt: skip
         self.trained_groups.extend(group.index for group in groups)
         batch = assemble(
             groups, advantage_epsilon=args.loss.advantage_epsilon, keep_zero_advantage=args.loss.beta > 0,
@@ -506,12 +557,17 @@ class HarnessAsyncGRPOTrainer:
             tqdm.write(completions_text(batch, self.state.step + 1, args.num_completions_to_print))
         self._dropped.clear()
         self._counters["rollout/unscorable_total"] += int(metrics["rollout/unscorable"])
+        self._counters["rollout/zero_variance_dropped_total"] += len(self._zero_variance)
         metrics.update(self._counters)
+        if self.curriculum is not None:
+            metrics.update(self.curriculum.summary())
         metrics.update({
+            "rollout/zero_variance_dropped": float(len(self._zero_variance)),
             "rollout/dropped_groups": float(batch.dropped_groups),
             "num_tokens": float(batch.trained_tokens),
             "epoch": self.scheduler.next_to_take / max(len(self.scheduler.rows), 1),
         })  # fmt: skip
+        self._zero_variance.clear()
         return split_step(
             batch, token_budget=args.token_budget, world_size=self.collective.world_size, metrics=metrics,
             groups_consumed=self.scheduler.next_to_take,
@@ -664,6 +720,8 @@ class HarnessAsyncGRPOTrainer:
         self.state.extra = {"config": self.args.to_dict(), "counters": dict(self._counters)}
         if isinstance(self.model_source, str | Path):  # what `harness-trainer eval` takes a tokenizer from
             self.state.extra["model"] = str(self.model_source)
+        if self.curriculum is not None:
+            self.state.extra["curriculum"] = self.curriculum.state_dict(self.state.groups_consumed)
         model, optimizer = checkpoint_parts(self.accelerator, self._trained, self.model, self.optimizer)
         if not self.collective.is_main:
             return None
@@ -841,6 +899,28 @@ def completions_text(batch: StepBatch, step: int, limit: int | None) -> str:
             f"advantage {batch.advantages[i]:+.3f}, reply {reply[-200:]!r}"
         )
     return "\n".join(lines)
+
+
+def _no_signal_message(groups: list[Group], curriculum: str) -> str:
+    """Why the run stops after ``groups``, dropped in a row for equal rewards."""
+    rewards = sorted({r.reward for g in groups for r in g.scored if r.reward is not None})
+    remedy = (
+        "other tasks"
+        if curriculum != "none"
+        else "curriculum='pass_rate' (it retires solved tasks), other tasks"
+    )
+    return (
+        f"{len(groups)} groups in a row gave each of their scored rollouts the same reward (rewards seen: "
+        f"{rewards}), so none had an advantage to train on (max_zero_variance_groups_in_a_row): the tasks "
+        f"are all solved, or all too hard, for this policy. Use {remedy}, or drop_zero_variance_groups=False "
+        "to train on such groups anyway"
+    )
+
+
+def _zero_variance(group: Group) -> bool:
+    """Whether the group's scored members (two or more) all got the same reward: advantages all 0."""
+    rewards = [r.reward for r in group.scored]
+    return len(rewards) >= 2 and all(reward == rewards[0] for reward in rewards)
 
 
 def _resume_flag(value: str | None) -> bool | str | None:

@@ -113,7 +113,7 @@ TRL_REFUSED: tuple[tuple[str, dict[str, tuple[Any, ...]]], ...] = (
     ),
     (
         "dataset rows are taken in order, one pass after another, reshuffled each pass from seed when "
-        "dataset_shuffle is set: set that instead",
+        "dataset_shuffle is set, or drawn by curriculum='pass_rate': set those instead",
         {"data_seed": (None,), **_same("train_sampling_strategy shuffle_dataset")},
     ),
     (

@@ -131,6 +131,8 @@ def other_value(f: dataclasses.Field[Any], default: Any) -> Any:
         "push_to_hub": False, "hub_model_id": "org/model", "warmup_steps": 2, "save_steps": 5,
         "logging_steps": 2, "max_steps": 10, "num_train_epochs": 2.0, "per_device_train_batch_size": 8,
         "gradient_accumulation_steps": 1, "groups_per_step": 2, "num_generations": 4, "server_capacity": 99,
+        # The curriculum refuses dataset_shuffle (it chooses every row itself).
+        "curriculum": "pass_rate", "curriculum_retire_threshold": 0.5, "dataset_shuffle": False,
     }  # fmt: skip
     if f.name in special:
         return special[f.name]
