@@ -133,6 +133,7 @@ def other_value(f: dataclasses.Field[Any], default: Any) -> Any:
         "gradient_accumulation_steps": 1, "groups_per_step": 2, "num_generations": 4, "server_capacity": 99,
         # The curriculum refuses dataset_shuffle (it chooses every row itself).
         "curriculum": "pass_rate", "curriculum_retire_threshold": 0.5, "dataset_shuffle": False,
+        "eval_strategy": "steps", "eval_steps": 2,
     }  # fmt: skip
     if f.name in special:
         return special[f.name]

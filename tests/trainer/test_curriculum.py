@@ -288,5 +288,8 @@ def test_the_curriculum_is_off_by_default_and_its_rule_has_the_configs_defaults(
 
     config = AsyncGRPOConfig()
     assert config.curriculum == "none" and config.drop_zero_variance_groups
-    fields = {name: getattr(config, f"curriculum_{name}") for name in PassRateRule.__dataclass_fields__}
+    fields = {
+        name: getattr(config, name if name == "pass_reward" else f"curriculum_{name}")
+        for name in PassRateRule.__dataclass_fields__
+    }
     assert PassRateRule(**fields) == PassRateRule()
