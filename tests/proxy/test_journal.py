@@ -89,7 +89,8 @@ def test_dispatch_and_weight_versions_round_trip_and_an_older_journal_reads_with
     for line in older:
         del line["dispatch_version"]  # as written before the field existed
     journal.path.write_text("".join(json.dumps(line) + "\n" for line in older))
-    assert [(r.dispatch_version, r.weight_version) for r in read_records(journal.path)] == [(None, 4), (None, None)]
+    versions = [(r.dispatch_version, r.weight_version) for r in read_records(journal.path)]
+    assert versions == [(None, 4), (None, None)]
 
 
 def test_journal_size_grows_linearly_with_calls(tmp_path: Path) -> None:
