@@ -25,6 +25,14 @@ Three kinds of line, one JSON object each, appended and synced to disk (``fsync`
 - **A run start** (:class:`RunStart`, ``{"kind": "start", "step", "start_group"}``), written when a run
   (fresh or resumed) opens the log: the step it starts after and the first group it will roll out.
 
+Rollout lines are written per rollout, not per group: a crash loses only the rollouts still running, and
+a member held up (an agent running to its timeout) does not hold back its siblings' lines. They are the
+bulk of the file (a trace per rollout), so ``rollout_log_steps`` = N keeps the traces of one step's worth
+of groups every N steps: group ``g``'s when ``g // groups_per_step + 1`` is a multiple of N (the groups
+that would train at every N-th step, were none dropped); 0 keeps none. Every other field is always
+written. Groups a stopping run had taken and dropped, for a step that never came, get that step's outcomes
+when it closes the log; the groups it had not taken have none.
+
 Readers (:func:`read_rollout_log`) merge each rollout with its outcome into one :class:`RolloutRecord`;
 a rollout no step took reads with ``step`` null and ``not_trained`` = :data:`NOT_TAKEN`. A run start
 supersedes what earlier runs wrote that it will write again: rollouts of groups from ``start_group`` on
