@@ -96,6 +96,18 @@ def test_resume_continues_exactly_where_a_stopped_run_left(tmp_path, tiny_model_
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-6)
     assert resumed.state.step == 6
+    # The run's record reads as the straight run's: what the first run rolled out past its last checkpoint
+    # (groups 4 and on, admitted but never taken) is superseded by what the resumed run did with them.
+    from harness_trainer.trainer.rollout_log import read_rollout_log
+
+    def taken(run: Path) -> list[tuple]:
+        records = read_rollout_log(run / "out")
+        return [(r.step, r.group, r.member, r.reward, r.advantage) for r in records if r.step is not None]
+
+    assert taken(tmp_path / "a") == taken(tmp_path / "b") and len(taken(tmp_path / "a")) == 6 * 4
+    records = read_rollout_log(tmp_path / "b" / "out")
+    assert all(r.group >= 6 for r in records if r.step is None)
+    assert len({(r.group, r.member) for r in records}) == len(records)
 
 
 def completion_logprob(model, prompt: list[int], completion: list[int]) -> list[float]:
