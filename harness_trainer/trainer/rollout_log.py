@@ -335,14 +335,17 @@ def read_jsonl(path: str | os.PathLike[str]) -> Iterator[tuple[int, bytes, dict[
     Raises:
         ValueError: a line is not a JSON object; the message names the file and the line.
     """
-    for number, line in _lines(path):
+    for number, _, line in _lines(path):
         yield number, line, _parse(path, number, line)
 
 
-def _lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, bytes]]:
-    """Non-blank lines with their numbers, less an unterminated last line that does not parse."""
+def _lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, int, bytes]]:
+    """Non-blank lines with their numbers and byte offsets, less an unterminated last line that does not
+    parse."""
+    offset = 0
     with open(path, "rb") as file:
         for number, line in enumerate(file, start=1):
+            start, offset = offset, offset + len(line)
             if not line.strip():
                 continue
             if not line.endswith(b"\n"):  # the last line: complete, or a write cut short by a crash
@@ -353,7 +356,7 @@ def _lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, bytes]]:
                         "%s:%d: skipping an unterminated last line (a write cut short)", path, number
                     )
                     return
-            yield number, line
+            yield number, start, line
 
 
 def _parse(path: str | os.PathLike[str], number: int, line: bytes) -> dict[str, Any]:
@@ -414,10 +417,12 @@ def read_rollout_log(
     file = Path(path)
     if file.is_dir():
         file = file / ROLLOUTS_FILE
-    old_format: list[tuple[int, Hashable, tuple[int, bytes]]] = []
-    completed: dict[tuple[int, int], tuple[int, bytes]] = {}
+    # Rollout lines are kept as (line number, byte offset): the lines themselves, traces and all, are read
+    # again only for the records returned.
+    old_format: list[tuple[int, Hashable, tuple[int, int]]] = []
+    completed: dict[tuple[int, int], tuple[int, int]] = {}
     outcomes: dict[tuple[int, int], RolloutOutcome] = {}
-    for number, line in _lines(file):
+    for number, offset, line in _lines(file):
         if line.startswith(_KIND):
             kind = _kind_line(file, number, line)
             if isinstance(kind, RolloutOutcome):
@@ -430,11 +435,11 @@ def read_rollout_log(
             continue
         step, group, member = _head(file, number, line)
         if step is None:
-            completed[(group, member)] = (number, line)
+            completed[(group, member)] = (number, offset)
         else:
-            old_format.append((step, (group, member), (number, line)))
+            old_format.append((step, (group, member), (number, offset)))
 
-    taken: list[tuple[int, RolloutOutcome | None, tuple[int, bytes]]] = [
+    taken: list[tuple[int, RolloutOutcome | None, tuple[int, int]]] = [
         (step, None, item) for step, items in latest_steps(old_format).items() for item in items
     ]
     taken += [(o.step, o, completed[key]) for key, o in outcomes.items() if key in completed]
@@ -445,14 +450,16 @@ def read_rollout_log(
     keep = set(kept_steps)
     untaken = [completed[key] for key in sorted(completed) if key not in outcomes]
     records = []
-    for outcome, (number, line) in [(o, item) for step, o, item in taken if step in keep] + [
-        (None, item) for item in untaken
-    ]:
-        try:
-            record = _record(file, number, line, validate_traces)
-        except ValidationError as exc:
-            raise ValueError(f"{file}:{number}: not a rollout record: {exc}") from exc
-        records.append(_merged(record, outcome))
+    with open(file, "rb") as lines:
+        for outcome, (number, offset) in [(o, item) for step, o, item in taken if step in keep] + [
+            (None, item) for item in untaken
+        ]:
+            lines.seek(offset)
+            try:
+                record = _record(file, number, lines.readline(), validate_traces)
+            except ValidationError as exc:
+                raise ValueError(f"{file}:{number}: not a rollout record: {exc}") from exc
+            records.append(_merged(record, outcome))
     return records
 
 
