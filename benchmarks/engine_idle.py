@@ -75,7 +75,8 @@ def run_intervals(output: Path) -> tuple[list[tuple[float, float]], list[tuple[f
     """The engine's call intervals and the steps' spans of one dev-loop run's output folder."""
     calls = []
     for line in (output / "rollouts.jsonl").read_text().splitlines():
-        for turn in json.loads(line).get("trace", {}).get("turns", []):
+        # Rollout lines hold traces (null when none, or left out); outcome and run-start lines none.
+        for turn in (json.loads(line).get("trace") or {}).get("turns", []):
             meta = turn["metadata"]
             upstream = (meta.get("timings") or {}).get("upstream_ms")
             if meta.get("started_at") is not None and upstream is not None:

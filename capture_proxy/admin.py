@@ -5,8 +5,10 @@
 ``GET /sessions``; ``GET /sessions/{id}`` (status, call count, errors, findings);
 ``GET /sessions/{id}/trace`` → TrainingTrace JSON, or 409 with the reason when nothing is trainable;
 ``GET /sessions/{id}/calls`` → the journal records, expanded; ``DELETE /sessions/{id}``.
-``PUT /policy {"model", "version"}`` → every call from then on goes to that served model, its turn
-recorded with that ``weight_version``; ``GET /policy`` → it (``{"policy": null}`` before any);
+``PUT /policy {"model", "version"}`` → every call from then on goes to that served model (``model`` null
+or absent: calls keep their model), its turn recorded with that version (``dispatch_version`` when sent,
+``weight_version`` when answered, unless the engine names its own); ``GET /policy`` → it (``{"policy":
+null}`` before any);
 ``DELETE /policy`` → back to the configured or discovered model name.
 Without a configured admin key (loopback only) the admin routes are open.
 """

@@ -30,9 +30,11 @@ trainer. The rules, in the order they apply:
 7. **Turns**, sorted by ``seq``: ``node_id`` = ``call_id``; ``loss_mask`` = 0 per prompt id, then 1 per
    completion id when supervised (else 0); ``per_token_logps`` = the record's logprobs; ``request`` = the
    upstream request; ``response`` = the engine's reply or ``{}``. ``metadata``: ``seq``, ``parent``,
-   ``root``, ``depth``, ``dialect``, ``has_tools``, ``weight_version``, ``sampling``, ``agent_params``,
-   ``timings``, ``started_at``, ``finished_at``, ``auxiliary``, ``duplicate_of`` and ``finding``. An
-   empty completion is legal and kept.
+   ``root``, ``depth``, ``dialect``, ``has_tools``, ``weight_version`` (the version that answered: the
+   engine reply's own, else the policy version the proxy knew when the reply came back), ``dispatch_version``
+   (the policy version the proxy knew when it sent the call; None when none was set, and in journals older
+   than it), ``sampling``, ``agent_params``, ``timings``, ``started_at``, ``finished_at``, ``auxiliary``,
+   ``duplicate_of`` and ``finding``. An empty completion is legal and kept.
 
 Cost: ids are packed once into ``uint32`` bytes, which checks them; :mod:`capture_proxy.forest` searches
 parents on those bytes (memcmp), linear in the total number of ids for an append-only conversation, and
@@ -220,6 +222,7 @@ def _turn(tree: CallTree, call_id: str, *, auxiliary: bool, duplicate: str | Non
         "dialect": record.dialect,
         "has_tools": record.has_tools,
         "weight_version": record.weight_version,
+        "dispatch_version": record.dispatch_version,
         "sampling": dict(record.sampling),
         "agent_params": dict(record.agent_params),
         "timings": dict(record.timings),

@@ -59,18 +59,18 @@ async def model_call(
         outcome = Outcome(reply=terminal_reply(BUDGET_MESSAGE))
         await journal_terminal(state, session, call, BUDGET_EXHAUSTED, outcome.reply, None)
         return await respond(request, state, dialect, call, done(outcome))
-    # The policy current when the call is made picks the served model and the version its turn records.
+    # The policy current when the call is made picks the served model and is the call's dispatch version.
     policy = state.policy
     spec = session.spec
     upstream = state.upstream_of(spec)
-    if policy is not None:
+    if policy is not None and policy.model is not None:
         model = policy.model
     else:
         model = spec.model or await state.model_name(call.model, upstream)
     upstream_body = session.spec.sampling.upstream_body(call, model)
     pending: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
-    version = policy.version if policy is not None else None
-    work = forward(state, session, upstream, dialect, call, upstream_body, started, version)
+    dispatch = policy.version if policy is not None else None
+    work = forward(state, session, upstream, dialect, call, upstream_body, started, dispatch)
     state.track(asyncio.ensure_future(_settle(state, pending, work)))
     response = await respond(request, state, dialect, call, pending)
     added = time.perf_counter() - started - pending.result().upstream_ms / 1000
@@ -111,12 +111,15 @@ async def forward(
     call: ChatCall,
     body: dict[str, Any],
     started: float,
-    policy_version: int | None = None,
+    dispatch_version: int | None = None,
 ) -> Outcome:
-    """Steps 3–4; owns the budget reservation from here on. ``policy_version`` is recorded on the turn
-    when the engine's reply carries no ``weight_version`` of its own."""
+    """Steps 3–4; owns the budget reservation from here on. ``dispatch_version`` (the policy version when
+    the call was sent) is recorded on the turn as it is; its ``weight_version`` is the engine reply's own,
+    else the policy version when the reply came back (a push may have landed while the call ran)."""
     wall_start = time.time()
     result = await upstream.chat(body, session.spec.engine_headers or None)
+    returned = state.policy
+    return_version = returned.version if returned is not None else None
     state.metrics.upstream.observe(result.upstream_ms / 1000)
     timings: dict[str, float] = {"upstream_ms": round(result.upstream_ms, 3), "attempts": result.attempts}
     if result.reply is None:
@@ -161,7 +164,8 @@ async def forward(
         prompt_text=captured.prompt_text,
         completion_token_ids=captured.completion_token_ids,
         logprobs=captured.logprobs,
-        weight_version=captured.weight_version if captured.weight_version is not None else policy_version,
+        weight_version=captured.weight_version if captured.weight_version is not None else return_version,
+        dispatch_version=dispatch_version,
         finding=captured.finding,
         timings=timings,
     )

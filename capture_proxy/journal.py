@@ -298,6 +298,7 @@ def _base_fields(record: CallRecord) -> dict[str, Any]:
         "sampling": record.sampling,
         "response": record.response,
         "weight_version": record.weight_version,
+        "dispatch_version": record.dispatch_version,
         "finding": record.finding.to_json() if record.finding else None,
         "timings": record.timings,
     }
@@ -379,6 +380,7 @@ class _Expander:
                 completion_token_ids=completion,
                 logprobs=raw.get("logprobs"),
                 weight_version=raw.get("weight_version"),
+                dispatch_version=raw.get("dispatch_version"),  # absent from journals written before it
                 finding=Finding(**finding) if finding else None,
                 timings=raw.get("timings") or {},
             )

@@ -52,6 +52,10 @@ class CallRecord:
     completion_token_ids: list[int] | None = None
     logprobs: list[float] | None = None
     weight_version: int | None = None
+    """The version that answered: the engine reply's own, else the policy version the proxy knew when the
+    reply came back."""
+    dispatch_version: int | None = None
+    """The policy version the proxy knew when it sent the call upstream (``PUT /policy``), or None."""
     finding: Finding | None = None
     timings: dict[str, float] = field(default_factory=dict)
     # The prompt ids as the engine's compact JSON text without brackets (``b"1,2,3"``), set instead of

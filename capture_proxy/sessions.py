@@ -70,13 +70,15 @@ class SessionSpec(BaseModel):
 
 class Policy(BaseModel):
     """The body of ``PUT /policy``: the served model every call is forwarded to from now on, and the policy
-    version it holds, recorded on each call's turn (``weight_version``) unless the engine's reply names
-    its own. A trainer that publishes each version under its own name (a LoRA adapter per version) sets
-    it after each push."""
+    version it holds. Each call records the version current when it was sent (``dispatch_version``) and,
+    unless the engine's reply names its own, the one current when its reply came back (``weight_version``).
+    A trainer sets it after each push: with ``model``, to publish each version under its own name (a LoRA
+    adapter per version); without (null), to stamp the version only, calls keeping their model (full or
+    merged weights pushed in place)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str = Field(min_length=1)
+    model: str | None = Field(default=None, min_length=1)
     version: int = Field(ge=0)
 
 

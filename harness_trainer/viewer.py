@@ -1,9 +1,12 @@
 """A static trace viewer: one self-contained HTML file of a run's last steps, token by token.
 
-:func:`build_viewer` reads ``run_dir/rollouts.jsonl`` (and ``metrics.jsonl`` when there is one) and writes
-one HTML file with inline CSS and JS, no network and no server: a metrics table per shown step, then each
-step's groups and rollouts (task, reward, advantage, verifier reward, timeout, unscorable reason, tool
-calls, failures, timings, findings), and each rollout's turns with every token coloured by its role:
+:func:`build_viewer` reads ``run_dir/rollouts.jsonl`` (and ``metrics.jsonl`` and ``eval.jsonl`` when there
+are) and writes one HTML file with inline CSS and JS, no network and no server: the evaluations (per
+evaluation its step, policy version, pass@1 and pass@k, and a table of its tasks), a metrics table per
+shown step, then each step's groups and rollouts (task, reward, advantage, verifier reward, why it did not
+train, timeout, unscorable reason, tool calls, failures, timings and their split into model calls,
+environment and other, policy versions, findings), then the rollouts no step took (errored ones included,
+with their reasons), and each rollout's turns with every token coloured by its role:
 
     trained    a completion token with loss mask 1 (rows.py trains each of them exactly once)
     context    a prompt token: input only
@@ -41,6 +44,7 @@ import os
 import shlex
 import sys
 from collections import Counter
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -53,6 +57,8 @@ if TYPE_CHECKING:
     from harness_trainer.trainer.rollout_log import RolloutRecord
 
 VIEWER_FILE = "viewer.html"
+EVAL_FILE = "eval.jsonl"
+"""Written by the trainer's evaluations: one line per (evaluation, task)."""
 TEMPLATE = "viewer_template.html.jinja"
 ROLES = ("trained", "context", "auxiliary", "discarded")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -60,6 +66,7 @@ STEP_METRICS = (
     "reward", "reward_std", "rewards/env_reward", "loss", "kl", "entropy", "clip_ratio", "grad_norm",
     "completions/mean_length", "tools/call_frequency", "tools/failure_frequency", "rollout/unscorable",
     "rollout/timed_out_frac", "rollout/dropped_groups", "staleness/mean", "perf/step_s",
+    "perf/rollout_llm_s", "perf/rollout_env_s", "perf/rollout_other_s",
 )  # fmt: skip
 """Metrics of ``metrics.jsonl`` shown in the per-step table, when logged."""
 _SCRIPT = (  # marks the page as scripted (CSS shows the buttons then), and wires the buttons
@@ -107,9 +114,40 @@ class GroupView:
 
 @dataclass
 class StepView:
-    step: int
+    step: int | None
+    """None: the rollouts no step took."""
     metrics: dict[str, Any] | None
     groups: list[GroupView]
+
+
+@dataclass
+class EvalView:
+    """One evaluation: the ``eval.jsonl`` lines of one step and split, one per task."""
+
+    step: int
+    policy_version: Any
+    split: Any
+    k: Any
+    temperature: Any
+    tasks: list[dict[str, Any]]
+
+    @property
+    def pass_at_1(self) -> float | None:
+        return _mean_of(self.tasks, "pass@1")
+
+    @property
+    def pass_at_k(self) -> float | None:
+        return _mean_of(self.tasks, "pass@k")
+
+    @property
+    def reward(self) -> float | None:
+        """The mean reward over every scored sample of every task."""
+        rewards = [r for task in self.tasks for r in task.get("rewards") or [] if _is_number(r)]
+        return sum(rewards) / len(rewards) if rewards else None
+
+    @property
+    def unscorable(self) -> int:
+        return sum(1 for task in self.tasks for reason in task.get("unscorable") or [] if reason is not None)
 
 
 def build_viewer(
@@ -149,6 +187,7 @@ def build_viewer(
         raise FileNotFoundError(f"{run} has no {ROLLOUTS_FILE}: it is written by a training run")
     records = read_rollout_log(run, last_steps=max_steps_shown, validate_traces=False)
     metrics = {line["step"]: line for line in read_metrics(run)} if (run / METRICS_FILE).is_file() else {}
+    evaluations = read_evaluations(run / EVAL_FILE) if (run / EVAL_FILE).is_file() else []
     capture = capture_dir if capture_dir is not None else default_capture_dir(run)
     steps = _steps(records, metrics, _TokenText(tokenizer_dir), max_tokens_shown, capture)
     totals: Counter[str] = Counter()
@@ -159,6 +198,7 @@ def build_viewer(
     page = _template().render(
         run_name=run.resolve().name,
         steps=steps,
+        evaluations=evaluations,
         metric_names=[n for n in STEP_METRICS if any(s.metrics and n in s.metrics for s in steps)],
         totals=totals,
         roles=ROLES,
@@ -182,10 +222,11 @@ def _steps(
     budget: int,
     capture_dir: str | os.PathLike[str] | None,
 ) -> list[StepView]:
-    """Newest step first; groups and members in the order they were logged; traces rendered while the
-    token ``budget`` lasts."""
-    by_step: dict[int, dict[int, GroupView]] = {}
-    for record in sorted(records, key=lambda r: -r.step):  # stable: the logged order within a step
+    """Newest step first, then the rollouts no step took (step None); groups and members in the order they
+    were logged; traces rendered while the token ``budget`` lasts."""
+    by_step: dict[int | None, dict[int, GroupView]] = {}
+    # Stable: the logged order within a step. The untaken last: the reader sees what trained first.
+    for record in sorted(records, key=lambda r: (r.step is None, -(r.step or 0))):
         groups = by_step.setdefault(record.step, {})
         group = groups.get(record.group)
         if group is None:
@@ -195,7 +236,50 @@ def _steps(
             view.journal = journal_command(record.capture_session_id, capture_dir)
         budget -= view.roles.total()
         group.rollouts.append(view)
-    return [StepView(step, metrics.get(step), list(groups.values())) for step, groups in by_step.items()]
+    return [
+        StepView(step, metrics.get(step) if step is not None else None, list(groups.values()))
+        for step, groups in by_step.items()
+    ]
+
+
+def read_evaluations(path: str | os.PathLike[str]) -> list[EvalView]:
+    """The evaluations of an ``eval.jsonl``, newest step first: its lines grouped by step and split in the
+    order written, on the latest timeline (a resumed run that evaluates a step again supersedes it, as in
+    ``metrics.jsonl``).
+
+    Raises:
+        ValueError: a line is not a JSON object, or has no integer ``step``.
+    """
+    from harness_trainer.trainer.rollout_log import latest_steps, read_jsonl
+
+    def entries() -> Iterator[tuple[int, Hashable, dict[str, Any]]]:
+        for number, _, line in read_jsonl(path):
+            step = line.get("step")
+            if type(step) is not int:
+                raise ValueError(f"{path}:{number}: an evaluation line needs an integer step")
+            yield step, (line.get("split"), line.get("task_name"), line.get("task_index")), line
+
+    evaluations: list[EvalView] = []
+    for step, lines in reversed(latest_steps(entries()).items()):
+        by_split: dict[Any, EvalView] = {}
+        for line in lines:
+            split = line.get("split")
+            if split not in by_split:
+                by_split[split] = EvalView(
+                    step, line.get("policy_version"), split, line.get("k"), line.get("temperature"), []
+                )
+            by_split[split].tasks.append(line)
+        evaluations.extend(by_split.values())
+    return evaluations
+
+
+def _mean_of(lines: list[dict[str, Any]], key: str) -> float | None:
+    values = [line[key] for line in lines if _is_number(line.get(key))]
+    return sum(values) / len(values) if values else None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def journal_command(capture_session_id: str, capture_dir: str | os.PathLike[str] | None) -> str:

@@ -24,6 +24,7 @@ import pytest
 from harness_trainer import AsyncGRPOConfig, HarborSessionFactory, HarnessAsyncGRPOTrainer
 from harness_trainer.net import free_port, wait_until_healthy
 from harness_trainer.tasks.sources import LocalTaskSource
+from harness_trainer.trainer.rollout_log import read_rollout_log
 from tests.conftest import start_engine
 from tests.harnesses.test_real_agents import call
 from tests.rollouts.conftest import EXAMPLES, live_sandbox_processes
@@ -68,9 +69,9 @@ def test_the_documented_snippet_trains_verbatim(tiny_model_dir: Path, tmp_path: 
         out = tmp_path / config.output_dir
         steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         assert len(steps) == 3  # TRL's num_train_epochs=3 over one task, one group of 8 per step
-        rollouts = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
-        assert len(rollouts) == 24 and all(r["capture_session_id"] and not r["unscorable"] for r in rollouts)
-        assert sorted(r["env_reward"] for r in rollouts) == [0.0] * 12 + [1.0] * 12
+        rollouts = [r for r in read_rollout_log(out) if r.step is not None]  # those the 3 steps took
+        assert len(rollouts) == 24 and all(r.capture_session_id and not r.unscorable for r in rollouts)
+        assert sorted(r.env_reward for r in rollouts) == [0.0] * 12 + [1.0] * 12
         assert httpx.get(f"{engine.url}/weight_version").json()["weight_version"] == 3
         health = httpx.get(f"http://127.0.0.1:{port}/health").json()
         assert health["sessions"] == 0 and health["capture_sessions"] == 0

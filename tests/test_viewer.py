@@ -357,3 +357,80 @@ def test_escaping_alone_keeps_the_attack_inert(
     no_policy.write_text(expanded)
     dom = browse(chromium, no_policy, tmp_path / "profile", "--dump-dom")
     assert '<body class="js">' in dom and "data-pwned" not in dom
+
+
+# -- the run's full record and its evaluations ---------------------------------------------------------------
+
+
+def test_rollouts_that_never_trained_show_with_their_reasons_and_the_untaken_last(tmp_path: Path) -> None:
+    from harness_trainer.trainer.rollout_log import FEW_SCORED, UNSCORABLE, RolloutOutcome, RunStart
+
+    trained = rollout(0, 1, load_trace(chain_trace(0, 1)), 1)
+    trained.seconds = 6.5
+    for i, turn in enumerate(trained.trace.turns):
+        turn.metadata.update(
+            started_at=100.0 + i, finished_at=101.0 + i, dispatch_version=3, weight_version=4
+        )
+    lonely = rollout(1, 0, load_trace(chain_trace(1, 0)), 1)
+    failed = Rollout(1, 1, unscorable="RolloutUnscorable: sandbox 7 would not start")
+    stopped = Rollout(2, 0, unscorable="RuntimeError: training stopped")
+
+    def done(r: Rollout, with_trace: bool = True):
+        return rollout_record(r, task_name=f"t{r.group}", task_index=r.group, verify_metrics=r.verify_metrics,
+                              findings=None, with_trace=with_trace)  # fmt: skip
+
+    with RolloutLog(tmp_path) as log:
+        log.write([RunStart(step=0, start_group=0)])
+        log.write([done(trained), done(lonely, with_trace=False), done(failed), done(stopped)])
+        log.write([
+            RolloutOutcome(step=1, group=0, member=1, advantage=0.5),
+            RolloutOutcome(step=1, group=1, member=0, not_trained=FEW_SCORED),
+            RolloutOutcome(step=1, group=1, member=1, not_trained=UNSCORABLE),
+        ])  # fmt: skip
+    page = build_viewer(tmp_path, tokenizer_dir=None).read_text()
+    step, untaken = page.index('id="step-1"'), page.index('id="step-untaken"')
+    assert step < untaken and "<h2>not taken by a step</h2>" in page
+    assert f'<span class="badge">{html.escape(FEW_SCORED)}</span>' in page[step:untaken]
+    assert "unscorable: RolloutUnscorable: sandbox 7 would not start" in page[step:untaken]
+    assert "unscorable: RuntimeError: training stopped" in page[untaken:]
+    assert "not taken by a step: the run ended first" in page[untaken:]
+    assert "(trace not logged: rollout_log_steps)" in page
+    # The time split and the versions the calls were sent and answered at.
+    assert '<td class="text">2 · 0 · 4.5</td>' in page
+    assert "0 · sent 3 · answered 4</td>" in page
+
+
+def test_evaluations_show_each_with_its_step_version_pass_rates_and_tasks(tmp_path: Path) -> None:
+    import json
+
+    with RolloutLog(tmp_path):
+        pass
+
+    def line(step: int, version: int, name: str, index: int, rewards: list, unscorable: list) -> str:
+        passed = sum(1 for r in rewards if r == 1.0)
+        return json.dumps({
+            "step": step, "policy_version": version, "split": "test", "task_name": name, "task_index": index,
+            "k": len(rewards), "temperature": 1.0, "rewards": rewards, "unscorable": unscorable,
+            "passed": passed, "pass@1": passed / len(rewards), "pass@k": float(passed > 0),
+        })  # fmt: skip
+
+    lines = [
+        line(0, 0, "hello-file", 0, [0.0, 1.0], [None, None]),
+        line(0, 0, f"evil-{ATTACK}", 1, [0.0, None], [None, "SandboxStartError: <b>no</b> sandbox"]),
+        line(4, 4, "hello-file", 0, [1.0, 1.0], [None, None]),
+        line(4, 4, f"evil-{ATTACK}", 1, [1.0, 0.0], [None, None]),
+    ]
+    (tmp_path / "eval.jsonl").write_text("\n".join(lines) + "\n")
+    page = build_viewer(tmp_path, tokenizer_dir=None).read_text()
+    assert "<h3>Evaluations</h3>" in page and ATTACK not in page
+    summary = page[page.index("<h3>Evaluations</h3>") : page.index('<details class="eval"')]
+    rows = re.findall(r"<tr><td><a href=\"#eval-\d\">(\d+)</a></td><td>(\S+)</td>", summary)
+    assert rows == [("4", "4"), ("0", "0")]  # newest first
+    assert "<td>0.75</td><td>1</td><td>0.75</td><td>0</td>" in summary  # step 4: pass@1, pass@k, reward
+    assert "<td>0.25</td><td>0.5</td><td>0.3333</td><td>1</td>" in summary  # step 0: one unscorable sample
+    assert "SandboxStartError: &lt;b&gt;no&lt;/b&gt; sandbox" in page
+    assert "<td>1 / 2</td>" in page and "hello-file (#0)" in page
+
+    (tmp_path / "eval.jsonl").write_text('{"step": "late"}\n')
+    with pytest.raises(ValueError, match=r"eval\.jsonl:1: an evaluation line needs an integer step"):
+        build_viewer(tmp_path, tokenizer_dir=None)

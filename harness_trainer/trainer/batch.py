@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from harness_trainer.trainer.advantages import group_advantages, scored
 from harness_trainer.trainer.groups import Group, Rollout
 from harness_trainer.trainer.rows import Row
+from harness_trainer.trainer.timesplit import TimeSplit, time_split
 
 
 @dataclass
@@ -83,7 +84,9 @@ def rollout_metrics(
     groups: Sequence[Group], *, policy_version: int, reward_name: str | None
 ) -> dict[str, float]:
     """TRL-named metrics of the step's groups (``reward``, ``reward_std``, ``tools/…``, ``completions/…``)
-    plus this trainer's own (``rollout/…``, ``rows/…``, ``staleness/…``)."""
+    plus this trainer's own (``rollout/…``, ``rows/…``, ``staleness/…`` counted from each scored rollout's
+    :func:`behaviour_version`, ``perf/<phase>_s``, and ``perf/rollout_llm_s`` / ``_env_s`` / ``_other_s``:
+    the mean :func:`rollout_time_split` over the step's rollouts)."""
     rollouts = [r for g in groups for r in g.rollouts]
     scored_rollouts = [r for r in rollouts if r.scored]
     rewards = [r.reward for r in scored_rollouts if r.reward is not None]
@@ -120,13 +123,42 @@ def rollout_metrics(
         "rollout/seconds_mean": _mean([r.seconds for r in rollouts]),
         "rows/per_rollout": _mean([len(r.rows) for r in with_rows]),
         "rows/fork_frac": _mean([float(len(r.rows) > 1) for r in with_rows]),
-        "staleness/mean": _mean([policy_version - r.policy_version for r in scored_rollouts]),
-        "staleness/max": float(max((policy_version - r.policy_version for r in scored_rollouts), default=0)),
+        "staleness/mean": _mean([policy_version - behaviour_version(r) for r in scored_rollouts]),
+        "staleness/max": float(
+            max((policy_version - behaviour_version(r) for r in scored_rollouts), default=0)
+        ),
     }
     metrics |= phase_metrics(rollouts)
+    if rollouts:
+        splits = [rollout_time_split(r) for r in rollouts]
+        metrics["perf/rollout_llm_s"] = _mean([s.llm_s for s in splits])
+        metrics["perf/rollout_env_s"] = _mean([s.env_s for s in splits])
+        metrics["perf/rollout_other_s"] = _mean([s.other_s for s in splits])
     if reward_name:
         metrics[f"rewards/{reward_name}"] = _mean(rewards)
     return metrics
+
+
+def behaviour_version(rollout: Rollout) -> int:
+    """The policy version a rollout's training data was sampled from, as staleness counts it: the earliest
+    dispatch version (the capture proxy's ``dispatch_version``) of its supervised turns, else the version
+    current when the rollout started (a proxy that was never told the versions, an older trace)."""
+    turns = rollout.trace.turns if rollout.trace is not None else []
+    dispatched = [
+        version
+        for turn in turns
+        if any(turn.loss_mask[len(turn.prompt_token_ids) :])
+        and isinstance(version := turn.metadata.get("dispatch_version"), int)
+        and not isinstance(version, bool)
+    ]
+    return min(dispatched, default=rollout.policy_version)
+
+
+def rollout_time_split(rollout: Rollout) -> TimeSplit:
+    """The rollout's wall time as model calls, environment and the rest (:mod:`.timesplit`)."""
+    turns = rollout.trace.turns if rollout.trace is not None else []
+    phases = rollout.verify_metrics.get("phase_seconds") or {}
+    return time_split((turn.metadata for turn in turns), phases, rollout.seconds)
 
 
 def phase_metrics(rollouts: Sequence[Rollout]) -> dict[str, float]:

@@ -425,7 +425,7 @@ class _ConfigFields:
         default=False,
         metadata=_help(
             "At each logged step, print each trained rollout's task, reward, advantage and final reply "
-            "(rollouts.jsonl keeps whole traces regardless: rollout_log_steps)."
+            "(rollouts.jsonl keeps whole traces: rollout_log_steps)."
         ),
     )
     num_completions_to_print: int | None = field(
@@ -434,7 +434,11 @@ class _ConfigFields:
     seed: int = field(default=42, metadata=_help("Seed of torch, the data order and the rollout seeds."))
     rollout_log_steps: int = field(
         default=1,
-        metadata=_help("Write each rollout (trace included) to rollouts.jsonl every N steps; 0: never."),
+        metadata=_help(
+            "Every rollout goes to rollouts.jsonl as it finishes, with what its step did with it; this keeps "
+            "the traces of one step's groups every N steps (group g's when g // groups_per_step + 1 is a "
+            "multiple of N); 0: no traces."
+        ),
     )
     disable_tqdm: bool | None = field(default=False, metadata=_help("No progress bar."))
 

@@ -1,23 +1,52 @@
-"""What each trained step's rollouts looked like: ``output_dir/rollouts.jsonl``, one line per rollout.
+"""The run's full record of its rollouts: ``output_dir/rollouts.jsonl``, every rollout as it completes.
 
-Record format (one :class:`RolloutRecord` as JSON per line, fields in this order): ``step``, ``group``,
-``member``, ``rollout_id`` (the episode id its factory was given, ``group{G}-member{M}``),
-``capture_session_id`` (the capture session its model calls went through, unscorable rollouts included
-when they got one, else null; its journal is ``DATA_DIR/sessions/ID`` in the capture proxy's data folder,
-read by ``harness-trainer proxy-trace``), ``task_name``, ``task_index``, ``reward`` (the trained reward,
-after ``rollout_reward_fn``), ``env_reward`` (the verifier's), ``advantage`` (null when the rollout was
-not trained: unscorable, ungraded, a dropped group, a zero advantage left out), ``unscorable`` (the
-reason, or null), ``timed_out``, ``seconds``, ``policy_version``, ``tool_call_count``,
-``tool_failure_count``, ``tool_calls_by_name``, ``phase_seconds``, ``findings`` (the verifier's, dicts or
-strings) and ``trace`` (the TrainingTrace JSON, or null when nothing was captured). Every rollout of a
-step's groups is logged, dropped groups included. Records written before ``rollout_id`` and
-``capture_session_id`` existed read with both null.
+Three kinds of line, one JSON object each, appended and synced to disk (``fsync``) as they are written:
 
-The file is appended to (a resumed run writes to the same file) and flushed once per step, so a crash
-loses at most the step being written; a line it cut short is dropped when the log is opened again.
-Readers take the latest timeline: when a resumed run writes a step again, what the earlier run wrote
-from that step on is superseded (:func:`latest_steps`, also used for ``metrics.jsonl``), and an
-unterminated last line is skipped.
+- **A rollout** (a :class:`RolloutRecord` with ``"step": null``), written from the scheduler's side as each
+  rollout completes, errored and unscorable ones included, whether or not a step ever takes its group.
+  Fields, in this order: ``step`` (null when written), ``group``, ``member``, ``rollout_id`` (the episode
+  id its factory was given, ``group{G}-member{M}``), ``capture_session_id`` (the capture session its model
+  calls went through, unscorable rollouts included when they got one, else null; its journal is
+  ``DATA_DIR/sessions/ID`` in the capture proxy's data folder, read by ``harness-trainer proxy-trace``),
+  ``task_name``, ``task_index``, ``reward`` (after ``rollout_reward_fn``), ``env_reward`` (the
+  verifier's), ``advantage`` and ``not_trained`` (null when written: the step's outcome line sets them),
+  ``unscorable`` (the reason, or null), ``timed_out``, ``seconds`` (the scheduler's wall time), ``llm_s``,
+  ``env_s``, ``other_s`` (that time split: :mod:`.timesplit`), ``policy_version`` (when it started),
+  ``dispatch_version_min`` / ``_max`` and ``return_version_min`` / ``_max`` (over its turns: the policy
+  version the capture proxy knew when it sent each call, and the version that answered; null without
+  any), ``tool_call_count``, ``tool_failure_count``, ``tool_calls_by_name``, ``phase_seconds``,
+  ``findings`` (the verifier's, dicts or strings), ``trace_logged`` (whether its trace is written) and
+  ``trace`` (the TrainingTrace JSON; null when nothing was captured, or when ``rollout_log_steps`` leaves
+  this group's trace out).
+- **An outcome** (:class:`RolloutOutcome`, ``{"kind": "outcome", "step", "group", "member", "advantage",
+  "not_trained"}``), written by the trainer when a step takes the rollout's group: the step, and either
+  the advantage it trained with or why it did not train (:data:`NOT_TRAINED_REASONS`). A group dropped
+  while a step gathers its groups gets that step's outcomes.
+- **A run start** (:class:`RunStart`, ``{"kind": "start", "step", "start_group"}``), written when a run
+  (fresh or resumed) opens the log: the step it starts after and the first group it will roll out.
+
+Rollout lines are written per rollout, not per group: a crash loses only the rollouts still running, and
+a member held up (an agent running to its timeout) does not hold back its siblings' lines. They are the
+bulk of the file (a trace per rollout), so ``rollout_log_steps`` = N keeps the traces of one step's worth
+of groups every N steps: group ``g``'s when ``g // groups_per_step + 1`` is a multiple of N (the groups
+that would train at every N-th step, were none dropped); 0 keeps none. Every other field is always
+written. Groups a stopping run had taken and dropped, for a step that never came, get that step's outcomes
+when it closes the log; the groups it had not taken have none.
+
+Readers (:func:`read_rollout_log`) merge each rollout with its outcome into one :class:`RolloutRecord`;
+a rollout no step took reads with ``step`` null and ``not_trained`` = :data:`NOT_TAKEN`. A run start
+supersedes what earlier runs wrote that it will write again: rollouts of groups from ``start_group`` on
+(it re-runs them), and outcomes and old-format records of steps after ``step`` (it trains them again).
+For a rollout written twice otherwise, the last line wins.
+
+Files written before this format hold one line per rollout of each logged step, with the step set
+(``advantage`` null when not trained): they read as before (a step lower than the one before, or a rollout
+repeated within a step, means a resumed run wrote from that step again: :func:`latest_steps`), with
+``not_trained`` derived from them (:data:`UNSCORABLE`, :data:`UNGRADED`, else :data:`NOT_TRAINED`) and
+the newer fields at their defaults; before ``rollout_id`` and ``capture_session_id`` existed, both read
+null.
+
+A line a crash cut short is dropped when the log is opened again, and skipped by readers.
 """
 
 from __future__ import annotations
@@ -25,32 +54,54 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Hashable, Iterable, Iterator
+import threading
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import orjson
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from harness_trainer.trace import TrainingTrace, TrainingTurn
-from harness_trainer.trainer.groups import Rollout
+from harness_trainer.trainer.groups import Group, Rollout
+from harness_trainer.trainer.timesplit import time_split
 
 logger = logging.getLogger(__name__)
 
 ROLLOUTS_FILE = "rollouts.jsonl"
-# How RolloutLog writes a record's first fields (pydantic dumps fields in declaration order).
-_HEAD = re.compile(rb'\{"step":(-?\d+),"group":(-?\d+),"member":(-?\d+),')
+# How RolloutLog writes a rollout's first fields (pydantic dumps fields in declaration order); a null step
+# is a rollout line of this format, a number one of the format before it.
+_HEAD = re.compile(rb'\{"step":(-?\d+|null),"group":(-?\d+),"member":(-?\d+),')
+_KIND = b'{"kind":'
 
 _BLOCK = 1 << 20  # bytes read at a time when looking back for the last newline
+
+# Why a rollout did not train (``not_trained``).
+UNSCORABLE = "unscorable"
+"""The rollout failed (its ``unscorable`` says how)."""
+UNGRADED = "ungraded: no reward"
+FEW_SCORED = "group dropped: fewer than two scored rollouts"
+ZERO_VARIANCE = "group dropped: every scored rollout had the same reward"
+DROPPED = "group dropped"
+ZERO_ADVANTAGE = "zero advantage"
+NO_TOKENS = "no trainable tokens"
+NOT_TAKEN = "not taken by a step: the run ended first, or it still waits for one"
+NOT_TRAINED = "not trained"
+"""An old-format record without an advantage whose reason was not written."""
+NOT_TRAINED_REASONS = (
+    UNSCORABLE, UNGRADED, FEW_SCORED, ZERO_VARIANCE, DROPPED, ZERO_ADVANTAGE, NO_TOKENS, NOT_TAKEN,
+    NOT_TRAINED,
+)  # fmt: skip
 
 T = TypeVar("T")
 
 
 class RolloutRecord(BaseModel):
-    """One rollout of a trained step, as written to ``rollouts.jsonl`` (format in the module docstring)."""
+    """One rollout, as written when it completes and as read back merged with its outcome (format in the
+    module docstring)."""
 
-    step: int
+    step: int | None = None
     group: int
     member: int
     rollout_id: str | None = None
@@ -60,31 +111,66 @@ class RolloutRecord(BaseModel):
     reward: float | None = None
     env_reward: float | None = None
     advantage: float | None = None
+    not_trained: str | None = None
     unscorable: str | None = None
     timed_out: bool = False
     seconds: float = 0.0
+    llm_s: float = 0.0
+    env_s: float = 0.0
+    other_s: float = 0.0
     policy_version: int = 0
+    dispatch_version_min: int | None = None
+    dispatch_version_max: int | None = None
+    return_version_min: int | None = None
+    return_version_max: int | None = None
     tool_call_count: int = 0
     tool_failure_count: int = 0
     tool_calls_by_name: dict[str, int] = Field(default_factory=dict)
     phase_seconds: dict[str, float] = Field(default_factory=dict)
     """Where the rollout's time went, by phase (``verify.metrics["phase_seconds"]``), when reported."""
     findings: list[dict[str, Any] | str] = Field(default_factory=list)
+    trace_logged: bool = True
     trace: TrainingTrace | None = None
+
+
+class RolloutOutcome(BaseModel):
+    """What a step did with one rollout: trained it with ``advantage``, or not, for ``not_trained``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["outcome"] = "outcome"
+    step: int
+    group: int
+    member: int
+    advantage: float | None = None
+    not_trained: str | None = None
+
+
+class RunStart(BaseModel):
+    """A run (fresh or resumed) opened the log: it trains from ``step + 1`` and rolls out from group
+    ``start_group``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["start"] = "start"
+    step: int
+    start_group: int
 
 
 def rollout_record(
     rollout: Rollout,
     *,
-    step: int,
     task_name: str | None,
     task_index: int | None,
-    advantage: float | None,
     verify_metrics: dict[str, Any] | None,
     findings: list[Any] | None,
+    step: int | None = None,
+    advantage: float | None = None,
+    with_trace: bool = True,
 ) -> RolloutRecord:
-    """The record of ``rollout`` at ``step``. Cheap: the trace is referenced, not copied or re-validated;
-    it is serialised when the record is written.
+    """The record of ``rollout`` (``step`` and ``advantage`` null: a completion line). Cheap: the trace is
+    referenced, not copied or re-validated; it is serialised when the record is written, unless
+    ``with_trace`` is false.
 
     Tool counts come from the rollout's outcome (which already prefers the session's own counts), else
     from ``verify_metrics``; a finding that is neither a dict nor a string is kept as its ``str``.
@@ -97,6 +183,11 @@ def rollout_record(
     else:
         calls_by_name = {str(k): int(v) for k, v in (metrics.get("tool_calls_by_name") or {}).items()}
         failures = int(metrics.get("tool_failure_count") or 0)
+    phases = {str(k): float(v) for k, v in (metrics.get("phase_seconds") or {}).items()}
+    metadata = [turn.metadata for turn in rollout.trace.turns] if rollout.trace is not None else []
+    split = time_split(metadata, phases, rollout.seconds)
+    dispatched = _versions(metadata, "dispatch_version")
+    returned = _versions(metadata, "weight_version")
     return RolloutRecord(
         step=step,
         group=rollout.group,
@@ -111,18 +202,69 @@ def rollout_record(
         unscorable=rollout.unscorable,
         timed_out=rollout.timed_out,
         seconds=rollout.seconds,
+        llm_s=split.llm_s,
+        env_s=split.env_s,
+        other_s=split.other_s,
         policy_version=rollout.policy_version,
+        dispatch_version_min=min(dispatched, default=None),
+        dispatch_version_max=max(dispatched, default=None),
+        return_version_min=min(returned, default=None),
+        return_version_max=max(returned, default=None),
         tool_call_count=sum(calls_by_name.values()),
         tool_failure_count=failures,
         tool_calls_by_name=calls_by_name,
-        phase_seconds={str(k): float(v) for k, v in (metrics.get("phase_seconds") or {}).items()},
+        phase_seconds=phases,
         findings=[item if isinstance(item, dict | str) else str(item) for item in findings or []],
-        trace=rollout.trace,
+        trace_logged=with_trace,
+        trace=rollout.trace if with_trace else None,
     )
 
 
+def _versions(metadata: Sequence[dict[str, Any]], key: str) -> list[int]:
+    return [v for meta in metadata if isinstance(v := meta.get(key), int) and not isinstance(v, bool)]
+
+
+def step_outcomes(
+    step: int, dropped: Sequence[Group], taken: Sequence[Group], trained: dict[tuple[int, int], float]
+) -> list[RolloutOutcome]:
+    """What step ``step`` did with each rollout of the groups it took: ``dropped`` (left out whole) and
+    ``taken`` (assembled), ``trained`` the advantage of each trained ``(group, member)``. Pure."""
+    outcomes = []
+    for group in dropped:
+        scored_rewards = {r.reward for r in group.scored}
+        reason = (
+            FEW_SCORED if len(group.scored) < 2 else ZERO_VARIANCE if len(scored_rewards) == 1 else DROPPED
+        )
+        for rollout in group.rollouts:
+            why = _own_reason(rollout) or reason
+            outcomes.append(
+                RolloutOutcome(step=step, group=group.index, member=rollout.member, not_trained=why)
+            )
+    for group in taken:
+        for rollout in group.rollouts:
+            advantage = trained.get((group.index, rollout.member))
+            why = None
+            if advantage is None:
+                has_tokens = any(row.n_targets for row in rollout.rows)
+                why = _own_reason(rollout) or (ZERO_ADVANTAGE if has_tokens else NO_TOKENS)
+            outcomes.append(
+                RolloutOutcome(
+                    step=step, group=group.index, member=rollout.member, advantage=advantage, not_trained=why
+                )
+            )
+    return outcomes
+
+
+def _own_reason(rollout: Rollout | RolloutRecord) -> str | None:
+    """Why the rollout could not train whatever its group did: it failed, or it has no reward."""
+    if rollout.unscorable is not None:
+        return UNSCORABLE
+    return UNGRADED if rollout.reward is None else None
+
+
 class RolloutLog:
-    """Appends records to ``output_dir/rollouts.jsonl``; a context manager, :meth:`close` idempotent."""
+    """Appends lines to ``output_dir/rollouts.jsonl``, from any thread; a context manager, :meth:`close`
+    idempotent."""
 
     def __init__(self, output_dir: str | os.PathLike[str]) -> None:
         self.path = Path(output_dir) / ROLLOUTS_FILE
@@ -130,23 +272,29 @@ class RolloutLog:
         if self.path.exists():
             _drop_cut_short_line(self.path)
         self._file = open(self.path, "ab")
+        # The scheduler's threads write rollouts while the trainer writes outcomes: a line is never split.
+        self._lock = threading.Lock()
 
-    def write(self, records: Iterable[RolloutRecord]) -> None:
-        """Append one step's records and flush them together.
+    def write(self, records: Iterable[RolloutRecord | RolloutOutcome | RunStart]) -> None:
+        """Append lines, then flush and sync them to disk together.
 
         Raises:
             RuntimeError: the log is closed.
         """
-        if self._file.closed:
-            raise RuntimeError("RolloutLog.write after close")
         # fallback=str: a verifier's finding holding an odd object must not stop training over a log line.
-        lines = [record.model_dump_json(fallback=str).encode() + b"\n" for record in records]
-        self._file.write(b"".join(lines))
-        self._file.flush()
+        # Serialised outside the lock: a long trace takes a while, and other writers need not wait for it.
+        lines = b"".join(record.model_dump_json(fallback=str).encode() + b"\n" for record in records)
+        with self._lock:
+            if self._file.closed:
+                raise RuntimeError("RolloutLog.write after close")
+            self._file.write(lines)
+            self._file.flush()
+            os.fsync(self._file.fileno())
 
     def close(self) -> None:
         """Close the file; a second call does nothing."""
-        self._file.close()
+        with self._lock:
+            self._file.close()
 
     def __enter__(self) -> RolloutLog:
         return self
@@ -187,14 +335,17 @@ def read_jsonl(path: str | os.PathLike[str]) -> Iterator[tuple[int, bytes, dict[
     Raises:
         ValueError: a line is not a JSON object; the message names the file and the line.
     """
-    for number, line in _lines(path):
+    for number, _, line in _lines(path):
         yield number, line, _parse(path, number, line)
 
 
-def _lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, bytes]]:
-    """Non-blank lines with their numbers, less an unterminated last line that does not parse."""
+def _lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, int, bytes]]:
+    """Non-blank lines with their numbers and byte offsets, less an unterminated last line that does not
+    parse."""
+    offset = 0
     with open(path, "rb") as file:
         for number, line in enumerate(file, start=1):
+            start, offset = offset, offset + len(line)
             if not line.strip():
                 continue
             if not line.endswith(b"\n"):  # the last line: complete, or a write cut short by a crash
@@ -205,7 +356,7 @@ def _lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, bytes]]:
                         "%s:%d: skipping an unterminated last line (a write cut short)", path, number
                     )
                     return
-            yield number, line
+            yield number, start, line
 
 
 def _parse(path: str | os.PathLike[str], number: int, line: bytes) -> dict[str, Any]:
@@ -249,13 +400,15 @@ def latest_steps(
 def read_rollout_log(
     path: str | os.PathLike[str], *, last_steps: int | None = None, validate_traces: bool = True
 ) -> list[RolloutRecord]:
-    """The records of ``path`` (a ``rollouts.jsonl``, or the run folder holding it), latest timeline only
-    (see :func:`latest_steps`), in step order; with ``last_steps``, only those of the last steps.
+    """The rollouts of ``path`` (a ``rollouts.jsonl``, or the run folder holding it), merged with their
+    outcomes, superseded lines left out (module docstring): those a step took in step order (then in the
+    order their outcomes were written), then those no step took, by group and member. With
+    ``last_steps``, only those of the last steps that took any, and those no step took.
 
-    A line's step, group and member are read from its head, and only the kept lines are parsed, so reading
-    the end of a long run costs little more than reading the lines. ``validate_traces=False`` takes the
-    traces as written (they were validated when captured): checking every id of a long trace again costs
-    far more than parsing it.
+    A rollout's step, group and member are read from its line's head, and only the kept lines are parsed,
+    so reading the end of a long run costs little more than reading the lines. ``validate_traces=False``
+    takes the traces as written (they were validated when captured): checking every id of a long trace
+    again costs far more than parsing it.
 
     Raises:
         FileNotFoundError: no such file.
@@ -264,29 +417,89 @@ def read_rollout_log(
     file = Path(path)
     if file.is_dir():
         file = file / ROLLOUTS_FILE
+    # Rollout lines are kept as (line number, byte offset): the lines themselves, traces and all, are read
+    # again only for the records returned.
+    old_format: list[tuple[int, Hashable, tuple[int, int]]] = []
+    completed: dict[tuple[int, int], tuple[int, int]] = {}
+    outcomes: dict[tuple[int, int], RolloutOutcome] = {}
+    for number, offset, line in _lines(file):
+        if line.startswith(_KIND):
+            kind = _kind_line(file, number, line)
+            if isinstance(kind, RolloutOutcome):
+                outcomes.pop((kind.group, kind.member), None)  # re-inserted: the dict keeps write order
+                outcomes[(kind.group, kind.member)] = kind
+            else:  # a run start: what it writes again is superseded
+                old_format = [entry for entry in old_format if entry[0] <= kind.step]
+                completed = {key: value for key, value in completed.items() if key[0] < kind.start_group}
+                outcomes = {key: value for key, value in outcomes.items() if value.step <= kind.step}
+            continue
+        step, group, member = _head(file, number, line)
+        if step is None:
+            completed[(group, member)] = (number, offset)
+        else:
+            old_format.append((step, (group, member), (number, offset)))
 
-    def entries() -> Iterator[tuple[int, Hashable, tuple[int, bytes]]]:
-        for number, line in _lines(file):
-            head = _HEAD.match(line)
-            if head is not None:
-                step, group, member = map(int, head.groups())
-            else:  # not as RolloutLog writes it; the full record may still be one
-                value = _parse(file, number, line)
-                step, group, member = value.get("step"), value.get("group"), value.get("member")
-                if not all(type(field) is int for field in (step, group, member)):
-                    raise ValueError(
-                        f"{file}:{number}: a rollout record needs integer step, group and member"
-                    )
-            yield step, (group, member), (number, line)
-
+    taken: list[tuple[int, RolloutOutcome | None, tuple[int, int]]] = [
+        (step, None, item) for step, items in latest_steps(old_format).items() for item in items
+    ]
+    taken += [(o.step, o, completed[key]) for key, o in outcomes.items() if key in completed]
+    taken.sort(key=lambda entry: entry[0])  # stable: old-format lines, then outcomes, in file order
+    kept_steps = sorted({step for step, _, _ in taken})
+    if last_steps is not None:
+        kept_steps = kept_steps[-last_steps:] if last_steps > 0 else []
+    keep = set(kept_steps)
+    untaken = [completed[key] for key in sorted(completed) if key not in outcomes]
     records = []
-    for lines in latest_steps(entries(), last=last_steps).values():
-        for number, line in lines:
+    with open(file, "rb") as lines:
+        for outcome, (number, offset) in [(o, item) for step, o, item in taken if step in keep] + [
+            (None, item) for item in untaken
+        ]:
+            lines.seek(offset)
             try:
-                records.append(_record(file, number, line, validate_traces))
+                record = _record(file, number, lines.readline(), validate_traces)
             except ValidationError as exc:
                 raise ValueError(f"{file}:{number}: not a rollout record: {exc}") from exc
+            records.append(_merged(record, outcome))
     return records
+
+
+def _merged(record: RolloutRecord, outcome: RolloutOutcome | None) -> RolloutRecord:
+    """``record`` with its step, advantage and reason not to train, from ``outcome`` or (an old-format
+    record, or one no step took) from itself."""
+    if outcome is not None:
+        return record.model_copy(
+            update={"step": outcome.step, "advantage": outcome.advantage, "not_trained": outcome.not_trained}
+        )
+    if record.step is None:
+        return record.model_copy(update={"not_trained": NOT_TAKEN})
+    if record.advantage is None and record.not_trained is None:
+        return record.model_copy(update={"not_trained": _own_reason(record) or NOT_TRAINED})
+    return record
+
+
+def _head(file: Path, number: int, line: bytes) -> tuple[int | None, int, int]:
+    """A rollout line's step (None: this format's completion line), group and member."""
+    head = _HEAD.match(line)
+    if head is not None:
+        step, group, member = head.groups()
+        return (None if step == b"null" else int(step)), int(group), int(member)
+    value = _parse(file, number, line)  # not as RolloutLog writes it; the full record may still be one
+    step, group, member = value.get("step"), value.get("group"), value.get("member")
+    if not (step is None or type(step) is int) or not all(type(f) is int for f in (group, member)):
+        raise ValueError(f"{file}:{number}: a rollout record needs integer step, group and member")
+    return step, group, member
+
+
+def _kind_line(file: Path, number: int, line: bytes) -> RolloutOutcome | RunStart:
+    value = _parse(file, number, line)
+    kinds: dict[Any, type[RolloutOutcome] | type[RunStart]] = {"outcome": RolloutOutcome, "start": RunStart}
+    model = kinds.get(value.get("kind"))
+    if model is None:
+        raise ValueError(f"{file}:{number}: unknown record kind {value.get('kind')!r}")
+    try:
+        return model.model_validate(value)
+    except ValidationError as exc:
+        raise ValueError(f"{file}:{number}: not a {value['kind']} record: {exc}") from exc
 
 
 def _record(file: Path, number: int, line: bytes, validate_trace: bool) -> RolloutRecord:

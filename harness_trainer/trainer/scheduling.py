@@ -30,6 +30,9 @@ Failures, by kind (judged by :mod:`.failures`):
   trainer's next :meth:`RolloutScheduler.next_group` raises a :class:`RolloutSchedulerError` caused by it,
   instead of waiting forever.
 
+Each finished rollout, failed ones included, is handed to ``on_rollout_done(group, rollout)`` (the run's
+record, :mod:`.rollout_log`) in a worker thread, before its group can be taken.
+
 Each rollout keeps its ``rollout_id`` (the episode id the factory was given, ``group{G}-member{M}``, which
 the capture session's metadata records) and, once the session reports it, its ``capture_session_id`` (its
 journal: ``DATA_DIR/sessions/ID``, see :mod:`harness_trainer.rollouts.client.session`), unscorable ones
@@ -142,6 +145,7 @@ class RolloutScheduler:
         policy_version: Callable[[], int] = lambda: 0,
         start_group: int = 0,
         row_chooser: RowChooser | None = None,
+        on_rollout_done: Callable[[Group, Rollout], None] | None = None,
     ) -> None:
         if not rows:
             raise ValueError("the training dataset has no rows")
@@ -151,6 +155,7 @@ class RolloutScheduler:
         self.reward_fn = reward_fn
         self.policy_version = policy_version
         self.row_chooser = row_chooser
+        self.on_rollout_done = on_rollout_done
         self.next_to_take = start_group
         self._next_to_admit = start_group
         self._start_group_index = start_group
@@ -321,6 +326,10 @@ class RolloutScheduler:
                     raise
                 self._failed(rollout, exc)  # what it awaited was cancelled (its factory closing), not it
             rollout.seconds = time.monotonic() - started
+        if self.on_rollout_done is not None:
+            # Off the loop (a long trace takes a while to write); a failure ends its group's task, which
+            # stops the scheduler: a run that cannot keep its record does not go on.
+            await self._loop.run_in_executor(None, self.on_rollout_done, group, rollout)
 
     def _failed(self, rollout: Rollout, exc: BaseException) -> None:
         """Make ``rollout`` unscorable for ``exc``, and stop the scheduler when ``exc`` says so (module

@@ -60,7 +60,7 @@ from harness_trainer.trainer.export import (
     upload,
     write_model_folder,
 )
-from harness_trainer.trainer.groups import Group
+from harness_trainer.trainer.groups import Group, Rollout
 from harness_trainer.trainer.logprobs import token_logprobs
 from harness_trainer.trainer.loss import LossConfig, LossStats, policy_loss
 from harness_trainer.trainer.optim import build_optimizer
@@ -68,7 +68,7 @@ from harness_trainer.trainer.outcome import HarnessRolloutOutcome
 from harness_trainer.trainer.packing import MicroBatch, collate
 from harness_trainer.trainer.policy import Reference, is_peft, load_policy, vocab_size
 from harness_trainer.trainer.reporting import MetricsReporter
-from harness_trainer.trainer.rollout_log import RolloutLog, rollout_record
+from harness_trainer.trainer.rollout_log import RolloutLog, RunStart, rollout_record, step_outcomes
 from harness_trainer.trainer.scheduling import RolloutScheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
@@ -241,6 +241,8 @@ class HarnessAsyncGRPOTrainer:
             self.factory.check_engine(args.vllm_server_base_url)  # rollouts and trainer on one model
         if self._policy is not None:  # an adapter pushed on resume, before the factory existed
             self._publish_policy(*self._policy)
+        elif self._pushes:  # the version the engine serves now: the proxy stamps it on the first calls
+            self._publish_version(self.state.policy_version)
         rows = self._rows()
         if args.evaluates:
             self.evaluator = self._make_evaluator(rows)
@@ -261,6 +263,8 @@ class HarnessAsyncGRPOTrainer:
             project=args.project,
         )  # fmt: skip
         self.rollout_log = RolloutLog(self.output_dir)
+        # What an earlier run wrote of the groups and steps this one does again is superseded by this line.
+        self.rollout_log.write([RunStart(step=self.state.step, start_group=self.state.groups_consumed)])
         self.scheduler = RolloutScheduler(
             self.factory,
             rows,
@@ -279,6 +283,7 @@ class HarnessAsyncGRPOTrainer:
             policy_version=lambda: self.state.policy_version,
             start_group=self.state.groups_consumed,
             row_chooser=self.curriculum,
+            on_rollout_done=self._log_rollout,
         )
         if args.eval_on_start and self.state.step == 0:  # a resumed run logged its start step already
             self._evaluate()
@@ -499,26 +504,27 @@ class HarnessAsyncGRPOTrainer:
             zero_variance_in_a_row = 0
         return taken
 
-    def _log_rollouts(self, groups: list[Group], batch: StepBatch) -> None:
-        """Rank 0: every rollout of the step's groups (dropped ones too) to rollouts.jsonl, for the viewer."""
-        step = self.state.step + 1
-        every = self.args.rollout_log_steps
-        if self.rollout_log is None or not every or step % every:
+    def _log_rollout(self, group: Group, rollout: Rollout) -> None:
+        """The scheduler's threads: a finished rollout to rollouts.jsonl, its trace when
+        ``rollout_log_steps`` keeps its group's (the groups that would train at every N-th step were none
+        dropped)."""
+        if self.rollout_log is None:
             return
-        advantages = {(r.group, r.member): batch.advantages[i] for i, r in enumerate(batch.rollouts)}
-        self.rollout_log.write(
-            rollout_record(
-                r,
-                step=step,
-                task_name=g.row.get("task_name"),
-                task_index=g.row.get("task_index"),
-                advantage=advantages.get((r.group, r.member)),
-                verify_metrics=r.verify_metrics,
-                findings=r.findings,
-            )
-            for g in groups
-            for r in g.rollouts
-        )
+        every = self.args.rollout_log_steps
+        with_trace = bool(every) and (group.index // self.args.groups_per_step + 1) % every == 0
+        record = rollout_record(
+            rollout, task_name=group.row.get("task_name"), task_index=group.row.get("task_index"),
+            verify_metrics=rollout.verify_metrics, findings=rollout.findings, with_trace=with_trace,
+        )  # fmt: skip
+        self.rollout_log.write([record])
+
+    def _log_rollouts(self, dropped: list[Group], groups: list[Group], batch: StepBatch) -> None:
+        """Rank 0: what the step did with each rollout of the groups it took (trained with an advantage, or
+        why not) to rollouts.jsonl; the rollouts themselves were written as they finished."""
+        if self.rollout_log is None:
+            return
+        trained = {(r.group, r.member): batch.advantages[i] for i, r in enumerate(batch.rollouts)}
+        self.rollout_log.write(step_outcomes(self.state.step + 1, dropped, groups, trained))
 
     def _note_dropped(self, group: Group) -> None:
         self._counters["rollout/dropped_groups_total"] += 1
@@ -550,7 +556,7 @@ class HarnessAsyncGRPOTrainer:
             groups, advantage_epsilon=args.loss.advantage_epsilon, keep_zero_advantage=args.loss.beta > 0,
             normalization=args.loss.loss_normalization,
         )  # fmt: skip
-        self._log_rollouts([*self._dropped, *groups], batch)
+        self._log_rollouts(self._dropped, groups, batch)
         if args.log_completions and args.should_log(self.state.step + 1):
             from tqdm.auto import tqdm
 
@@ -670,6 +676,8 @@ class HarnessAsyncGRPOTrainer:
             else:
                 self._adapter_folders.served(payload)
                 self._publish_policy(self.engine.adapter_name(served), served)
+        elif served is not None:
+            self._publish_version(served)
         served = self.collective.broadcast(served)
         if served is None:
             self._save()
@@ -692,6 +700,14 @@ class HarnessAsyncGRPOTrainer:
                     "lora_sync='merged'"
                 )
             self.factory.set_policy(model, version)
+
+    def _publish_version(self, version: int) -> None:
+        """Tell the rollouts' capture proxy that the engine now serves ``version`` (weights pushed in place,
+        the served model unchanged), so it stamps each later model call with the version it was sent at. A
+        factory without ``set_policy_version`` leaves the calls unstamped: staleness then counts from each
+        rollout's start."""
+        if self.factory is not None and hasattr(self.factory, "set_policy_version"):
+            self.factory.set_policy_version(version)
 
     def _push_to_engine(
         self, weights: dict[str, torch.Tensor] | Path, version: int
@@ -847,6 +863,9 @@ class HarnessAsyncGRPOTrainer:
         if self.reporter is not None:
             self.reporter.close()
         if self.rollout_log is not None:
+            if self._dropped:  # taken and dropped by a step that never came: their reason is known
+                self._log_rollouts(self._dropped, [], StepBatch())
+                self._dropped.clear()
             self.rollout_log.close()
         # The weight files in /dev/shm (vLLM holds what it loaded in its own memory).
         if self.engine is not None and hasattr(self.engine, "close"):

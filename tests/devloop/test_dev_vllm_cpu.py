@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from harness_trainer.trainer.rollout_log import read_rollout_log
 from tests.devloop.test_dev_command import ROOT, dev
 from tests.hardening.faults import alive, descendants, wait_until
 from tests.rollouts.conftest import EXAMPLES
@@ -111,16 +112,17 @@ def test_the_dev_loop_with_lora_on_vllm_pushes_adapters_and_routes_rollouts_to_t
     log = (tmp_path / "run" / "engine.log").read_text()
     assert "Loaded new LoRA adapter: name 'policy-v1'" in log and "'policy-v2'" in log
     assert "Reloading weights inplace" not in log  # only adapters travelled, never the full weights
-    rollouts = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
     turns: dict[int, list[dict]] = {}
-    for rollout in rollouts:
-        turns.setdefault(rollout["step"], []).extend(rollout["trace"]["turns"])
-    # Every call went to the adapter current when it was made, and its turn records that version: the base
-    # model (no version) before the first push, policy-v<N> after push N. With max_staleness 1, groups 2 and 3
-    # are admitted before step 1's push and may run wholly on the base model (as they did under load);
-    # group 4 is admitted only once step 2 takes group 2, after that push, so its calls all follow one.
-    pairs = {(t["request"]["model"], t["metadata"]["weight_version"]) for ts in turns.values() for t in ts}
-    assert pairs <= {("tiny", None), *((f"policy-v{n}", n) for n in (1, 2, 3))}, pairs
+    for rollout in read_rollout_log(tmp_path / "run"):
+        if rollout.step is not None and rollout.trace is not None:  # the rollouts the 4 steps took
+            turns.setdefault(rollout.step, []).extend(turn.model_dump() for turn in rollout.trace.turns)
+    # Every call went to the adapter current when it was sent, and its turn records that version as its
+    # dispatch version: the base model (version 0) before the first push, policy-v<N> after push N. With
+    # max_staleness 1, groups 2 and 3 are admitted before step 1's push and may run wholly on the base model
+    # (as they did under load); group 4 is admitted only once step 2 takes group 2, after that push, so its
+    # calls all follow one.
+    pairs = {(t["request"]["model"], t["metadata"]["dispatch_version"]) for ts in turns.values() for t in ts}
+    assert pairs <= {("tiny", 0), *((f"policy-v{n}", n) for n in (1, 2, 3))}, pairs
     assert all(t["request"]["model"] == "tiny" for t in turns[1])
     assert turns[4] and all(t["request"]["model"] != "tiny" for t in turns[4]), pairs  # followed the pushes
     # The run's adapter folders (as vLLM logged them) are gone; other processes' may come and go meanwhile.

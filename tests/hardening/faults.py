@@ -184,7 +184,7 @@ def assert_trained_around_group_1(trainer: Any, out: Path) -> list[Any]:
     assert trainer.trained_groups == [0, 2]
     assert [line["reward"] for line in lines] == [0.5, 0.5]
     assert lines[-1]["rollout/unscorable_total"] == 2 and lines[-1]["rollout/dropped_groups_total"] == 1
-    failed = [r for r in read_rollout_log(out) if r.unscorable is not None]
+    failed = [r for r in read_rollout_log(out) if r.step is not None and r.unscorable is not None]
     assert [(r.group, r.member) for r in failed] == [(1, 0), (1, 1)]
     assert all(r.trace is None and r.reward is None for r in failed)
     return failed

@@ -110,7 +110,7 @@ def test_an_agent_killed_mid_rollout_and_one_that_hangs_keep_their_turns_and_the
     (line,) = metrics_lines(out)
     assert line["reward"] == 0.5 and line["rollout/unscorable"] == 0 and line["rollout/timed_out_frac"] == 0.5
     assert line["loss"] != 0
-    killed, hung = read_rollout_log(out)
+    killed, hung = [r for r in read_rollout_log(out) if r.step is not None]  # the one step's group
     assert (killed.reward, killed.timed_out, killed.unscorable) == (1.0, False, None)
     assert (hung.reward, hung.timed_out, hung.unscorable) == (0.0, True, None)
     assert killed.trace is not None and len(killed.trace.turns) == 1
@@ -152,7 +152,7 @@ def test_an_engine_that_fails_for_a_while_makes_those_rollouts_unscorable_and_tr
     assert [line["step"] for line in lines] == [1, 2] and trainer.trained_groups == [1, 2]
     assert [line["reward"] for line in lines] == [0.5, 0.5]
     assert lines[-1]["rollout/unscorable_total"] == 2 and lines[-1]["rollout/dropped_groups_total"] == 1
-    failed = [r for r in read_rollout_log(out) if r.unscorable is not None]
+    failed = [r for r in read_rollout_log(out) if r.step is not None and r.unscorable is not None]
     assert [(r.group, r.member) for r in failed] == [(0, 0), (0, 1)]
     assert all("engine" in (r.unscorable or "") for r in failed), [r.unscorable for r in failed]
     assert_nothing_left(before, sandboxes, capture)

@@ -192,6 +192,36 @@ def test_a_policy_sends_every_later_call_to_its_model_and_records_its_version(st
     assert call(session).status_code == 200 and stack.engine.requests[-1]["model"] != "policy-v3"
 
 
+def test_a_version_only_policy_stamps_dispatch_and_return_versions_and_keeps_the_model(stack: Stack) -> None:
+    import threading
+
+    session = stack.new_session()
+    stack.engine.weight_version = None
+    assert call(session).status_code == 200
+    model = stack.engine.requests[-1]["model"]
+    put = stack.admin.put("/policy", json={"version": 1})
+    assert put.status_code == 200 and put.json() == {"policy": {"model": None, "version": 1}}
+    assert call(session).status_code == 200
+    assert stack.engine.requests[-1]["model"] == model  # no served model named: the call keeps its own
+
+    # A push lands while a call is upstream: sent at version 1, answered at version 2.
+    httpx.post(stack.engine_url + "/_faults", json={"queue": [{"mode": "delay", "seconds": 0.5}]})
+    answers: list[httpx.Response] = []
+    worker = threading.Thread(target=lambda: answers.append(call(session, timeout=30)))
+    worker.start()
+    time.sleep(0.2)
+    assert stack.admin.put("/policy", json={"version": 2}).status_code == 200
+    worker.join(10)
+    assert answers[0].status_code == 200
+
+    calls = stack.calls(session["session_id"])
+    assert [(c["dispatch_version"], c["weight_version"]) for c in calls] == [(None, None), (1, 1), (1, 2)]
+    stack.engine.weight_version = 7  # an engine that names its own version wins for the return side only
+    assert call(session).status_code == 200
+    last = stack.calls(session["session_id"])[-1]
+    assert (last["dispatch_version"], last["weight_version"]) == (2, 7)
+
+
 def test_a_bad_policy_is_a_400_naming_the_field_and_needs_the_admin_key(stack: Stack) -> None:
     response = stack.admin.put("/policy", json={"model": "", "version": -1})
     assert response.status_code == 400

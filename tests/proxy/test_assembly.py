@@ -123,6 +123,7 @@ def test_turn_carries_the_record_and_its_place_in_the_tree() -> None:
         "dialect": "chat",
         "has_tools": True,
         "weight_version": 3,
+        "dispatch_version": None,
         "sampling": {"temperature": 1.0},
         "agent_params": {"temperature": 0.2},
         "timings": {"upstream_s": 0.25},

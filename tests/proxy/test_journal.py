@@ -72,6 +72,27 @@ def test_append_only_history_is_written_as_deltas_and_expands_back_exactly(tmp_p
     assert written < full * 2, (written, full)
 
 
+def test_dispatch_and_weight_versions_round_trip_and_an_older_journal_reads_without_dispatch(
+    tmp_path: Path,
+) -> None:
+    import json
+
+    first, second = grow(2)
+    first.dispatch_version, first.weight_version = 3, 4
+    journal = write(tmp_path, [first, second])
+    journal.close()
+    back = list(read_records(journal.path))
+    assert [(r.dispatch_version, r.weight_version) for r in back] == [(3, 4), (None, None)]
+
+    lines = journal.path.read_text().splitlines()
+    older = [json.loads(line) for line in lines]
+    for line in older:
+        del line["dispatch_version"]  # as written before the field existed
+    journal.path.write_text("".join(json.dumps(line) + "\n" for line in older))
+    versions = [(r.dispatch_version, r.weight_version) for r in read_records(journal.path)]
+    assert versions == [(None, 4), (None, None)]
+
+
 def test_journal_size_grows_linearly_with_calls(tmp_path: Path) -> None:
     small = write(tmp_path / "a", grow(50))
     large = write(tmp_path / "b", grow(200))

@@ -140,10 +140,13 @@ def test_a_policy_set_through_the_factory_reaches_the_capture_proxy(server: Serv
     assert bad.status_code == 400 and "model" in bad.json()["error"]["message"]
     with pytest.raises(RolloutServerError, match="400"):
         factory.set_policy("tiny", -1)
+    factory.set_policy_version(5)  # a version only (weights pushed in place): calls keep their model
     session = factory.create(
         next(r for r in factory.prompt_rows() if r["task_name"] == "hello-file")["prompt"]
     )
     assert session.wait_for_completion(timeout_s=120) == 0
-    assert len(session.fetch_training_trace().turns) == 2
+    turns = session.fetch_training_trace().turns
+    assert len(turns) == 2
+    assert [turn.metadata["dispatch_version"] for turn in turns] == [5, 5]
     session.close()
     factory.close()

@@ -72,6 +72,34 @@ def test_each_phase_is_a_perf_metric_averaged_over_the_rollouts_that_report_it()
     assert not [name for name in no_phases if name.startswith("perf/")]
 
 
+def test_staleness_counts_from_the_earliest_dispatch_version_of_the_supervised_turns() -> None:
+    members = [rollout(0, 0, 1.0, turns=3), rollout(0, 1, 0.0)]
+    members[0].policy_version = members[1].policy_version = 5
+    turns = members[0].trace.turns
+    turns[0].metadata.update(dispatch_version=1)
+    turns[0].loss_mask[len(turns[0].prompt_token_ids) :] = [0, 0, 0]  # context only: not what is trained
+    turns[1].metadata.update(dispatch_version=3)
+    turns[2].metadata.update(dispatch_version=4)
+    metrics = rollout_metrics([Group(0, {}, 0, members)], policy_version=6, reward_name="")
+    # member 0 trained on data sent at version 3 (staleness 3), member 1 has no dispatch stamps (6 - 5)
+    assert metrics["staleness/max"] == 3.0 and metrics["staleness/mean"] == 2.0
+
+
+def test_the_rollouts_time_split_means_are_perf_metrics() -> None:
+    members = [rollout(0, 0, 1.0, turns=2), rollout(0, 1, 0.0, turns=1), rollout(0, 2, None, unscorable="x")]
+    for r, seconds in zip(members, (10.0, 6.0, 3.0), strict=True):
+        r.seconds = seconds
+    first = members[0].trace.turns
+    first[0].metadata.update(started_at=100.0, finished_at=103.0)
+    first[1].metadata.update(started_at=102.0, finished_at=104.0)  # overlaps the first: 4 s in all
+    members[0].verify_metrics = {"phase_seconds": {"sandbox_start": 1.0, "agent": 7.0}}
+    members[1].trace.turns[0].metadata.update(started_at=50.0, finished_at=52.0)
+    metrics = rollout_metrics([Group(0, {}, 0, members)], policy_version=0, reward_name="")
+    assert metrics["perf/rollout_llm_s"] == pytest.approx((4.0 + 2.0 + 0.0) / 3)
+    assert metrics["perf/rollout_env_s"] == pytest.approx((1.0 + 3.0) / 3)
+    assert metrics["perf/rollout_other_s"] == pytest.approx((10.0 - 8.0 + 6.0 - 2.0 + 3.0) / 3)
+
+
 def test_step_normalization_weighs_every_token_alike_and_still_counts_a_split_rollout_once() -> None:
     group = Group(0, {}, 0, [rollout(0, 0, 1.0, turns=1), rollout(0, 1, 0.0, turns=3)])
     batch = assemble([group], advantage_epsilon=1e-4, keep_zero_advantage=False, normalization="step")

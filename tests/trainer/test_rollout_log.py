@@ -1,4 +1,5 @@
-"""rollouts.jsonl: one record per rollout of a trained step, read back on the latest timeline."""
+"""rollouts.jsonl: every rollout as it finished, merged with what a step did with it, on the latest timeline;
+files of the earlier format (a record per rollout of a trained step) read as before."""
 
 from __future__ import annotations
 
@@ -10,14 +11,25 @@ import pytest
 from harness_trainer.rollouts.client.session import VerifyResult
 from harness_trainer.trace import load_trace
 from harness_trainer.trainer.batch import assemble
-from harness_trainer.trainer.groups import Rollout
+from harness_trainer.trainer.groups import Group, Rollout
 from harness_trainer.trainer.outcome import build_outcome
 from harness_trainer.trainer.rollout_log import (
+    FEW_SCORED,
+    NO_TOKENS,
+    NOT_TAKEN,
+    NOT_TRAINED,
     ROLLOUTS_FILE,
+    UNGRADED,
+    UNSCORABLE,
+    ZERO_ADVANTAGE,
+    ZERO_VARIANCE,
     RolloutLog,
+    RolloutOutcome,
+    RunStart,
     latest_steps,
     read_rollout_log,
     rollout_record,
+    step_outcomes,
 )
 from harness_trainer.trainer.rows import build_rows
 from harness_trainer.trainer.scheduling import RolloutScheduler, SchedulerConfig
@@ -244,3 +256,135 @@ def test_a_scheduled_step_logs_every_rollout_with_its_trained_advantage(tmp_path
     assert [r.advantage is not None for r in records] == [True, True, False, False, False, False]
     assert all(r.trace is not None and r.trace == rollout.trace for r, rollout in
                zip(records, [r for g in groups for r in g.rollouts], strict=True))  # fmt: skip
+
+
+def done(rollout: Rollout, **overrides):
+    """The line the trainer writes when ``rollout`` finishes: no step or advantage yet."""
+    arguments = dict(
+        task_name=f"t{rollout.group}", task_index=rollout.group, verify_metrics=None, findings=None
+    )
+    arguments.update(overrides)
+    return rollout_record(rollout, **arguments)
+
+
+def outcome(step: int, group: int, member: int, advantage: float | None = None, why: str | None = None):
+    return RolloutOutcome(step=step, group=group, member=member, advantage=advantage, not_trained=why)
+
+
+def test_a_finished_rollout_reads_merged_with_what_its_step_did_and_untaken_ones_say_so(
+    tmp_path: Path,
+) -> None:
+    with RolloutLog(tmp_path) as log:
+        log.write([RunStart(step=0, start_group=0)])
+        log.write([done(finished(0, 0)), done(finished(1, 0)), done(finished(0, 1))])
+        log.write([outcome(1, 0, 0, advantage=0.5), outcome(1, 0, 1, why=ZERO_ADVANTAGE)])
+    first = (tmp_path / ROLLOUTS_FILE).read_text().splitlines()[1]
+    assert first.startswith('{"step":null,"group":0,"member":0,"rollout_id":"group0-member0",')
+    records = read_rollout_log(tmp_path)
+    assert [(r.step, r.group, r.member, r.advantage, r.not_trained) for r in records] == [
+        (1, 0, 0, 0.5, None), (1, 0, 1, None, ZERO_ADVANTAGE), (None, 1, 0, None, NOT_TAKEN),
+    ]  # fmt: skip
+    assert records[0].trace == finished(0, 0).trace and records[0].reward == 1.0
+    assert read_rollout_log(tmp_path, validate_traces=False) == records
+    assert [(r.step, r.group) for r in read_rollout_log(tmp_path, last_steps=1)] == [
+        (1, 0),
+        (1, 0),
+        (None, 1),
+    ]
+
+
+def test_what_a_step_did_with_each_rollout_names_why_the_untrained_did_not_train() -> None:
+    def member(group: int, m: int, reward: float | None, unscorable: str | None = None, rows: bool = True):
+        r = finished(group, m, reward=reward)
+        r.unscorable, r.rows = unscorable, r.rows if rows else []
+        return r
+
+    few = Group(0, {}, 0, [member(0, 0, 1.0), member(0, 1, None, "sandbox gone"), member(0, 2, None)])
+    flat = Group(1, {}, 1, [member(1, 0, 1.0), member(1, 1, 1.0)])
+    taken = Group(2, {}, 2, [member(2, 0, 1.0), member(2, 1, 0.0), member(2, 2, 0.0, rows=False),
+                             member(2, 3, 0.5)])  # fmt: skip
+    outcomes = step_outcomes(4, [few, flat], [taken], {(2, 0): 1.0, (2, 1): -1.0})
+    assert all(o.step == 4 for o in outcomes)
+    assert [(o.group, o.member, o.advantage, o.not_trained) for o in outcomes] == [
+        (0, 0, None, FEW_SCORED), (0, 1, None, UNSCORABLE), (0, 2, None, UNGRADED),
+        (1, 0, None, ZERO_VARIANCE), (1, 1, None, ZERO_VARIANCE),
+        (2, 0, 1.0, None), (2, 1, -1.0, None), (2, 2, None, NO_TOKENS), (2, 3, None, ZERO_ADVANTAGE),
+    ]  # fmt: skip
+
+
+def test_a_resumed_run_supersedes_the_groups_it_rolls_out_again_and_the_steps_it_trains_again(
+    tmp_path: Path,
+) -> None:
+    with RolloutLog(tmp_path) as log:  # the first run: steps 1 and 2 on groups 0 and 1, group 2 untaken
+        log.write([RunStart(step=0, start_group=0)])
+        for group in (0, 1, 2):
+            log.write([done(finished(group, m)) for m in range(2)])
+        log.write([outcome(1, 0, m, advantage=-1.0) for m in range(2)])
+        log.write([outcome(2, 1, m, advantage=-1.0) for m in range(2)])
+    with RolloutLog(tmp_path) as log:  # resumed from the checkpoint of step 1: groups 1 and on again
+        log.write([RunStart(step=1, start_group=1)])
+        log.write([done(finished(1, m, reward=0.0)) for m in range(2)])
+    records = read_rollout_log(tmp_path)
+    # Group 1 as re-run, not yet taken; group 2's earlier rollouts are gone (the resumed run redoes it).
+    assert [(r.step, r.group, r.advantage, r.reward) for r in records] == [
+        (1, 0, -1.0, 1.0), (1, 0, -1.0, 1.0), (None, 1, None, 0.0), (None, 1, None, 0.0),
+    ]  # fmt: skip
+    with RolloutLog(tmp_path) as log:
+        log.write([outcome(2, 1, m, advantage=2.0) for m in range(2)])
+    assert [(r.step, r.advantage) for r in read_rollout_log(tmp_path) if r.group == 1] == [(2, 2.0), (2, 2.0)]
+
+
+def test_an_old_format_file_reads_with_reasons_derived_and_a_new_run_appended_supersedes_its_later_steps(
+    tmp_path: Path,
+) -> None:
+    with RolloutLog(tmp_path) as log:  # the earlier format: a record per rollout of each trained step
+        log.write([record(finished(0, 0), step=1), record(finished(0, 1), step=1, advantage=None)])
+        log.write([record(Rollout(1, 0, unscorable="gone"), step=2, advantage=None)])
+        log.write([record(finished(1, 1, reward=None), step=2, advantage=None)])
+    old = read_rollout_log(tmp_path)
+    assert [(r.step, r.not_trained) for r in old] == [
+        (1, None),
+        (1, NOT_TRAINED),
+        (2, UNSCORABLE),
+        (2, UNGRADED),
+    ]
+    assert old[0].llm_s == 0.0 and old[0].dispatch_version_min is None and old[0].trace_logged
+    with RolloutLog(tmp_path) as log:  # this version resumes from step 1
+        log.write([RunStart(step=1, start_group=1)])
+        log.write([done(finished(1, 0))])
+        log.write([outcome(2, 1, 0, advantage=0.25)])
+    assert [(r.step, r.group, r.advantage) for r in read_rollout_log(tmp_path)] == [
+        (1, 0, 0.5), (1, 0, None), (2, 1, 0.25),
+    ]  # fmt: skip
+
+
+def test_writes_from_many_threads_stay_whole_lines(tmp_path: Path) -> None:
+    import threading
+
+    with RolloutLog(tmp_path) as log:
+
+        def write(group: int) -> None:
+            for m in range(5):
+                log.write([done(finished(group, m))])
+
+        threads = [threading.Thread(target=write, args=(g,)) for g in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    records = read_rollout_log(tmp_path)
+    assert sorted((r.group, r.member) for r in records) == [(g, m) for g in range(6) for m in range(5)]
+
+
+def test_a_record_carries_its_time_split_and_the_versions_its_calls_were_sent_and_answered_at() -> None:
+    rollout = finished(0, 0)
+    rollout.seconds = 5.0
+    for i, turn in enumerate(rollout.trace.turns):
+        turn.metadata.update(
+            started_at=10.0 + i, finished_at=11.5 + i, dispatch_version=2 + i, weight_version=3 + i
+        )
+    line = done(rollout, verify_metrics={"phase_seconds": {"install": 1.0, "agent": 3.0}}, with_trace=False)
+    assert (line.llm_s, line.env_s, line.other_s) == pytest.approx((2.5, 1.5, 1.0))
+    assert (line.dispatch_version_min, line.dispatch_version_max) == (2, 3)
+    assert (line.return_version_min, line.return_version_max) == (3, 4)
+    assert line.trace is None and not line.trace_logged

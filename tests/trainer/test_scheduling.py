@@ -142,3 +142,42 @@ def test_a_raising_reward_function_makes_the_rollout_unscorable() -> None:
         scheduler.stop()
     assert [r.unscorable is not None for r in group.rollouts] == [False, True, False, True]
     assert "picky" in group.rollouts[1].unscorable
+
+
+def test_each_finished_rollout_is_handed_over_failed_ones_included_before_its_group_can_be_taken() -> None:
+    factory = HandmadeFactory(num_tasks=2, fail_start=lambda n: n == 1)
+    seen: list[tuple[int, int, str | None]] = []
+    config = SchedulerConfig(num_generations=2, max_concurrent_rollouts=2, admission_limit=1,
+                             agent_timeout=30.0, seed=0, close_timeout_s=10.0)  # fmt: skip
+    scheduler = RolloutScheduler(
+        factory, factory.prompt_rows(), config,
+        on_rollout_done=lambda group, rollout: seen.append((group.index, rollout.member, rollout.unscorable)),
+    )  # fmt: skip
+    scheduler.start()
+    try:
+        (group,) = take(scheduler, 1)
+        assert sorted(seen[:2], key=lambda s: s[1]) == [
+            (0, m, r.unscorable) for m, r in enumerate(group.rollouts)
+        ]  # both members, before next_group returned their group
+        assert any(unscorable and "would not start" in unscorable for _, _, unscorable in seen[:2])
+    finally:
+        scheduler.stop()
+
+
+def test_a_rollout_record_that_cannot_be_written_stops_the_scheduler() -> None:
+    from harness_trainer.trainer.scheduling import RolloutSchedulerError
+
+    def full_disk(group, rollout) -> None:
+        raise OSError(28, "No space left on device")
+
+    factory = HandmadeFactory(num_tasks=1)
+    config = SchedulerConfig(num_generations=2, max_concurrent_rollouts=2, admission_limit=1,
+                             agent_timeout=30.0, seed=0, close_timeout_s=10.0)  # fmt: skip
+    scheduler = RolloutScheduler(factory, factory.prompt_rows(), config, on_rollout_done=full_disk)
+    scheduler.start()
+    try:
+        with pytest.raises(RolloutSchedulerError, match="No space left on device"):
+            scheduler.next_group(timeout=30)
+    finally:
+        scheduler.stop()
+    assert not factory.live

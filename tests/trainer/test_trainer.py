@@ -96,6 +96,18 @@ def test_resume_continues_exactly_where_a_stopped_run_left(tmp_path, tiny_model_
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-6)
     assert resumed.state.step == 6
+    # The run's record reads as the straight run's: what the first run rolled out past its last checkpoint
+    # (groups 4 and on, admitted but never taken) is superseded by what the resumed run did with them.
+    from harness_trainer.trainer.rollout_log import read_rollout_log
+
+    def taken(run: Path) -> list[tuple]:
+        records = read_rollout_log(run / "out")
+        return [(r.step, r.group, r.member, r.reward, r.advantage) for r in records if r.step is not None]
+
+    assert taken(tmp_path / "a") == taken(tmp_path / "b") and len(taken(tmp_path / "a")) == 6 * 4
+    records = read_rollout_log(tmp_path / "b" / "out")
+    assert all(r.group >= 6 for r in records if r.step is None)
+    assert len({(r.group, r.member) for r in records}) == len(records)
 
 
 def completion_logprob(model, prompt: list[int], completion: list[int]) -> list[float]:
@@ -328,13 +340,75 @@ def test_metrics_reach_tensorboard_through_report_to(tmp_path, tiny_model_dir):
 
 
 def test_every_rollout_of_every_step_goes_to_the_rollout_log(tmp_path, tiny_model_dir):
-    from harness_trainer.trainer.rollout_log import read_rollout_log
+    from harness_trainer.trainer.rollout_log import FEW_SCORED, NOT_TAKEN, UNSCORABLE, read_rollout_log
 
     factory = HandmadeFactory(fail_start=lambda n: n in (0, 1, 2))  # the first group is dropped
     trainer = HarnessAsyncGRPOTrainer(str(tiny_model_dir), builder(factory), config(tmp_path, max_steps=2))
     trainer.train()
     records = read_rollout_log(tmp_path / "out")
-    assert [(r.step, r.group) for r in records] == [(1, 0)] * 4 + [(1, 1)] * 4 + [(2, 2)] * 4
-    assert [r.unscorable is not None for r in records[:4]] == [True, True, True, False]
+    taken = [r for r in records if r.step is not None]
+    assert [(r.step, r.group) for r in taken] == [(1, 0)] * 4 + [(1, 1)] * 4 + [(2, 2)] * 4
+    assert [r.not_trained for r in taken[:4]] == [UNSCORABLE] * 3 + [FEW_SCORED]
+    assert [r.unscorable is not None for r in taken[:4]] == [True, True, True, False]
     trained = [r for r in records if r.advantage is not None]
-    assert len(trained) == 8 and all(r.trace is not None for r in trained)
+    assert len(trained) == 8 and all(r.trace is not None and r.not_trained is None for r in trained)
+    # The groups admitted past the last step are kept too: no step took them.
+    never = records[len(taken) :]
+    assert never and all(r.step is None and r.not_trained == NOT_TAKEN and r.group > 2 for r in never)
+    # Every session made is on record, failed starts included (and rollouts stopped before making one).
+    assert {r.rollout_id for r in records} >= {episode for _, _, episode in factory.created}
+
+
+def test_the_run_record_has_each_rollout_as_it_finished_why_it_did_not_train_and_its_time_split(
+    tmp_path, tiny_model_dir
+):
+    from harness_trainer.trainer.rollout_log import ROLLOUTS_FILE, UNSCORABLE, read_rollout_log
+
+    def timed(task: int, member: int) -> dict:
+        trace = chain_trace(task, member)
+        for i, turn in enumerate(trace["turns"]):  # two calls of 0.5 s, 1 s apart, as the proxy stamps them
+            turn["metadata"] = {"started_at": 1000.0 + i, "finished_at": 1000.5 + i, "dispatch_version": 0}
+        return trace
+
+    written: list[bool] = []
+    factory = HandmadeFactory(fail_start=lambda n: n == 5, trace=timed, delay_s=0.05)
+    trainer = HarnessAsyncGRPOTrainer(
+        str(tiny_model_dir), builder(factory), config(tmp_path, max_steps=1, rollout_log_steps=2)
+    )
+    original = trainer._log_rollout
+
+    def spy(group, rollout):
+        original(group, rollout)
+        # On disk as soon as it finished, before the trainer could take its group.
+        head = f'{{"step":null,"group":{group.index},"member":{rollout.member},'.encode()
+        on_disk = head in (tmp_path / "out" / ROLLOUTS_FILE).read_bytes()
+        written.append(on_disk and trainer.scheduler.next_to_take <= group.index)
+
+    trainer._log_rollout = spy
+    trainer.train()
+
+    lines = [json.loads(line) for line in (tmp_path / "out" / ROLLOUTS_FILE).read_text().splitlines()]
+    assert lines[0] == {"kind": "start", "step": 0, "start_group": 0}
+    assert len(written) >= len(factory.created) and all(written)  # stopped before a session: no create
+    outcomes = [line for line in lines if line.get("kind") == "outcome"]
+    assert [(o["step"], o["group"]) for o in outcomes] == [(1, 0)] * 4  # one step of one group of 4
+
+    records = read_rollout_log(tmp_path / "out")
+    first, rest = records[:4], records[4:]
+    assert [(r.step, r.group) for r in first] == [(1, 0)] * 4
+    assert all(r.advantage is not None for r in first)
+    # Session 5 (group 1, member 1) failed to start: unscorable, its reason kept; group 1 was never taken.
+    failed = next(r for r in rest if r.unscorable is not None and "would not start" in r.unscorable)
+    assert (failed.group, failed.step, failed.trace, failed.llm_s) == (1, None, None, 0.0)
+    assert all(r.step is None and r.not_trained for r in rest)
+    assert UNSCORABLE not in {r.not_trained for r in rest}  # untaken: the reason is that no step took it
+    # rollout_log_steps=2: group 0 would train at step 1, so its traces are left out; group 1's are kept.
+    assert all(not r.trace_logged and r.trace is None for r in first)
+    assert all(r.trace is not None for r in rest if r.group == 1 and r.unscorable is None)
+    # The time split: 1 s of model calls, no environment phases reported, the rest other.
+    assert all(r.llm_s == pytest.approx(1.0) and r.env_s == 0.0 for r in first)
+    assert all(r.other_s == pytest.approx(max(0.0, r.seconds - 1.0)) for r in first)
+    assert all((r.dispatch_version_min, r.dispatch_version_max) == (0, 0) for r in first)
+    (line,) = metrics_lines(tmp_path / "out")
+    assert line["perf/rollout_llm_s"] == pytest.approx(1.0) and line["perf/rollout_env_s"] == 0.0
+    assert line["perf/rollout_other_s"] == pytest.approx(sum(r.other_s for r in first) / 4)

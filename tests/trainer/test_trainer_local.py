@@ -10,6 +10,7 @@ import httpx
 
 from harness_trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer, LocalSessionFactory
 from harness_trainer.tasks.sources import LocalTaskSource
+from harness_trainer.trainer.rollout_log import read_rollout_log
 from tests.rollouts.conftest import EXAMPLES, bash_call, live_sandbox_processes, scripted_engine  # noqa: F401
 
 SOLVE = [bash_call("printf 'Hello, Harbor!\\n' > /app/hello.txt"), {"content": "Done."}]
@@ -33,3 +34,11 @@ def test_training_on_real_rollouts_pushes_weights_to_the_engine(scripted_engine,
     assert lines[0]["tools/call_frequency"] == 0.5
     assert httpx.get(f"{engine.url}/weight_version").json()["weight_version"] == 2
     assert live_sandbox_processes() == []
+    # The trainer told the capture proxy each version it pushed, so every call is stamped when sent.
+    records = [r for r in read_rollout_log(tmp_path / "out") if r.step is not None and r.trace is not None]
+    assert {r.step for r in records} == {1, 2}
+    assert all(r.dispatch_version_min is not None for r in records)
+    assert {r.dispatch_version_min for r in records if r.step == 1} == {0}
+    assert {r.dispatch_version_max for r in records} <= {0, 1}
+    assert all(r.return_version_min is not None and r.llm_s > 0 for r in records)
+    assert all("perf/rollout_llm_s" in line and line["perf/rollout_env_s"] > 0 for line in lines)

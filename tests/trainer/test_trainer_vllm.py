@@ -35,8 +35,9 @@ def test_each_step_pushes_the_full_weights_through_vllms_control_sequence(tmp_pa
             output_dir=str(tmp_path / "out"), engine="vllm", vllm_server_base_url=url, num_generations=2,
             max_concurrent_rollouts=2, max_steps=2, learning_rate=1e-4, disable_tqdm=True, token_budget=64,
         )  # fmt: skip
+        factory = VersionFactory()
         trainer = HarnessAsyncGRPOTrainer(
-            str(tiny_model_dir), lambda sampling: HandmadeFactory(), config, engine=engine
+            str(tiny_model_dir), lambda sampling: factory, config, engine=engine
         )
         trainer.train()
     finally:
@@ -51,6 +52,19 @@ def test_each_step_pushes_the_full_weights_through_vllms_control_sequence(tmp_pa
         torch.testing.assert_close(tensor, final[name])
     assert set(transport.sent[-1]) == set(final)
     assert trainer.state.policy_version == 2
+    # The rollouts' capture proxy hears each version the engine serves: at the start, then after each push.
+    assert factory.versions == [0, 1, 2]
+
+
+class VersionFactory(HandmadeFactory):
+    """A factory that records the versions the trainer says the engine serves (weights pushed in place)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.versions: list[int] = []
+
+    def set_policy_version(self, version: int) -> None:
+        self.versions.append(version)
 
 
 class PolicyFactory(HandmadeFactory):

@@ -232,6 +232,11 @@ class HarborSessionFactory:
         ``version`` on its turn (the server's ``PUT /policy``, passed to its capture proxy)."""
         self.request("PUT", "/policy", json={"model": model, "version": version})
 
+    def set_policy_version(self, version: int) -> None:
+        """Record ``version`` on every later model call of the server's rollouts, their model unchanged (the
+        server's ``PUT /policy`` without a model): the trainer's call after pushing weights in place."""
+        self.request("PUT", "/policy", json={"version": version})
+
     def tasks(self) -> list[dict[str, Any]]:
         """The split's tasks (``index``, ``name``, ``instruction``, timeouts), narrowed by ``indices`` /
         ``num_tasks``."""

@@ -113,6 +113,11 @@ class LocalSessionFactory:
         """Send every model call from now on to served model ``model``, recording ``version`` on its turn."""
         self._call(self.runtime.set_policy(model, version))
 
+    def set_policy_version(self, version: int) -> None:
+        """Record ``version`` on every model call from now on, their model unchanged (weights pushed in
+        place)."""
+        self._call(self.runtime.set_policy(None, version))
+
     def _task(self, task: Any) -> Any:
         if isinstance(task, int):
             return self.tasks.task(self.split, task)

@@ -109,9 +109,9 @@ class CaptureClient:
         """The session's TrainingTrace JSON; :class:`NothingTrainable` when there is none."""
         return (await self._call("GET", f"/sessions/{session_id}/trace")).json()
 
-    async def set_policy(self, model: str, version: int) -> None:
-        """Send every model call from now on to served model ``model``, recording ``version`` on its turn
-        (``PUT /policy``)."""
+    async def set_policy(self, model: str | None, version: int) -> None:
+        """Send every model call from now on to served model ``model`` (None: the model it names), recording
+        ``version`` on its turn (``PUT /policy``)."""
         await self._call("PUT", "/policy", json={"model": model, "version": version})
 
     async def delete(self, session_id: str) -> None:

@@ -24,8 +24,9 @@ Routes (JSON):
 - ``GET /sessions/{id}/trace`` → the TrainingTrace (409 until done, or when the rollout was unscorable).
 - ``DELETE /sessions/{id}`` → cancels a running rollout (sandbox and capture session closed) and frees
   the slot.
-- ``PUT /policy {"model", "version"}`` → every later model call goes to that served model and records that
-  version (the capture proxy's own ``PUT /policy``; 400 on a bad body).
+- ``PUT /policy {"model", "version"}`` → every later model call goes to that served model (``model`` null
+  or absent: keeps its model) and records that version (the capture proxy's own ``PUT /policy``; 400 on a
+  bad body).
 
 Every error is ``{"error": {"message", "code"}}`` with a 4xx status (unknown routes and methods included);
 a body over ``MAX_BODY_BYTES`` gets 413.

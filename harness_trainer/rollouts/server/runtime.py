@@ -194,14 +194,15 @@ class RolloutRuntime:
             raise
         self._proxy_process, self.capture = process, client
 
-    async def set_policy(self, model: str, version: int) -> None:
+    async def set_policy(self, model: str | None, version: int) -> None:
         """Every model call from now on goes to served model ``model`` and records ``version`` (the
         capture proxy's ``PUT /policy``): how a trainer publishing a LoRA adapter per version moves the
-        rollouts to the newest one."""
+        rollouts to the newest one. ``model=None`` stamps the version only (weights pushed in place)."""
         if self.capture is None:
             raise RuntimeError("the rollout runtime is not started")
         await self.capture.set_policy(model, version)
-        self.model = model
+        if model is not None:
+            self.model = model
 
     def sandbox_problem(self, name: str, environ: Mapping[str, str] = os.environ) -> str | None:
         """Why backend ``name`` cannot run rollouts from this runtime, in one line; None when it can.
