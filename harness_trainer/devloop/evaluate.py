@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from harness_trainer.devloop.run import EXAMPLE_TASKS, HARNESS_CHOICES
-from harness_trainer.trainer.checkpoint import MODEL_DIR, STATE_FILE
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 MODEL_FILES = ("config.json", "generation_config.json", "adapter_config.json")
@@ -68,6 +67,8 @@ def checkpoint_model(checkpoint: Path) -> tuple[Path, dict[str, Any]]:
     Raises:
         CheckpointError: no model in it.
     """
+    from harness_trainer.trainer.checkpoint import MODEL_DIR, STATE_FILE  # torch: not at --help time
+
     state_file = checkpoint / STATE_FILE
     state = json.loads(state_file.read_text()) if state_file.is_file() else {}
     folder = checkpoint / MODEL_DIR if (checkpoint / MODEL_DIR).is_dir() else checkpoint
