@@ -142,7 +142,9 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[s
         parser.error(f"--tasks {args.tasks}: {exc}")
     if missing := [split for split in SPLITS if split not in splits]:
         parser.error(f"--tasks {args.tasks} has no split {', '.join(missing)} (it needs {', '.join(SPLITS)})")
-    return {"quick": args.quick, "seeds": seeds, "engines": engines, "tasks": str(args.tasks), **values,
+    # Absolute: the dev loops run in the repository root, not where the benchmark was started.
+    tasks = str(args.tasks.resolve())
+    return {"quick": args.quick, "seeds": seeds, "engines": engines, "tasks": tasks, **values,
             "eval_steps": eval_steps, "frozen_lr": FROZEN_LR,
             "first_run_minutes": FIRST_RUN_MINUTES}  # fmt: skip
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from harness_trainer.devloop.run import reward_windows
+from harness_trainer.devloop.run import EXAMPLE_TASKS, reward_windows
 from tests.benchmark_scripts import BENCHMARKS, load_benchmark, run_quick
 
 benchmark_learning = load_benchmark("learning")
@@ -160,6 +160,11 @@ def test_the_default_configuration_is_three_seeds_evaluated_at_the_start_and_the
     quick = parse("--quick")
     assert (quick["seeds"], quick["max_steps"], quick["eval_steps"]) == ([0, 1], 2, 2)
     assert parse("--quick", "--seeds", "3,4,5")["seeds"] == [3, 4, 5]
+
+
+def test_a_relative_task_folder_is_passed_on_absolute(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(EXAMPLE_TASKS.parent)
+    assert parse("--tasks", "tasks")["tasks"] == str(EXAMPLE_TASKS)
 
 
 @pytest.mark.parametrize(
