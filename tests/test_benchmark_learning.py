@@ -1,125 +1,263 @@
-"""The learning benchmark runs the dev loop (trained, then frozen) end to end in its quick configuration,
-reports both curves and every target, and leaves nothing running."""
+"""The learning benchmark: trained and frozen dev loops over seeds, judged on held-out pass@1 by the paired
+difference's 95 % interval, plus the first run's time from a fresh cache; its quick configuration runs end
+to end, reports every run and target, and leaves nothing running."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from harness_trainer.devloop.run import reward_windows
+from harness_trainer.devloop.run import EXAMPLE_TASKS, reward_windows
 from tests.benchmark_scripts import BENCHMARKS, load_benchmark, run_quick
 
 benchmark_learning = load_benchmark("learning")
 
 
 def test_reward_windows_are_a_quarter_of_the_steps() -> None:
-    rewards = [
-        0.0,
-        0.25,
-        0.5,
-        0.25,
-        0.5,
-        1.0,
-        0.75,
-        1.0,
-        1.0,
-        0.75,
-        1.0,
-        1.0,
-        0.5,
-        1.0,
-        1.0,
-        1.0,
-        1.0,
-        0.75,
-        1.0,
-        1.0,
-    ]
+    rewards = [0.0, 0.25, 0.5, 0.25, 0.5] + [1.0] * 10 + [1.0, 1.0, 0.75, 1.0, 1.0]
     assert reward_windows(rewards) == (5, pytest.approx(0.3), pytest.approx(0.95))
     assert reward_windows([0.5, 1.0]) == (1, 0.5, 1.0)
 
 
-def test_verdicts_need_a_rise_over_the_first_steps_and_over_the_frozen_run() -> None:
-    run = {"k": 5, "seconds": 480.0}
-    result = {
-        "config": {"quick": False},
-        "trained": run | {"first": 0.6, "last": 0.95},
-        "frozen": run | {"first": 0.6, "last": 0.55},
+def runs_of(engine: str, trained_end: list[float], frozen_end: list[float], start: float = 0.5) -> list[dict]:
+    """Hand-made runs of one arm: seed i's trained run ends at ``trained_end[i]``, its frozen one at
+    ``frozen_end[i]``."""
+    runs = []
+    for seed, (trained, frozen) in enumerate(zip(trained_end, frozen_end, strict=True)):
+        for kind, end in (("trained", trained), ("frozen", frozen)):
+            runs.append({"engine": engine, "kind": kind, "seed": seed, "start": start, "end": end,
+                         "rewards": [0.5, 0.75], "k": 1, "first": 0.5, "last": 0.75, "seconds": 480.0,
+                         "cache": "cached"})  # fmt: skip
+    return runs
+
+
+def result_of(arms: dict[str, list[dict]], first_run_s: float = 600.0) -> dict[str, Any]:
+    config = {"quick": False, "seeds": [0, 1, 2], "max_steps": 20, "tasks": "examples/tasks",
+              "eval_num_generations": 4, "eval_temperature": 0.7, "first_run_minutes": 12.0}  # fmt: skip
+    return {
+        "config": config,
+        "arms": {
+            engine: {"runs": runs, "summary": benchmark_learning.summarize(runs)}
+            for engine, runs in arms.items()
+        },
+        "first_run": {"engine": next(iter(arms)), "seed": 0, "seconds": first_run_s},
+        "elapsed_s": 3600.0,
     }
-    assert [v["pass"] for v in benchmark_learning.verdicts(result)] == [True, True, True]
-    result["frozen"]["last"] = 0.9  # the same rise without training: not learning
-    assert [v["pass"] for v in benchmark_learning.verdicts(result)] == [True, False, True]
-    result["trained"] |= {"first": 0.8, "seconds": 660.0}
-    assert [v["pass"] for v in benchmark_learning.verdicts(result)] == [False, False, False]
 
 
-def test_the_vllm_arm_has_its_own_rise_targets_and_report_rows() -> None:
+def test_a_difference_interval_above_zero_passes_the_target() -> None:
+    # Differences +0.25, +0.25, +0.375: mean +0.29, t(2) half-width 0.18.
+    result = result_of({"dev": runs_of("dev", [0.75, 0.75, 0.875], [0.5, 0.5, 0.5])})
+    difference = result["arms"]["dev"]["summary"]["difference"]["end"]
+    assert difference["mean"] == pytest.approx(0.2917, abs=1e-4) and difference["low"] > 0
+    assert [(v["target"], v["pass"]) for v in benchmark_learning.verdicts(result)] == [
+        (benchmark_learning.TARGET_NAMES[0], True),
+        (benchmark_learning.TARGET_NAMES[1], True),
+    ]
+
+
+def test_a_positive_mean_difference_whose_interval_straddles_zero_misses() -> None:
+    # Differences +0.5, 0, +0.25: mean +0.25, but over 3 seeds its interval is [-0.37, +0.87].
+    result = result_of({"dev": runs_of("dev", [1.0, 0.5, 0.75], [0.5, 0.5, 0.5])})
+    verdict = benchmark_learning.verdicts(result)[0]
+    assert verdict["pass"] is False
+    assert verdict["measured"] == "+0.25 [-0.37, +0.87] over 3 seeds"
+
+
+def test_the_first_run_must_take_under_twelve_minutes() -> None:
+    arms = {"dev": runs_of("dev", [0.75, 0.75, 0.875], [0.5, 0.5, 0.5])}
+    assert benchmark_learning.verdicts(result_of(arms, first_run_s=11.5 * 60))[1]["pass"] is True
+    missed = benchmark_learning.verdicts(result_of(arms, first_run_s=12.5 * 60))[1]
+    assert missed["pass"] is False and missed["measured"] == "12.5 min (dev, seed 0)"
+
+
+def test_step_zero_and_the_end_are_summarized_per_kind_and_paired() -> None:
+    summary = benchmark_learning.summarize(runs_of("dev", [0.75, 0.75, 0.875], [0.5, 0.5, 0.5]))
+    assert summary["seeds"] == [0, 1, 2]
+    assert (
+        summary["trained"]["start"]
+        == summary["frozen"]["start"]
+        == {"mean": 0.5, "low": 0.5, "high": 0.5, "n": 3}
+    )
+    assert summary["difference"]["start"]["mean"] == 0.0
+    assert summary["frozen"]["end"]["mean"] == 0.5
+
+
+def test_runs_that_do_not_pair_by_seed_are_refused() -> None:
+    runs = runs_of("dev", [0.75, 0.75], [0.5, 0.5])
+    with pytest.raises(ValueError, match="nothing to pair"):
+        benchmark_learning.summarize(runs[:-1])
+
+
+def test_a_run_without_an_evaluation_at_its_end_is_an_error() -> None:
+    assert benchmark_learning.start_and_end([0, 10, 20], [0.25, 0.5, 0.75], 20, "run") == (0.25, 0.75)
+    with pytest.raises(RuntimeError, match=r"dev-trained-seed0: no held-out evaluation at step\(s\) \[20\]"):
+        benchmark_learning.start_and_end([0, 5, 10, 15], [0.25] * 4, 20, "dev-trained-seed0")
+    with pytest.raises(RuntimeError, match=r"step\(s\) \[0, 2\]"):
+        benchmark_learning.start_and_end([], [], 2, "run")
+
+
+def test_each_vllm_arm_has_its_own_difference_target_and_report_rows() -> None:
     from benchmarks import report
 
-    run = {"k": 5, "seconds": 480.0, "rewards": [0.5] * 20}
-    result = {
-        "config": {"quick": False},
-        "trained": run | {"first": 0.6, "last": 0.95},
-        "frozen": run | {"first": 0.6, "last": 0.55},
-        "vllm": {"trained": run | {"first": 0.5, "last": 0.6}, "frozen": run | {"first": 0.5, "last": 0.5}},
-    }
+    result = result_of({
+        "dev": runs_of("dev", [0.75, 0.75, 0.875], [0.5, 0.5, 0.5]),
+        "vllm-lora": runs_of("vllm-lora", [1.0, 0.5, 0.75], [0.5, 0.5, 0.5]),
+    })  # fmt: skip
     verdicts = benchmark_learning.verdicts(result)
-    assert [v["target"].startswith("vllm: ") for v in verdicts] == [False, False, False, True, True]
-    assert [v["pass"] for v in verdicts] == [True, True, True, False, False]  # vllm: +0.10 and +0.10
+    names = benchmark_learning.TARGET_NAMES
+    assert [v["target"] for v in verdicts] == [names[0], f"vllm-lora: {names[0]}", names[1]]
+    assert [v["pass"] for v in verdicts] == [True, False, True]
     section = report.section("learning", result)
     measures = [row.measure for row in section.rows]
-    assert "vllm trained: mean reward, last 5 steps vs first 5" in measures
-    assert "vllm last 5 steps: trained vs frozen" in measures
-    assert "vllm reward 0.50 -> 0.60" in section.headline
+    assert "vllm-lora held-out pass@1 at step 20: trained - frozen, paired by seed" in measures
+    assert (
+        "vllm-lora held-out pass@1 trained 0.75 [0.13, 1.37] vs frozen 0.50 [0.50, 0.50]" in section.headline
+    )
 
 
-def test_the_lora_arm_runs_the_vllm_flags_with_lora_and_reports_under_its_own_name() -> None:
+def test_the_report_headline_gives_both_arms_the_difference_and_the_first_run() -> None:
     from benchmarks import report
 
-    assert benchmark_learning.ENGINE_ARMS["vllm-lora"] == [*benchmark_learning.ENGINE_ARMS["vllm"], "--lora"]
-    run = {"k": 5, "seconds": 480.0, "rewards": [0.5] * 20}
-    result = {
-        "config": {"quick": False},
-        "vllm-lora": {
-            "trained": run | {"first": 0.5, "last": 0.8},
-            "frozen": run | {"first": 0.5, "last": 0.7},
-        },
-    }
-    verdicts = benchmark_learning.verdicts(result)
-    arms_and_passes = [(v["target"].split(":")[0], v["pass"]) for v in verdicts]
-    assert arms_and_passes == [("vllm-lora", True), ("vllm-lora", False)]  # +0.30 rise, +0.10 over frozen
-    section = report.section("learning", result)
-    assert [row.measure for row in section.rows] == [
-        "vllm-lora trained: mean reward, last 5 steps vs first 5",
-        "vllm-lora last 5 steps: trained vs frozen",
-    ]
-    assert section.headline.startswith("vllm-lora reward 0.50 -> 0.80")
+    result = result_of({"dev": runs_of("dev", [0.75, 0.75, 0.875], [0.5, 0.5, 0.5])}, first_run_s=672.0)
+    section = report.section("learning", result, seconds=3600.0)
+    assert section.headline == (
+        "held-out pass@1 trained 0.79 [0.61, 0.97] vs frozen 0.50 [0.50, 0.50]; diff +0.29 [+0.11, +0.47]; "
+        "first run 11.2 min"
+    )
+    rows = {row.measure: row for row in section.rows}
+    assert rows["held-out pass@1 at step 0 (the warm model): trained vs frozen"].value == "0.50 [0.50, 0.50]"
+    assert rows["first run (fresh cache, warm-up included)"].cells()[1:4] == (
+        "11.2 min",
+        "12 min target",
+        "0.93x",
+    )
+    assert any(
+        note.startswith("dev trained seed 0: 8.0 min (cached); held-out pass@1 0.50 -> 0.75")
+        for note in section.notes
+    )
+    assert "## learning: " in report.render_section(section)
 
 
-def test_an_unknown_arm_is_refused_naming_the_known_ones(capsys: pytest.CaptureFixture[str]) -> None:
+def parse(*argv: str) -> dict[str, Any]:
+    parser = benchmark_learning.build_parser()
+    return benchmark_learning.resolve(parser.parse_args(list(argv)), parser)
+
+
+def test_the_default_configuration_is_three_seeds_evaluated_at_the_start_and_the_end() -> None:
+    config = parse()
+    assert (config["seeds"], config["max_steps"], config["eval_steps"], config["engines"]) == (
+        [0, 1, 2],
+        20,
+        20,
+        ["dev"],
+    )
+    assert (config["eval_num_generations"], config["eval_temperature"]) == (4, 0.7)
+    quick = parse("--quick")
+    assert (quick["seeds"], quick["max_steps"], quick["eval_steps"]) == ([0, 1], 2, 2)
+    assert parse("--quick", "--seeds", "3,4,5")["seeds"] == [3, 4, 5]
+
+
+def test_a_relative_task_folder_is_passed_on_absolute(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(EXAMPLE_TASKS.parent)
+    assert parse("--tasks", "tasks")["tasks"] == str(EXAMPLE_TASKS)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--engines", "dev,sglang"], "unknown engine(s) ['sglang']; choose from dev,vllm,vllm-lora"),
+        (["--seeds", "0"], "--seeds needs at least 2 distinct seeds"),
+        (["--seeds", "1,1"], "--seeds needs at least 2 distinct seeds"),
+        (["--eval-steps", "3"], "--eval-steps 3 must divide --max-steps 20"),
+        (["--eval-steps", "0"], "--eval-steps 0 must divide --max-steps 20"),
+    ],
+)
+def test_a_configuration_without_a_verdict_is_refused(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit):
-        benchmark_learning.main(["--engines", "dev,sglang"])
-    assert "unknown engine(s) ['sglang']; choose from dev,vllm,vllm-lora" in capsys.readouterr().err
+        parse(*argv)
+    assert message in capsys.readouterr().err
+
+
+def test_a_task_folder_without_a_test_split_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "train" / "one").mkdir(parents=True)
+    (tmp_path / "train" / "one" / "task.toml").write_text("")
+    with pytest.raises(SystemExit):
+        parse("--tasks", str(tmp_path))
+    assert "has no split test (it needs train, test)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse("--tasks", str(tmp_path / "train" / "one" / "task.toml"))
+    assert "no such folder" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse("--tasks", str(tmp_path / "train" / "one"))  # a folder, but of no tasks
+    assert "no task folders" in capsys.readouterr().err
+
+
+def test_a_run_gets_the_seed_the_evaluation_the_arm_and_for_frozen_the_tiny_learning_rate() -> None:
+    config = parse("--quick", "--eval-num-generations", "2", "--eval-temperature", "0.5")
+    flags = benchmark_learning.run_flags(config, "vllm-lora", "frozen", 1)
+    assert flags[:6] == ["--seed", "1", "--tasks", config["tasks"], "--max-steps", "2"]
+    assert flags[6:12] == ["--eval-steps", "2", "--eval-num-generations", "2", "--eval-temperature", "0.5"]
+    assert flags[12:] == [
+        *benchmark_learning.QUICK_FLAGS,
+        "--engine",
+        "vllm",
+        "--lora",
+        "--learning-rate",
+        "1e-09",
+    ]
+    assert benchmark_learning.run_flags(config, "dev", "trained", 1)[-1] == "--no-warmup"
+
+
+def test_the_fresh_cache_is_empty_but_for_a_link_to_the_machines_tool_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HARNESS_TRAINER_CACHE", str(tmp_path / "normal"))
+    fresh = benchmark_learning.fresh_cache(tmp_path / "fresh")
+    assert [p.name for p in fresh.iterdir()] == ["tools"]
+    assert (fresh / "tools").resolve() == (tmp_path / "normal" / "tools").resolve()
+    with benchmark_learning.cache_at(fresh):
+        assert os.environ["HARNESS_TRAINER_CACHE"] == str(fresh)
+    assert os.environ["HARNESS_TRAINER_CACHE"] == str(tmp_path / "normal")
+    with benchmark_learning.cache_at(None):
+        assert os.environ["HARNESS_TRAINER_CACHE"] == str(tmp_path / "normal")
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # it ran past 300 s beside another test process (pytest -n 2) on 2 cores
-def test_quick_learning_benchmark_runs_both_dev_loops_and_leaves_nothing_running(tmp_path: Path) -> None:
+@pytest.mark.timeout(1500)  # four dev loops; on 2 busy cores each took up to 2 min
+def test_quick_learning_benchmark_runs_both_arms_over_two_seeds_and_leaves_nothing_running(
+    tmp_path: Path,
+) -> None:
     out = tmp_path / "result.json"
 
-    run = run_quick(BENCHMARKS / "learning.py", out, 400, "the quick learning benchmark", stop_s=90)
+    run = run_quick(BENCHMARKS / "learning.py", out, 1200, "the quick learning benchmark", stop_s=90)
 
     assert run.returncode == 0, run.stdout[-4000:]
     lines = run.stdout.splitlines()
-    assert any(line.startswith("trained ") for line in lines) and any(
-        line.startswith("frozen ") for line in lines
-    )
+    for label in ("dev trained", "dev frozen (lr 1e-09)", "dev trained - frozen, paired by seed"):
+        assert any(line.startswith(label) for line in lines), label
     for name in benchmark_learning.TARGET_NAMES:
         assert any(line.split()[:1] in (["PASS"], ["MISS"]) and name in line for line in lines), name
     result = json.loads(out.read_text())
-    for name in ("trained", "frozen"):
-        assert len(result[name]["rewards"]) == 2 and result[name]["k"] == 1 and result[name]["seconds"] > 0
-    assert result["frozen"]["flags"][-2:] == ["--learning-rate", "1e-09"]
+    runs = result["arms"]["dev"]["runs"]
+    assert [(r["seed"], r["kind"]) for r in runs] == [
+        (0, "trained"),
+        (0, "frozen"),
+        (1, "trained"),
+        (1, "frozen"),
+    ]
+    assert [r["cache"] for r in runs] == ["fresh", "cached", "cached", "cached"]
+    for r in runs:
+        assert r["eval_steps"] == [0, 2] and len(r["rewards"]) == 2 and r["seconds"] > 0
+    assert runs[1]["flags"][-2:] == ["--learning-rate", "1e-09"]
+    assert result["first_run"] == {"engine": "dev", "seed": 0, "seconds": runs[0]["seconds"]}
+    assert result["arms"]["dev"]["summary"]["difference"]["end"]["n"] == 2
     assert result["leftover_processes"] == []
