@@ -86,7 +86,11 @@ MOMENTS = ("start", "end")
 """Where a run's held-out pass@1 is read: step 0 (before training) and its last step."""
 DEFAULTS = {"seeds": "0,1,2", "max_steps": 20, "eval_num_generations": 4, "eval_temperature": 0.7}
 QUICK = {"seeds": "0,1", "max_steps": 2, "eval_num_generations": 1, "eval_temperature": 0.0}
-QUICK_FLAGS = ["--harness", "toy", "--num-generations", "2", "--max-completion-length", "32", "--no-warmup"]
+# The random tiny model (no warm-up) solves nothing: its equal-reward groups are kept, or no step would come.
+QUICK_FLAGS = [
+    "--harness", "toy", "--num-generations", "2", "--max-completion-length", "32", "--no-warmup",
+    "--no-drop-zero-variance-groups",
+]  # fmt: skip
 ENGINE_ARMS = {"dev": [], "vllm": ["--engine", "vllm"], "vllm-lora": ["--engine", "vllm", "--lora"]}
 """Each arm's dev-loop flags."""
 SPLITS = ("train", "test")

@@ -30,7 +30,9 @@ def dev(tmp_path: Path, *extra: str) -> list[str]:
         sys.executable, "-m", "harness_trainer.cli", "dev", "--harness", "toy", "--no-warmup",
         "--tasks", str(one_task(tmp_path) if not (tmp_path / "tasks").exists() else tmp_path / "tasks"),
         "--output-dir", str(tmp_path / "run"), "--num-generations", "2", "--max-concurrent-rollouts", "2",
-        "--max-completion-length", "32", *extra,
+        "--max-completion-length", "32",
+        # The random tiny model solves nothing: every group's rewards are equal, and kept, not dropped.
+        "--no-drop-zero-variance-groups", *extra,
     ]  # fmt: skip
 
 
