@@ -53,6 +53,7 @@ def test_a_train_task_with_a_held_out_instruction_is_refused_by_name(family: Pat
 
 
 # A real warm-up, kept short: 8 solver transcripts through the toy agent, 2 fine-tuning steps.
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_warm_model_records_only_train_tasks_and_is_not_reused_once_their_instructions_change(
     tmp_path: Path, family: Path, tiny_model_dir: Path
