@@ -12,6 +12,12 @@ format, a command that solves nothing. Trained on both at equal weight, the warm
 about even odds, so GRPO starts near half the reward with a clean signal: a solved and a failed rollout
 differ at the command the model picked, not in a ramble off a half-memorised transcript (without them,
 what GRPO pushed down was mostly noise, and the curve fell; see the README).
+
+Held-out tasks stay out of it (:func:`check_not_held_out`): the warm-up refuses a held-out split
+(:data:`HELD_OUT_SPLITS`) and a split that shares an instruction with one, so no solver transcript of a
+held-out task is ever trained on. The warm model's ``warmup.json`` lists what it was trained on
+(``trained_on``: split, task, instruction digest), and a cached warm model is only reused for the same
+instructions, none of them held out now.
 """
 
 from __future__ import annotations
@@ -40,6 +46,9 @@ from harness_trainer.trainer.rows import Row, build_rows
 
 WARMUP_VERSION = 3
 DISTRACTOR_SUFFIX = " (distractor)"
+HELD_OUT_SPLITS = frozenset({"test", "validation"})
+"""Splits kept for evaluation: never warmed up on, and no warmed-up task may share an instruction with
+one of theirs."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +75,46 @@ class WarmupReport:
     seconds: float = 0.0
 
 
+def instruction_digest(instruction: str) -> str:
+    """What ``trained_on`` records of an instruction (surrounding whitespace does not count)."""
+    return hashlib.sha256(instruction.strip().encode()).hexdigest()
+
+
+def trained_on(source: LocalTaskSource, split: str) -> list[dict[str, str]]:
+    """What a warm-up on ``split`` trains on, as ``warmup.json`` records it: split, task, instruction
+    digest, one entry per task."""
+    return [
+        {"split": split, "task": task.name, "instruction_sha256": instruction_digest(task.instruction)}
+        for task in source.tasks(split)
+    ]
+
+
+def check_not_held_out(source: LocalTaskSource, split: str) -> None:
+    """Refuse to warm up on held-out tasks: ``split`` itself, or a task of ``split`` whose instruction a
+    held-out split of ``source`` also has.
+
+    Raises:
+        ValueError: ``split`` is one of :data:`HELD_OUT_SPLITS`, or shares an instruction with one.
+    """
+    if split in HELD_OUT_SPLITS:
+        raise ValueError(
+            f"split {split!r} is held out for evaluation ({', '.join(sorted(HELD_OUT_SPLITS))}): the warm-up "
+            "never trains on its solutions; warm up on a training split (--split train)"
+        )
+    digests = {entry["instruction_sha256"] for entry in trained_on(source, split)}
+    leaked = [
+        f"{held}/{task.name}"
+        for held in sorted(HELD_OUT_SPLITS & set(source.splits()))
+        for task in source.tasks(held)
+        if instruction_digest(task.instruction) in digests
+    ]
+    if leaked:
+        raise ValueError(
+            f"split {split!r} of {source.root} has the instructions of held-out tasks {leaked}: the warm-up "
+            "would train on their solutions"
+        )
+
+
 def collect_transcripts(
     source: LocalTaskSource,
     split: str,
@@ -77,7 +126,12 @@ def collect_transcripts(
     agent_timeout: float = 180.0,
 ) -> dict[str, TrainingTrace]:
     """One captured solver transcript per task of ``split``, through the real ``harness``; with
-    ``distractors`` also one distractor transcript per task, named ``task + DISTRACTOR_SUFFIX``."""
+    ``distractors`` also one distractor transcript per task, named ``task + DISTRACTOR_SUFFIX``.
+
+    Raises:
+        ValueError: ``split`` holds held-out tasks (:func:`check_not_held_out`).
+    """
+    check_not_held_out(source, split)
     rows = source.prompt_rows(split)
     plan: list[tuple[dict, str, list[dict]]] = []
     for row in rows:
@@ -144,9 +198,11 @@ def fine_tune(
     recipe: WarmupRecipe,
     *,
     on_step: Callable[[int, float], None] | None = None,
+    tasks: list[dict[str, str]] | None = None,
 ) -> WarmupReport:
     """Train ``base_model`` on the transcripts' sampled tokens until the least likely transcript has the
-    recipe's target probability (or ``max_steps``); save the model and tokenizer to ``out``."""
+    recipe's target probability (or ``max_steps``); save the model and tokenizer to ``out``, with
+    ``warmup.json`` (the recipe, the report, and ``tasks`` as ``trained_on``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     started = time.monotonic()
@@ -177,7 +233,9 @@ def fine_tune(
         model.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(base_model).save_pretrained(tmp)
         (tmp / "warmup.json").write_text(
-            json.dumps({"recipe": asdict(recipe), "report": asdict(report)}, indent=2)
+            json.dumps(
+                {"recipe": asdict(recipe), "report": asdict(report), "trained_on": tasks or []}, indent=2
+            )
         )
         if out.exists():
             shutil.rmtree(out)
@@ -196,10 +254,17 @@ def ensure_warm_model(
     *,
     log: Callable[[str], None] = print,
 ) -> Path:
-    """The warm model for ``recipe`` (built once, then reused from the cache next to ``base_model``)."""
+    """The warm model for ``recipe`` (built once, then reused from the cache next to ``base_model``).
+
+    Raises:
+        ValueError: ``split`` holds held-out tasks (:func:`check_not_held_out`), or the cached warm model
+            was trained on other instructions than ``split``'s tasks have now, or on held-out ones.
+    """
+    check_not_held_out(source, split)
     tasks = sorted(row["task_name"] for row in source.prompt_rows(split))
     out = base_model.parent / f"{base_model.name}-warm-{recipe.fingerprint(base_model, tasks)}"
     if (out / "warmup.json").is_file():
+        _check_cached(out, source, split)
         log(f"warm-up: reusing {out}")
         return out
     # One build per recipe on this machine: a second run (or test process) asking at the same time waits
@@ -207,9 +272,26 @@ def ensure_warm_model(
     with open(out.parent / f".{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (out / "warmup.json").is_file():
+            _check_cached(out, source, split)
             log(f"warm-up: reusing {out} (built meanwhile by another process)")
             return out
         return _build_warm_model(source, split, recipe, base_model, tasks, out, log)
+
+
+def _check_cached(out: Path, source: LocalTaskSource, split: str) -> None:
+    """The cache is keyed by task names, not contents: a cached warm model is reused only if it was
+    trained on the instructions ``split``'s tasks have now (which :func:`check_not_held_out` passed), not
+    on ones since moved to a held-out split; one built before ``trained_on`` was recorded is reused as it
+    always was."""
+    recorded = json.loads((out / "warmup.json").read_text()).get("trained_on")
+    if not recorded:
+        return
+    digests = {entry["instruction_sha256"] for entry in recorded}
+    if digests != {entry["instruction_sha256"] for entry in trained_on(source, split)}:
+        raise ValueError(
+            f"the cached warm model {out} was trained on other instructions than split {split!r} of "
+            f"{source.root} has now (same task names): delete it to warm up again"
+        )
 
 
 def _build_warm_model(
@@ -233,6 +315,6 @@ def _build_warm_model(
             if step % 25 == 0:
                 log(f"warm-up: step {step}, least likely transcript {probability:.3f}")
 
-        report = fine_tune(base_model, traces, out, recipe, on_step=progress)
+        report = fine_tune(base_model, traces, out, recipe, on_step=progress, tasks=trained_on(source, split))
     log(f"warm-up: {report.steps} steps in {report.seconds:.0f} s, probability {report.probability:.2f}")
     return out

@@ -1,13 +1,16 @@
-"""Builders for task folders on disk, so each test states only what it changes."""
+"""Builders for task folders on disk, so each test states only what it changes; a local sandbox backend."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
 
+from harness_trainer.sandboxes import LocalSandboxBackend
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "tasks"
+TOY_SKILLS = EXAMPLES.parent / "toy-skills"
 
 MINIMAL_TOML = 'version = "1.0"\n'
 PASSING_TEST_SH = "#!/bin/bash\nmkdir -p /logs/verifier\necho 1 > /logs/verifier/reward.txt\n"
@@ -42,3 +45,12 @@ def task_writer(tmp_path: Path) -> TaskWriter:
         return write_task(tmp_path / relative, **kwargs)
 
     return write
+
+
+@pytest.fixture
+async def backend(tmp_path: Path) -> AsyncIterator[LocalSandboxBackend]:
+    """A local sandbox backend; every sandbox it started is gone when the test ends."""
+    backend = LocalSandboxBackend(tmp_path, kill_grace_s=0.5)
+    yield backend
+    await backend.aclose()
+    assert backend.live == []

@@ -7,8 +7,6 @@ verifier's ``tests/`` is uploaded to ``/tests`` and ``bash /tests/test.sh`` writ
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 
@@ -26,14 +24,6 @@ pytestmark = pytest.mark.skipif(
 SOURCE = LocalTaskSource(EXAMPLES)
 TOY_TASKS = [task for split in SOURCE.splits() for task in SOURCE.tasks(split)]
 WORKDIR = "/app"  # every toy task's Dockerfile says so (test_loader checks it)
-
-
-@pytest.fixture
-async def backend(tmp_path: Path) -> AsyncIterator[LocalSandboxBackend]:
-    backend = LocalSandboxBackend(tmp_path, kill_grace_s=0.5)
-    yield backend
-    await backend.aclose()
-    assert backend.live == []
 
 
 async def solve(sandbox: Sandbox, task: HarborTask) -> None:

@@ -1,0 +1,107 @@
+"""The toy-skills family: generated the same from a seed, held out for real, committed as generated, and
+every task graded for real in a local sandbox (its solution 1; untouched or the warm-up's distractor 0)."""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from pathlib import Path
+
+import pytest
+
+from harness_trainer.devloop.solver import DISTRACTOR, solve_command
+from harness_trainer.rollouts.server.verifier import run_verifier
+from harness_trainer.sandboxes import LocalSandboxBackend
+from harness_trainer.sandboxes.processes import missing_tools
+from harness_trainer.tasks import HarborTask, LocalTaskSource
+from harness_trainer.tasks.toy_family import SKILLS, SOLUTIONS, WORDINGS, toy_family, write_family
+
+from .conftest import TOY_SKILLS
+
+FAMILY = toy_family()
+COMMITTED = LocalTaskSource(TOY_SKILLS)
+COMMITTED_TASKS = [task for split in COMMITTED.splits() for task in COMMITTED.tasks(split)]
+
+
+def pieces(name_or_value: str) -> set[str]:
+    return {piece for piece in re.split(r"[ ./]", name_or_value) if piece}
+
+
+def test_the_same_seed_gives_the_same_family_and_another_seed_another() -> None:
+    assert toy_family(0) == FAMILY
+    assert toy_family(1) != FAMILY
+    assert {split: len(tasks) for split, tasks in FAMILY.items()} == {"train": 32, "test": 16}
+    small = toy_family(3, {"train": 2, "test": 1})
+    assert [len(small["train"]), len(small["test"])] == [2 * len(SKILLS), len(SKILLS)]
+
+
+def test_no_test_instance_shares_a_name_value_or_instruction_with_a_train_instance() -> None:
+    train, test = FAMILY["train"], FAMILY["test"]
+    train_names = {t.name for t in train} | {t.value for t in train if t.value}
+    assert all(t.name not in train_names and t.value not in train_names for t in test)
+    assert not {(t.skill, t.name, t.value) for t in train} & {(t.skill, t.name, t.value) for t in test}
+    instructions = [t.instruction for t in train + test]
+    assert len(set(instructions)) == len(instructions)
+    folders = [t.folder for t in train + test]
+    assert len(set(folders)) == len(folders)
+
+
+def test_a_test_instance_is_made_of_pieces_train_has_and_train_has_every_wording_of_every_skill() -> None:
+    seen = set().union(*(pieces(t.name) | pieces(t.value) for t in FAMILY["train"]))
+    for task in FAMILY["test"]:
+        assert pieces(task.name) | pieces(task.value) <= seen, task
+    for split, tasks in FAMILY.items():
+        used = {(t.skill, t.wording) for t in tasks}
+        expected = {(skill, w) for skill in SKILLS for w in range(len(WORDINGS[skill]))}
+        assert used == expected if split == "train" else used <= expected
+
+
+def test_asking_for_more_instances_than_the_pools_hold_is_refused() -> None:
+    with pytest.raises(ValueError, match="too few instances"):
+        toy_family(0, {"train": 30, "test": 4})
+
+
+def test_the_committed_family_is_the_generator_output(tmp_path: Path) -> None:
+    write_family(tmp_path)
+
+    def tree(root: Path) -> dict[str, tuple[str, bool]]:
+        return {
+            str(path.relative_to(root)): (path.read_text(), bool(path.stat().st_mode & stat.S_IXUSR))
+            for path in sorted(root.rglob("*"))
+            if path.is_file()
+        }
+
+    assert tree(TOY_SKILLS) == tree(tmp_path), (
+        "examples/toy-skills is stale: python -m harness_trainer.tasks.toy_family examples/toy-skills"
+    )
+
+
+def test_every_committed_task_loads_and_its_solution_is_its_skills_one_command() -> None:
+    assert COMMITTED.splits() == ["test", "train"]
+    for split, tasks in FAMILY.items():
+        for generated, loaded in zip(tasks, COMMITTED.tasks(split), strict=True):
+            assert loaded.name == generated.folder and loaded.instruction == generated.instruction
+            assert loaded.config["metadata"]["skill"] == generated.skill
+            fields = {"name": generated.name, "value": generated.value}
+            assert solve_command(loaded) == SOLUTIONS[generated.skill].format(**fields)
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or bool(missing_tools()), reason="the local sandbox needs root and util-linux"
+)
+@pytest.mark.parametrize("task", COMMITTED_TASKS, ids=lambda t: f"{t.split}/{t.name}")
+async def test_only_the_solution_solves_a_family_task_untouched_or_after_the_distractor_it_is_zero(
+    backend: LocalSandboxBackend, task: HarborTask
+) -> None:
+    sandbox = await backend.start(task, lifetime_s=60)
+    try:
+        untouched = await run_verifier(sandbox, task)
+        await sandbox.exec(DISTRACTOR, timeout_s=30)
+        after_distractor = await run_verifier(sandbox, task)
+        solved = await sandbox.exec(solve_command(task), timeout_s=30)
+        assert solved.exit_code == 0, solved.stdout + solved.stderr
+        after_solution = await run_verifier(sandbox, task)
+    finally:
+        await sandbox.close()
+    assert (untouched.reward, after_distractor.reward, after_solution.reward) == (0.0, 0.0, 1.0)
