@@ -848,17 +848,9 @@ class HarnessAsyncGRPOTrainer:
         more than once."""
         if self.scheduler is not None:
             self.scheduler.stop()
-        if self.factory is not None and hasattr(self.factory, "close"):
-            try:
-                self.factory.close()
-            except Exception:
-                logger.warning("closing the session factory failed", exc_info=True)
-            self.factory = None
-        if self._eval_factory is not None and hasattr(self._eval_factory, "close"):
-            try:
-                self._eval_factory.close()
-            except Exception:
-                logger.warning("closing the eval session factory failed", exc_info=True)
+        _close_factory(self.factory, "session factory")
+        self.factory = None
+        _close_factory(self._eval_factory, "eval session factory")
         self._eval_factory = None
         if self.reporter is not None:
             self.reporter.close()
@@ -940,6 +932,15 @@ def _zero_variance(group: Group) -> bool:
     """Whether the group's scored members (two or more) all got the same reward: advantages all 0."""
     rewards = [r.reward for r in group.scored]
     return len(rewards) >= 2 and all(reward == rewards[0] for reward in rewards)
+
+
+def _close_factory(factory: Any, what: str) -> None:
+    """Close ``factory`` (if any, and if it closes); a failure is logged, so cleanup goes on."""
+    if factory is not None and hasattr(factory, "close"):
+        try:
+            factory.close()
+        except Exception:
+            logger.warning("closing the %s failed", what, exc_info=True)
 
 
 def _resume_flag(value: str | None) -> bool | str | None:
