@@ -214,7 +214,7 @@ def test_a_run_gets_the_seed_the_evaluation_the_arm_and_for_frozen_the_tiny_lear
         "--learning-rate",
         "1e-09",
     ]
-    assert benchmark_learning.run_flags(config, "dev", "trained", 1)[-1] == "--no-warmup"
+    assert benchmark_learning.run_flags(config, "dev", "trained", 1)[-1] == benchmark_learning.QUICK_FLAGS[-1]
 
 
 def test_the_fresh_cache_is_empty_but_for_a_link_to_the_machines_tool_cache(

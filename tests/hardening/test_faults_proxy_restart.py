@@ -57,14 +57,14 @@ def test_a_proxy_killed_mid_run_and_restarted_loses_no_answered_call_and_fails_n
     tiny_model_dir,
     tmp_path,
 ) -> None:
-    """The proxy is SIGKILLed twice while an agent of group 0 sits in a 10 s tool call after its first
-    answer. First it is restarted at once (10 s leaves a loaded CI machine time to start it; 4 s and 6 s
+    """The proxy is SIGKILLed twice while an agent of group 0 sits in a 20 s tool call after its first
+    answer. First it is restarted at once (20 s leaves a loaded CI machine time to start it; 4, 6 and 10 s
     did not always): the agent's session, reloaded from its journal, goes on, and its trace holds both
-    calls. Then it stays down for 12 s: the agent's next call fails (the toy agent gives up), and the
+    calls. Then it stays down for 24 s: the agent's next call fails (the toy agent gives up), and the
     rollout's export waits for the restarted proxy and yields the one answered call. For every rollout,
     the trace holds exactly the calls its agent got an answer for (counted from the agent's own log); the
     run trains its 2 steps; no capture session, agent or sandbox is left."""
-    slow, fast = bash_call(f"{SOLVE_CMD}; sleep 10"), bash_call(SOLVE_CMD)
+    slow, fast = bash_call(f"{SOLVE_CMD}; sleep 20"), bash_call(SOLVE_CMD)
     engine = scripted_engine([slow, fast, slow] + [fast] * 40)
     data = tmp_path / "capture"
     proxy = ProxyProcess(engine.url, data, free_port(), ADMIN_KEY, tmp_path / "proxy.log")
@@ -90,14 +90,14 @@ def test_a_proxy_killed_mid_run_and_restarted_loses_no_answered_call_and_fails_n
 
     def kill_twice() -> None:
         try:
-            for downtime in (0.0, 12.0):
+            for downtime in (0.0, 24.0):
                 assert wait_until(lambda: first_answered_session(killed) is not None, 120), "no agent call"
                 killed.append(first_answered_session(killed) or "")
                 # The proxy journals a call before it answers: killing at once could take the answer with
-                # it. 1.5 s in, the agent has it and sits in its 10 s tool call.
+                # it. 1.5 s in, the agent has it and sits in its 20 s tool call.
                 threading.Event().wait(1.5)
                 proxy.kill()
-                # The fault itself: how long the proxy stays dead (the agent's 10 s tool call is between).
+                # The fault itself: how long the proxy stays dead (the agent's 20 s tool call is between).
                 threading.Event().wait(downtime)
                 proxy.start()
         except BaseException as exc:  # reported by the test thread
