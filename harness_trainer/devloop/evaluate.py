@@ -20,9 +20,12 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from harness_trainer.devloop.run import EXAMPLE_TASKS, HARNESS_CHOICES
+
+if TYPE_CHECKING:
+    from harness_trainer.trainer.evaluation import EvalRecord
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 MODEL_FILES = ("config.json", "generation_config.json", "adapter_config.json")
@@ -143,8 +146,7 @@ def _run_eval(args: argparse.Namespace) -> int:
     from harness_trainer.devloop.engine import start_local_engine
     from harness_trainer.engines.vllm_process import check_vllm_python, vllm_python
     from harness_trainer.tasks.sources import LocalTaskSource
-    from harness_trainer.trainer.evaluation import EVAL_SEED_OFFSET, Evaluator
-    from harness_trainer.trainer.scheduling import SchedulerConfig
+    from harness_trainer.trainer.evaluation import Evaluator
 
     if args.k < 1:
         raise ValueError(f"-k must be at least 1, got {args.k}")
@@ -176,32 +178,25 @@ def _run_eval(args: argparse.Namespace) -> int:
             )  # fmt: skip
             try:
                 evaluator = Evaluator(
-                    factory, rows,
-                    SchedulerConfig(
-                        num_generations=args.k, max_concurrent_rollouts=args.max_concurrent_rollouts,
-                        admission_limit=len(rows), agent_timeout=args.agent_timeout,
-                        seed=args.seed + EVAL_SEED_OFFSET, vocab_size=vocab, temperature=args.temperature,
-                        max_groups=len(rows),
-                    ),
-                    reward_fn=None, output_dir=output, split=args.split, temperature=args.temperature,
-                    pass_reward=args.pass_reward,
+                    factory, rows, k=args.k, seed=args.seed, temperature=args.temperature,
+                    pass_reward=args.pass_reward, max_concurrent_rollouts=args.max_concurrent_rollouts,
+                    agent_timeout=args.agent_timeout, vocab_size=vocab, reward_fn=None, output_dir=output,
+                    split=args.split,
                 )  # fmt: skip
-                before = len(evaluator.path.read_text().splitlines()) if evaluator.path.exists() else 0
-                metrics = evaluator.evaluate(step, version, threading.Event())
+                evaluated = evaluator.evaluate(step, version, threading.Event())
             finally:
                 factory.close()
         finally:
             engine.stop()
-    assert metrics is not None  # nothing sets the stop event: Ctrl-C raises instead
-    _report(evaluator.path, before, metrics, args.k)
+    assert evaluated is not None  # nothing sets the stop event: Ctrl-C raises instead
+    _report(evaluator.path, *evaluated, args.k)
     return 0
 
 
-def _report(path: Path, skip: int, metrics: dict[str, float], k: int) -> None:
-    for line in path.read_text().splitlines()[skip:]:
-        record = json.loads(line)
-        rewards = ", ".join("-" if r is None else f"{r:g}" for r in record["rewards"])
-        print(f"{record['task_name']}: pass@1 {_fmt(record['pass@1'])}, pass@{k} {_fmt(record['pass@k'])} "
+def _report(path: Path, metrics: dict[str, float], records: list[EvalRecord], k: int) -> None:
+    for record in records:
+        rewards = ", ".join("-" if r is None else f"{r:g}" for r in record.rewards)
+        print(f"{record.task_name}: pass@1 {_fmt(record.pass_at_1)}, pass@{k} {_fmt(record.pass_at_k)} "
               f"(rewards {rewards})")  # fmt: skip
     print(
         f"mean over {int(metrics['eval/tasks'])} tasks: pass@1 {metrics['eval/pass@1']:.3f}, pass@{k} "

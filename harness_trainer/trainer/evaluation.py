@@ -190,39 +190,55 @@ class Evaluator:
     Args:
         factory: the eval session factory (the trainer's builder with the eval sampling and split).
         rows: the eval rows, one task each.
-        config: the scheduler's settings for one evaluation (``num_generations`` = k).
+        k: rollouts per task.
+        seed: the run's seed; eval groups are seeded from it plus :data:`EVAL_SEED_OFFSET`.
+        temperature: the eval sampling temperature, checked on every captured turn and recorded.
+        pass_reward: the pass test.
+        max_concurrent_rollouts, agent_timeout, vocab_size, max_unexpected_errors: as in training.
         reward_fn: the run's ``rollout_reward_fn``.
         output_dir: where ``eval.jsonl`` is.
         split: the eval split's name, recorded.
-        temperature, pass_reward: recorded, and the pass test.
     """
 
     def __init__(
         self,
         factory: Any,
         rows: Sequence[dict[str, Any]],
-        config: SchedulerConfig,
         *,
+        k: int,
+        seed: int,
+        temperature: float,
+        pass_reward: float,
+        max_concurrent_rollouts: int,
+        agent_timeout: float | None,
+        vocab_size: int | None,
+        max_unexpected_errors: int = 3,
         reward_fn: RewardFn | None,
         output_dir: Path,
         split: str | None,
-        temperature: float,
-        pass_reward: float,
     ) -> None:
         if not rows:
             raise ValueError("the eval dataset has no rows")
         self.factory = factory
         self.rows = list(rows)
-        self.config = config
+        # One pass over the rows, all admitted at once, each evaluation with the same seeds.
+        self.config = SchedulerConfig(
+            num_generations=k, max_concurrent_rollouts=max_concurrent_rollouts,
+            admission_limit=len(self.rows), max_groups=len(self.rows), agent_timeout=agent_timeout,
+            seed=seed + EVAL_SEED_OFFSET, vocab_size=vocab_size, temperature=temperature,
+            max_unexpected_errors=max_unexpected_errors,
+        )  # fmt: skip
         self.reward_fn = reward_fn
         self.path = output_dir / EVAL_FILE
         self.split = split
-        self.temperature = temperature
         self.pass_reward = pass_reward
 
-    def evaluate(self, step: int, policy_version: int, stop: threading.Event) -> dict[str, float] | None:
-        """One evaluation at ``policy_version``: its metrics, after its records are in ``eval.jsonl``; None
-        when ``stop`` was set first (nothing is written). Every eval session is closed on every path.
+    def evaluate(
+        self, step: int, policy_version: int, stop: threading.Event
+    ) -> tuple[dict[str, float], list[EvalRecord]] | None:
+        """One evaluation at ``policy_version``: its metrics and its records, once they are in
+        ``eval.jsonl``; None when ``stop`` was set first (nothing is written). Every eval session is closed
+        on every path.
 
         Raises:
             what :meth:`RolloutScheduler.next_group` raises (a malformed capture, a broken reward function).
@@ -243,11 +259,11 @@ class Evaluator:
                     groups.append(group)
         finally:
             scheduler.stop()
-        k = self.config.num_generations
+        k, temperature = self.config.num_generations, float(self.config.temperature or 0.0)
         results = task_results(groups)
         records = eval_records(
             results, step=step, policy_version=policy_version, split=self.split, k=k,
-            temperature=self.temperature, pass_reward=self.pass_reward,
+            temperature=temperature, pass_reward=self.pass_reward,
         )  # fmt: skip
         _append(self.path, [record.line() for record in records])
         metrics = summarize(results, k=k, pass_reward=self.pass_reward)
@@ -258,7 +274,7 @@ class Evaluator:
             policy_version, metrics["eval/pass@1"], k, metrics["eval/pass@k"], len(results),
             metrics["eval/wall_s"],
         )  # fmt: skip
-        return metrics
+        return metrics, records
 
 
 def read_eval(output_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:

@@ -50,7 +50,7 @@ from harness_trainer.trainer.distributed import (
     savable_model,
     split_step,
 )
-from harness_trainer.trainer.evaluation import EVAL_SEED_OFFSET, Evaluator, overlapping_tasks
+from harness_trainer.trainer.evaluation import Evaluator, overlapping_tasks
 from harness_trainer.trainer.export import (
     HubError,
     create_repo,
@@ -308,27 +308,23 @@ class HarnessAsyncGRPOTrainer:
                 "%d eval task(s) have a training task's instruction, so they are not held out: %s",
                 len(overlap), ", ".join(overlap),
             )  # fmt: skip
+        assert args.max_concurrent_rollouts is not None  # resolved at construction
         return Evaluator(
-            self._eval_factory, rows,
-            SchedulerConfig(
-                num_generations=args.eval_num_generations,
-                max_concurrent_rollouts=args.max_concurrent_rollouts,
-                admission_limit=len(rows), agent_timeout=args.agent_timeout,
-                seed=args.seed + EVAL_SEED_OFFSET, vocab_size=vocab_size(self.model),
-                temperature=args.eval_temperature, max_unexpected_errors=args.max_unexpected_errors,
-                max_groups=len(rows),
-            ),
-            reward_fn=self.rollout_reward_fn, output_dir=self.output_dir, split=args.eval_split,
+            self._eval_factory, rows, k=args.eval_num_generations, seed=args.seed,
             temperature=args.eval_temperature, pass_reward=args.pass_reward,
+            max_concurrent_rollouts=args.max_concurrent_rollouts, agent_timeout=args.agent_timeout,
+            vocab_size=vocab_size(self.model), max_unexpected_errors=args.max_unexpected_errors,
+            reward_fn=self.rollout_reward_fn, output_dir=self.output_dir, split=args.eval_split,
         )  # fmt: skip
 
     def _evaluate(self) -> dict[str, float]:
         """Rank 0: one evaluation at the weights the engine serves now; at step 0 (``eval_on_start``) its
         metrics are logged on their own line, later ones go with the step's. {} when the run is stopping."""
         assert self.evaluator is not None and self.reporter is not None
-        metrics = self.evaluator.evaluate(self.state.step, self.state.policy_version, self._stop)
-        if metrics is None:
+        evaluated = self.evaluator.evaluate(self.state.step, self.state.policy_version, self._stop)
+        if evaluated is None:
             return {}
+        metrics, _ = evaluated
         if self.state.step == 0:
             self.reporter.log(metrics, 0)
         return metrics
