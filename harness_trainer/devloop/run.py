@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import signal
 import statistics
@@ -305,9 +304,11 @@ def _run_dev_loop(
 
 
 def step_rewards(metrics: Path) -> list[float]:
-    """Each step's mean reward, from a run's ``metrics.jsonl`` (``eval_on_start``'s step-0 line has none)."""
-    lines = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    return [line["reward"] for line in lines if "reward" in line]
+    """Each step's mean reward, from a run's ``metrics.jsonl`` (its latest timeline; ``eval_on_start``'s
+    step-0 line has none)."""
+    from harness_trainer.plots import logged_points, read_metrics
+
+    return logged_points(read_metrics(metrics), "reward")[1]
 
 
 def reward_windows(rewards: list[float]) -> tuple[int, float, float]:

@@ -572,13 +572,14 @@ class _ConfigFields:
     def sampling(self) -> dict[str, float | int]:
         """:attr:`sampling_policy` as the JSON the session factories send: its temperature, and its output
         cap when one is set. top_p and top_k are left out: the policy type holds them at 1 and off."""
-        return self.sampling_policy.model_dump(exclude_none=True, exclude={"top_p", "top_k"})
+        return _policy_json(self.sampling_policy)
 
     @property
     def eval_sampling(self) -> dict[str, float | int]:
         """:attr:`sampling` with ``eval_temperature``: the policy of eval rollouts."""
-        policy = SamplingPolicy(temperature=self.eval_temperature, max_tokens=self.max_completion_length)
-        return policy.model_dump(exclude_none=True, exclude={"top_p", "top_k"})
+        return _policy_json(
+            SamplingPolicy(temperature=self.eval_temperature, max_tokens=self.max_completion_length)
+        )
 
     @property
     def evaluates(self) -> bool:
@@ -664,6 +665,10 @@ class AsyncGRPOConfig(_ConfigFields):
         self._loss_values = {name: kwargs.pop(name) for name in list(kwargs) if name in LOSS_FIELDS}
         self._trl_values = {name: kwargs.pop(name) for name in list(kwargs) if name in TRL_ONLY}
         super().__init__(*args, **kwargs)
+
+
+def _policy_json(policy: SamplingPolicy) -> dict[str, float | int]:
+    return policy.model_dump(exclude_none=True, exclude={"top_p", "top_k"})
 
 
 def _processes() -> int:
