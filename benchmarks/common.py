@@ -49,8 +49,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_dev_loop(output: Path, flags: list[str], log: Path, what: str) -> float:
+def run_dev_loop(
+    output: Path, flags: list[str], log: Path, what: str, env: dict[str, str] | None = None
+) -> float:
     """``harness-trainer dev --output-dir OUTPUT FLAGS`` to its end, its output in ``log``; its wall seconds.
+    ``env``: variables set for it on top of this process's environment.
     Stopped (SIGTERM, then SIGKILL) on every path: a Ctrl-C here stops the dev loop, which closes what it
     started.
 
@@ -60,7 +63,9 @@ def run_dev_loop(output: Path, flags: list[str], log: Path, what: str) -> float:
     command = [sys.executable, "-m", "harness_trainer.cli", "dev", "--output-dir", str(output), *flags]
     started = time.perf_counter()
     with log.open("wb") as sink:
-        process = subprocess.Popen(command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
         try:
             code = process.wait()
         finally:

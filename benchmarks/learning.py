@@ -64,7 +64,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -177,21 +177,6 @@ def start_and_end(steps: list[int], values: list[float], last: int, what: str) -
     return at[0], at[last]
 
 
-@contextlib.contextmanager
-def cache_at(folder: Path | None) -> Iterator[None]:
-    """``HARNESS_TRAINER_CACHE=folder`` for the dev loops started inside (``None``: left as it is)."""
-    before = os.environ.get("HARNESS_TRAINER_CACHE")
-    if folder is not None:
-        os.environ["HARNESS_TRAINER_CACHE"] = str(folder)
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("HARNESS_TRAINER_CACHE", None)
-        else:
-            os.environ["HARNESS_TRAINER_CACHE"] = before
-
-
 def fresh_cache(folder: Path) -> Path:
     """An empty dev-loop cache but for ``tools``, a link to this machine's tool cache (installs excluded)."""
     from harness_trainer.harnesses.tools import host_tools_dir
@@ -210,8 +195,8 @@ def dev_run(config: dict[str, Any], engine: str, kind: str, seed: int, tmp: Path
 
     name = f"{engine}-{kind}-seed{seed}"
     flags = run_flags(config, engine, kind, seed)
-    with cache_at(cache):
-        seconds = run_dev_loop(tmp / name, flags, tmp / f"{name}.log", name)
+    env = {"HARNESS_TRAINER_CACHE": str(cache)} if cache is not None else None
+    seconds = run_dev_loop(tmp / name, flags, tmp / f"{name}.log", name, env=env)
     rewards = step_rewards(tmp / name / "metrics.jsonl")
     k, first, last = reward_windows(rewards)
     steps, passes = logged_points(read_metrics(tmp / name), "eval/pass@1")
