@@ -90,6 +90,7 @@ def rollout_metrics(
     rollouts = [r for g in groups for r in g.rollouts]
     scored_rollouts = [r for r in rollouts if r.scored]
     rewards = [r.reward for r in scored_rollouts if r.reward is not None]
+    staleness = [policy_version - behaviour_version(r) for r in scored_rollouts]
     group_stds = []
     for group in groups:
         values = [r.reward for r in group.scored if r.reward is not None]
@@ -123,10 +124,8 @@ def rollout_metrics(
         "rollout/seconds_mean": _mean([r.seconds for r in rollouts]),
         "rows/per_rollout": _mean([len(r.rows) for r in with_rows]),
         "rows/fork_frac": _mean([float(len(r.rows) > 1) for r in with_rows]),
-        "staleness/mean": _mean([policy_version - behaviour_version(r) for r in scored_rollouts]),
-        "staleness/max": float(
-            max((policy_version - behaviour_version(r) for r in scored_rollouts), default=0)
-        ),
+        "staleness/mean": _mean(staleness),
+        "staleness/max": float(max(staleness, default=0)),
     }
     metrics |= phase_metrics(rollouts)
     if rollouts:
