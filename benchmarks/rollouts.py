@@ -7,8 +7,9 @@ included; sandbox roots and capture journals in one temporary directory, given t
 - **engine**: ``benchmarks/fake_vllm.py engine --command true``, a fake vLLM whose every reply is one
   ``bash`` tool call running ``true`` (so an agent never stops by itself); instant, or holding every
   reply ``--delay`` seconds for the concurrency points;
-- **server**: ``harness-trainer serve`` on ``examples/tasks`` (the rollout server; its capture proxy runs
-  as its child process, ``serve``'s default), ``--max-concurrent-envs`` above the sessions asked for;
+- **server**: ``harness-trainer serve`` on ``harness_trainer/examples/tasks`` (the rollout server; its
+  capture proxy runs as its child process, ``serve``'s default), ``--max-concurrent-envs`` above the
+  sessions asked for;
 - **agent**: the ``toy`` harness's stdlib agent (``toy_agent.py``), run by the first ``python3`` on
   ``PATH``: the interpreter the harness runs in a local sandbox.
 
@@ -88,12 +89,12 @@ from benchmarks.common import (
     stop_process,
     tree_cpu_seconds,
 )
+from harness_trainer.examples import TASKS
 from harness_trainer.rollouts.client.factory import HarborSessionFactory
 from harness_trainer.rollouts.client.session import RolloutUnscorable
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-TASKS = ROOT / "examples" / "tasks"
 AGENT = ROOT / "harness_trainer" / "harnesses" / "toy_agent.py"
 SPLIT, TASK = "train", "hello-file"
 MODEL = "fake-vllm"

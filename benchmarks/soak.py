@@ -6,8 +6,9 @@ in one temporary directory):
 
 - **engine**: ``benchmarks/fake_vllm.py engine --command true``, the instant fake vLLM (every reply one
   ``bash`` tool call running ``true``, so an agent runs until its step limit);
-- **server**: ``harness-trainer serve`` on ``examples/tasks`` (the rollout server; its capture proxy runs as
-  its child process, **proxy** below), ``--max-concurrent-envs`` just above the concurrency;
+- **server**: ``harness-trainer serve`` on ``harness_trainer/examples/tasks`` (the rollout server; its
+  capture proxy runs as its child process, **proxy** below), ``--max-concurrent-envs`` just above the
+  concurrency;
 - **rollouts**: task ``hello-file``, the ``toy`` agent in ``local`` sandboxes, ``--steps`` model calls each,
   driven over the server's HTTP API from an asyncio client in **waves** of ``--concurrency`` rollouts
   (open → start → long-poll until done → fetch the trace → close; the next wave starts when the last one

@@ -35,7 +35,7 @@ def runs_of(engine: str, trained_end: list[float], frozen_end: list[float], star
 
 
 def result_of(arms: dict[str, list[dict]], first_run_s: float = 600.0) -> dict[str, Any]:
-    config = {"quick": False, "seeds": [0, 1, 2], "max_steps": 20, "tasks": "examples/tasks",
+    config = {"quick": False, "seeds": [0, 1, 2], "max_steps": 20, "tasks": "harness_trainer/examples/tasks",
               "eval_num_generations": 4, "eval_temperature": 0.7, "first_run_minutes": 12.0}  # fmt: skip
     return {
         "config": config,

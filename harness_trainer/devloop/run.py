@@ -43,7 +43,7 @@ from harness_trainer.trainer.config import AsyncGRPOConfig
 if TYPE_CHECKING:
     from harness_trainer import HarnessAsyncGRPOTrainer
 
-EXAMPLE_TASKS = Path(__file__).resolve().parents[2] / "examples" / "tasks"
+EXAMPLE_TASKS = Path(__file__).resolve().parents[1] / "examples" / "tasks"
 HARNESS_CHOICES = ("mini-swe-agent", "opencode", "toy")
 ENGINE_CHOICES = ("dev", "vllm")
 

@@ -17,10 +17,9 @@ from harness_trainer.devloop.warmup import (
     ensure_warm_model,
     instruction_digest,
 )
+from harness_trainer.examples import TOY_SKILLS
 from harness_trainer.tasks.sources import LocalTaskSource
 from harness_trainer.tasks.toy_family import write_family
-
-TOY_SKILLS = Path(__file__).resolve().parents[2] / "examples" / "toy-skills"
 
 
 @pytest.fixture

@@ -17,13 +17,13 @@ from typing import Any
 import httpx
 import pytest
 
+from harness_trainer.examples import TASKS as EXAMPLES  # noqa: F401 - for the tests here
 from harness_trainer.harnesses.tools import ToolPackage, ensure_host_install
 from harness_trainer.net import free_port, wait_until_healthy
 from harness_trainer.sandboxes.base import ExecResult
 from tests.conftest import EngineProcess, start_engine
 
 ADMIN_KEY = "harness-tests-admin"
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "tasks"
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 

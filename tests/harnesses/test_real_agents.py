@@ -1,5 +1,5 @@
 """The real agents, end to end on CPU: the pinned binary in a local sandbox, pointed at a real capture proxy
-in front of the dev engine in scripted mode, solves a toy task from ``examples/tasks``.
+in front of the dev engine in scripted mode, solves a toy task from ``harness_trainer/examples/tasks``.
 
 Each script is what that agent's model would write, in the agent's own tool names and argument shapes,
 then a last answer. Asserted: the task's verifier gives 1.0; the agent's log counts the calls it made;

@@ -28,6 +28,12 @@ def test_the_session_wheel_is_this_checkouts_package(project_wheel: Path) -> Non
     assert project_wheel.name == f"harness_trainer-{version}-py3-none-any.whl"
     names = zipfile.ZipFile(project_wheel).namelist()
     assert {"harness_trainer/jobs/install.py", "harness_trainer/cli.py", "capture_proxy/app.py"} <= set(names)
+    # The bundled task folders (the dev loop's default tasks, the toy-skills family) are package data.
+    assert {
+        "harness_trainer/examples/tasks/train/hello-file/tests/test.sh",
+        "harness_trainer/examples/tasks/test/sum-numbers/task.toml",
+        "harness_trainer/examples/toy-skills/test/make-dir-cache-tmp/solution/solve.sh",
+    } <= set(names)
     assert not any(name.startswith("tests/") for name in names)
 
 

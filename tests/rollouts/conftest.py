@@ -1,4 +1,5 @@
-"""Fixtures: a scripted dev engine (real process) and the toy tasks shipped in ``examples/tasks``."""
+"""Fixtures: a scripted dev engine (real process) and the toy tasks shipped in the package
+(``harness_trainer/examples/tasks``)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,8 @@ from typing import Any
 
 import pytest
 
+from harness_trainer.examples import TASKS as EXAMPLES  # noqa: F401 - for the tests here
 from tests.conftest import EngineProcess, start_engine
-
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "tasks"
 
 
 def bash_call(command: str) -> dict[str, Any]:

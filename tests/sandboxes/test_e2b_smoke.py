@@ -25,12 +25,12 @@ import pytest
 
 from harness_trainer.cli import _e2b_smoke, build_parser
 from harness_trainer.dev_engine.process import EngineProcess
+from harness_trainer.examples import TASKS as EXAMPLES
 from harness_trainer.net import free_port
 from tests.rollouts.conftest import scripted_engine  # noqa: F401 - the fixture
 from tests.sandboxes.conftest import TaskFactory, wait_until_present
 from tests.sandboxes.fake_e2b import FakeE2BCloud
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "tasks"
 PHASES = ("template", "session", "create", "install", "agent", "upload", "verifier", "trace", "cleanup")
 
 

@@ -7,10 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from harness_trainer.examples import TASKS as EXAMPLES  # noqa: F401 - for the tests here
+from harness_trainer.examples import TOY_SKILLS  # noqa: F401 - for the tests here
 from harness_trainer.sandboxes import LocalSandboxBackend
-
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "tasks"
-TOY_SKILLS = EXAMPLES.parent / "toy-skills"
 
 MINIMAL_TOML = 'version = "1.0"\n'
 PASSING_TEST_SH = "#!/bin/bash\nmkdir -p /logs/verifier\necho 1 > /logs/verifier/reward.txt\n"

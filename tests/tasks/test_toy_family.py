@@ -73,7 +73,8 @@ def test_the_committed_family_is_the_generator_output(tmp_path: Path) -> None:
         }
 
     assert tree(TOY_SKILLS) == tree(tmp_path), (
-        "examples/toy-skills is stale: python -m harness_trainer.tasks.toy_family examples/toy-skills"
+        "harness_trainer/examples/toy-skills is stale: "
+        "python -m harness_trainer.tasks.toy_family harness_trainer/examples/toy-skills"
     )
 
 
