@@ -1,8 +1,9 @@
 """A generated family of toy Harbor tasks with a held-out split: the same skills on unseen instances.
 
-The bundled ``examples/tasks`` are five different tasks, each one of a kind, so a model trained on them can
-only be asked about them. This family is a few shell *skills*, each with a fixed solution template that
-mostly copies tokens from the instruction (a file name, a value) into one command, and several wordings:
+The bundled ``harness_trainer/examples/tasks`` are five different tasks, each one of a kind, so a model
+trained on them can only be asked about them. This family is a few shell *skills*, each with a fixed solution
+template that mostly copies tokens from the instruction (a file name, a value) into one command, and several
+wordings:
 
 - ``write-line``: create ``/app/NAME`` holding the line ``VALUE`` → ``printf '%s\\n' 'VALUE' > /app/NAME``;
 - ``make-dir``: create the directory ``/app/NAME`` (two levels deep) → ``mkdir -p /app/NAME``;
@@ -24,9 +25,10 @@ Contract of :func:`toy_family` (pure: a function of its arguments, no filesystem
 
 :func:`write_family` writes them as Harbor task folders (``ROOT/<split>/<skill>-<name>/``: instruction.md,
 task.toml, environment/Dockerfile, solution/solve.sh, tests/test.sh). The committed copy is
-``examples/toy-skills`` (``python -m harness_trainer.tasks.toy_family examples/toy-skills`` rewrites it;
-a test checks that it equals the generator's output). The verifiers check the workspace for real in the
-sandbox and never pass an untouched one, so the dev loop's distractor (``ls -la``) is graded 0.
+``harness_trainer/examples/toy-skills`` (``python -m harness_trainer.tasks.toy_family
+harness_trainer/examples/toy-skills`` rewrites it; a test checks that it equals the generator's output). The
+verifiers check the workspace for real in the sandbox and never pass an untouched one, so the dev loop's
+distractor (``ls -la``) is graded 0.
 """
 
 from __future__ import annotations
