@@ -62,7 +62,8 @@ from harness_trainer.sandboxes.base import (
     resolve_path,
     sandbox_lifetime,
 )
-from harness_trainer.sandboxes.processes import Namespace, missing_tools, run_captured
+from harness_trainer.sandboxes.processes import Namespace, run_captured
+from harness_trainer.sandboxes.rootless import MODES, ROOTLESS, Mode, choose_mode
 from harness_trainer.tasks.task import HarborTask
 
 FIXED_PATHS = ("/logs", "/tests", "/solution")
@@ -198,14 +199,21 @@ class LocalSandboxBackend:
     - ``kill_grace_s``: SIGTERM → SIGKILL grace on timeouts (default 2);
     - ``lifetime_margin_s``: added to a sandbox's lifetime before it closes itself (default 60);
     - ``home``: the private ``HOME`` (default ``/home/user``, as in E2B);
-    - ``passthrough_env``: host variable names commands may also see (e.g. ``("HF_TOKEN",)``).
+    - ``passthrough_env``: host variable names commands may also see (e.g. ``("HF_TOKEN",)``);
+    - ``mode``: ``"root"`` or ``"rootless"`` (default: the strongest that works here, :meth:`choose_mode`).
     """
 
     name = "local"
     capabilities = Capabilities(
-        summary="Linux namespaces on this machine, for the dev loop: not a security boundary",
+        summary="Linux namespaces on this machine (as root, or rootless in a user namespace), for the dev "
+        "loop: not a security boundary",
         isolation=Isolation(network=False, filesystem=False, user=False, limits=False),
     )
+    modes: tuple[Mode, ...] = MODES
+    """How it can make its namespaces, strongest first (:mod:`~harness_trainer.sandboxes.rootless`)."""
+    choose_mode = staticmethod(choose_mode)
+    """The mode a backend takes here, logged once; raises LocalSandboxUnavailable saying why and what to do
+    when none works (the dev loop asks it before anything else)."""
 
     def __init__(
         self,
@@ -216,6 +224,7 @@ class LocalSandboxBackend:
         lifetime_margin_s: float = 60.0,
         home: str = "/home/user",
         passthrough_env: Sequence[str] = (),
+        mode: str | None = None,
     ) -> None:
         self.base_dir = Path(base_dir or tempfile.gettempdir()).resolve()
         self.build_timeout_s = build_timeout_s
@@ -223,6 +232,7 @@ class LocalSandboxBackend:
         self.lifetime_margin_s = lifetime_margin_s
         self.home = home
         self.passthrough_env = tuple(passthrough_env)
+        self.requested_mode = mode
         self._live: set[LocalSandbox] = set()
         self._swept = False
 
@@ -237,9 +247,7 @@ class LocalSandboxBackend:
     async def start(
         self, task: HarborTask, *, lifetime_s: float, env: dict[str, str] | None = None
     ) -> LocalSandbox:
-        missing = missing_tools()
-        if missing:
-            raise SandboxStartError(f"the local sandbox needs {', '.join(missing)} on PATH (util-linux)")
+        mode = await asyncio.to_thread(choose_mode, self.requested_mode)
         if not self._swept:
             self._swept = True
             await asyncio.to_thread(sweep_stale_roots, self.base_dir)
@@ -249,9 +257,9 @@ class LocalSandboxBackend:
         root = self.base_dir / f"ht-{uuid.uuid4().hex[:12]}"
         lock_fd = -1
         try:
-            lock_fd = await asyncio.to_thread(self._make_root, root, mounts)
+            lock_fd = await asyncio.to_thread(self._make_root, root, mounts, mode)
             binds = [(root / "fs" / m.lstrip("/"), m) for m in mounts]
-            namespace = await Namespace.create(binds, base_env)
+            namespace = await Namespace.create(binds, base_env, mode=mode, new_root=root / "mnt")
         except BaseException as exc:
             shutil.rmtree(root, ignore_errors=True)
             if lock_fd >= 0:
@@ -273,7 +281,7 @@ class LocalSandboxBackend:
         sandbox.on_close.append(self._live.discard)
         try:
             timeout = task.environment.build_timeout_sec or self.build_timeout_s
-            await _build(sandbox, plan, task, time.monotonic() + timeout)
+            await _build(sandbox, plan, task, time.monotonic() + timeout, mode)
         except BaseException:
             await sandbox.close()
             raise
@@ -319,14 +327,17 @@ class LocalSandboxBackend:
                 "should write into the workspace instead"
             )
 
-    def _make_root(self, root: Path, mounts: tuple[str, ...]) -> int:
-        """Creates the root and its mount points; returns the fd holding the root's lock."""
+    def _make_root(self, root: Path, mounts: tuple[str, ...], mode: Mode) -> int:
+        """Creates the root and its mount points (on the host in root mode; the rootless mode mounts its
+        new root on ``mnt``); returns the fd holding the root's lock."""
         root.mkdir(parents=True)
         lock_fd = os.open(root / ".lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
         fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        (root / "mnt").mkdir()
         for mount in mounts:
             try:
-                os.makedirs(mount, exist_ok=True)  # the mount point on the host: stays empty
+                if mode is not ROOTLESS:
+                    os.makedirs(mount, exist_ok=True)  # the mount point on the host: stays empty
             except FileExistsError:
                 raise SandboxStartError(f"cannot mount over {mount}: it is a file on the host") from None
             (root / "fs" / mount.lstrip("/")).mkdir(parents=True, exist_ok=True)
@@ -369,7 +380,7 @@ def _plan(task: HarborTask, base_env: dict[str, str]) -> dockerfile.BuildPlan:
 
 
 async def _build(
-    sandbox: LocalSandbox, plan: dockerfile.BuildPlan, task: HarborTask, deadline: float
+    sandbox: LocalSandbox, plan: dockerfile.BuildPlan, task: HarborTask, deadline: float, mode: Mode
 ) -> None:
     """Apply the plan's COPY and RUN steps in order; raises SandboxStartError with the failing line."""
     for step in plan.steps:
@@ -385,4 +396,5 @@ async def _build(
             continue
         tail = (result.stdout + result.stderr)[-2000:]
         what = "ran past the build timeout" if result.timed_out else f"exited with code {result.exit_code}"
-        raise SandboxStartError(f"{task.name}: Dockerfile line {step.line}: RUN {what}; output tail:\n{tail}")
+        where = f"{task.name}: Dockerfile line {step.line}"
+        raise SandboxStartError(f"{where}: RUN {what}{mode.run_failure_note}; output tail:\n{tail}")
