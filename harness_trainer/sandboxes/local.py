@@ -2,13 +2,27 @@
 
 Each sandbox owns a private root directory ``<base_dir>/ht-<id>/fs`` holding its workspace (the task
 Dockerfile's ``WORKDIR``, ``/app`` by default), ``/logs`` (with ``agent/`` and ``verifier/``), ``/tests``,
-``/solution`` and a private ``HOME`` (``/home/user``). One init process per sandbox holds a private mount
-and PID namespace (see :mod:`harness_trainer.sandboxes.processes`) in which those directories are
-bind-mounted over their absolute paths, so ``/logs/verifier/reward.txt`` works and concurrent sandboxes
-never see each other's files. The mount points must exist on the host: they are **created as empty
-directories on the host** when missing (``/app``, ``/logs``, ``/tests``, ``/solution``, ``/home/user``…)
-and stay empty there. ``/tests`` and ``/solution`` start empty: the rollout uploads them when it needs
-them (the agent must not see the tests), as Harbor does.
+``/solution`` and a private ``HOME`` (``/home/user``). One init process per sandbox holds its namespaces
+(see :mod:`harness_trainer.sandboxes.processes`) in which those directories are bind-mounted over their
+absolute paths, so ``/logs/verifier/reward.txt`` works and concurrent sandboxes never see each other's
+files. ``/tests`` and ``/solution`` start empty: the rollout uploads them when it needs them (the agent
+must not see the tests), as Harbor does.
+
+Two modes (:mod:`harness_trainer.sandboxes.rootless`; ``LocalSandboxBackend.modes``), the strongest that
+works here chosen at the first start and logged once (``mode=`` forces one):
+
+- **root** (the caller is root): a mount + PID namespace. The mount points must exist on the host: they
+  are **created as empty directories on the host** when missing (``/app``, ``/logs``, ``/tests``,
+  ``/solution``, ``/home/user``…) and stay empty there.
+- **rootless** (any user, where unprivileged user namespaces work): a user + mount + PID namespace, the
+  caller mapped to root. The sandbox runs in a new root (a tmpfs holding binds of the host's ``/``
+  entries and of its private directories), so **the host gets no new directory**; commands, ``RUN``
+  steps included, run as root of the namespace, which on the host is the caller: a ``RUN`` that needs
+  the host's real root (``apt-get install``, writing ``/usr``) fails, naming the task and the line.
+
+Where neither works (user namespaces disabled, a container without the rights, not Linux), ``start``
+raises :class:`~harness_trainer.sandboxes.rootless.LocalSandboxUnavailable` before making anything,
+saying why and what to do (the dev loop asks first, and stops).
 
 The environment is prepared without Docker, from the task's ``environment/Dockerfile``
 (:mod:`harness_trainer.sandboxes.dockerfile`): ``WORKDIR``, ``ENV``, ``ARG``, ``COPY``/``ADD`` and ``RUN``
@@ -29,11 +43,14 @@ the names in ``passthrough_env``, the Dockerfile's ``ENV``, what ``start(env=…
 
 Threat model: this is **not** a security boundary. It gives private task paths, a private process view,
 reliable cleanup of every process and a scrubbed environment, which is what a trusted dev loop needs. It
-does not give: a different user (commands run as the caller, root, with all its powers), network
-isolation (the host network is shared; the agent reaches the proxy on loopback, and ``allow_internet``
-is not enforced), filesystem isolation beyond the private paths (the rest of the host is visible and
-writable; ``RUN apt-get install`` installs on the host), or resource limits (``cpus``/``memory_mb`` are
-ignored). Use E2B for untrusted agents. Needs root and util-linux.
+does not give: a different user (commands run with the caller's powers: in root mode root's, all of
+them; in rootless mode the caller's own, shown as root in the namespace), network isolation (the host
+network is shared; the agent reaches the proxy on loopback, and ``allow_internet`` is not enforced),
+filesystem isolation beyond the private paths (the rest of the host is visible, and writable as far as
+the caller may write it: in root mode ``RUN apt-get install`` installs on the host), or resource limits
+(``cpus``/``memory_mb`` are ignored). Rootless mode adds one thing: nothing outside the caller's rights,
+and no new host directory. Use E2B for untrusted agents. Needs util-linux, and root or unprivileged user
+namespaces.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 :class:`Namespace` starts one long-lived init process in a fresh **mount + PID namespace** (``unshare
 --fork --pid --mount --propagation private --mount-proc``) after bind-mounting the sandbox's private
-directories over their absolute paths. Every command then enters that namespace with ``nsenter``, so:
+directories over their absolute paths; in the rootless mode (:mod:`.rootless`) also a **user namespace**
+(``--user --map-root-user``), and the binds go into a new root that the init ``pivot_root`` s into. Every
+command then enters those namespaces with ``nsenter``, so:
 
 - ``/logs``, ``/tests``, the workspace… resolve to this sandbox's own directories (mounts are made once,
   at start, and vanish with the namespace: nothing is ever mounted on the host's own mount table);
@@ -14,8 +16,8 @@ directories over their absolute paths. Every command then enters that namespace 
 
 :func:`run_captured` runs one command in its own process group (``start_new_session``) and on timeout
 or cancellation kills the whole group (``SIGTERM``, then ``SIGKILL`` after a grace). Output is captured
-up to a cap per stream (the tail is kept). Needs root and util-linux (``unshare``, ``nsenter``,
-``setpriv``, ``mount``).
+up to a cap per stream (the tail is kept). Needs util-linux (``unshare``, ``nsenter``, ``setpriv``,
+``mount``; ``pivot_root`` when rootless), and root or unprivileged user namespaces.
 """
 
 from __future__ import annotations

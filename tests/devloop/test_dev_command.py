@@ -117,6 +117,9 @@ def test_an_output_dir_with_an_earlier_runs_checkpoints_is_refused_before_anythi
     assert done.returncode == 2
     assert "already holds checkpoints" in done.stderr and "--resume" in done.stderr
     assert "engine up" not in done.stdout
+    from harness_trainer.sandboxes.local import LocalSandboxBackend
+
+    assert done.stdout.startswith(f"[dev] sandbox: local, {LocalSandboxBackend.choose_mode().summary}\n")
 
 
 def test_the_dev_loop_without_a_vllm_python_stops_before_anything_starts(tmp_path):
