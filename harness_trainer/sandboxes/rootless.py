@@ -215,6 +215,7 @@ def choose_mode(requested: str | None = None) -> Mode:
         reasons.append(f"{mode.name} mode: {why}")
     raise LocalSandboxUnavailable(
         f"the local sandbox cannot run on this machine ({'; '.join(reasons)}). Run as root, or allow "
-        f"unprivileged user namespaces ({how_to_enable_user_namespaces()}), or run the agents in Docker "
-        "(`harness-trainer serve` with the launcher's `--sandbox docker`) or E2B instead"
+        f"unprivileged user namespaces ({how_to_enable_user_namespaces()}), or run the agents in Docker or "
+        "E2B instead: `harness-trainer serve` and the training launcher "
+        "(examples/async_grpo_harbor/train.py) with `--sandbox docker`"
     )

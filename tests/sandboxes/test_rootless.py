@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from harness_trainer.models.tiny import default_cache_dir
+from harness_trainer.sandboxes import rootless
 from harness_trainer.sandboxes.base import SandboxStartError
 from harness_trainer.sandboxes.local import LocalSandboxBackend
 from harness_trainer.sandboxes.rootless import ROOTLESS, new_root_ops, probe
@@ -194,7 +195,7 @@ def test_the_toy_agent_solves_a_toy_task_as_an_ordinary_user(tiny_model_dir: Pat
 
 
 UNAVAILABLE = """
-import asyncio, pathlib, sys
+import asyncio, os, pathlib, sys
 from harness_trainer.sandboxes.local import LocalSandboxBackend
 from harness_trainer.sandboxes.rootless import LocalSandboxUnavailable
 from harness_trainer.tasks.task import EnvironmentSpec, HarborTask
@@ -206,6 +207,8 @@ try:
     asyncio.run(LocalSandboxBackend(base / "sandboxes").start(task, lifetime_s=60))
 except LocalSandboxUnavailable as exc:
     print(exc)
+me = os.getpid()
+print("children:", pathlib.Path(f"/proc/{me}/task/{me}/children").read_text().split())
 """
 
 
@@ -231,7 +234,8 @@ def test_without_user_namespaces_the_sandbox_and_the_dev_loop_stop_first_saying_
             user_namespaces=0,
         )
         left = sorted(p.name for p in (workspace / "tmp").iterdir())
-    message = start.stdout.strip()
+    message, children = start.stdout.strip().splitlines()
+    assert children == "children: []", "a refused start left a process behind"
     assert (
         "the local sandbox cannot run on this machine (root mode: not running as root; rootless mode: "
         in message
@@ -240,3 +244,16 @@ def test_without_user_namespaces_the_sandbox_and_the_dev_loop_stop_first_saying_
     assert left == ["start.py"], "a refused start left something behind"
     assert dev.returncode == 2 and dev.stdout == ""
     assert dev.stderr.strip() == f"error: {message}"
+
+
+def test_the_advice_names_the_setting_found_off_or_else_all_three(monkeypatch: pytest.MonkeyPatch) -> None:
+    values = {"/proc/sys/user/max_user_namespaces": "0", "/proc/sys/kernel/unprivileged_userns_clone": "1"}
+    monkeypatch.setattr(rootless, "_read", values.get)
+    assert rootless.how_to_enable_user_namespaces() == "`sudo sysctl -w user.max_user_namespaces=15000`"
+    monkeypatch.setattr(rootless, "_read", {}.get)
+    assert rootless.how_to_enable_user_namespaces().count("sudo sysctl -w") == 3
+
+
+def test_an_unknown_mode_is_refused_naming_the_known_ones(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown local sandbox mode 'chroot'; known: root, rootless"):
+        LocalSandboxBackend.choose_mode("chroot")
