@@ -42,21 +42,28 @@ def why_not_available() -> str | None:
 
 
 def needed_paths() -> list[str]:
-    """What a Python test run needs to reach: the checkout, the venv and its interpreter."""
+    """What a Python test run needs to reach: the checkout and the venv (whole), and its interpreter."""
     return [str(REPO), sys.prefix, sys.base_prefix, os.path.realpath(sys.executable)]
 
 
+EVERYTHING = "*"
+"""In :func:`blocked_steps`' answer: every entry of that directory is needed."""
+
+
 def blocked_steps(paths: Sequence[str]) -> dict[str, set[str]]:
-    """Each directory others cannot enter on the way to ``paths``, with the entries needed inside it."""
+    """Each directory others cannot enter on the way to ``paths`` (or cannot list, for a path itself),
+    with the entries needed inside it (:data:`EVERYTHING` for a path itself)."""
     blocked: dict[str, set[str]] = {}
     for path in paths:
-        path = posixpath.normpath(path)
-        parts = path.strip("/").split("/")
-        for depth in range(len(parts) - 1):
+        parts = posixpath.normpath(path).strip("/").split("/")
+        for depth in range(len(parts)):
             directory = "/" + "/".join(parts[:depth])
             if not os.stat(directory).st_mode & stat.S_IXOTH:
                 blocked.setdefault(directory, set()).add(parts[depth])
-    return blocked
+        mode = os.stat(path).st_mode
+        if stat.S_ISDIR(mode) and (mode & 0o005) != 0o005:
+            blocked.setdefault(path, set()).add(EVERYTHING)
+    return {d: set(os.listdir(d)) if EVERYTHING in names else names for d, names in blocked.items()}
 
 
 def expose_script(blocked: Mapping[str, set[str]], stash: str) -> str:

@@ -257,3 +257,20 @@ def test_the_advice_names_the_setting_found_off_or_else_all_three(monkeypatch: p
 def test_an_unknown_mode_is_refused_naming_the_known_ones(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown local sandbox mode 'chroot'; known: root, rootless"):
         LocalSandboxBackend.choose_mode("chroot")
+
+
+def test_the_ordinary_user_is_given_a_mode_700_checkout_whole_and_only_the_way_through_others(
+    tmp_path: Path,
+) -> None:
+    clone = tmp_path / "clone"  # as `git clone URL "$(mktemp -d)"` leaves it
+    (clone / "tests").mkdir(parents=True)
+    (clone / ".git").write_text("gitdir: elsewhere\n")
+    home = tmp_path / "home"
+    (home / ".pyenv" / "bin").mkdir(parents=True)
+    (home / "secrets").mkdir()
+    clone.chmod(0o700)
+    home.chmod(0o700)
+    blocked = ordinary_user.blocked_steps([str(clone), str(home / ".pyenv" / "bin")])
+    assert blocked[str(clone)] == {"tests", ".git"}
+    assert blocked[str(home)] == {".pyenv"}
+    assert str(home / ".pyenv") not in blocked
