@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
 import signal
 import time
 from collections.abc import Mapping, Sequence
@@ -34,7 +33,6 @@ from pathlib import Path
 from harness_trainer.sandboxes.base import ExecResult, SandboxError, SandboxStartError
 from harness_trainer.sandboxes.rootless import ROOT, ROOTLESS, ROOTLESS_INIT, Mode, new_root_ops, tool
 
-REQUIRED_TOOLS = ("unshare", "nsenter", "setpriv", "mount", "env", "bash")
 # After the main process exits, how long to wait for its output pipes to close: a background child that
 # inherited them would otherwise hold the call open until it exits.
 DRAIN_S = 0.5
@@ -50,11 +48,6 @@ done
 echo ready
 exec /bin/bash -c 'trap "" TERM INT HUP; while :; do sleep 86400 & wait; done'
 """
-
-
-def missing_tools() -> list[str]:
-    """The command-line tools the local sandbox needs that are not on ``PATH``."""
-    return [tool for tool in REQUIRED_TOOLS if shutil.which(tool) is None]
 
 
 class Namespace:

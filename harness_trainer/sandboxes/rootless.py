@@ -219,3 +219,12 @@ def choose_mode(requested: str | None = None) -> Mode:
         "E2B instead: `harness-trainer serve` and the training launcher "
         "(examples/async_grpo_harbor/train.py) with `--sandbox docker`"
     )
+
+
+def unavailable() -> str | None:
+    """Why no mode of the local sandbox works here (what :class:`LocalSandboxUnavailable` says), or None."""
+    try:
+        choose_mode()
+    except LocalSandboxUnavailable as exc:
+        return str(exc)
+    return None
