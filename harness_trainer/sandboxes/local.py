@@ -48,9 +48,9 @@ them; in rootless mode the caller's own, shown as root in the namespace), networ
 network is shared; the agent reaches the proxy on loopback, and ``allow_internet`` is not enforced),
 filesystem isolation beyond the private paths (the rest of the host is visible, and writable as far as
 the caller may write it: in root mode ``RUN apt-get install`` installs on the host), or resource limits
-(``cpus``/``memory_mb`` are ignored). Rootless mode adds one thing: nothing outside the caller's rights,
-and no new host directory. Use E2B for untrusted agents. Needs util-linux, and root or unprivileged user
-namespaces.
+(``cpus``/``memory_mb`` are ignored). What rootless mode adds: commands never exceed the caller's own
+rights, and the host gets no new directory. Use E2B for untrusted agents. Needs util-linux, and root or
+unprivileged user namespaces.
 """
 
 from __future__ import annotations
@@ -222,8 +222,8 @@ class LocalSandboxBackend:
 
     name = "local"
     capabilities = Capabilities(
-        summary="Linux namespaces on this machine (as root, or rootless in a user namespace), for the dev "
-        "loop: not a security boundary",
+        summary="Linux namespaces on this machine, as root or rootless (a user namespace), for the dev loop: "
+        "not a security boundary",
         isolation=Isolation(network=False, filesystem=False, user=False, limits=False),
     )
     modes: tuple[Mode, ...] = MODES
@@ -350,7 +350,8 @@ class LocalSandboxBackend:
         root.mkdir(parents=True)
         lock_fd = os.open(root / ".lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
         fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        (root / "mnt").mkdir()
+        if mode is ROOTLESS:
+            (root / "mnt").mkdir()
         for mount in mounts:
             try:
                 if mode is not ROOTLESS:
