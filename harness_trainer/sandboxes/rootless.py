@@ -157,7 +157,7 @@ def _run_probe(argv: list[str]) -> str | None:
 def probe(mode: Mode) -> str | None:
     """Why ``mode`` cannot work here, in a few words; None when it makes its namespaces for real."""
     if sys.platform != "linux":
-        return f"it needs Linux namespaces, and this is {sys.platform}"
+        return f"it needs Linux, and this is {sys.platform}"
     needed = ["unshare", "nsenter", "setpriv", "mount", "bash", *(["pivot_root"] if mode is ROOTLESS else [])]
     if missing := [name for name in needed if tool(name) is None]:
         return f"{', '.join(missing)} not found (util-linux)"
@@ -213,11 +213,17 @@ def choose_mode(requested: str | None = None) -> Mode:
             log.info("local sandbox: %s", mode.summary)
             return mode
         reasons.append(f"{mode.name} mode: {why}")
+    elsewhere = (
+        "run the agents in Docker or E2B instead: `harness-trainer serve` and the training launcher "
+        "(examples/async_grpo_harbor/train.py) with `--sandbox docker`"
+    )
+    if sys.platform != "linux":
+        raise LocalSandboxUnavailable(
+            f"the local sandbox needs Linux, and this is {sys.platform}: {elsewhere}"
+        )
     raise LocalSandboxUnavailable(
         f"the local sandbox cannot run on this machine ({'; '.join(reasons)}). Run as root, or allow "
-        f"unprivileged user namespaces ({how_to_enable_user_namespaces()}), or run the agents in Docker or "
-        "E2B instead: `harness-trainer serve` and the training launcher "
-        "(examples/async_grpo_harbor/train.py) with `--sandbox docker`"
+        f"unprivileged user namespaces ({how_to_enable_user_namespaces()}), or {elsewhere}"
     )
 
 

@@ -274,3 +274,13 @@ def test_the_ordinary_user_is_given_a_mode_700_checkout_whole_and_only_the_way_t
     assert blocked[str(clone)] == {"tests", ".git"}
     assert blocked[str(home)] == {".pyenv"}
     assert str(home / ".pyenv") not in blocked
+
+
+def test_off_linux_the_advice_is_docker_or_e2b_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rootless.sys, "platform", "darwin")
+    with pytest.raises(rootless.LocalSandboxUnavailable) as raised:
+        rootless.choose_mode.__wrapped__()
+    assert str(raised.value).startswith(
+        "the local sandbox needs Linux, and this is darwin: run the agents in"
+    )
+    assert "sysctl" not in str(raised.value)
