@@ -233,6 +233,14 @@ def _run_dev_loop(
     stopped_by: list[int],
     training: list[HarnessAsyncGRPOTrainer],
 ) -> int:
+    from harness_trainer.sandboxes.base import SandboxStartError
+    from harness_trainer.sandboxes.local import LocalSandboxBackend
+
+    try:  # first: where no sandbox can run, stop before anything is built or started
+        _say(f"sandbox: local, {LocalSandboxBackend.choose_mode().summary}")
+    except SandboxStartError as exc:
+        raise RuntimeError(str(exc)) from None
+
     import torch
 
     from harness_trainer import HarnessAsyncGRPOTrainer, LocalSessionFactory

@@ -2,13 +2,27 @@
 
 Each sandbox owns a private root directory ``<base_dir>/ht-<id>/fs`` holding its workspace (the task
 Dockerfile's ``WORKDIR``, ``/app`` by default), ``/logs`` (with ``agent/`` and ``verifier/``), ``/tests``,
-``/solution`` and a private ``HOME`` (``/home/user``). One init process per sandbox holds a private mount
-and PID namespace (see :mod:`harness_trainer.sandboxes.processes`) in which those directories are
-bind-mounted over their absolute paths, so ``/logs/verifier/reward.txt`` works and concurrent sandboxes
-never see each other's files. The mount points must exist on the host: they are **created as empty
-directories on the host** when missing (``/app``, ``/logs``, ``/tests``, ``/solution``, ``/home/user``…)
-and stay empty there. ``/tests`` and ``/solution`` start empty: the rollout uploads them when it needs
-them (the agent must not see the tests), as Harbor does.
+``/solution`` and a private ``HOME`` (``/home/user``). One init process per sandbox holds its namespaces
+(see :mod:`harness_trainer.sandboxes.processes`) in which those directories are bind-mounted over their
+absolute paths, so ``/logs/verifier/reward.txt`` works and concurrent sandboxes never see each other's
+files. ``/tests`` and ``/solution`` start empty: the rollout uploads them when it needs them (the agent
+must not see the tests), as Harbor does.
+
+Two modes (:mod:`harness_trainer.sandboxes.rootless`; ``LocalSandboxBackend.modes``), the strongest that
+works here chosen at the first start and logged once (``mode=`` forces one):
+
+- **root** (the caller is root): a mount + PID namespace. The mount points must exist on the host: they
+  are **created as empty directories on the host** when missing (``/app``, ``/logs``, ``/tests``,
+  ``/solution``, ``/home/user``…) and stay empty there.
+- **rootless** (any user, where unprivileged user namespaces work): a user + mount + PID namespace, the
+  caller mapped to root. The sandbox runs in a new root (a tmpfs holding binds of the host's ``/``
+  entries and of its private directories), so **the host gets no new directory**; commands, ``RUN``
+  steps included, run as root of the namespace, which on the host is the caller: a ``RUN`` that needs
+  the host's real root (``apt-get install``, writing ``/usr``) fails, naming the task and the line.
+
+Where neither works (user namespaces disabled, a container without the rights, not Linux), ``start``
+raises :class:`~harness_trainer.sandboxes.rootless.LocalSandboxUnavailable` before making anything,
+saying why and what to do (the dev loop asks first, and stops).
 
 The environment is prepared without Docker, from the task's ``environment/Dockerfile``
 (:mod:`harness_trainer.sandboxes.dockerfile`): ``WORKDIR``, ``ENV``, ``ARG``, ``COPY``/``ADD`` and ``RUN``
@@ -29,11 +43,14 @@ the names in ``passthrough_env``, the Dockerfile's ``ENV``, what ``start(env=…
 
 Threat model: this is **not** a security boundary. It gives private task paths, a private process view,
 reliable cleanup of every process and a scrubbed environment, which is what a trusted dev loop needs. It
-does not give: a different user (commands run as the caller, root, with all its powers), network
-isolation (the host network is shared; the agent reaches the proxy on loopback, and ``allow_internet``
-is not enforced), filesystem isolation beyond the private paths (the rest of the host is visible and
-writable; ``RUN apt-get install`` installs on the host), or resource limits (``cpus``/``memory_mb`` are
-ignored). Use E2B for untrusted agents. Needs root and util-linux.
+does not give: a different user (commands run with the caller's powers: in root mode root's, all of
+them; in rootless mode the caller's own, shown as root in the namespace), network isolation (the host
+network is shared; the agent reaches the proxy on loopback, and ``allow_internet`` is not enforced),
+filesystem isolation beyond the private paths (the rest of the host is visible, and writable as far as
+the caller may write it: in root mode ``RUN apt-get install`` installs on the host), or resource limits
+(``cpus``/``memory_mb`` are ignored). What rootless mode adds: commands never exceed the caller's own
+rights, and the host gets no new directory. Use E2B for untrusted agents. Needs util-linux, and root or
+unprivileged user namespaces.
 """
 
 from __future__ import annotations
@@ -62,7 +79,8 @@ from harness_trainer.sandboxes.base import (
     resolve_path,
     sandbox_lifetime,
 )
-from harness_trainer.sandboxes.processes import Namespace, missing_tools, run_captured
+from harness_trainer.sandboxes.processes import Namespace, run_captured
+from harness_trainer.sandboxes.rootless import MODES, ROOTLESS, Mode, choose_mode
 from harness_trainer.tasks.task import HarborTask
 
 FIXED_PATHS = ("/logs", "/tests", "/solution")
@@ -198,14 +216,21 @@ class LocalSandboxBackend:
     - ``kill_grace_s``: SIGTERM → SIGKILL grace on timeouts (default 2);
     - ``lifetime_margin_s``: added to a sandbox's lifetime before it closes itself (default 60);
     - ``home``: the private ``HOME`` (default ``/home/user``, as in E2B);
-    - ``passthrough_env``: host variable names commands may also see (e.g. ``("HF_TOKEN",)``).
+    - ``passthrough_env``: host variable names commands may also see (e.g. ``("HF_TOKEN",)``);
+    - ``mode``: ``"root"`` or ``"rootless"`` (default: the strongest that works here, :meth:`choose_mode`).
     """
 
     name = "local"
     capabilities = Capabilities(
-        summary="Linux namespaces on this machine, for the dev loop: not a security boundary",
+        summary="Linux namespaces on this machine, as root or rootless (a user namespace), for the dev loop: "
+        "not a security boundary",
         isolation=Isolation(network=False, filesystem=False, user=False, limits=False),
     )
+    modes: tuple[Mode, ...] = MODES
+    """How it can make its namespaces, strongest first (:mod:`~harness_trainer.sandboxes.rootless`)."""
+    choose_mode = staticmethod(choose_mode)
+    """The mode a backend takes here, logged once; raises LocalSandboxUnavailable saying why and what to do
+    when none works (the dev loop asks it before anything else)."""
 
     def __init__(
         self,
@@ -216,6 +241,7 @@ class LocalSandboxBackend:
         lifetime_margin_s: float = 60.0,
         home: str = "/home/user",
         passthrough_env: Sequence[str] = (),
+        mode: str | None = None,
     ) -> None:
         self.base_dir = Path(base_dir or tempfile.gettempdir()).resolve()
         self.build_timeout_s = build_timeout_s
@@ -223,6 +249,7 @@ class LocalSandboxBackend:
         self.lifetime_margin_s = lifetime_margin_s
         self.home = home
         self.passthrough_env = tuple(passthrough_env)
+        self.requested_mode = mode
         self._live: set[LocalSandbox] = set()
         self._swept = False
 
@@ -237,9 +264,7 @@ class LocalSandboxBackend:
     async def start(
         self, task: HarborTask, *, lifetime_s: float, env: dict[str, str] | None = None
     ) -> LocalSandbox:
-        missing = missing_tools()
-        if missing:
-            raise SandboxStartError(f"the local sandbox needs {', '.join(missing)} on PATH (util-linux)")
+        mode = await asyncio.to_thread(choose_mode, self.requested_mode)
         if not self._swept:
             self._swept = True
             await asyncio.to_thread(sweep_stale_roots, self.base_dir)
@@ -249,9 +274,9 @@ class LocalSandboxBackend:
         root = self.base_dir / f"ht-{uuid.uuid4().hex[:12]}"
         lock_fd = -1
         try:
-            lock_fd = await asyncio.to_thread(self._make_root, root, mounts)
+            lock_fd = await asyncio.to_thread(self._make_root, root, mounts, mode)
             binds = [(root / "fs" / m.lstrip("/"), m) for m in mounts]
-            namespace = await Namespace.create(binds, base_env)
+            namespace = await Namespace.create(binds, base_env, mode=mode, new_root=root / "mnt")
         except BaseException as exc:
             shutil.rmtree(root, ignore_errors=True)
             if lock_fd >= 0:
@@ -273,7 +298,7 @@ class LocalSandboxBackend:
         sandbox.on_close.append(self._live.discard)
         try:
             timeout = task.environment.build_timeout_sec or self.build_timeout_s
-            await _build(sandbox, plan, task, time.monotonic() + timeout)
+            await _build(sandbox, plan, task, time.monotonic() + timeout, mode)
         except BaseException:
             await sandbox.close()
             raise
@@ -319,14 +344,18 @@ class LocalSandboxBackend:
                 "should write into the workspace instead"
             )
 
-    def _make_root(self, root: Path, mounts: tuple[str, ...]) -> int:
-        """Creates the root and its mount points; returns the fd holding the root's lock."""
+    def _make_root(self, root: Path, mounts: tuple[str, ...], mode: Mode) -> int:
+        """Creates the root and its mount points (on the host in root mode; the rootless mode mounts its
+        new root on ``mnt``); returns the fd holding the root's lock."""
         root.mkdir(parents=True)
         lock_fd = os.open(root / ".lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
         fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if mode is ROOTLESS:
+            (root / "mnt").mkdir()
         for mount in mounts:
             try:
-                os.makedirs(mount, exist_ok=True)  # the mount point on the host: stays empty
+                if mode is not ROOTLESS:
+                    os.makedirs(mount, exist_ok=True)  # the mount point on the host: stays empty
             except FileExistsError:
                 raise SandboxStartError(f"cannot mount over {mount}: it is a file on the host") from None
             (root / "fs" / mount.lstrip("/")).mkdir(parents=True, exist_ok=True)
@@ -369,7 +398,7 @@ def _plan(task: HarborTask, base_env: dict[str, str]) -> dockerfile.BuildPlan:
 
 
 async def _build(
-    sandbox: LocalSandbox, plan: dockerfile.BuildPlan, task: HarborTask, deadline: float
+    sandbox: LocalSandbox, plan: dockerfile.BuildPlan, task: HarborTask, deadline: float, mode: Mode
 ) -> None:
     """Apply the plan's COPY and RUN steps in order; raises SandboxStartError with the failing line."""
     for step in plan.steps:
@@ -385,4 +414,5 @@ async def _build(
             continue
         tail = (result.stdout + result.stderr)[-2000:]
         what = "ran past the build timeout" if result.timed_out else f"exited with code {result.exit_code}"
-        raise SandboxStartError(f"{task.name}: Dockerfile line {step.line}: RUN {what}; output tail:\n{tail}")
+        where = f"{task.name}: Dockerfile line {step.line}"
+        raise SandboxStartError(f"{where}: RUN {what}{mode.run_failure_note}; output tail:\n{tail}")

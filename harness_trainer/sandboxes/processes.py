@@ -2,7 +2,9 @@
 
 :class:`Namespace` starts one long-lived init process in a fresh **mount + PID namespace** (``unshare
 --fork --pid --mount --propagation private --mount-proc``) after bind-mounting the sandbox's private
-directories over their absolute paths. Every command then enters that namespace with ``nsenter``, so:
+directories over their absolute paths; in the rootless mode (:mod:`.rootless`) also a **user namespace**
+(``--user --map-root-user``), and the binds go into a new root that the init ``pivot_root`` s into. Every
+command then enters those namespaces with ``nsenter``, so:
 
 - ``/logs``, ``/tests``, the workspace… resolve to this sandbox's own directories (mounts are made once,
   at start, and vanish with the namespace: nothing is ever mounted on the host's own mount table);
@@ -14,8 +16,8 @@ directories over their absolute paths. Every command then enters that namespace 
 
 :func:`run_captured` runs one command in its own process group (``start_new_session``) and on timeout
 or cancellation kills the whole group (``SIGTERM``, then ``SIGKILL`` after a grace). Output is captured
-up to a cap per stream (the tail is kept). Needs root and util-linux (``unshare``, ``nsenter``,
-``setpriv``, ``mount``).
+up to a cap per stream (the tail is kept). Needs util-linux (``unshare``, ``nsenter``, ``setpriv``,
+``mount``; ``pivot_root`` when rootless), and root or unprivileged user namespaces.
 """
 
 from __future__ import annotations
@@ -23,15 +25,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
 import signal
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from harness_trainer.sandboxes.base import ExecResult, SandboxError, SandboxStartError
+from harness_trainer.sandboxes.rootless import ROOT, ROOTLESS, ROOTLESS_INIT, Mode, new_root_ops, tool
 
-REQUIRED_TOOLS = ("unshare", "nsenter", "setpriv", "mount", "env", "bash")
 # After the main process exits, how long to wait for its output pipes to close: a background child that
 # inherited them would otherwise hold the call open until it exits.
 DRAIN_S = 0.5
@@ -49,31 +50,41 @@ exec /bin/bash -c 'trap "" TERM INT HUP; while :; do sleep 86400 & wait; done'
 """
 
 
-def missing_tools() -> list[str]:
-    """The command-line tools the local sandbox needs that are not on ``PATH``."""
-    return [tool for tool in REQUIRED_TOOLS if shutil.which(tool) is None]
-
-
 class Namespace:
     """A mount + PID namespace kept alive by one init process; ``enter_argv`` runs a command inside."""
 
-    def __init__(self, launcher: asyncio.subprocess.Process, init_pid: int) -> None:
+    def __init__(self, launcher: asyncio.subprocess.Process, init_pid: int, mode: Mode) -> None:
         self._launcher = launcher
         self.init_pid = init_pid
+        self.mode = mode
         self.alive = True
-        self._tools = {name: shutil.which(name) or name for name in ("nsenter", "env")}
+        self._tools = {name: tool(name) or name for name in ("nsenter", "env")}
 
     @classmethod
     async def create(
-        cls, binds: Sequence[tuple[Path, str]], env: Mapping[str, str], *, timeout_s: float = 10.0
+        cls,
+        binds: Sequence[tuple[Path, str]],
+        env: Mapping[str, str],
+        *,
+        mode: Mode = ROOT,
+        new_root: Path | None = None,
+        timeout_s: float = 10.0,
     ) -> Namespace:
-        """Bind each host directory over its sandbox path in a new namespace; raises SandboxStartError."""
-        if os.geteuid() != 0:
-            raise SandboxStartError("the local sandbox needs root (it creates mount and PID namespaces)")
-        setpriv, unshare = (shutil.which(name) or name for name in ("setpriv", "unshare"))
-        argv = [setpriv, "--pdeathsig", "KILL", unshare, "--fork", "--kill-child=KILL", "--pid"]
-        argv += ["--mount", "--propagation", "private", "--mount-proc", "--", "/bin/sh", "-c", _INIT_SCRIPT]
-        argv += ["ht-init", *(part for host, path in binds for part in (str(host), path))]
+        """Bind each host directory over its sandbox path in a new namespace made as ``mode`` says (for
+        :data:`ROOTLESS`, in a new root mounted on the empty directory ``new_root``); raises
+        SandboxStartError."""
+        if mode is ROOT and os.geteuid() != 0:
+            raise SandboxStartError("the local sandbox's root mode needs root (mount and PID namespaces)")
+        setpriv, unshare = (tool(name) or name for name in ("setpriv", "unshare"))
+        argv = [setpriv, "--pdeathsig", "KILL", unshare, "--fork", "--kill-child=KILL", "--pid", "--mount"]
+        argv += ["--propagation", "private", *mode.unshare_flags, "--", "/bin/sh", "-c"]
+        if mode is ROOTLESS:
+            if new_root is None:
+                raise ValueError("the rootless mode needs new_root, an empty directory to mount it on")
+            pivot = tool("pivot_root") or "pivot_root"
+            argv += [ROOTLESS_INIT, "ht-init", str(new_root), pivot, *new_root_ops(binds)]
+        else:
+            argv += [_INIT_SCRIPT, "ht-init", *(part for host, path in binds for part in (str(host), path))]
         try:
             launcher = await asyncio.create_subprocess_exec(
                 *argv,
@@ -94,12 +105,13 @@ class Namespace:
             await _reap(launcher)
             err = (await launcher.stderr.read()).decode(errors="replace").strip()
             raise SandboxStartError(f"the sandbox namespace did not start: {err or 'no output'}")
-        return cls(launcher, _only_child(launcher.pid))
+        return cls(launcher, _only_child(launcher.pid), mode)
 
     def enter_argv(self, argv: Sequence[str], *, cwd: str) -> list[str]:
         """``argv`` run inside the namespace with working directory ``cwd`` (a sandbox path)."""
         nsenter, env = self._tools["nsenter"], self._tools["env"]
-        return [nsenter, "-t", str(self.init_pid), "-m", "-p", "--", env, f"--chdir={cwd}", *argv]
+        flags = self.mode.nsenter_flags
+        return [nsenter, "-t", str(self.init_pid), *flags, "--", env, f"--chdir={cwd}", *argv]
 
     def running(self) -> bool:
         """Whether the init still runs (it can only die by close or from outside the sandbox)."""

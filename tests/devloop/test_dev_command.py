@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import ordinary_user
 from tests.hardening.faults import alive, descendants, wait_until
 from tests.rollouts.conftest import EXAMPLES
 
@@ -117,6 +118,9 @@ def test_an_output_dir_with_an_earlier_runs_checkpoints_is_refused_before_anythi
     assert done.returncode == 2
     assert "already holds checkpoints" in done.stderr and "--resume" in done.stderr
     assert "engine up" not in done.stdout
+    from harness_trainer.sandboxes.local import LocalSandboxBackend
+
+    assert done.stdout.startswith(f"[dev] sandbox: local, {LocalSandboxBackend.choose_mode().summary}\n")
 
 
 def test_the_dev_loop_without_a_vllm_python_stops_before_anything_starts(tmp_path):
@@ -149,3 +153,29 @@ def test_the_learning_rate_defaults_by_what_is_trained_and_an_explicit_one_wins(
     assert learning_rate() == FULL_LEARNING_RATE == 0.05
     assert learning_rate("--lora") == LORA_LEARNING_RATE == 1.0
     assert learning_rate("--lora", "--learning-rate", "1e-9") == 1e-9
+
+
+@pytest.mark.skipif(
+    ordinary_user.why_not_available() is not None, reason=str(ordinary_user.why_not_available())
+)
+def test_the_dev_loop_runs_as_an_ordinary_user_in_rootless_mode_and_adds_nothing_to_the_host() -> None:
+    from harness_trainer.models.tiny import default_cache_dir, ensure_tiny_model
+
+    tiny, top = ensure_tiny_model(), sorted(os.listdir("/"))
+    with ordinary_user.user_workspace() as workspace:
+        mine = workspace / "tmp"
+        shutil.copytree(EXAMPLES / "train" / "hello-file", mine / "tasks" / "train" / "hello-file")
+        shutil.copytree(tiny, mine / "cache" / "models" / tiny.relative_to(default_cache_dir()))
+        for path in [mine, *mine.rglob("*")]:
+            shutil.chown(path, ordinary_user.USER)
+        argv = dev(mine, "--max-steps", "1")
+        done = ordinary_user.run_as_user(argv, workspace, env={"HARNESS_TRAINER_CACHE": str(mine / "cache")})
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert done.stdout.startswith("[dev] sandbox: local, rootless: ")
+        rollouts = [json.loads(line) for line in (mine / "run" / "rollouts.jsonl").read_text().splitlines()]
+        # The trained group's two rollouts ran and were verified (the random model solves nothing); later
+        # groups are cancelled when the run ends, as they are as root.
+        trained = [r["env_reward"] for r in rollouts if r.get("group") == 0 and r.get("kind") is None]
+        assert trained == [0.0, 0.0]
+        assert (mine / "run" / "checkpoint-1").is_dir()
+    assert sorted(os.listdir("/")) == top

@@ -3,7 +3,6 @@ every task graded for real in a local sandbox (its solution 1; untouched or the 
 
 from __future__ import annotations
 
-import os
 import re
 import stat
 from pathlib import Path
@@ -13,7 +12,7 @@ import pytest
 from harness_trainer.devloop.solver import DISTRACTOR, solve_command
 from harness_trainer.rollouts.server.verifier import run_verifier
 from harness_trainer.sandboxes import LocalSandboxBackend
-from harness_trainer.sandboxes.processes import missing_tools
+from harness_trainer.sandboxes.rootless import unavailable
 from harness_trainer.tasks import HarborTask, LocalTaskSource
 from harness_trainer.tasks.toy_family import SKILLS, SOLUTIONS, WORDINGS, toy_family, write_family
 
@@ -88,9 +87,7 @@ def test_every_committed_task_loads_and_its_solution_is_its_skills_one_command()
             assert solve_command(loaded) == SOLUTIONS[generated.skill].format(**fields)
 
 
-@pytest.mark.skipif(
-    os.geteuid() != 0 or bool(missing_tools()), reason="the local sandbox needs root and util-linux"
-)
+@pytest.mark.skipif(unavailable() is not None, reason=f"no local sandbox here: {unavailable()}")
 @pytest.mark.parametrize("task", COMMITTED_TASKS, ids=lambda t: f"{t.split}/{t.name}")
 async def test_only_the_solution_solves_a_family_task_untouched_or_after_the_distractor_it_is_zero(
     backend: LocalSandboxBackend, task: HarborTask

@@ -6,20 +6,16 @@ verifier's ``tests/`` is uploaded to ``/tests`` and ``bash /tests/test.sh`` writ
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from harness_trainer.rollouts.server.verifier import VerifierOutcome, run_verifier
 from harness_trainer.sandboxes import LocalSandboxBackend, Sandbox
-from harness_trainer.sandboxes.processes import missing_tools
+from harness_trainer.sandboxes.rootless import unavailable
 from harness_trainer.tasks import HarborTask, LocalTaskSource, load_task
 
 from .conftest import EXAMPLES, TaskWriter
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or bool(missing_tools()), reason="the local sandbox needs root and util-linux"
-)
+pytestmark = pytest.mark.skipif(unavailable() is not None, reason=f"no local sandbox here: {unavailable()}")
 
 SOURCE = LocalTaskSource(EXAMPLES)
 TOY_TASKS = [task for split in SOURCE.splits() for task in SOURCE.tasks(split)]
