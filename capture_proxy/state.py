@@ -112,10 +112,13 @@ class ProxyState:
 
     async def model_name(self, asked: str, upstream: Upstream | None = None) -> str:
         """The served model name at ``upstream`` (default: the default engine): configured, else the
-        engine's first model (asked once), else ``asked``."""
+        engine's first model (asked once), else ``asked``. With replicas, every engine serves the set's
+        model, once known (so a default engine that is down is not asked)."""
         root = (upstream or self.upstream).root
         if root in self._models:
             return self._models[root]
+        if self.replicas is not None and self.replicas.model is not None:
+            return self.replicas.model
         async with self._model_lock:
             if root not in self._models:
                 try:

@@ -253,3 +253,34 @@ def test_a_journal_written_before_the_engine_field_still_loads(replicas: Replica
     assert [r.completion_token_ids for r in records] == [
         r.completion_token_ids for r in read_records(journal)
     ]
+
+
+def test_a_replica_down_at_start_is_left_out_until_a_probe_finds_it(
+    servers: ServerThread, tmp_path: Path
+) -> None:
+    dead_port = free_port()
+    dead, alive = FakeEngine(), FakeEngine()
+    alive_url = servers.serve(alive.app())
+    config = _config(
+        tmp_path, [f"http://127.0.0.1:{dead_port}", alive_url], probe_interval_s=0.05, port=free_port()
+    )
+    try:
+        url = servers.serve(build_app(config), config.port)
+        admin = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=30)
+        assert [row["healthy"] for row in admin.get("/replicas").json()["replicas"]] == [False, True]
+        session = admin.post("/sessions", json={}).json()
+
+        assert call(session).status_code == 200
+        assert alive.requests[-1]["model"] == "fake-model"  # the set's model, not asked of the dead default
+
+        servers.serve(dead.app(), dead_port)
+        deadline = time.monotonic() + 5
+        while not admin.get("/replicas").json()["replicas"][0]["healthy"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        newcomer = admin.post("/sessions", json={}).json()
+        assert call(newcomer).status_code == 200
+        assert len(dead.requests) == 1  # back in rotation, and the least loaded
+        admin.close()
+    finally:
+        for runner in list(servers.runners):
+            servers.stop_runner(runner)
