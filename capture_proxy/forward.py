@@ -207,7 +207,9 @@ async def send(
         tried.add(replica.index)
         attempts += result.attempts
         waited += result.upstream_ms
-        if result.reply is None and result.unreachable and replicas.pick(session.id).index not in tried:
+        # A session deleted meanwhile is not pinned again (its pin would never be released).
+        failed = result.reply is None and result.unreachable and not session.closed
+        if failed and replicas.pick(session.id).index not in tried:
             log.warning("session %s: failing over from replica %d", session.id, replica.index)
             continue
         result.attempts, result.upstream_ms = attempts, waited
