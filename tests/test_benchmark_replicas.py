@@ -1,14 +1,14 @@
-"""The replicas benchmark runs end to end in its quick configuration and reports both targets."""
+"""The replicas benchmark runs end to end in its quick configuration, reports both targets, and its result
+renders as its section of the report."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.benchmark_scripts import BENCHMARKS, load_benchmark, run_to_end
+from tests.benchmark_scripts import BENCHMARKS, load_benchmark, run_quick
 
 benchmark_replicas = load_benchmark("replicas")
 
@@ -16,9 +16,8 @@ benchmark_replicas = load_benchmark("replicas")
 @pytest.mark.slow
 def test_quick_replicas_benchmark_reports_both_targets(tmp_path: Path) -> None:
     out = tmp_path / "result.json"
-    command = [sys.executable, str(BENCHMARKS / "replicas.py"), "--quick", "--json", str(out)]
 
-    run = run_to_end(command, 180, "the quick replicas benchmark", stop_s=30)
+    run = run_quick(BENCHMARKS / "replicas.py", out, 180, "the quick replicas benchmark", stop_s=30)
 
     assert run.returncode == 0, run.stdout[-4000:]
     for name in benchmark_replicas.TARGET_NAMES:
