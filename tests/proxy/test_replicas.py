@@ -20,6 +20,8 @@ from aiohttp import web
 from capture_proxy.app import build_app
 from capture_proxy.config import ConfigError, ProxyConfig
 from capture_proxy.journal import read_records
+from capture_proxy.replicas import ReplicaSet
+from capture_proxy.upstream import Upstream, UpstreamResult
 from harness_trainer.net import free_port
 from tests.proxy.conftest import ADMIN_KEY, Stack
 from tests.proxy.fake_engine import FakeEngine, ServerThread
@@ -284,3 +286,33 @@ def test_a_replica_down_at_start_is_left_out_until_a_probe_finds_it(
     finally:
         for runner in list(servers.runners):
             servers.stop_runner(runner)
+
+
+def _set(count: int = 3) -> ReplicaSet:
+    return ReplicaSet([Upstream(f"http://127.0.0.1:{9000 + i}") for i in range(count)], "m", 5.0)
+
+
+def test_placement_takes_the_fewest_pinned_then_the_lowest_index_and_skips_a_drained_replica() -> None:
+    replicas = _set()
+    assert [replicas.pick(f"s{i}").index for i in range(4)] == [0, 1, 2, 0]
+    assert replicas.pick("s1").index == 1  # pinned: the same replica again
+    replicas.release("s1")
+    replicas.drain(1)
+    assert replicas.pick("new").index == 2  # 1 has fewest but is drained
+    replicas.enable(1)
+    assert replicas.pick("newer").index == 1
+    assert [r.sessions for r in replicas.replicas] == [2, 1, 2]
+
+
+def test_with_every_replica_down_a_session_keeps_its_pin() -> None:
+    replicas = _set(2)
+    assert replicas.pick("s").index == 0
+    down = UpstreamResult(None, 502, "cannot reach the engine", unreachable=True)
+    replicas.observe(replicas.replicas[0], down)
+    assert replicas.pick("s").index == 1  # moved
+    replicas.observe(replicas.replicas[1], down)
+    assert replicas.pick("s").index == 1 and replicas.pick("other").index == 0  # nothing in rotation
+    refused = UpstreamResult(None, 503, "engine answered 503")
+    replicas.replicas[0].healthy = True
+    replicas.observe(replicas.replicas[0], refused)  # an engine that answers, even a 5xx, stays up
+    assert replicas.replicas[0].healthy and replicas.replicas[0].failures == 1  # the one before
