@@ -138,6 +138,17 @@ def test_a_replica_timing_out_past_its_retries_hands_the_call_to_another(replica
     assert [row["healthy"] for row in replicas.replica_table()] == [False, True, True]
 
 
+def test_a_replica_dropping_the_connection_mid_reply_hands_the_call_to_another(replicas: Replicas) -> None:
+    session = replicas.stack.new_session()
+    httpx.post(replicas.urls[0] + "/_faults", json={"queue": [{"mode": "disconnect"}] * 2})
+
+    assert call(session).status_code == 200
+
+    records = replicas.stack.calls(session["session_id"])
+    assert [(r["kind"], r["engine"]) for r in records] == [("model", replicas.urls[1])]
+    assert replicas.replica_table()[0]["failures"] == 1
+
+
 def test_a_replica_that_answers_again_is_probed_back_into_rotation(replicas: Replicas) -> None:
     first = [replicas.stack.new_session() for _ in range(3)]
     replicas.kill(2)
