@@ -25,7 +25,9 @@ practical floor for any aiohttp proxy: HTTP in, HTTP out, no parsing.
 
 Engine options for the rollout benchmark: ``--delay SECONDS`` holds every reply that long (a slow
 engine, so agents stay in flight), and ``--command TEXT`` makes the tool call's command ``TEXT`` (with a
-``# nonce`` comment, so each turn's reply still differs) instead of the default ``grep`` pipeline.
+``# nonce`` comment, so each turn's reply still differs) instead of the default ``grep`` pipeline. For the
+replicas benchmark: ``--max-concurrent N`` holds at most N replies at once (the others wait their turn), so
+an engine with ``--delay`` has a fixed capacity of N / delay calls per second, as a real engine's batch does.
 
 Both run with the access log off. Run: ``python benchmarks/fake_vllm.py engine --port P [--delay S]
 [--command TEXT]`` or ``python benchmarks/fake_vllm.py passthrough --port P --upstream http://127.0.0.1:E``.
@@ -151,6 +153,7 @@ def render_reply(request: dict[str, Any], command: str | None = None) -> bytes:
 
 DELAY = web.AppKey("delay", float)
 COMMAND = web.AppKey("command", str)
+SLOTS = web.AppKey("slots", asyncio.Semaphore)
 
 
 async def chat_completions(request: web.Request) -> web.Response:
@@ -159,7 +162,8 @@ async def chat_completions(request: web.Request) -> web.Response:
         error = {"error": {"message": "the fake engine does not stream", "type": "BadRequestError"}}
         return web.Response(status=400, body=orjson.dumps(error), content_type="application/json")
     if request.app[DELAY] > 0:
-        await asyncio.sleep(request.app[DELAY])
+        async with request.app[SLOTS]:
+            await asyncio.sleep(request.app[DELAY])
     reply = render_reply(body, request.app[COMMAND] or None)
     return web.Response(body=reply, content_type="application/json")
 
@@ -173,10 +177,12 @@ async def models(_: web.Request) -> web.Response:
     return web.Response(body=orjson.dumps(listing), content_type="application/json")
 
 
-def engine_app(delay: float = 0.0, command: str = "") -> web.Application:
-    """The fake engine; each reply waits ``delay`` seconds, its tool call runs ``command`` when given."""
+def engine_app(delay: float = 0.0, command: str = "", max_concurrent: int = 0) -> web.Application:
+    """The fake engine; each reply waits ``delay`` seconds (at most ``max_concurrent`` at once, when given),
+    its tool call runs ``command`` when given."""
     app = web.Application(client_max_size=64 * 1024**2)
     app[DELAY], app[COMMAND] = delay, command
+    app[SLOTS] = asyncio.Semaphore(max_concurrent or 1_000_000)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
@@ -220,11 +226,14 @@ def main() -> None:
     parser.add_argument("--pool", type=int, default=128, help="passthrough: keep-alive connections, at most")
     parser.add_argument("--delay", type=float, default=0.0, help="engine: seconds to hold each reply")
     parser.add_argument("--command", default="", help="engine: the bash tool call's command (default: grep)")
+    parser.add_argument(
+        "--max-concurrent", type=int, default=0, help="engine: replies held at once, at most (0: no limit)"
+    )
     args = parser.parse_args()
     if args.role == "passthrough" and not args.upstream:
         parser.error("passthrough needs --upstream")
     if args.role == "engine":
-        app = engine_app(args.delay, args.command)
+        app = engine_app(args.delay, args.command, args.max_concurrent)
     else:
         app = passthrough_app(args.upstream, args.pool)
     web.run_app(app, host=args.host, port=args.port, access_log=None)

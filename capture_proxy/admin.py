@@ -10,6 +10,10 @@ or absent: calls keep their model), its turn recorded with that version (``dispa
 ``weight_version`` when answered, unless the engine names its own); ``GET /policy`` → it (``{"policy":
 null}`` before any);
 ``DELETE /policy`` → back to the configured or discovered model name.
+With replicas (``--replicas``): ``GET /replicas`` → ``{"replicas": [{"index", "engine", "healthy",
+"drained", "sessions", "calls", "failures"}, …]}``; ``POST /replicas/{i}/drain`` takes replica ``i`` out of
+rotation (its sessions move on their next call), ``POST /replicas/{i}/enable`` puts it back; both answer the
+replica (404 for no such replica or a proxy without replicas).
 Without a configured admin key (loopback only) the admin routes are open.
 """
 
@@ -27,6 +31,7 @@ from pydantic import ValidationError
 from capture_proxy.assembly import UntrainableSession, assemble_trace
 from capture_proxy.config import engine_root
 from capture_proxy.journal import JournalError
+from capture_proxy.replicas import ReplicaSet
 from capture_proxy.sessions import Policy, Session, SessionSpec
 from capture_proxy.state import STATE, ProxyState
 
@@ -127,6 +132,8 @@ async def session_trace(request: web.Request) -> web.Response:
 
 async def delete_session(request: web.Request) -> web.Response:
     state, session = _session(request)
+    if state.replicas is not None:
+        state.replicas.release(session.id)
     await state.store.delete(session)
     return _json({"session_id": session.id, "deleted": True})
 
@@ -165,7 +172,29 @@ async def delete_policy(request: web.Request) -> web.Response:
     return _json({"policy": None})
 
 
+def _replica_set(state: ProxyState) -> ReplicaSet:
+    if state.replicas is None:
+        raise AdminError(404, "this proxy has no replicas (start it with --replicas)")
+    return state.replicas
+
+
+async def list_replicas(request: web.Request) -> web.Response:
+    replicas = _replica_set(check_admin(request))
+    return _json({"replicas": [replica.to_json() for replica in replicas.replicas]})
+
+
+async def set_replica(request: web.Request) -> web.Response:
+    replicas = _replica_set(check_admin(request))
+    index, action = request.match_info["index"], request.match_info["action"]
+    if not index.isdigit() or int(index) >= len(replicas.replicas):
+        raise AdminError(404, f"no replica {index}: this proxy has {len(replicas.replicas)}")
+    replica = replicas.drain(int(index)) if action == "drain" else replicas.enable(int(index))
+    return _json(replica.to_json())
+
+
 def add_routes(app: web.Application) -> None:
+    app.router.add_get("/replicas", list_replicas)
+    app.router.add_post("/replicas/{index}/{action:drain|enable}", set_replica)
     app.router.add_get("/policy", get_policy)
     app.router.add_put("/policy", put_policy)
     app.router.add_delete("/policy", delete_policy)

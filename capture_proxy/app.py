@@ -137,7 +137,8 @@ async def _health(request: web.Request) -> web.Response:
 
 async def _metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    text = state.metrics.render(sum(not s.closed for s in state.store.sessions.values()))
+    open_sessions = sum(not s.closed for s in state.store.sessions.values())
+    text = state.metrics.render(open_sessions, state.replicas.render() if state.replicas else None)
     return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
 

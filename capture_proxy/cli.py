@@ -20,8 +20,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--upstream", required=True, action="append",
         help="engine base URL, e.g. http://127.0.0.1:8000; repeat it to allow sessions to name further "
-        "engines (the first is the default, no other is ever forwarded to)",
+        "engines (the first is the default, no other is ever forwarded to), or with --replicas to serve "
+        "one model from several engines",
     )  # fmt: skip
+    parser.add_argument(
+        "--replicas", action="store_true",
+        help="every --upstream is a replica of one model (refused at start if they serve different ones): "
+        "each session naming no engine is pinned to the least loaded replica, and moved off one that "
+        "stops answering until a probe finds it back",
+    )  # fmt: skip
+    parser.add_argument(
+        "--probe-interval", type=float, default=5.0, help="with --replicas: probe interval, seconds"
+    )
     parser.add_argument(
         "--host", default="127.0.0.1", help="address to bind (non-loopback needs an admin key)"
     )
@@ -103,6 +113,8 @@ def serve(args: argparse.Namespace) -> int:
     config = ProxyConfig(
         upstream=args.upstream[0],
         allowed_upstreams=tuple(args.upstream[1:]),
+        replicas=args.replicas,
+        probe_interval_s=args.probe_interval,
         data_dir=args.data_dir,
         admin_key=admin_key,
         host=args.host,
@@ -133,15 +145,19 @@ def serve(args: argparse.Namespace) -> int:
         f"event loop: {type(loop).__module__.split('.')[0]})",
         flush=True,
     )
-    web.run_app(
-        app,
-        host=args.host,
-        port=args.port,
-        access_log=None,
-        print=None,
-        handler_cancellation=True,
-        loop=loop,
-    )
+    try:
+        web.run_app(
+            app,
+            host=args.host,
+            port=args.port,
+            access_log=None,
+            print=None,
+            handler_cancellation=True,
+            loop=loop,
+        )
+    except ConfigError as exc:  # found on start: replicas serving different models
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -34,6 +34,12 @@ class ProxyConfig:
     allowed_upstreams: tuple[str, ...] = ()
     """Further engines a session may name (``SessionSpec.upstream``); no other is ever forwarded to, so the
     proxy is no open relay."""
+    replicas: bool = False
+    """Every engine (``upstream`` and ``allowed_upstreams``) is a replica of one model: sessions that name no
+    engine are pinned to one, placed on the least loaded and moved off one that stops answering (see
+    :mod:`capture_proxy.replicas`); engines serving different models are refused at start."""
+    probe_interval_s: float = 5.0
+    """With ``replicas``: seconds between probes of a replica that stopped answering."""
     upstream_api_key: str | None = None
     upstream_timeout_s: float = 600.0
     upstream_pool: int = 512
@@ -57,6 +63,8 @@ class ProxyConfig:
             )
         if self.upstream_attempts < 1:
             raise ConfigError("upstream_attempts must be >= 1")
+        if self.probe_interval_s <= 0:
+            raise ConfigError("probe_interval_s must be > 0")
         fields = {**self.__dict__, "admin_key": key, "data_dir": Path(self.data_dir)}
         return ProxyConfig(**{**fields, "allowed_upstreams": tuple(self.allowed_upstreams)})
 

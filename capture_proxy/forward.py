@@ -4,7 +4,9 @@ Order of work (the contract of this module):
 1. the dialect parses the body; constrained decoding is refused (400) before any budget is spent;
 2. a model call is reserved from the session's budget; if it is spent, the agent gets a terminal
    "step budget exhausted" reply in its dialect, journaled as ``budget_exhausted``, never trained on;
-3. the call is forwarded (non-streaming, with the session's sampling policy and the capture flags);
+3. the call is forwarded (non-streaming, with the session's sampling policy and the capture flags) to the
+   session's engine, or with replicas to its pinned replica, failing over to another when that one stops
+   answering (:mod:`capture_proxy.replicas`);
 4. ids and logprobs are captured and checked, the record is appended to the journal and fdatasync'd;
 5. only then the agent gets its reply: JSON, or an SSE replay in its dialect (:mod:`capture_proxy.answer`).
 Steps 3–4 run in their own task, so an agent that disconnects (or a cancelled handler) cannot lose or
@@ -37,7 +39,7 @@ from capture_proxy.records import (
 )
 from capture_proxy.sessions import Session
 from capture_proxy.state import ProxyState
-from capture_proxy.upstream import Upstream
+from capture_proxy.upstream import Upstream, UpstreamResult
 
 log = logging.getLogger(__name__)
 BUDGET_MESSAGE = "Step budget exhausted: this episode is over. Stop now."
@@ -117,7 +119,7 @@ async def forward(
     the call was sent) is recorded on the turn as it is; its ``weight_version`` is the engine reply's own,
     else the policy version when the reply came back (a push may have landed while the call ran)."""
     wall_start = time.time()
-    result = await upstream.chat(body, session.spec.engine_headers or None)
+    result, engine = await send(state, session, upstream, body)
     returned = state.policy
     return_version = returned.version if returned is not None else None
     state.metrics.upstream.observe(result.upstream_ms / 1000)
@@ -128,7 +130,9 @@ async def forward(
         if result.context_exhausted:
             finding = Finding("context_exhausted", result.error or "the prompt exceeds the model's context")
             reply = terminal_reply(CONTEXT_MESSAGE)
-            await journal_terminal(state, session, call, CONTEXT_EXHAUSTED, reply, finding, body, timings)
+            await journal_terminal(
+                state, session, call, CONTEXT_EXHAUSTED, reply, finding, body, timings, engine
+            )
             return Outcome(reply=reply, upstream_ms=result.upstream_ms)
         refused = 400 <= result.status < 500 and result.status not in (408, 429)
         # A refusal answers the agent's own request; anything else is the engine failing past retries,
@@ -136,7 +140,7 @@ async def forward(
         code = "upstream_error" if refused else "engine_unavailable"
         status = 400 if refused else 502
         finding = Finding(code, result.error or "the engine failed")
-        await journal_terminal(state, session, call, UPSTREAM_ERROR, None, finding, body, timings)
+        await journal_terminal(state, session, call, UPSTREAM_ERROR, None, finding, body, timings, engine)
         return Outcome(status=status, error=result.error, upstream_ms=result.upstream_ms)
     reply_json = result.reply
     try:
@@ -145,9 +149,8 @@ async def forward(
     except MalformedReply as exc:
         session.release()
         state.metrics.error("malformed_reply")
-        await journal_terminal(
-            state, session, call, UPSTREAM_ERROR, None, Finding("malformed_reply", str(exc))
-        )
+        finding = Finding("malformed_reply", str(exc))
+        await journal_terminal(state, session, call, UPSTREAM_ERROR, None, finding, engine=engine)
         return Outcome(
             status=502, error=f"the engine's reply could not be used: {exc}", upstream_ms=result.upstream_ms
         )
@@ -166,6 +169,7 @@ async def forward(
         logprobs=captured.logprobs,
         weight_version=captured.weight_version if captured.weight_version is not None else return_version,
         dispatch_version=dispatch_version,
+        engine=engine,
         finding=captured.finding,
         timings=timings,
     )
@@ -179,6 +183,37 @@ async def forward(
 
     await append(state, session, record, meanwhile=render_meanwhile)
     return Outcome(reply=reply, upstream_ms=result.upstream_ms, body=rendered[0] if rendered else None)
+
+
+async def send(
+    state: ProxyState, session: Session, upstream: Upstream, body: dict[str, Any]
+) -> tuple[UpstreamResult, str]:
+    """Step 3: the engine's result and the root of the engine that gave it.
+
+    A session routed by replicas goes to its pinned replica; one that does not answer past its retries is
+    taken out of rotation and the call is sent, whole, to the replica the session is pinned to next (each
+    replica at most once). The result then counts every attempt and all the time spent waiting.
+    """
+    headers = session.spec.engine_headers or None
+    replicas = state.routed(session.spec)
+    if replicas is None:
+        return await upstream.chat(body, headers), upstream.root
+    tried: set[int] = set()
+    attempts, waited = 0, 0.0
+    while True:
+        replica = replicas.pick(session.id)
+        result = await replica.upstream.chat(body, headers)
+        replicas.observe(replica, result)
+        tried.add(replica.index)
+        attempts += result.attempts
+        waited += result.upstream_ms
+        # A session deleted meanwhile is not pinned again (its pin would never be released).
+        failed = result.reply is None and result.unreachable and not session.closed
+        if failed and replicas.pick(session.id).index not in tried:
+            log.warning("session %s: failing over from replica %d", session.id, replica.index)
+            continue
+        result.attempts, result.upstream_ms = attempts, waited
+        return result, replica.upstream.root
 
 
 def new_record(
@@ -236,6 +271,7 @@ async def journal_terminal(
     finding: Finding | None,
     body: dict[str, Any] | None = None,
     timings: dict[str, float] | None = None,
+    engine: str | None = None,
 ) -> None:
     """Journal a call that produced no trainable sample (budget, context, engine failure)."""
     now = time.time()
@@ -251,6 +287,7 @@ async def journal_terminal(
         response,
         finding=finding,
         timings=timings or {},
+        engine=engine,
     )
     await append(state, session, record)
 

@@ -299,6 +299,7 @@ def _base_fields(record: CallRecord) -> dict[str, Any]:
         "response": record.response,
         "weight_version": record.weight_version,
         "dispatch_version": record.dispatch_version,
+        "engine": record.engine,
         "finding": record.finding.to_json() if record.finding else None,
         "timings": record.timings,
     }
@@ -381,6 +382,7 @@ class _Expander:
                 logprobs=raw.get("logprobs"),
                 weight_version=raw.get("weight_version"),
                 dispatch_version=raw.get("dispatch_version"),  # absent from journals written before it
+                engine=raw.get("engine"),  # likewise
                 finding=Finding(**finding) if finding else None,
                 timings=raw.get("timings") or {},
             )

@@ -4,7 +4,10 @@ Exposed: ``capture_proxy_requests_total{route,status}``, ``capture_proxy_errors_
 ``capture_proxy_upstream_seconds``, ``capture_proxy_added_seconds`` and ``capture_proxy_journal_seconds``
 (histograms: time waiting for the engine, the rest of each forwarded call's time in the proxy, and the
 durable append of one journal line), ``capture_proxy_open_sessions`` and
-``capture_proxy_journal_bytes_total``.
+``capture_proxy_journal_bytes_total``; with replicas, per replica (labels ``replica``, its index, and
+``engine``, its base URL): ``capture_proxy_replica_sessions`` (pinned), ``capture_proxy_replica_calls_total``,
+``capture_proxy_replica_failures_total``, ``capture_proxy_replica_healthy`` and
+``capture_proxy_replica_in_rotation`` (0/1), rendered by :meth:`capture_proxy.replicas.ReplicaSet.render`.
 """
 
 from __future__ import annotations
@@ -55,7 +58,8 @@ class Metrics:
     def error(self, kind: str) -> None:
         self.errors[kind] += 1
 
-    def render(self, open_sessions: int) -> str:
+    def render(self, open_sessions: int, extra: list[str] | None = None) -> str:
+        """The text for ``GET /metrics``; ``extra`` lines (other families) go at the end."""
         lines = [
             "# HELP capture_proxy_requests_total Requests answered, by route and status",
             "# TYPE capture_proxy_requests_total counter",
@@ -77,4 +81,5 @@ class Metrics:
             "# TYPE capture_proxy_journal_bytes_total counter",
             f"capture_proxy_journal_bytes_total {self.journal_bytes}",
         ]
+        lines += extra or []
         return "\n".join(lines) + "\n"

@@ -56,6 +56,9 @@ class CallRecord:
     reply came back."""
     dispatch_version: int | None = None
     """The policy version the proxy knew when it sent the call upstream (``PUT /policy``), or None."""
+    engine: str | None = None
+    """The engine (its base URL, as :func:`capture_proxy.config.engine_root` spells it) that answered or
+    last failed the call; with replicas, the replica that sampled it. None for calls never forwarded."""
     finding: Finding | None = None
     timings: dict[str, float] = field(default_factory=dict)
     # The prompt ids as the engine's compact JSON text without brackets (``b"1,2,3"``), set instead of

@@ -10,6 +10,7 @@ from aiohttp import web
 
 from capture_proxy.config import ProxyConfig, engine_root
 from capture_proxy.metrics import Metrics
+from capture_proxy.replicas import ReplicaSet
 from capture_proxy.sessions import Policy, SessionSpec, SessionStore
 from capture_proxy.upstream import Upstream
 from capture_proxy.wal import SharedLog, replay
@@ -38,6 +39,11 @@ class ProxyState:
         }
         self.upstream = self.upstreams[engine_root(config.upstream)]
         """The default engine (``config.upstream``)."""
+        self.replicas: ReplicaSet | None = None
+        """With ``config.replicas``: every engine, a replica that sessions naming no engine are routed to."""
+        if config.replicas:
+            upstreams = list(self.upstreams.values())
+            self.replicas = ReplicaSet(upstreams, config.served_model, config.probe_interval_s)
         self.metrics = Metrics()
         self.load_problems: list[str] = []
         self._models: dict[str, str] = {}
@@ -52,6 +58,13 @@ class ProxyState:
     async def start(self) -> None:
         for upstream in self.upstreams.values():
             await upstream.start()
+        if self.replicas is not None:
+            try:
+                await self.replicas.start()
+            except BaseException:
+                for upstream in self.upstreams.values():
+                    await upstream.close()
+                raise
         self.load_problems = replay(self.config.data_dir, self.store.root)
         self.load_problems += self.store.load_all()
         self.wal.open()
@@ -62,6 +75,8 @@ class ProxyState:
             await asyncio.wait(set(self._inflight), timeout=grace_s)
         for task in list(self._inflight):
             task.cancel()
+        if self.replicas is not None:
+            await self.replicas.stop()
         for upstream in self.upstreams.values():
             await upstream.close()
         await self.wal.stop_checkpoints()
@@ -86,15 +101,24 @@ class ProxyState:
 
     def upstream_of(self, spec: SessionSpec) -> Upstream:
         """The engine a session's calls go to (its own, else the default); KeyError for one not allowed.
-        ``spec.upstream`` is spelled by :func:`engine_root` since the session was minted."""
+        ``spec.upstream`` is spelled by :func:`engine_root` since the session was minted. With replicas,
+        a session naming no engine is routed by :attr:`replicas` instead (see :meth:`routed`)."""
         return self.upstream if spec.upstream is None else self.upstreams[spec.upstream]
+
+    def routed(self, spec: SessionSpec) -> ReplicaSet | None:
+        """The replica set that routes this session's calls, or None (it names its own engine, or the
+        proxy has no replicas)."""
+        return self.replicas if spec.upstream is None else None
 
     async def model_name(self, asked: str, upstream: Upstream | None = None) -> str:
         """The served model name at ``upstream`` (default: the default engine): configured, else the
-        engine's first model (asked once), else ``asked``."""
+        engine's first model (asked once), else ``asked``. With replicas, every engine serves the set's
+        model, once known (so a default engine that is down is not asked)."""
         root = (upstream or self.upstream).root
         if root in self._models:
             return self._models[root]
+        if self.replicas is not None and self.replicas.model is not None:
+            return self.replicas.model
         async with self._model_lock:
             if root not in self._models:
                 try:

@@ -38,6 +38,8 @@ class UpstreamResult:
     prompt_text: bytes | None = None  # ``prompt_token_ids`` as raw JSON text, cut out of the reply
     logprobs: list[LogprobEntry] | None = None  # ``choices[0].logprobs.content``, cut out of the reply
     context_exhausted: bool = False
+    unreachable: bool = False
+    """The last attempt got no answer from the engine (refused, reset, timed out, dropped mid-reply)."""
     attempts: int = 1
     upstream_ms: float = 0.0
     attempt_errors: list[str] = field(default_factory=list)
@@ -85,9 +87,11 @@ class Upstream:
             raise RuntimeError("Upstream.start() was not called")
         return self._session
 
-    async def models(self) -> list[str]:
-        """The served model names (``GET /v1/models``)."""
-        async with self.session.get(self.root + "/v1/models", headers=self.headers) as response:
+    async def models(self, timeout_s: float | None = None) -> list[str]:
+        """The served model names (``GET /v1/models``), within ``timeout_s`` if given."""
+        timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
+        url = self.root + "/v1/models"
+        async with self.session.get(url, headers=self.headers, timeout=timeout) as response:
             response.raise_for_status()
             data = loads(await response.read())
         return [str(entry["id"]) for entry in data.get("data", [])]
@@ -126,11 +130,12 @@ class Upstream:
                 status = response.status
                 retry_after = _retry_after(response.headers.get("Retry-After"))
         except TimeoutError:
-            return UpstreamResult(None, 504, "timed out waiting for the engine"), None
+            return UpstreamResult(None, 504, "timed out waiting for the engine", unreachable=True), None
         except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
-            return UpstreamResult(None, 502, f"the engine dropped the connection mid-reply ({exc})"), None
+            error = f"the engine dropped the connection mid-reply ({exc})"
+            return UpstreamResult(None, 502, error, unreachable=True), None
         except aiohttp.ClientError as exc:
-            return UpstreamResult(None, 502, f"cannot reach the engine: {exc}"), None
+            return UpstreamResult(None, 502, f"cannot reach the engine: {exc}", unreachable=True), None
         if status != 200:
             message = _error_message(raw)
             exhausted = status == 400 and bool(_CONTEXT.search(message))

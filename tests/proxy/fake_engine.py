@@ -79,7 +79,9 @@ def plan_reply(messages: list[dict[str, Any]]) -> tuple[str | None, list[dict[st
 
 
 class FakeEngine:
-    def __init__(self) -> None:
+    def __init__(self, model: str = MODEL) -> None:
+        self.model = model
+        """The name ``GET /v1/models`` lists (replies name :data:`MODEL` whatever it is)."""
         self.faults: list[dict[str, Any]] = []
         self.requests: list[dict[str, Any]] = []
         self.authorizations: list[dict[str, str]] = []
@@ -95,7 +97,7 @@ class FakeEngine:
         return app
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
 
     async def set_faults(self, request: web.Request) -> web.Response:
         self.faults = list((await request.json())["queue"])
