@@ -1,30 +1,37 @@
 """A generated family of toy Harbor tasks with a held-out split: the same skills on unseen instances.
 
 The bundled ``harness_trainer/examples/tasks`` are five different tasks, each one of a kind, so a model
-trained on them can only be asked about them. This family is a few shell *skills*, each with a fixed solution
-template that mostly copies tokens from the instruction (a file name, a value) into one command, and several
-wordings:
+trained on them can only be asked about them. This family is a few shell *skills*, each with one solution
+template, a closed set of values for its one slot, and several wordings:
 
-- ``write-line``: create ``/app/NAME`` holding the line ``VALUE`` → ``printf '%s\\n' 'VALUE' > /app/NAME``;
-- ``make-dir``: create the directory ``/app/NAME`` (two levels deep) → ``mkdir -p /app/NAME``;
-- ``copy-file``: copy the existing ``/app/NAME`` to ``/app/VALUE`` → ``cp /app/NAME /app/VALUE``;
-- ``delete-file``: delete ``/app/NAME``, keeping ``/app/keep.txt`` → ``rm /app/NAME``.
+- ``make-dir``: create the directory ``/app/VALUE`` → ``mkdir -p /app/VALUE``;
+- ``write-word``: ``/app/status.txt`` holds the word ``VALUE`` → ``echo VALUE > /app/status.txt``;
+- ``touch-file``: create the empty file ``/app/VALUE.txt`` → ``touch /app/VALUE.txt``;
+- ``delete-ext``: delete every ``.VALUE`` file in ``/app``, keeping ``/app/keep.txt`` → ``rm /app/*.VALUE``.
+
+Each skill has four values (plain words, none shared between skills) and three wordings: twelve instances.
 
 Contract of :func:`toy_family` (pure: a function of its arguments, no filesystem, no global randomness):
 
-1. Splits ``train`` and ``test``, ``per_skill`` instances of every skill in each; an instance is
-   ``(skill, name, value)`` (``value`` is ``""`` where a skill has none) and a wording.
-2. Held out: the names and values of one split never appear in the other (each pool is shuffled from
-   ``seed`` and cut in two), so no test instance shares its ``(skill, name, value)`` or its instruction
-   with any train instance; within a split, every task has its own name. The *pieces* of a test name or
-   value (``notes``, ``md``, ``archive``, ``quiet``, ``river``) all occur in train names or values: a
-   test instance is a new combination of pieces the warm-up saw, something a tiny model can plausibly
-   copy, not a word it never met.
-3. Wordings rotate per skill, so every wording of every skill occurs in ``train``.
-4. The same arguments give the same tasks, byte for byte.
+1. Splits ``train`` and ``test``; an instance is ``(skill, value, wording)``, and ``per_skill`` says how
+   many instances of every skill each split holds.
+2. Held out: no test instance's ``(skill, value, wording)``, and so no test instruction, occurs in
+   ``train``. A test instance is an unseen pairing of a value and a wording that ``train`` holds for that
+   skill, each with other partners: solving it means putting together what the instruction asks (its
+   wording) with its value, not recalling an instruction seen in training. Test instances of a skill have
+   different values, and (at the default counts) every value and every wording of every skill occurs in
+   ``train``.
+3. The same arguments give the same tasks, byte for byte; the seed picks which pairings are held out.
 
-:func:`write_family` writes them as Harbor task folders (``ROOT/<split>/<skill>-<name>/``: instruction.md,
-task.toml, environment/Dockerfile, solution/solve.sh, tests/test.sh). The committed copy is
+Why closed sets of values, and not unseen file names: an earlier version of this family held out names
+never seen in training (``notes.md`` from ``notes`` and ``md``), so a solution had to copy several tokens
+from the instruction. The dev loop's tiny model, warmed up on the train split for as long as a CPU run
+allows, did not learn to copy (its solver transcripts stayed near probability 0 on train and test alike);
+with one word from a closed set it learns the train split and the test split follows it (see
+``docs/getting-started.md``).
+
+:func:`write_family` writes them as Harbor task folders (``ROOT/<split>/<skill>-<value>-w<wording>/``:
+instruction.md, task.toml, environment/Dockerfile, solution/solve.sh, tests/test.sh). The committed copy is
 ``harness_trainer/examples/toy-skills`` (``python -m harness_trainer.tasks.toy_family
 harness_trainer/examples/toy-skills`` rewrites it; a test checks that it equals the generator's output). The
 verifiers check the workspace for real in the sandbox and never pass an untouched one, so the dev loop's
@@ -35,113 +42,99 @@ from __future__ import annotations
 
 import argparse
 import random
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 SPLITS = ("train", "test")
-SKILLS = ("write-line", "make-dir", "copy-file", "delete-file")
+SKILLS = ("make-dir", "write-word", "touch-file", "delete-ext")
 DEFAULT_SEED = 0
 DEFAULT_PER_SKILL = {"train": 8, "test": 4}
 KEEP_FILE = "keep.txt"
 KEEP_LINE = "do not delete me"
+STATUS_FILE = "status.txt"
 
+VALUES: dict[str, tuple[str, ...]] = {
+    "make-dir": ("build", "cache", "logs", "output"),
+    "write-word": ("ready", "done", "failed", "pending"),
+    "touch-file": ("notes", "todo", "report", "draft"),
+    "delete-ext": ("log", "tmp", "bak", "md"),
+}
 WORDINGS: dict[str, tuple[str, ...]] = {
-    "write-line": (
-        "Create the file `/app/{name}` containing exactly one line: `{value}`",
-        "Write the line `{value}` to a new file `/app/{name}`.",
-        "Make `/app/{name}` a file whose only line is `{value}`.",
-    ),
     "make-dir": (
-        "Create the directory `/app/{name}`.",
-        "Make a new folder at `/app/{name}`.",
-        "`/app/{name}` should exist as a directory; create it.",
+        "Create the directory `/app/{value}`.",
+        "Make a new folder at `/app/{value}`.",
+        "`/app/{value}` should exist as a directory; create it.",
     ),
-    "copy-file": (
-        "Copy `/app/{name}` to `/app/{value}`.",
-        "Make a copy of the file `/app/{name}` named `/app/{value}`; keep the original.",
-        "Duplicate `/app/{name}` as `/app/{value}`.",
+    "write-word": (
+        f"Write the word `{{value}}` to `/app/{STATUS_FILE}`.",
+        f"Set the contents of `/app/{STATUS_FILE}` to `{{value}}`.",
+        f"`/app/{STATUS_FILE}` must hold just `{{value}}`; write it.",
     ),
-    "delete-file": (
-        "Delete the file `/app/{name}`.",
-        "Remove `/app/{name}`; leave every other file in `/app` alone.",
-        "`/app/{name}` is no longer needed: delete it.",
+    "touch-file": (
+        "Create an empty file `/app/{value}.txt`.",
+        "Make a new empty file named `{value}.txt` in `/app`.",
+        "`/app/{value}.txt` should exist (empty is fine); create it.",
+    ),
+    "delete-ext": (
+        "Delete every `.{value}` file in `/app`.",
+        "Remove all the `*.{value}` files from `/app`; keep the rest.",
+        "The `.{value}` files in `/app` are no longer needed: delete them.",
     ),
 }
 SOLUTIONS = {
-    "write-line": "printf '%s\\n' '{value}' > /app/{name}",
-    "make-dir": "mkdir -p /app/{name}",
-    "copy-file": "cp /app/{name} /app/{value}",
-    "delete-file": "rm /app/{name}",
+    "make-dir": "mkdir -p /app/{value}",
+    "write-word": f"echo {{value}} > /app/{STATUS_FILE}",
+    "touch-file": "touch /app/{value}.txt",
+    "delete-ext": "rm /app/*.{value}",
 }
 CHECKS = {
-    "write-line": "[ -f /app/{name} ] && [ \"$(cat /app/{name})\" = '{value}' ]",
-    "make-dir": "[ -d /app/{name} ]",
-    "copy-file": "[ -f /app/{value} ] && [ \"$(cat /app/{value})\" = '{content}' ] "
-    "&& [ \"$(cat /app/{name})\" = '{content}' ]",
-    "delete-file": f"[ ! -e /app/{{name}} ] && [ \"$(cat /app/{KEEP_FILE})\" = '{KEEP_LINE}' ]",
+    "make-dir": "[ -d /app/{value} ]",
+    "write-word": f"[ \"$(cat /app/{STATUS_FILE} 2>/dev/null)\" = '{{value}}' ]",
+    "touch-file": "[ -f /app/{value}.txt ]",
+    "delete-ext": f'[ -z "$(ls /app/*.{{value}} 2>/dev/null)" ] '
+    f"&& [ \"$(cat /app/{KEEP_FILE})\" = '{KEEP_LINE}' ]",
 }
 WHAT_IS_CHECKED = {
-    "write-line": "/app/{name} holds the line '{value}' (a trailing newline is optional)",
-    "make-dir": "/app/{name} is a directory",
-    "copy-file": "/app/{value} holds what /app/{name} holds, and /app/{name} is still there",
-    "delete-file": f"/app/{{name}} is gone and /app/{KEEP_FILE} is untouched",
+    "make-dir": "/app/{value} is a directory",
+    "write-word": f"/app/{STATUS_FILE} holds the word '{{value}}'",
+    "touch-file": "/app/{value}.txt exists",
+    "delete-ext": f"no .{{value}} file is left in /app and /app/{KEEP_FILE} is untouched",
 }
-
-# Name and value pieces: plain lower-case words, safe inside single quotes and in a path.
-_STEMS = (
-    "notes", "todo", "report", "summary", "draft", "budget", "inbox", "journal", "plan", "agenda",
-    "memo", "ledger", "recipe", "diary", "outline", "roster", "invoice", "letter", "schedule", "minutes",
-    "checklist", "log", "index", "backlog",
-)  # fmt: skip
-_EXTENSIONS = ("txt", "md", "log", "cfg")
-_DIRS = (
-    "archive", "backup", "build", "cache", "drafts", "exports", "images", "logs", "output", "reports",
-    "scripts", "shared", "static", "uploads", "vendor", "assets", "media", "results", "staging", "tmp",
-)  # fmt: skip
-_ADJECTIVES = ("quiet", "green", "rapid", "silver", "bright", "hollow", "gentle", "amber", "frozen", "lucky")
-_NOUNS = ("river", "lamp", "falcon", "garden", "engine", "harbor", "meadow", "rocket", "candle", "window")
+SETUP = {
+    "delete-ext": f"RUN echo one > /app/one.{{value}} && echo two > /app/two.{{value}} "
+    f"&& echo '{KEEP_LINE}' > /app/{KEEP_FILE}\n",
+}
 
 
 @dataclass(frozen=True)
 class ToyTask:
-    """One generated task: ``skill`` applied to ``name`` (and ``value``), told in wording ``wording``."""
+    """One generated task: ``skill`` applied to ``value``, told in wording ``wording``."""
 
     split: str
     skill: str
-    name: str
     value: str
     wording: int
 
     @property
     def folder(self) -> str:
-        return f"{self.skill}-{re.sub(r'[^a-z0-9]+', '-', self.name)}"
+        return f"{self.skill}-{self.value}-w{self.wording}"
 
     @property
     def instruction(self) -> str:
-        return WORDINGS[self.skill][self.wording].format(name=self.name, value=self.value) + "\n"
-
-    @property
-    def content(self) -> str:
-        """The line the workspace's existing ``/app/NAME`` holds (copy-file, delete-file)."""
-        return f"the {self.name.split('.')[0]} of this task"
+        return WORDINGS[self.skill][self.wording].format(value=self.value) + "\n"
 
     def files(self) -> dict[str, str]:
         """The task folder's files, relative path → text (``.sh`` files are executable)."""
-        fields = {"name": self.name, "value": self.value, "content": self.content}
-        setup = {
-            "copy-file": f"RUN echo '{self.content}' > /app/{self.name}\n",
-            "delete-file": f"RUN echo '{self.content}' > /app/{self.name} "
-            f"&& echo '{KEEP_LINE}' > /app/{KEEP_FILE}\n",
-        }.get(self.skill, "")
         return {
             "instruction.md": self.instruction,
             "task.toml": _TOML.format(skill=self.skill, split=self.split),
-            "environment/Dockerfile": "FROM ubuntu:24.04\nWORKDIR /app\n" + setup,
-            "solution/solve.sh": _SOLVE.format(command=SOLUTIONS[self.skill].format(**fields)),
+            "environment/Dockerfile": "FROM ubuntu:24.04\nWORKDIR /app\n"
+            + SETUP.get(self.skill, "").format(value=self.value),
+            "solution/solve.sh": _SOLVE.format(command=SOLUTIONS[self.skill].format(value=self.value)),
             "tests/test.sh": _TEST.format(
-                what=WHAT_IS_CHECKED[self.skill].format(**fields), check=CHECKS[self.skill].format(**fields)
+                what=WHAT_IS_CHECKED[self.skill].format(value=self.value),
+                check=CHECKS[self.skill].format(value=self.value),
             ),
         }
 
@@ -185,50 +178,38 @@ fi
 """
 
 
-def _cut(pool: list[tuple[str, ...]], counts: dict[str, int], rng: random.Random) -> dict[str, list[tuple]]:
-    """``pool`` shuffled, then cut: train takes the first ``counts["train"]`` items, test the next
-    ``counts["test"]`` of the others that are made only of pieces some train item has.
-
-    Raises:
-        ValueError: the pool holds too few such items.
-    """
-    pool = list(pool)
-    rng.shuffle(pool)
-    train = pool[: counts["train"]]
-    seen = {piece for item in train for piece in item}
-    test = [item for item in pool[counts["train"] :] if seen.issuperset(item)][: counts["test"]]
-    if len(train) < counts["train"] or len(test) < counts["test"]:
-        raise ValueError(f"the name pools hold too few instances for {counts}")
-    return {"train": train, "test": test}
+def _held_out(skill: str, count: int, rng: random.Random) -> set[tuple[str, int]]:
+    """``count`` (value, wording) pairings of ``skill`` for the test split: different values, and wordings
+    taken in turn from a seeded start, so that each value and wording keeps other pairings in train."""
+    values = list(VALUES[skill])
+    rng.shuffle(values)
+    start = rng.randrange(len(WORDINGS[skill]))
+    return {(value, (start + i) % len(WORDINGS[skill])) for i, value in enumerate(values[:count])}
 
 
 def toy_family(seed: int = DEFAULT_SEED, per_skill: dict[str, int] | None = None) -> dict[str, list[ToyTask]]:
     """Every task of the family, by split (contract in the module docstring).
 
     Raises:
-        ValueError: ``per_skill`` asks for more instances than the name or value pools hold.
+        ValueError: ``per_skill`` asks for more test instances of a skill than it has values, or for more
+            instances in all than it has pairings.
     """
     per_skill = {**DEFAULT_PER_SKILL, **(per_skill or {})}
     rng = random.Random(seed)
-    # File names per split: one for write-line and delete-file, two for copy-file (source and copy).
-    files = _cut([(s, e) for s in _STEMS for e in _EXTENSIONS], {k: 4 * n for k, n in per_skill.items()}, rng)
-    dirs = _cut([(a, b) for a in _DIRS for b in _DIRS if a != b], per_skill, rng)
-    values = _cut([(a, n) for a in _ADJECTIVES for n in _NOUNS], per_skill, rng)
-    family: dict[str, list[ToyTask]] = {}
-    for split in SPLITS:
-        count = per_skill[split]
-        names = iter(".".join(name) for name in files[split])
-        tasks = []
-        for i in range(count):
-            wording = i % len(WORDINGS["write-line"])
-            tasks += [
-                ToyTask(split, "write-line", next(names), " ".join(values[split][i]), wording),
-                ToyTask(split, "make-dir", "/".join(dirs[split][i]), "", wording),
-                ToyTask(split, "copy-file", next(names), next(names), wording),
-                ToyTask(split, "delete-file", next(names), "", wording),
-            ]
-        family[split] = sorted(tasks, key=lambda t: t.folder)
-    return family
+    family: dict[str, list[ToyTask]] = {split: [] for split in SPLITS}
+    for skill in SKILLS:
+        values, wordings = VALUES[skill], range(len(WORDINGS[skill]))
+        if per_skill["test"] > len(values) or sum(per_skill.values()) > len(values) * len(wordings):
+            raise ValueError(
+                f"skill {skill!r} has too few instances for {per_skill}: {len(values)} values, "
+                f"{len(values) * len(wordings)} pairings"
+            )
+        test = _held_out(skill, per_skill["test"], rng)
+        train = [(v, w) for v in values for w in wordings if (v, w) not in test]
+        rng.shuffle(train)
+        family["test"] += [ToyTask("test", skill, v, w) for v, w in sorted(test)]
+        family["train"] += [ToyTask("train", skill, v, w) for v, w in train[: per_skill["train"]]]
+    return {split: sorted(tasks, key=lambda t: t.folder) for split, tasks in family.items()}
 
 
 def write_family(root: Path, seed: int = DEFAULT_SEED, per_skill: dict[str, int] | None = None) -> None:

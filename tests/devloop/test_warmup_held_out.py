@@ -73,6 +73,6 @@ def test_the_warm_model_records_only_train_tasks_and_is_not_reused_once_their_in
 
     assert ensure_warm_model(LocalTaskSource(family), "train", base, recipe, log=lambda line: None) == warm
     changed = train[0].path / "instruction.md"
-    changed.write_text(changed.read_text().replace("/app/", "/app/new-", 1))
+    changed.write_text(changed.read_text() + "Then stop.\n")
     with pytest.raises(ValueError, match="trained on other instructions"):
         ensure_warm_model(LocalTaskSource(family), "train", base, recipe, log=lambda line: None)

@@ -3,7 +3,6 @@ every task graded for real in a local sandbox (its solution 1; untouched or the 
 
 from __future__ import annotations
 
-import re
 import stat
 from pathlib import Path
 
@@ -14,17 +13,13 @@ from harness_trainer.rollouts.server.verifier import run_verifier
 from harness_trainer.sandboxes import LocalSandboxBackend
 from harness_trainer.sandboxes.rootless import unavailable
 from harness_trainer.tasks import HarborTask, LocalTaskSource
-from harness_trainer.tasks.toy_family import SKILLS, SOLUTIONS, WORDINGS, toy_family, write_family
+from harness_trainer.tasks.toy_family import SKILLS, SOLUTIONS, VALUES, WORDINGS, toy_family, write_family
 
 from .conftest import TOY_SKILLS
 
 FAMILY = toy_family()
 COMMITTED = LocalTaskSource(TOY_SKILLS)
 COMMITTED_TASKS = [task for split in COMMITTED.splits() for task in COMMITTED.tasks(split)]
-
-
-def pieces(name_or_value: str) -> set[str]:
-    return {piece for piece in re.split(r"[ ./]", name_or_value) if piece}
 
 
 def test_the_same_seed_gives_the_same_family_and_another_seed_another() -> None:
@@ -35,30 +30,32 @@ def test_the_same_seed_gives_the_same_family_and_another_seed_another() -> None:
     assert [len(small["train"]), len(small["test"])] == [2 * len(SKILLS), len(SKILLS)]
 
 
-def test_no_test_instance_shares_a_name_value_or_instruction_with_a_train_instance() -> None:
+def test_no_test_instance_or_instruction_occurs_in_train() -> None:
     train, test = FAMILY["train"], FAMILY["test"]
-    train_names = {t.name for t in train} | {t.value for t in train if t.value}
-    assert all(t.name not in train_names and t.value not in train_names for t in test)
-    assert not {(t.skill, t.name, t.value) for t in train} & {(t.skill, t.name, t.value) for t in test}
+    assert not {(t.skill, t.value, t.wording) for t in train} & {(t.skill, t.value, t.wording) for t in test}
     instructions = [t.instruction for t in train + test]
     assert len(set(instructions)) == len(instructions)
     folders = [t.folder for t in train + test]
     assert len(set(folders)) == len(folders)
 
 
-def test_a_test_instance_is_made_of_pieces_train_has_and_train_has_every_wording_of_every_skill() -> None:
-    seen = set().union(*(pieces(t.name) | pieces(t.value) for t in FAMILY["train"]))
+def test_a_test_instance_pairs_a_value_and_a_wording_train_has_for_its_skill_with_others() -> None:
+    train = FAMILY["train"]
     for task in FAMILY["test"]:
-        assert pieces(task.name) | pieces(task.value) <= seen, task
-    for split, tasks in FAMILY.items():
-        used = {(t.skill, t.wording) for t in tasks}
-        expected = {(skill, w) for skill in SKILLS for w in range(len(WORDINGS[skill]))}
-        assert used == expected if split == "train" else used <= expected
+        assert any(t.skill == task.skill and t.value == task.value for t in train), task
+        assert any(t.skill == task.skill and t.wording == task.wording for t in train), task
+    for skill in SKILLS:
+        assert {t.value for t in train if t.skill == skill} == set(VALUES[skill])
+        assert {t.wording for t in train if t.skill == skill} == set(range(len(WORDINGS[skill])))
+        held_out = [t.value for t in FAMILY["test"] if t.skill == skill]
+        assert len(set(held_out)) == len(held_out) == 4
 
 
-def test_asking_for_more_instances_than_the_pools_hold_is_refused() -> None:
+def test_asking_for_more_instances_than_a_skill_has_is_refused() -> None:
     with pytest.raises(ValueError, match="too few instances"):
-        toy_family(0, {"train": 30, "test": 4})
+        toy_family(0, {"train": 9, "test": 4})
+    with pytest.raises(ValueError, match="too few instances"):
+        toy_family(0, {"train": 2, "test": 5})
 
 
 def test_the_committed_family_is_the_generator_output(tmp_path: Path) -> None:
@@ -83,8 +80,7 @@ def test_every_committed_task_loads_and_its_solution_is_its_skills_one_command()
         for generated, loaded in zip(tasks, COMMITTED.tasks(split), strict=True):
             assert loaded.name == generated.folder and loaded.instruction == generated.instruction
             assert loaded.config["metadata"]["skill"] == generated.skill
-            fields = {"name": generated.name, "value": generated.value}
-            assert solve_command(loaded) == SOLUTIONS[generated.skill].format(**fields)
+            assert solve_command(loaded) == SOLUTIONS[generated.skill].format(value=generated.value)
 
 
 @pytest.mark.skipif(unavailable() is not None, reason=f"no local sandbox here: {unavailable()}")
