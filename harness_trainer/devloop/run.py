@@ -245,7 +245,7 @@ def _run_dev_loop(
 
     from harness_trainer import HarnessAsyncGRPOTrainer, LocalSessionFactory
     from harness_trainer.devloop.engine import start_local_engine
-    from harness_trainer.devloop.warmup import WarmupRecipe, ensure_warm_model
+    from harness_trainer.devloop.warmup import WarmupRecipe, check_not_held_out, ensure_warm_model
     from harness_trainer.engines.vllm_process import check_vllm_python, vllm_python
     from harness_trainer.models.tiny import ensure_tiny_model
     from harness_trainer.tasks.sources import LocalTaskSource
@@ -256,6 +256,8 @@ def _run_dev_loop(
     if options.engine == "vllm" and (problem := check_vllm_python(vllm)) is not None:
         raise ValueError(problem)
     source = LocalTaskSource(options.tasks)
+    # GRPO on a held-out split would train on the tasks the evaluation is for, warm-up or not.
+    check_not_held_out(source, options.split)
     rows = source.prompt_rows(options.split)
     if config.eval_split is not None and config.eval_split not in source.splits():
         _say(f"no split {config.eval_split!r} in {options.tasks} to evaluate on: evaluation is off")

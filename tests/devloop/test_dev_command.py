@@ -123,6 +123,18 @@ def test_an_output_dir_with_an_earlier_runs_checkpoints_is_refused_before_anythi
     assert done.stdout.startswith(f"[dev] sandbox: local, {LocalSandboxBackend.choose_mode().summary}\n")
 
 
+def test_training_on_a_held_out_split_is_refused_before_anything_starts_warm_up_or_not(tmp_path):
+    tasks = one_task(tmp_path)
+    shutil.copytree(EXAMPLES / "test" / "greet-script", tasks / "test" / "greet-script")
+    done = subprocess.run(
+        dev(tmp_path, "--max-steps", "1", "--split", "test"), cwd=ROOT, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "split 'test' is held out for evaluation" in done.stderr and "--split train" in done.stderr
+    assert "engine up" not in done.stdout and not (tmp_path / "run").exists()
+
+
 def test_the_dev_loop_without_a_vllm_python_stops_before_anything_starts(tmp_path):
     done = subprocess.run(
         dev(tmp_path, "--max-steps", "1", "--engine", "vllm", "--vllm-python", str(tmp_path / "no" / "py")),
