@@ -27,7 +27,7 @@ Why closed sets of values, and not unseen file names: an earlier version of this
 never seen in training (``notes.md`` from ``notes`` and ``md``), so a solution had to copy several tokens
 from the instruction. The dev loop's tiny model, warmed up on the train split for as long as a CPU run
 allows, did not learn to copy (its solver transcripts stayed near probability 0 on train and test alike);
-with one word from a closed set it learns the train split and the test split follows it (see
+with one word from a closed set its test split rises with its train split, lagging it (see
 ``docs/getting-started.md``).
 
 :func:`write_family` writes them as Harbor task folders (``ROOT/<split>/<skill>-<value>-w<wording>/``:
