@@ -16,7 +16,8 @@ Rules (the contract of this module):
    is drained there (``POST /replicas/{i}/drain``, ``i`` found by its engine URL in ``GET /replicas``), so no
    session is placed on it, and the proxy's own probing does not put it back (a drain outlasts probing). A
    failed drain or enable is logged and kept on the replica; it does not fail the step, and is asked again
-   on the next resume. Without the proxy, the set only records it.
+   on the next resume. Without the proxy, the set only records it, and a proxy routing over the replicas
+   keeps placing sessions on it: their calls wait while it is left paused (rule 4).
 4. *Back in only when current.* An out replica is paused and pushed again on every later step; it is resumed
    and enabled at the proxy (``POST /replicas/{i}/enable``) only once a push gave it the current version.
    A replica that is not current is left paused where it answers, so it never samples from old weights

@@ -85,3 +85,24 @@ def test_serve_refuses_replicas_with_an_external_proxy(tmp_path: Path) -> None:
     )  # fmt: skip
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 2 and "--replicas" in stderr
+
+
+def test_a_replica_down_at_start_is_listed_out_and_with_no_models(
+    engine: EngineProcess, tmp_path: Path
+) -> None:
+    port, capture_port, down = free_port(), free_port(), f"http://127.0.0.1:{free_port()}"
+    process = serve(
+        "--replicas", "--upstream", engine.url, "--upstream", down, "--port", str(port),
+        "--capture-port", str(capture_port), "--data-dir", str(tmp_path / "capture"),
+    )  # fmt: skip
+    try:
+        wait_until_healthy(f"http://127.0.0.1:{port}", process)
+        health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).json()
+        assert [(r["engine"].rstrip("/"), r["healthy"]) for r in health["replicas"]] == [
+            (engine.url, True),
+            (down, False),
+        ]
+        assert [e["models"] for e in health["engines"]] == [["tiny"], []]
+    finally:
+        process.terminate()
+        process.wait(30)
