@@ -140,13 +140,15 @@ async def test_without_a_proxy_a_dead_replica_is_only_recorded(
 
 
 class Refusing:
-    """An engine that answers pause and resume, and refuses every push (its old weights whole)."""
+    """An engine that answers pause (unless ``unreachable``) and resume, and refuses every push (its old
+    weights whole)."""
 
-    def __init__(self, base_url: str) -> None:
-        self.base_url, self.resumed = base_url, 0
+    def __init__(self, base_url: str, unreachable: bool = False) -> None:
+        self.base_url, self.resumed, self.unreachable = base_url, 0, unreachable
 
     async def pause(self) -> None:
-        pass
+        if self.unreachable:
+            raise EngineUnavailable(f"{self.base_url} unreachable")
 
     async def resume(self) -> None:
         self.resumed += 1
@@ -166,3 +168,15 @@ async def test_a_push_every_replica_refused_is_a_push_refused_and_every_replica_
         await replicas.push_weights({}, 1)
     await replicas.resume()  # what the trainer does after a refusal: the old weights are whole
     assert [engine.resumed for engine in engines] == [1, 1] and replicas.version is None
+
+
+async def test_a_drain_the_proxy_did_not_take_is_recorded_and_asked_again_on_resume() -> None:
+    replicas = EngineReplicas(
+        [Refusing("http://a"), Refusing("http://b", unreachable=True)],
+        proxy_url=f"http://127.0.0.1:{free_port()}",
+    )
+    await replicas.pause()
+    state = replicas.report()[1]
+    assert state["out"] and not state["drained"] and "drain at the proxy" in state["error"]
+    await replicas.resume()  # the proxy is still down: asked again, still recorded
+    assert replicas.report()[1]["error"].count("drain at the proxy") == 2
