@@ -125,9 +125,14 @@ def _serve(args: argparse.Namespace) -> int:
         print("error: --capture-url needs the proxy's admin key (--capture-admin-key or "
               "$CAPTURE_PROXY_ADMIN_KEY)", file=sys.stderr)  # fmt: skip
         return 2
+    if args.replicas and args.capture_url:
+        print("error: --replicas configures the capture proxy serve starts; start an external one "
+              "(--capture-url) with its own --replicas", file=sys.stderr)  # fmt: skip
+        return 2
     config = RuntimeConfig(
         upstream=args.upstream[0],
         allowed_upstreams=tuple(args.upstream[1:]),
+        replicas=args.replicas,
         data_dir=args.data_dir,
         capture_url=args.capture_url,
         admin_key=admin_key,
@@ -426,6 +431,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--upstream", required=True, action="append",
         help="the engine's base URL (vLLM or the dev engine); repeatable: a rollout's llm_url may name any "
         "given (the first is the default), and no other",
+    )  # fmt: skip
+    serve.add_argument(
+        "--replicas", action="store_true",
+        help="every --upstream is a replica of one model: the capture proxy pins each session to one, "
+        "fails over and probes back in (GET /health lists them); not with --capture-url",
     )  # fmt: skip
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8200)

@@ -4,6 +4,7 @@
 ``make_engine`` builds one. ``dev`` is the CPU dev engine (weights in the HTTP body); ``vllm`` is vLLM's
 control routes with weights over a :class:`~harness_trainer.engines.nccl.WeightTransport` (NCCL) or
 through vLLM's in-place reload from a file (:mod:`harness_trainer.engines.weight_sync`).
+:class:`~harness_trainer.engines.replicas.EngineReplicas` is one engine over several replicas of one kind.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 from harness_trainer.engines.base import EngineUnavailable, InferenceEngine, PushRefused, RetryPolicy
 from harness_trainer.engines.dev import DevEngine
 from harness_trainer.engines.nccl import NcclTransport, WeightTransport, WeightTransportError
+from harness_trainer.engines.replicas import EngineReplicas
 from harness_trainer.engines.vllm import VLLMEngine
 from harness_trainer.engines.weight_sync import WEIGHT_SYNCS, FileWeightSync, choose_weight_sync
 
@@ -56,6 +58,7 @@ __all__ = [
     "ENGINES",
     "WEIGHT_SYNCS",
     "DevEngine",
+    "EngineReplicas",
     "EngineUnavailable",
     "FileWeightSync",
     "InferenceEngine",

@@ -102,6 +102,11 @@ class CaptureClient:
         """Every open session's summary."""
         return (await self._call("GET", "/sessions")).json()["sessions"]
 
+    async def replicas(self) -> list[dict[str, Any]]:
+        """The proxy's engine replicas (``GET /replicas``; a :class:`CaptureError` with status 404 when it
+        was started without ``--replicas``)."""
+        return (await self._call("GET", "/replicas")).json()["replicas"]
+
     async def summary(self, session_id: str) -> dict[str, Any]:
         return (await self._call("GET", f"/sessions/{session_id}")).json()
 

@@ -41,9 +41,10 @@ class ProxyProcess:
         public_url: str | None = None,
         served_model: str | None = None,
         allowed_upstreams: tuple[str, ...] = (),
+        replicas: bool = False,
     ) -> None:
         self.upstream, self.data_dir, self.admin_key = upstream, Path(data_dir), admin_key
-        self.allowed_upstreams = allowed_upstreams
+        self.allowed_upstreams, self.replicas = allowed_upstreams, replicas
         self.host, self.port, self.public_url, self.served_model = host, port, public_url, served_model
         self.process: asyncio.subprocess.Process | None = None
 
@@ -63,6 +64,8 @@ class ProxyProcess:
         argv += ["--port", str(self.port), "--data-dir", str(self.data_dir)]
         for engine in self.allowed_upstreams:
             argv += ["--upstream", engine]
+        if self.replicas:
+            argv.append("--replicas")
         if self.public_url:
             argv += ["--public-url", self.public_url]
         if self.served_model:

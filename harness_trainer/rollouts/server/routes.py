@@ -8,7 +8,9 @@ metadata, so serve with ``MAX_CONCURRENT_ENVS >= max_concurrent_rollouts + 1``.
 
 Routes (JSON):
 - ``GET /health`` → status, open sessions, limit, served model, and ``engines``: every engine rollouts
-  may name (``--upstream``, repeatable; the first is the default) with the models it serves.
+  may name (``--upstream``, repeatable; the first is the default) with the models it serves; with
+  ``--replicas``, also ``replicas``: the capture proxy's ``GET /replicas`` list (``index``, ``engine``,
+  ``healthy``, ``drained``, ``sessions``, ``calls``, ``failures``).
 - ``GET /splits`` → ``{"splits": ["DATASET:SPLIT", ...], "datasets": [{"name", "splits": [{"name",
   "split", "num_tasks"}]}]}`` (split names: :mod:`harness_trainer.tasks.catalog`);
   ``GET /splits/{split}/tasks`` → ``{"split": "DATASET:SPLIT", "tasks": [{"index", "name",
@@ -140,6 +142,8 @@ class RolloutServer:
         body["reaped_idle_sessions"] = self.reaped
         body["capture_sessions"] = await self.runtime.open_capture_sessions()
         engines = [{"url": url, "models": models} for url, models in self.runtime.engines.items()]
+        if (replicas := await self.runtime.replicas()) is not None:
+            body["replicas"] = replicas
         return web.json_response({**body, "model": self.runtime.model, "engines": engines})
 
     async def put_policy(self, request: web.Request) -> web.Response:

@@ -65,6 +65,11 @@ class RuntimeConfig:
     """Each sandbox start first waits a random 0..this many seconds (a group's members spread out)."""
     allowed_upstreams: tuple[str, ...] = ()
     """Further engines a rollout may name (``RolloutOptions.llm_url``); no other is forwarded to."""
+    replicas: bool = False
+    """``upstream`` and ``allowed_upstreams`` are replicas of one model: the capture proxy the runtime
+    starts gets ``--replicas`` (each session that names no engine is pinned to one replica, moved off one
+    that stops answering; :mod:`capture_proxy.replicas`). A replica that does not answer at start is
+    listed with no models; the proxy probes it back in."""
     proxy_process: bool = False
     """Run the capture proxy the runtime starts as a child process (``python -m capture_proxy``) instead of
     in this event loop: its own core and interpreter lock, and a crash of one does not take the other."""
@@ -117,7 +122,12 @@ class RolloutRuntime:
         self.engines[default] = [self.model] if self.model else await engine_models(default)
         self.model = self.model or self.engines[default][0]
         for url in others:
-            self.engines[url] = await engine_models(url)
+            try:
+                self.engines[url] = await engine_models(url)
+            except RuntimeError:
+                if not self.config.replicas:
+                    raise
+                self.engines[url] = []  # a replica may be down at start; the proxy probes it in
 
     @property
     def engine_urls(self) -> list[str]:
@@ -168,6 +178,7 @@ class RolloutRuntime:
             public_url=self.config.public_url,
             served_model=self.config.served_model,
             allowed_upstreams=self.config.allowed_upstreams,
+            replicas=self.config.replicas,
         )
         self._runner = web.AppRunner(build_app(proxy), access_log=None, handler_cancellation=True)
         await self._runner.setup()
@@ -184,6 +195,7 @@ class RolloutRuntime:
             public_url=self.config.public_url,
             served_model=self.config.served_model,
             allowed_upstreams=self.config.allowed_upstreams,
+            replicas=self.config.replicas,
         )
         client = CaptureClient(self.capture_url, self.admin_key, public_url=self.config.public_url)
         try:
@@ -239,6 +251,13 @@ class RolloutRuntime:
                 start_jitter_s=self.config.sandbox_start_jitter_s,
             )
         return self._backends[name]
+
+    async def replicas(self) -> list[dict[str, Any]] | None:
+        """The capture proxy's replicas (``GET /replicas``: index, engine, healthy, drained, sessions, calls,
+        failures), or None when the runtime was not configured with ``replicas``."""
+        if not self.config.replicas or self.capture is None:
+            return None
+        return await self.capture.replicas()
 
     async def open_capture_sessions(self) -> int:
         """Capture sessions still open on the proxy (0 when every rollout cleaned up)."""

@@ -1,0 +1,214 @@
+"""Several engines of one kind serving one model, as one ``InferenceEngine``: each step reaches every replica.
+
+The capture proxy routes rollouts over the replicas (``python -m capture_proxy --replicas``, or
+``harness-trainer serve --replicas``); this class is the trainer's side: it pauses, pushes to and resumes
+each of them, and keeps the proxy from routing to one that does not serve the newest weights.
+
+Rules (the contract of this module):
+1. *Current version.* :attr:`EngineReplicas.version` is the newest version that a push got onto at least one
+   replica (None before the first push: every replica then serves the weights it started with). A replica is
+   *current* when its :attr:`ReplicaState.version` equals it.
+2. *Every call reaches every replica, at once.* ``pause`` goes to all of them; ``push_weights`` to those that
+   paused; ``resume`` to those that are current. A replica whose call raises
+   :class:`~harness_trainer.engines.base.EngineUnavailable` (:class:`PushRefused` included) is *out*: the
+   error is logged and kept on its :class:`ReplicaState`, and the step goes on with the others.
+3. *Out of rotation at the proxy.* When the set knows the proxy's admin URL and key, a replica that goes out
+   is drained there (``POST /replicas/{i}/drain``, ``i`` found by its engine URL in ``GET /replicas``), so no
+   session is placed on it, and the proxy's own probing does not put it back (a drain outlasts probing). A
+   failed drain or enable is logged and kept on the replica; it does not fail the step, and is asked again
+   on the next resume. Without the proxy, the set only records it, and a proxy routing over the replicas
+   keeps placing sessions on it: their calls wait while it is left paused (rule 4).
+4. *Back in only when current.* An out replica is paused and pushed again on every later step; it is resumed
+   and enabled at the proxy (``POST /replicas/{i}/enable``) only once a push gave it the current version.
+   A replica that is not current is left paused where it answers, so it never samples from old weights
+   after a step's resume without being reported out (:meth:`EngineReplicas.report`).
+5. *Failure of the whole.* ``pause`` raises :class:`EngineUnavailable` when no replica paused;
+   ``push_weights`` raises when no replica took the version (:class:`PushRefused` when every push was
+   refused, so every replica still serves its old weights whole, as one engine's refusal means).
+
+Limits: a push must carry every weight that differs from the base model (as the trainer's full-state push
+does), since an out replica catches up through the next push alone. A replica that dies and restarts
+*between* two steps, with the proxy not told, serves its start-up weights until the next step finds it (the
+proxy probes it back in); with the proxy's admin URL given, it stays drained only if it was already out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import torch
+
+from harness_trainer.engines.base import EngineUnavailable, InferenceEngine, PushRefused
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ReplicaState:
+    """What the set knows of one replica."""
+
+    index: int
+    """Its place in the set (the proxy's own index is looked up by ``engine``)."""
+    engine: InferenceEngine
+    version: int | None = None
+    """The version it serves as far as the set knows (None: the weights it started with, or unknown after a
+    push that failed once sent)."""
+    out: bool = False
+    """Out of rotation: a call to it failed and it has not been given the current version since."""
+    drained: bool = False
+    """While out: the proxy took the drain (or there is no proxy to tell)."""
+    error: str | None = None
+    """The last failure (a call to it, or a drain/enable at the proxy), for the report."""
+    failed_at: float | None = None
+    """``time.time()`` of the failure that took it out."""
+
+    @property
+    def url(self) -> str:
+        return self.engine.base_url.rstrip("/").removesuffix("/v1")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"index": self.index, "engine": self.url, "version": self.version, "out": self.out,
+                "drained": self.drained, "error": self.error, "failed_at": self.failed_at}  # fmt: skip
+
+
+class EngineReplicas:
+    """An ``InferenceEngine`` over ``engines`` (replicas of one model, same kind); see the module docstring.
+
+    ``proxy_url`` and ``admin_key``: the capture proxy routing over these replicas (started with
+    ``--replicas``), to drain a replica that goes out and enable it once current; None: only recorded.
+    """
+
+    def __init__(
+        self,
+        engines: Sequence[InferenceEngine],
+        *,
+        proxy_url: str | None = None,
+        admin_key: str | None = None,
+        proxy_timeout_s: float = 30.0,
+    ) -> None:
+        if not engines:
+            raise ValueError("EngineReplicas needs at least one engine")
+        if len({type(engine) for engine in engines}) > 1:
+            raise ValueError("EngineReplicas takes engines of one kind")
+        self.replicas = [ReplicaState(index, engine) for index, engine in enumerate(engines)]
+        self.base_url = self.replicas[0].url
+        self.version: int | None = None
+        self.proxy_url = proxy_url.rstrip("/") if proxy_url else None
+        self._admin_key = admin_key
+        self._proxy_timeout_s = proxy_timeout_s
+        self._paused: set[int] = set()
+
+    @property
+    def out_of_rotation(self) -> list[int]:
+        """Indexes of the replicas that are out (rule 2)."""
+        return [replica.index for replica in self.replicas if replica.out]
+
+    def report(self) -> list[dict[str, Any]]:
+        """Each replica's state, as JSON."""
+        return [replica.to_json() for replica in self.replicas]
+
+    async def pause(self) -> None:
+        results = await self._each(self.replicas, lambda replica: replica.engine.pause(), "pause")
+        self._paused = {replica.index for replica, error in results if error is None}
+        if not self._paused:
+            raise EngineUnavailable(f"no replica paused: {self._errors()}")
+
+    async def push_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> int:
+        targets = [replica for replica in self.replicas if replica.index in self._paused]
+
+        async def push(replica: ReplicaState) -> None:
+            replica.version = await replica.engine.push_weights(named_tensors, version)
+
+        results = await self._each(targets, push, f"push of version {version}")
+        if not any(error is None and replica.version == version for replica, error in results):
+            refused = bool(results) and all(isinstance(error, PushRefused) for _, error in results)
+            raise (PushRefused if refused else EngineUnavailable)(
+                f"no replica took version {version}: {self._errors()}"
+            )
+        self.version = version
+        for replica, error in results:
+            if error is None and replica.version != version:  # answered, but with another version
+                await self._take_out(replica, f"serves version {replica.version} after a push of {version}")
+        return version
+
+    async def resume(self) -> None:
+        current = [replica for replica in self.replicas if replica.version == self.version]
+        results = await self._each(current, lambda replica: replica.engine.resume(), "resume")
+        for replica, error in results:
+            if error is None and replica.out:
+                await self._put_back(replica)
+        for replica in self.replicas:
+            if replica.out and not replica.drained:  # a drain the proxy missed: asked again each step
+                replica.drained = await self._at_proxy(replica, "drain")
+        if not any(error is None for _, error in results):
+            raise EngineUnavailable(f"no replica serving version {self.version} resumed: {self._errors()}")
+        if stale := [r.index for r in self.replicas if r.out]:
+            logger.warning("replicas %s are out of rotation (not at version %s)", stale, self.version)
+
+    async def health(self) -> bool:
+        """Whether any replica answers its health check."""
+        return any(await asyncio.gather(*(replica.engine.health() for replica in self.replicas)))
+
+    async def _each(
+        self, replicas: list[ReplicaState], call: Callable[[ReplicaState], Awaitable[Any]], what: str
+    ) -> list[tuple[ReplicaState, EngineUnavailable | None]]:
+        """``call`` on every replica at once; each that raises EngineUnavailable is taken out (rule 2), and,
+        unless it refused a push (its old weights whole), its version becomes unknown: it may have restarted
+        with its start-up weights."""
+        outcomes = await asyncio.gather(*(call(replica) for replica in replicas), return_exceptions=True)
+        results: list[tuple[ReplicaState, EngineUnavailable | None]] = []
+        for replica, outcome in zip(replicas, outcomes, strict=True):
+            if isinstance(outcome, EngineUnavailable):
+                if not isinstance(outcome, PushRefused):
+                    replica.version = None
+                await self._take_out(replica, f"{type(outcome).__name__} on {what}: {outcome}")
+                results.append((replica, outcome))
+            elif isinstance(outcome, BaseException):
+                raise outcome
+            else:
+                results.append((replica, None))
+        return results
+
+    async def _take_out(self, replica: ReplicaState, why: str) -> None:
+        logger.warning("replica %d (%s) out of rotation: %s", replica.index, replica.url, why)
+        replica.error, replica.failed_at = why, time.time()
+        if not replica.out:
+            replica.out = True
+            replica.drained = await self._at_proxy(replica, "drain")
+
+    async def _put_back(self, replica: ReplicaState) -> None:
+        if await self._at_proxy(replica, "enable"):
+            logger.info(
+                "replica %d (%s) back in rotation at version %s", replica.index, replica.url, self.version
+            )
+            replica.out, replica.drained, replica.error, replica.failed_at = False, False, None, None
+
+    async def _at_proxy(self, replica: ReplicaState, action: str) -> bool:
+        """``POST /replicas/{i}/{action}`` at the proxy for ``replica``; True when done or when there is no
+        proxy to tell (rule 3)."""
+        if self.proxy_url is None:
+            return True
+        headers = {"Authorization": f"Bearer {self._admin_key}"} if self._admin_key else {}
+        try:
+            async with httpx.AsyncClient(
+                base_url=self.proxy_url, headers=headers, timeout=self._proxy_timeout_s
+            ) as client:
+                listed = (await client.get("/replicas")).raise_for_status().json()["replicas"]
+                index = next(r["index"] for r in listed if str(r["engine"]).rstrip("/") == replica.url)
+                (await client.post(f"/replicas/{index}/{action}")).raise_for_status()
+        except (httpx.HTTPError, KeyError, StopIteration, ValueError) as exc:
+            # Not worth failing the step: the set's own record stands, and the next resume asks again.
+            message = f"{action} at the proxy {self.proxy_url} failed: {exc!r}"
+            logger.warning("replica %d (%s): %s", replica.index, replica.url, message)
+            replica.error = f"{replica.error}; {message}" if replica.error else message
+            return False
+        return True
+
+    def _errors(self) -> str:
+        return "; ".join(f"replica {r.index} ({r.url}): {r.error}" for r in self.replicas if r.error) or "-"

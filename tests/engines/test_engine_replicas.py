@@ -1,0 +1,182 @@
+"""EngineReplicas over real dev engines on loopback: a push reaches every replica; a replica that dies is
+reported out (and drained at a real ``capture_proxy --replicas``) while the step goes on; restarted with its
+start-up weights, it is given the current version before it is enabled again."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from harness_trainer.engines import DevEngine, EngineUnavailable, PushRefused, RetryPolicy
+from harness_trainer.engines.replicas import EngineReplicas
+from harness_trainer.net import free_port, wait_until_healthy
+from harness_trainer.rollouts.server.capture_client import CaptureClient
+from harness_trainer.rollouts.server.proxy_process import ProxyProcess
+from tests.conftest import EngineProcess
+
+NO_RETRY = RetryPolicy(attempts=1)
+
+
+def start_on(model_dir: Path, port: int) -> EngineProcess:
+    """A dev engine on ``port`` (to restart one where the proxy and the set expect it)."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "harness_trainer.cli", "engine", "--model", str(model_dir),
+         "--port", str(port), "--served-model-name", "tiny"],
+    )  # fmt: skip
+    engine = EngineProcess(url=f"http://127.0.0.1:{port}", process=process, model="tiny")
+    try:
+        wait_until_healthy(engine.url, process)
+    except BaseException:
+        engine.stop()
+        raise
+    return engine
+
+
+@pytest.fixture
+def two_engines(tiny_model_dir: Path) -> Iterator[list[EngineProcess]]:
+    started = [start_on(tiny_model_dir, free_port()) for _ in range(2)]
+    yield started
+    for engine in started:
+        engine.stop()
+
+
+def weights(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    noise = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=noise) * 0.05)
+    return model.state_dict()
+
+
+def weight_version(url: str) -> int:
+    return httpx.get(url + "/weight_version", timeout=30).json()["weight_version"]
+
+
+def greedy_reply(url: str) -> tuple[str, int]:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Count to five."}], "temperature": 0.0}
+    reply = httpx.post(url + "/v1/chat/completions", json={**body, "max_tokens": 12}, timeout=120).json()
+    return reply["choices"][0]["message"]["content"], reply["weight_version"]
+
+
+async def step(replicas: EngineReplicas, named: dict[str, torch.Tensor], version: int) -> int:
+    await replicas.pause()
+    served = await replicas.push_weights(named, version)
+    await replicas.resume()
+    return served
+
+
+async def test_a_push_reaches_every_replica_and_they_then_sample_alike(
+    two_engines: list[EngineProcess], tiny_model_dir: Path
+) -> None:
+    replicas = EngineReplicas([DevEngine(engine.url) for engine in two_engines])
+    assert await step(replicas, weights(tiny_model_dir, 1), 1) == 1
+    assert [weight_version(engine.url) for engine in two_engines] == [1, 1]
+    first, second = (greedy_reply(engine.url) for engine in two_engines)
+    assert first == second and first[1] == 1
+    assert replicas.out_of_rotation == [] and [r["version"] for r in replicas.report()] == [1, 1]
+
+
+async def test_a_dead_replica_is_drained_and_enabled_only_once_it_has_the_current_version(
+    two_engines: list[EngineProcess], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    first, second = two_engines
+    proxy = ProxyProcess(
+        first.url, tmp_path / "proxy", "key", "127.0.0.1", free_port(),
+        allowed_upstreams=(second.url,), replicas=True,
+    )  # fmt: skip
+    client = CaptureClient(proxy.url, "key")
+    await proxy.start(client)
+    replicas = EngineReplicas(
+        [DevEngine(engine.url, retry=NO_RETRY) for engine in two_engines],
+        proxy_url=proxy.url,
+        admin_key="key",
+    )
+    try:
+        assert await step(replicas, weights(tiny_model_dir, 1), 1) == 1
+
+        second.stop()
+        assert await step(replicas, weights(tiny_model_dir, 2), 2) == 2  # the step goes on with one
+        assert replicas.out_of_rotation == [1]
+        report = replicas.report()[1]
+        assert report["out"] and report["drained"] and "pause" in report["error"]
+        assert weight_version(first.url) == 2
+        assert [r["drained"] for r in await client.replicas()] == [False, True]
+
+        port = int(second.url.rsplit(":", 1)[1])
+        restarted = start_on(tiny_model_dir, port)  # back, with its start-up weights
+        two_engines[1] = restarted
+        assert weight_version(restarted.url) == 0
+        assert [r["drained"] for r in await client.replicas()] == [False, True]  # still out at the proxy
+
+        assert await step(replicas, weights(tiny_model_dir, 3), 3) == 3
+        assert [weight_version(engine.url) for engine in two_engines] == [3, 3]
+        assert replicas.out_of_rotation == [] and replicas.report()[1]["error"] is None
+        assert [r["drained"] for r in await client.replicas()] == [False, False]
+        assert greedy_reply(first.url) == greedy_reply(restarted.url)
+    finally:
+        await proxy.stop()
+        await client.aclose()
+
+
+async def test_without_a_proxy_a_dead_replica_is_only_recorded(
+    two_engines: list[EngineProcess], tiny_model_dir: Path
+) -> None:
+    replicas = EngineReplicas([DevEngine(engine.url, retry=NO_RETRY) for engine in two_engines])
+    two_engines[0].stop()
+    assert await step(replicas, weights(tiny_model_dir, 1), 1) == 1
+    assert replicas.out_of_rotation == [0] and replicas.report()[0]["version"] is None
+    assert replicas.base_url == two_engines[0].url
+    two_engines[1].stop()
+    with pytest.raises(EngineUnavailable, match="no replica paused"):
+        await replicas.pause()
+
+
+class Refusing:
+    """An engine that answers pause (unless ``unreachable``) and resume, and refuses every push (its old
+    weights whole)."""
+
+    def __init__(self, base_url: str, unreachable: bool = False) -> None:
+        self.base_url, self.resumed, self.unreachable = base_url, 0, unreachable
+
+    async def pause(self) -> None:
+        if self.unreachable:
+            raise EngineUnavailable(f"{self.base_url} unreachable")
+
+    async def resume(self) -> None:
+        self.resumed += 1
+
+    async def push_weights(self, named_tensors: object, version: int) -> int:
+        raise PushRefused(f"{self.base_url} refused version {version}")
+
+    async def health(self) -> bool:
+        return True
+
+
+async def test_a_push_every_replica_refused_is_a_push_refused_and_every_replica_resumes() -> None:
+    engines = [Refusing("http://a"), Refusing("http://b")]
+    replicas = EngineReplicas(engines)
+    await replicas.pause()
+    with pytest.raises(PushRefused, match="no replica took version 1"):
+        await replicas.push_weights({}, 1)
+    await replicas.resume()  # what the trainer does after a refusal: the old weights are whole
+    assert [engine.resumed for engine in engines] == [1, 1] and replicas.version is None
+
+
+async def test_a_drain_the_proxy_did_not_take_is_recorded_and_asked_again_on_resume() -> None:
+    replicas = EngineReplicas(
+        [Refusing("http://a"), Refusing("http://b", unreachable=True)],
+        proxy_url=f"http://127.0.0.1:{free_port()}",
+    )
+    await replicas.pause()
+    state = replicas.report()[1]
+    assert state["out"] and not state["drained"] and "drain at the proxy" in state["error"]
+    await replicas.resume()  # the proxy is still down: asked again, still recorded
+    assert replicas.report()[1]["error"].count("drain at the proxy") == 2
