@@ -36,11 +36,13 @@ def start_engine(
     name: str = "tiny",
     output: IO[bytes] | int | None = None,
     own_session: bool = False,
+    port: int | None = None,
 ) -> EngineProcess:
-    """Start a dev engine serving ``model_dir`` as ``name`` (``extra``: more ``engine`` flags); returns once
-    it answers ``/health``. ``output`` takes the engine's stdout and stderr (default: inherited);
-    ``own_session`` keeps a terminal's Ctrl-C away from it, so its owner decides when it stops."""
-    port = free_port()
+    """Start a dev engine serving ``model_dir`` as ``name`` (``extra``: more ``engine`` flags) on ``port``
+    (default: a free one); returns once it answers ``/health``. ``output`` takes the engine's stdout and
+    stderr (default: inherited); ``own_session`` keeps a terminal's Ctrl-C away from it, so its owner
+    decides when it stops."""
+    port = free_port() if port is None else port
     process = subprocess.Popen(
         [sys.executable, "-m", "harness_trainer.cli", "engine", "--model", str(model_dir),
          "--port", str(port), "--served-model-name", name, *extra],

@@ -4,8 +4,6 @@ start-up weights, it is given the current version before it is enabled again."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,29 +12,19 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from harness_trainer.dev_engine.process import EngineProcess, start_engine
 from harness_trainer.engines import DevEngine, EngineUnavailable, PushRefused, RetryPolicy
 from harness_trainer.engines.replicas import EngineReplicas
-from harness_trainer.net import free_port, wait_until_healthy
+from harness_trainer.net import free_port
 from harness_trainer.rollouts.server.capture_client import CaptureClient
 from harness_trainer.rollouts.server.proxy_process import ProxyProcess
-from tests.conftest import EngineProcess
 
 NO_RETRY = RetryPolicy(attempts=1)
 
 
 def start_on(model_dir: Path, port: int) -> EngineProcess:
     """A dev engine on ``port`` (to restart one where the proxy and the set expect it)."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "harness_trainer.cli", "engine", "--model", str(model_dir),
-         "--port", str(port), "--served-model-name", "tiny"],
-    )  # fmt: skip
-    engine = EngineProcess(url=f"http://127.0.0.1:{port}", process=process, model="tiny")
-    try:
-        wait_until_healthy(engine.url, process)
-    except BaseException:
-        engine.stop()
-        raise
-    return engine
+    return start_engine(model_dir, port=port)
 
 
 @pytest.fixture
