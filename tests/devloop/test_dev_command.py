@@ -26,6 +26,11 @@ def one_task(tmp_path: Path) -> Path:
     return tmp_path / "tasks"
 
 
+def with_a_held_out_task(tasks: Path) -> Path:
+    shutil.copytree(EXAMPLES / "test" / "greet-script", tasks / "test" / "greet-script")
+    return tasks
+
+
 def dev(tmp_path: Path, *extra: str) -> list[str]:
     return [
         sys.executable, "-m", "harness_trainer.cli", "dev", "--harness", "toy", "--no-warmup",
@@ -60,8 +65,7 @@ def test_the_dev_loop_runs_to_the_end_and_leaves_metrics_curves_viewer_and_check
 
 
 def test_the_dev_loop_evaluates_the_held_out_split_at_the_start_every_eval_steps_and_the_end(tmp_path):
-    tasks = one_task(tmp_path)
-    shutil.copytree(EXAMPLES / "test" / "greet-script", tasks / "test" / "greet-script")
+    with_a_held_out_task(one_task(tmp_path))
     done = subprocess.run(
         dev(tmp_path, "--max-steps", "2", "--eval-steps", "1"), cwd=ROOT, capture_output=True, text=True,
         timeout=300,
@@ -124,8 +128,7 @@ def test_an_output_dir_with_an_earlier_runs_checkpoints_is_refused_before_anythi
 
 
 def test_training_on_a_held_out_split_is_refused_before_anything_starts_warm_up_or_not(tmp_path):
-    tasks = one_task(tmp_path)
-    shutil.copytree(EXAMPLES / "test" / "greet-script", tasks / "test" / "greet-script")
+    with_a_held_out_task(one_task(tmp_path))
     done = subprocess.run(
         dev(tmp_path, "--max-steps", "1", "--split", "test"), cwd=ROOT, capture_output=True, text=True,
         timeout=60,
