@@ -4,6 +4,7 @@ sandboxes; and the model folder it serves (tokenizer found, adapter merged)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -36,10 +37,15 @@ def tasks_with_a_test_split(tmp_path: Path) -> Path:
     return tmp_path / "tasks"
 
 
-def run_eval(*args: str) -> subprocess.CompletedProcess:
+def run_eval(*args: str, tmp: Path | None = None) -> subprocess.CompletedProcess:
+    """``harness-trainer eval ARGS``; with ``tmp``, its temporary folders (the merged model the engine
+    serves) go there, so a test can tell its own engines from another test's running at the same time."""
+    env = {**os.environ, "TMPDIR": str(tmp)} if tmp is not None else None
+    if tmp is not None:
+        tmp.mkdir(parents=True, exist_ok=True)
     return subprocess.run(
         [sys.executable, "-m", "harness_trainer.cli", "eval", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
 
 
@@ -52,7 +58,7 @@ def test_eval_rolls_each_task_of_the_split_out_k_times_and_records_the_checkpoin
         "--checkpoint", str(folder), "--split", "test", "-k", "2",
         "--tasks", str(tasks_with_a_test_split(tmp_path)), "--harness", "toy", "--temperature", "0.7",
         "--max-completion-length", "32",
-        "--output-dir", str(tmp_path / "eval"),
+        "--output-dir", str(tmp_path / "eval"), tmp=tmp_path / "tmp",
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "eval" / "eval.jsonl").read_text().splitlines()]
@@ -61,18 +67,19 @@ def test_eval_rolls_each_task_of_the_split_out_k_times_and_records_the_checkpoin
     ]  # fmt: skip
     assert all(len(r["rewards"]) == 2 and r["temperature"] == 0.7 for r in records)
     assert "greet-script: pass@1" in done.stdout and "mean over 2 tasks: pass@1" in done.stdout
-    assert live_sandbox_processes() == [] and engines_serving_eval_folders() == []
+    assert live_sandbox_processes() == [] and engines_serving_eval_folders(tmp_path / "tmp") == []
 
 
-def engines_serving_eval_folders() -> list[str]:
-    """Command lines of processes serving a folder `harness-trainer eval` made (its engines)."""
+def engines_serving_eval_folders(under: Path) -> list[str]:
+    """Command lines of processes serving a folder `harness-trainer eval` made under ``under`` (its
+    engines; another test's eval may be running at the same time, with its own)."""
     found = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
             text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if "ht-eval-" in text and "--model" in text:
+        if f"{under}/ht-eval-" in text and "--model" in text:
             found.append(text)
     return found
 
