@@ -8,14 +8,16 @@ KILL after a grace), before its captured output is closed.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -163,6 +165,24 @@ def print_verdicts(result: dict[str, Any], width: int) -> None:
         mark = "PASS" if verdict["pass"] else "MISS"
         print(f"  {mark}  {verdict['target']:<{width}} {verdict['measured']}")
     print(f"elapsed: {result['elapsed_s']:.0f} s")
+
+
+def run_with_servers(
+    run: Callable[[dict[str, Any], contextlib.ExitStack], Awaitable[dict[str, Any]]], config: dict[str, Any]
+) -> dict[str, Any] | None:
+    """``run(config, stack)`` on an event loop, every server it starts entered on ``stack``; SIGTERM stops
+    them as Ctrl-C does. Returns its result with ``elapsed_s``, or None when interrupted (said on stderr:
+    every server is stopped by then)."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    started = time.perf_counter()
+    try:
+        with contextlib.ExitStack() as stack:
+            result = asyncio.run(run(config, stack))
+    except KeyboardInterrupt:
+        print("interrupted: every server stopped", file=sys.stderr)
+        return None
+    result["elapsed_s"] = time.perf_counter() - started
+    return result
 
 
 def finish(

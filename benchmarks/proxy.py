@@ -56,7 +56,6 @@ import contextlib
 import itertools
 import random
 import secrets
-import signal
 import statistics
 import sys
 import tempfile
@@ -79,6 +78,7 @@ from benchmarks.common import (
     positive,
     print_table,
     print_verdicts,
+    run_with_servers,
     start_server,
     status_value,
     stop_process,
@@ -612,15 +612,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark, print the table and verdicts; 0, or 1 on a missed target under ``--strict``."""
     args = build_parser().parse_args(argv)
     config = resolve(args)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops the servers too
-    started = time.perf_counter()
-    try:
-        with contextlib.ExitStack() as stack:
-            result = asyncio.run(run(config, stack))
-    except KeyboardInterrupt:
-        print("interrupted: every server stopped", file=sys.stderr)
+    result = run_with_servers(run, config)
+    if result is None:
         return 130
-    result["elapsed_s"] = time.perf_counter() - started
     result["verdicts"] = verdicts(result["points"], result["memory"])
     result["all_pass"] = all(verdict["pass"] for verdict in result["verdicts"])
     return finish(result, args, print_report, leftovers_key=None)

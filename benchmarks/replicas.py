@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import contextlib
 import secrets
-import signal
 import statistics
 import sys
 import tempfile
@@ -45,7 +44,16 @@ import aiohttp
 if not __package__:  # run as a script: its siblings import from the package
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import Server, finish, free_port, positive, print_table, print_verdicts, start_server
+from benchmarks.common import (
+    Server,
+    finish,
+    free_port,
+    positive,
+    print_table,
+    print_verdicts,
+    run_with_servers,
+    start_server,
+)
 from benchmarks.proxy import (
     SAMPLING,
     Point,
@@ -260,15 +268,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     config = dict(QUICK if args.quick else FULL)
     config |= {key: value for key in config if (value := getattr(args, key)) is not None}
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    started = time.perf_counter()
-    try:
-        with contextlib.ExitStack() as stack:
-            result = asyncio.run(run(config, stack))
-    except KeyboardInterrupt:
-        print("interrupted: every server stopped", file=sys.stderr)
+    result = run_with_servers(run, config)
+    if result is None:
         return 130
-    result["elapsed_s"] = time.perf_counter() - started
     result["verdicts"] = verdicts(result)
     result["all_pass"] = all(verdict["pass"] for verdict in result["verdicts"])
     return finish(result, args, print_report, leftovers_key=None)
