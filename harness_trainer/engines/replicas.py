@@ -41,10 +41,10 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import torch
 
 from harness_trainer.engines.base import EngineUnavailable, InferenceEngine, PushRefused
+from harness_trainer.rollouts.server.capture_client import CaptureClient, CaptureError
 
 logger = logging.getLogger(__name__)
 
@@ -194,20 +194,22 @@ class EngineReplicas:
         proxy to tell (rule 3)."""
         if self.proxy_url is None:
             return True
-        headers = {"Authorization": f"Bearer {self._admin_key}"} if self._admin_key else {}
+        # No reconnect wait: a proxy that is down is asked again at the next resume.
+        client = CaptureClient(
+            self.proxy_url, self._admin_key, timeout_s=self._proxy_timeout_s, reconnect_s=0
+        )
         try:
-            async with httpx.AsyncClient(
-                base_url=self.proxy_url, headers=headers, timeout=self._proxy_timeout_s
-            ) as client:
-                listed = (await client.get("/replicas")).raise_for_status().json()["replicas"]
-                index = next(r["index"] for r in listed if str(r["engine"]).rstrip("/") == replica.url)
-                (await client.post(f"/replicas/{index}/{action}")).raise_for_status()
-        except (httpx.HTTPError, KeyError, StopIteration, ValueError) as exc:
+            listed = await client.replicas()
+            index = next(r["index"] for r in listed if str(r["engine"]).rstrip("/") == replica.url)
+            await client.replica_action(index, action)
+        except (CaptureError, KeyError, StopIteration, ValueError) as exc:
             # Not worth failing the step: the set's own record stands, and the next resume asks again.
             message = f"{action} at the proxy {self.proxy_url} failed: {exc!r}"
             logger.warning("replica %d (%s): %s", replica.index, replica.url, message)
             replica.error = f"{replica.error}; {message}" if replica.error else message
             return False
+        finally:
+            await client.aclose()
         return True
 
     def _errors(self) -> str:

@@ -107,6 +107,13 @@ class CaptureClient:
         was started without ``--replicas``)."""
         return (await self._call("GET", "/replicas")).json()["replicas"]
 
+    async def replica_action(self, index: int, action: str) -> None:
+        """``POST /replicas/{index}/{action}``: ``drain`` takes replica ``index`` out of rotation, ``enable``
+        puts it back (in rotation again once healthy)."""
+        if action not in ("drain", "enable"):
+            raise ValueError(f"replica action {action!r}: drain or enable")
+        await self._call("POST", f"/replicas/{index}/{action}")
+
     async def summary(self, session_id: str) -> dict[str, Any]:
         return (await self._call("GET", f"/sessions/{session_id}")).json()
 
