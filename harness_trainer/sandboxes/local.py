@@ -80,7 +80,7 @@ from harness_trainer.sandboxes.base import (
     sandbox_lifetime,
 )
 from harness_trainer.sandboxes.processes import Namespace, run_captured
-from harness_trainer.sandboxes.rootless import MODES, ROOTLESS, Mode, choose_mode
+from harness_trainer.sandboxes.rootless import MODES, Mode, choose_mode
 from harness_trainer.tasks.task import HarborTask
 
 FIXED_PATHS = ("/logs", "/tests", "/solution")
@@ -350,11 +350,11 @@ class LocalSandboxBackend:
         root.mkdir(parents=True)
         lock_fd = os.open(root / ".lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
         fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        if mode is ROOTLESS:
+        if mode.private_root:
             (root / "mnt").mkdir()
         for mount in mounts:
             try:
-                if mode is not ROOTLESS:
+                if not mode.private_root:
                     os.makedirs(mount, exist_ok=True)  # the mount point on the host: stays empty
             except FileExistsError:
                 raise SandboxStartError(f"cannot mount over {mount}: it is a file on the host") from None

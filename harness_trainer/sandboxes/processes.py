@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from harness_trainer.sandboxes.base import ExecResult, SandboxError, SandboxStartError
-from harness_trainer.sandboxes.rootless import ROOT, ROOTLESS, ROOTLESS_INIT, Mode, new_root_ops, tool
+from harness_trainer.sandboxes.rootless import ROOT, ROOTLESS_INIT, Mode, new_root_ops, tool
 
 # After the main process exits, how long to wait for its output pipes to close: a background child that
 # inherited them would otherwise hold the call open until it exits.
@@ -73,12 +73,12 @@ class Namespace:
         """Bind each host directory over its sandbox path in a new namespace made as ``mode`` says (for
         :data:`ROOTLESS`, in a new root mounted on the empty directory ``new_root``); raises
         SandboxStartError."""
-        if mode is ROOT and os.geteuid() != 0:
+        if mode.needs_root and os.geteuid() != 0:
             raise SandboxStartError("the local sandbox's root mode needs root (mount and PID namespaces)")
         setpriv, unshare = (tool(name) or name for name in ("setpriv", "unshare"))
         argv = [setpriv, "--pdeathsig", "KILL", unshare, "--fork", "--kill-child=KILL", "--pid", "--mount"]
         argv += ["--propagation", "private", *mode.unshare_flags, "--", "/bin/sh", "-c"]
-        if mode is ROOTLESS:
+        if mode.private_root:
             if new_root is None:
                 raise ValueError("the rootless mode needs new_root, an empty directory to mount it on")
             pivot = tool("pivot_root") or "pivot_root"

@@ -53,6 +53,11 @@ class Mode:
     """Flags of ``nsenter`` that enter them."""
     run_failure_note: str = ""
     """Said after a failed Dockerfile ``RUN``: what this mode cannot do that the step may have needed."""
+    needs_root: bool = False
+    """Only root can make its namespaces."""
+    private_root: bool = False
+    """The sandbox runs in a new root of its own (``pivot_root``), so the task paths need no mount points
+    on the host."""
 
 
 ROOT = Mode(
@@ -60,6 +65,7 @@ ROOT = Mode(
     "root: mount + PID namespaces; the task paths are empty mount points created on the host",
     ("--mount-proc",),
     ("-m", "-p"),
+    needs_root=True,
 )
 ROOTLESS = Mode(
     "rootless",
@@ -69,6 +75,7 @@ ROOTLESS = Mode(
     ("-U", "--preserve-credentials", "-m", "-p"),  # setgroups is denied in the namespace: keep our ids
     " (rootless mode: the step ran as root of a user namespace, which is you on the host: it cannot write "
     "the host's system directories or change a file's owner; run as root, or write into the workspace)",
+    private_root=True,
 )
 MODES = (ROOT, ROOTLESS)
 """Strongest first: :func:`choose_mode` takes the first that works."""
@@ -158,12 +165,14 @@ def probe(mode: Mode) -> str | None:
     """Why ``mode`` cannot work here, in a few words; None when it makes its namespaces for real."""
     if sys.platform != "linux":
         return f"it needs Linux, and this is {sys.platform}"
-    needed = ["unshare", "nsenter", "setpriv", "mount", "bash", *(["pivot_root"] if mode is ROOTLESS else [])]
+    needed = ["unshare", "nsenter", "setpriv", "mount", "bash"] + (
+        ["pivot_root"] if mode.private_root else []
+    )
     if missing := [name for name in needed if tool(name) is None]:
         return f"{', '.join(missing)} not found (util-linux)"
     unshare = [tool("unshare") or "unshare", "--fork", "--pid", "--mount", "--propagation", "private"]
-    if mode is ROOT:
-        if os.geteuid() != 0:
+    if not mode.private_root:
+        if mode.needs_root and os.geteuid() != 0:
             return "not running as root"
         return _run_probe([*unshare, *mode.unshare_flags, "true"])
     with tempfile.TemporaryDirectory(prefix="ht-probe-") as scratch:
