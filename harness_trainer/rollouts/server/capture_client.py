@@ -33,7 +33,13 @@ class CaptureSession:
 
 
 class CaptureClient:
-    """Admin calls to one capture proxy. ``public_url`` is what agents are told (may differ from ``url``)."""
+    """Admin calls to one capture proxy. ``public_url`` is what agents are told (may differ from ``url``).
+
+    A proxy that is restarting refuses connections for a while; calls wait for it. ``reconnect_s`` bounds
+    the wait of calls that start work (mint, policy, listings): failing them early loses nothing.
+    ``finish_reconnect_s`` bounds the wait of the calls that finish a rollout (its summary, trace and
+    delete): they carry a whole agent run, so they wait longer, long enough for a supervisor or a
+    redeploy to bring the proxy back."""
 
     def __init__(
         self,
@@ -42,9 +48,10 @@ class CaptureClient:
         public_url: str | None = None,
         timeout_s: float = 60.0,
         reconnect_s: float = 20.0,
+        finish_reconnect_s: float = 120.0,
     ):
         self.url = url.rstrip("/")
-        self.reconnect_s = reconnect_s
+        self.reconnect_s, self.finish_reconnect_s = reconnect_s, finish_reconnect_s
         self.public_url = (public_url or url).rstrip("/")
         headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
         # No connection cap: hundreds of rollouts finish together, and httpcore's wait queue for a free
@@ -55,12 +62,12 @@ class CaptureClient:
     async def aclose(self) -> None:
         await self._client.aclose()
 
-    async def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        # A proxy that is restarting (crashed, redeployed) reloads its sessions from disk within a second
-        # or two: keep trying for ``reconnect_s`` rather than fail the rollout's export or leak its session
-        # on a failed delete. Only failures where the proxy cannot have acted twice are retried: the
-        # connection was refused, or the call reads or deletes.
-        deadline = time.monotonic() + self.reconnect_s
+    async def _call(self, method: str, path: str, finishing: bool = False, **kwargs: Any) -> httpx.Response:
+        # A proxy that is restarting (crashed, redeployed) reloads its sessions from disk once it is up:
+        # keep trying rather than fail the rollout's export or leak its session on a failed delete. Only
+        # failures where the proxy cannot have acted twice are retried: the connection was refused, or the
+        # call reads or deletes.
+        deadline = time.monotonic() + (self.finish_reconnect_s if finishing else self.reconnect_s)
         delay = 0.25
         while True:
             try:
@@ -115,11 +122,11 @@ class CaptureClient:
         await self._call("POST", f"/replicas/{index}/{action}")
 
     async def summary(self, session_id: str) -> dict[str, Any]:
-        return (await self._call("GET", f"/sessions/{session_id}")).json()
+        return (await self._call("GET", f"/sessions/{session_id}", finishing=True)).json()
 
     async def trace(self, session_id: str) -> dict[str, Any]:
         """The session's TrainingTrace JSON; :class:`NothingTrainable` when there is none."""
-        return (await self._call("GET", f"/sessions/{session_id}/trace")).json()
+        return (await self._call("GET", f"/sessions/{session_id}/trace", finishing=True)).json()
 
     async def set_policy(self, model: str | None, version: int) -> None:
         """Send every model call from now on to served model ``model`` (None: the model it names), recording
@@ -128,7 +135,7 @@ class CaptureClient:
 
     async def delete(self, session_id: str) -> None:
         try:
-            await self._call("DELETE", f"/sessions/{session_id}")
+            await self._call("DELETE", f"/sessions/{session_id}", finishing=True)
         except CaptureError as exc:
             if exc.status != 404:  # already gone is what we wanted
                 raise
