@@ -264,9 +264,10 @@ class _ConfigFields:
     max_zero_variance_groups_in_a_row: int = field(
         default=64,
         metadata=_help(
-            "Zero-variance groups dropped in a row after which the run stops, naming the reward they all "
-            "got: the tasks no longer teach the policy anything (use curriculum='pass_rate', harder tasks, "
-            "or drop_zero_variance_groups=False)."
+            "Zero-variance groups dropped in a row after which the run stops: as done (stop_reason "
+            "'solved') when every rollout of them passed (pass_reward), else with NoLearningSignal naming "
+            "the rewards they got (use curriculum='pass_rate', other tasks, or "
+            "drop_zero_variance_groups=False)."
         ),
     )
     curriculum: str = field(

@@ -159,6 +159,8 @@ class HarnessAsyncGRPOTrainer:
         self.curriculum: PassRateCurriculum | None = None
         self.reference: Reference | None = None
         self.last_metrics: dict[str, float] = {}
+        self.stop_reason: str | None = None
+        """Why the run ended before ``max_steps`` on its own: ``"solved"`` (see :meth:`_take_groups`)."""
         self.trained_groups: list[int] = []
         self._stop = threading.Event()
         self._pushes = False
@@ -450,8 +452,20 @@ class HarnessAsyncGRPOTrainer:
                 )
                 if args.save_interval and self.state.step % args.save_interval == 0:
                     self._save()
+            if self.stop_reason == "solved":
+                self._evaluate_at_the_end()
         finally:
             bar.close()
+
+    def _evaluate_at_the_end(self) -> None:
+        """Rank 0, a run that ended before ``max_steps`` on its own: the evaluation its last step would
+        have had, unless that step had one already."""
+        args, step = self.args, self.state.step
+        if self.evaluator is None or args.should_evaluate(step) or (step == 0 and args.eval_on_start):
+            return
+        metrics = self._evaluate()
+        if metrics and step > 0 and self.reporter is not None:
+            self.reporter.log(metrics, step)
 
     def _take_groups(self) -> list[Group] | None:
         """The next ``groups_per_step`` groups with at least two scored members, in admission order; with
@@ -461,11 +475,15 @@ class HarnessAsyncGRPOTrainer:
         that drops groups takes more than ``groups_per_step`` of them, so fewer policy versions pass
         between a group's admission (bounded by the scheduler's admission limit) and its training.
 
+        None when the run stops: asked to, or ``max_zero_variance_groups_in_a_row`` groups in a row were
+        dropped with every scored member passing (``pass_reward``): the policy has solved what it trains on,
+        and the run ends as at ``max_steps`` (``stop_reason`` ``"solved"``).
+
         Raises:
             RuntimeError: ``MAX_CONSECUTIVE_DROPPED_GROUPS`` groups in a row had fewer than two scored
                 members.
             NoLearningSignal: ``max_zero_variance_groups_in_a_row`` groups in a row were dropped for equal
-                rewards.
+                rewards, not all of them passing.
         """
         assert self.scheduler is not None
         taken: list[Group] = []
@@ -494,7 +512,12 @@ class HarnessAsyncGRPOTrainer:
                 zero_variance_in_a_row += 1
                 if zero_variance_in_a_row >= self.args.max_zero_variance_groups_in_a_row:
                     streak = self._zero_variance[-zero_variance_in_a_row:]
-                    raise NoLearningSignal(_no_signal_message(streak, self.args.curriculum))
+                    if not _all_passed(streak, self.args.pass_reward):
+                        raise NoLearningSignal(_no_signal_message(streak, self.args.curriculum))
+                    # The policy passes every task it draws: the run is done, not broken.
+                    self.stop_reason = "solved"
+                    logger.warning(_solved_message(streak, self.state.step, self.args.max_steps))
+                    return None
                 continue
             taken.append(group)
             zero_variance_in_a_row = 0
@@ -921,6 +944,22 @@ def _no_signal_message(groups: list[Group], curriculum: str) -> str:
         f"{rewards}), so none had an advantage to train on (max_zero_variance_groups_in_a_row): the tasks "
         f"are all solved, or all too hard, for this policy. Use {remedy}, or drop_zero_variance_groups=False "
         "to train on such groups anyway"
+    )
+
+
+def _all_passed(groups: list[Group], pass_reward: float) -> bool:
+    """Whether every scored rollout of ``groups`` passed (reward at least ``pass_reward``)."""
+    return all(r.reward is not None and r.reward >= pass_reward for g in groups for r in g.scored)
+
+
+def _solved_message(groups: list[Group], step: int, max_steps: int) -> str:
+    """Why the run ends at ``step``: ``groups``, dropped in a row, all passed."""
+    rewards = sorted({r.reward for g in groups for r in g.scored if r.reward is not None})
+    return (
+        f"stopping at step {step} of {max_steps}: the training set is solved ({len(groups)} groups in a row "
+        f"passed every scored rollout, rewards {rewards}; max_zero_variance_groups_in_a_row), so no group "
+        "has an advantage left to train on. Harder tasks, or curriculum='pass_rate' with more of them, give "
+        "the policy more to learn"
     )
 
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from harness_trainer import HarnessAsyncGRPOTrainer
+from harness_trainer.trainer.evaluation import read_eval
 from harness_trainer.trainer.rollout_log import read_rollout_log
 from harness_trainer.trainer.trainer import NoLearningSignal
 from tests.trainer.handmade import HandmadeFactory
+from tests.trainer.test_evaluation import split_builder
 from tests.trainer.test_trainer import builder, config, metrics_lines
 
 
@@ -56,16 +60,54 @@ def test_with_dropping_off_equal_reward_groups_are_trained_as_before(tmp_path, t
     assert lines[0]["frac_reward_zero_std"] == 1.0
 
 
-def test_a_run_where_every_task_is_always_solved_stops_naming_why(tmp_path, tiny_model_dir):
+def test_a_run_where_every_task_is_always_solved_ends_as_done_naming_why(tmp_path, tiny_model_dir, caplog):
     factory = HandmadeFactory(reward=lambda task, member: 1.0)
     settings = config(tmp_path, max_steps=2, max_zero_variance_groups_in_a_row=5)
     trainer = HarnessAsyncGRPOTrainer(str(tiny_model_dir), builder(factory), settings)
+    with caplog.at_level(logging.WARNING):
+        output = trainer.train()
+    assert trainer.stop_reason == "solved" and not trainer.stop_requested
+    assert output.global_step == 0 and trainer.state.step == 0 and trainer.trained_groups == []
+    assert "stopping at step 0 of 2: the training set is solved (5 groups in a row" in caplog.text
+    assert "rewards [1.0]" in caplog.text
+    assert not factory.live and factory.closed == len(factory.created) and factory.factory_closed
+
+
+def test_a_run_where_no_task_is_ever_solved_stops_with_no_learning_signal(tmp_path, tiny_model_dir):
+    factory = HandmadeFactory(reward=lambda task, member: 0.0)
+    settings = config(tmp_path, max_steps=2, max_zero_variance_groups_in_a_row=5)
+    trainer = HarnessAsyncGRPOTrainer(str(tiny_model_dir), builder(factory), settings)
     with pytest.raises(
-        NoLearningSignal, match=r"5 groups in a row .* same reward \(rewards seen: \[1\.0\]\)"
+        NoLearningSignal, match=r"5 groups in a row .* same reward \(rewards seen: \[0\.0\]\)"
     ):
         trainer.train()
-    assert trainer.state.step == 0 and trainer.trained_groups == []
+    assert trainer.stop_reason is None and trainer.state.step == 0 and trainer.trained_groups == []
     assert not factory.live and factory.closed == len(factory.created) and factory.factory_closed
+
+
+def test_a_streak_with_a_failing_task_is_no_learning_signal_even_if_most_passed(tmp_path, tiny_model_dir):
+    factory = HandmadeFactory(num_tasks=5, reward=lambda task, member: float(task != 3))
+    settings = config(tmp_path, max_steps=2, max_zero_variance_groups_in_a_row=5)
+    with pytest.raises(NoLearningSignal, match=r"rewards seen: \[0\.0, 1\.0\]"):
+        HarnessAsyncGRPOTrainer(str(tiny_model_dir), builder(factory), settings).train()
+
+
+def test_a_run_solved_after_a_step_is_evaluated_at_its_last_step_and_checkpointed(tmp_path, tiny_model_dir):
+    # Task 0's group varies and trains step 1; tasks 1-9 pass on every member.
+    train = HandmadeFactory(num_tasks=10, reward=lambda task, member: float(task != 0 or member % 2))
+    held_out = HandmadeFactory(num_tasks=1, reward=lambda task, member: 1.0)
+    settings = config(
+        tmp_path, max_steps=6, max_zero_variance_groups_in_a_row=5, eval_steps=4, eval_on_start=True,
+        eval_split="test", eval_num_generations=1,
+    )  # fmt: skip
+    trainer = HarnessAsyncGRPOTrainer(str(tiny_model_dir), split_builder(train, held_out, []), settings)
+    trainer.train()
+    assert trainer.stop_reason == "solved" and trainer.state.step == 1 and trainer.trained_groups == [0]
+    assert [e["step"] for e in read_eval(tmp_path / "out")] == [0, 1]
+    lines = {line["step"]: line for line in metrics_lines(tmp_path / "out")}
+    assert lines[1]["eval/pass@1"] == 1.0 and lines[1]["eval/policy_version"] == 1
+    assert (tmp_path / "out" / "checkpoint-1").is_dir()
+    assert not train.live and train.closed == len(train.created) and held_out.factory_closed
 
 
 def test_the_running_total_survives_a_resume(tmp_path, tiny_model_dir):
