@@ -168,17 +168,26 @@ class LocalSandbox:
         argv = self._namespace.enter_argv(["/bin/bash", "-lc", command], cwd=directory)
         return await run_captured(argv, env=full_env, timeout_s=timeout_s, grace_s=self._kill_grace_s)
 
+    def _check_open(self) -> None:
+        # The file methods work on the host side of the root: after close they would recreate a folder
+        # under the base dir that no lock marks as live, so no sweep would ever remove it.
+        if self._closed:
+            raise SandboxError(f"sandbox {self.id} is closed")
+
     async def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
+        self._check_open()
         target = self.host_path(path)
         payload = data.encode() if isinstance(data, str) else data
         await asyncio.to_thread(_write, target, payload, mode)
 
     async def read_file(self, path: str) -> bytes:
+        self._check_open()
         return await asyncio.to_thread(self.host_path(path).read_bytes)
 
     async def upload_dir(self, local: Path, remote: str) -> None:
         if not Path(local).is_dir():
             raise NotADirectoryError(f"{local} is not a directory")
+        self._check_open()
         target = self.host_path(remote)
         await asyncio.to_thread(shutil.copytree, local, target, dirs_exist_ok=True)
 

@@ -225,6 +225,22 @@ async def test_file_methods_refuse_paths_outside_the_sandbox(
         await sandbox.close()
 
 
+async def test_file_methods_refuse_a_closed_sandbox_and_recreate_nothing(
+    backend: LocalSandboxBackend, make_task: TaskFactory, tmp_path: Path
+) -> None:
+    sandbox = await backend.start(make_task(), lifetime_s=60)
+    await sandbox.close()
+    (tmp_path / "upload").mkdir()
+    for call in (
+        sandbox.write_file("notes.txt", "x"),
+        sandbox.read_file("notes.txt"),
+        sandbox.upload_dir(tmp_path / "upload", "/app/up"),
+    ):
+        with pytest.raises(SandboxError, match="closed"):
+            await call
+    assert not sandbox.root.exists()
+
+
 async def test_a_sandbox_closes_itself_when_its_lifetime_runs_out(
     tmp_path: Path, make_task: TaskFactory
 ) -> None:

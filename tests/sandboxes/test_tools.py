@@ -215,7 +215,11 @@ async def test_a_closed_sandbox_raises_from_every_tool_that_touches_it(
     tools: SandboxTools, sandbox: LocalSandbox
 ) -> None:
     await sandbox.close()
-    for name, arguments in [("bash", {"command": "true"}), ("read_file", {"path": "a"}), ("list_dir", {})]:
+    calls = [
+        ("bash", {"command": "true"}), ("read_file", {"path": "a"}),
+        ("write_file", {"path": "a", "content": "x"}), ("list_dir", {}),
+    ]  # fmt: skip
+    for name, arguments in calls:
         with pytest.raises(SandboxError, match="closed"):
             await tools.call_tool(name, arguments)
     assert tools.failures == {}  # a call that raises ends the rollout unscorable: no failure to count
