@@ -11,7 +11,7 @@ answers each call in this order:
 2. **Budget.** ``room = context_budget - len(prompt)``; with no room left the step samples nothing and
    returns an empty reply (no content, no tool calls), which ends OpenEnv's MCP loop cleanly. The episode
    is marked ``context_exhausted`` and keeps the turns it had. Otherwise it asks for at most
-   ``min(max_completion_tokens, room)`` tokens.
+   ``min(max_completion_tokens, room)`` tokens (and no more than the policy's own ``max_tokens``, when set).
 3. **Sample** with ``POST /v1/completions``, the prompt given as token ids, under the pinned sampling policy
    (:class:`capture_proxy.sampling.SamplingPolicy`, the black-box one: temperature only, ``top_p`` 1,
    optional seed). The ``sampling`` dict OpenEnv passes is recorded, never applied (as the capture proxy
@@ -144,7 +144,8 @@ class TokenModelStep:
         if self.context_exhausted or room < 1:
             self.context_exhausted = True  # nothing sampled: the adapter sees a final, empty reply
             return ModelStepResult(response=LLMResponse(content=""))
-        reply = self._complete(prompt_ids, min(self.max_completion_tokens, room))
+        limit = min(self.max_completion_tokens, room, self.policy.max_tokens or room)
+        reply = self._complete(prompt_ids, limit)
         completion_ids, logprobs, finish, version = _read_reply(reply, prompt_ids)
         response, parse_error = self._parse(prompt_ids, completion_ids, tool_dicts)
         self.records.append(

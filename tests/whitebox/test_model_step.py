@@ -4,6 +4,7 @@ logprobs), driven by OpenEnv's own MCP harness adapter."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -269,3 +270,53 @@ def test_hand_built_turns_that_do_not_extend_start_a_new_root() -> None:
 def test_an_episode_with_no_turn_has_no_trace() -> None:
     with pytest.raises(EmptyEpisode):
         build_trace([], context_exhausted=True)
+
+
+def test_the_request_is_token_ids_under_the_pinned_policy_and_vllm_replies_take_the_pushed_version(
+    tokenizer: Any,
+) -> None:
+    completion = tokenizer("Hi.<|im_end|>", add_special_tokens=False)["input_ids"]
+    sent: list[dict[str, Any]] = []
+
+    def vllm(request: httpx.Request) -> httpx.Response:  # vLLM's completions shape: no weight_version
+        sent.append(json.loads(request.content))
+        choice = {
+            "text": "Hi.",
+            "token_ids": completion,
+            "finish_reason": "stop",
+            "logprobs": {"token_logprobs": [-0.25] * len(completion)},
+        }
+        return httpx.Response(200, json={"choices": [choice]})  # fmt: skip
+
+    policy = SamplingPolicy(temperature=0.7, seed=3, max_tokens=9)
+    with make_step(tokenizer, "http://engine/v1", policy=policy, transport=httpx.MockTransport(vllm)) as step:
+        step.policy_version = 5
+        result = step([{"role": "user", "content": "hi"}], [], {"temperature": 0.1, "max_tokens": 999})
+    [body] = sent
+    assert body["prompt"] == result.prompt_ids and body["model"] == "tiny"
+    assert (body["temperature"], body["top_p"], body["seed"], body["max_tokens"]) == (0.7, 1.0, 3, 9)
+    assert body["return_token_ids"] and body["logprobs"] == 0
+    assert result.completion_ids == completion and result.response.content == "Hi."
+    assert step.records[0].weight_version == 5
+
+
+def test_chat_template_kwargs_reach_the_template(tiny_model_dir: Path) -> None:
+    from trl.chat_template_utils import add_response_schema
+
+    noted = add_response_schema(AutoTokenizer.from_pretrained(tiny_model_dir))
+    noted.chat_template = "{{- note | default('') }}" + noted.chat_template
+    messages = [{"role": "user", "content": "hi"}]
+    with make_step(noted, "http://unused", chat_template_kwargs={"note": "NOTE"}) as step:
+        assert noted.decode(step.render(messages, [])).startswith("NOTE<|im_start|>system")
+
+
+def test_the_adapters_turn_limit_ends_the_episode_with_a_valid_trace(
+    scripted_engine: ScriptedEngine, tokenizer: Any
+) -> None:
+    scripted_engine.script(CALL_LS, CALL_LS)
+    with make_step(tokenizer, scripted_engine.url) as step:
+        result, session = run_episode(step, max_turns=2)
+        episode = step.trace()
+    assert not result.done and len(session.inner.calls) == 2
+    assert episode.metrics["whitebox/turns"] == 2 and episode.metrics["whitebox/roots"] == 1
+    assert not episode.context_exhausted and len(build_rows(episode.trace)) == 1
