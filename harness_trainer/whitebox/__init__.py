@@ -1,0 +1,9 @@
+"""White-box rollouts (issue 23): the trainer owns sampling, an OpenEnv harness adapter owns the loop.
+
+- :mod:`~harness_trainer.whitebox.model_step`: :class:`TokenModelStep`, OpenEnv's ``ModelStep`` over an
+  engine's ``/v1/completions`` by token ids, and :class:`AnswersParseErrors`, the session wrapper that
+  hands a malformed tool call back to the model as an error.
+- :mod:`~harness_trainer.whitebox.episode`: the recorded turns as a validated ``TrainingTrace`` (pure).
+
+Importing :mod:`~harness_trainer.whitebox.model_step` needs the ``openenv`` and ``trl`` extras.
+"""
