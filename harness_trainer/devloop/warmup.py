@@ -40,11 +40,11 @@ from harness_trainer.devloop.solver import distractor_replies, solver_replies
 from harness_trainer.rollouts.client.local_factory import LocalSessionFactory
 from harness_trainer.tasks.sources import LocalTaskSource
 from harness_trainer.trace import TrainingTrace
-from harness_trainer.trainer.logprobs import token_logprobs, use_packed_attention
-from harness_trainer.trainer.packing import collate
 from harness_trainer.trainer.rows import Row, build_rows
+from harness_trainer.trainer.shared_prefix import shared_prefix_logprobs
 
-WARMUP_VERSION = 3
+# 4: the fine-tune forwards a shared prefix once (the same logprobs up to float rounding, not the same bytes)
+WARMUP_VERSION = 4
 DISTRACTOR_SUFFIX = " (distractor)"
 HELD_OUT_SPLITS = frozenset({"test", "validation"})
 """Splits kept for evaluation: never warmed up on, and no warmed-up task may share an instruction with
@@ -180,17 +180,6 @@ def _rows(traces: dict[str, TrainingTrace]) -> tuple[list[Row], dict[int, float]
     return rows, {index: 1.0 / total for index in names}, names
 
 
-def _probabilities(
-    logps: torch.Tensor, batch_rollouts: torch.Tensor, targets: torch.Tensor, names: dict
-) -> dict:
-    """Each transcript's probability under the model: exp of the sum of its trained tokens' logprobs."""
-    out = {}
-    for index, name in names.items():
-        chosen = targets & (batch_rollouts == index)
-        out[name] = math.exp(float(logps[chosen].sum()))
-    return out
-
-
 def fine_tune(
     base_model: Path,
     traces: dict[str, TrainingTrace],
@@ -208,22 +197,27 @@ def fine_tune(
     started = time.monotonic()
     torch.manual_seed(recipe.seed)
     model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
-    use_packed_attention(model)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate)
     rows, weights, names = _rows(traces)
-    batch = collate(rows, {index: 1.0 for index in names}, weights)
     report = WarmupReport(steps=0, probability=0.0)
     for step in range(recipe.max_steps + 1):
-        logps, _ = token_logprobs(model, batch, 1.0, with_entropy=False, targets_only=True)
-        per_task = _probabilities(logps.detach(), batch.rollouts, batch.targets, names)
+        # A task's solver and distractor share their first ~1,400 ids: forwarded once, not twice.
+        logps = shared_prefix_logprobs(model, rows)
+        sums = {index: 0.0 for index in names}
+        for row, row_logps in zip(rows, logps, strict=True):
+            sums[row.rollout] += float(row_logps.detach().sum())
+        # A transcript's probability: exp of the sum of its trained tokens' logprobs.
+        per_task = {names[index]: math.exp(total) for index, total in sums.items()}
         report.per_task, report.steps = per_task, step
         report.probability = min(per_task.values())
         if on_step is not None:
             on_step(step, report.probability)
         if report.probability >= recipe.target_probability or step == recipe.max_steps:
             break
-        loss = -(logps * batch.token_weights).sum()
+        loss = -torch.stack(
+            [weights[row.rollout] * row_logps.sum() for row, row_logps in zip(rows, logps, strict=True)]
+        ).sum()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
