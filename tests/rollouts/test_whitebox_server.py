@@ -4,6 +4,7 @@ with real local sandboxes; the test is the trainer, calling the session's tools 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import subprocess
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
 
 pytest.importorskip("openenv.core.harness")  # white-box sessions speak OpenEnv's types: the `openenv` extra
 
@@ -24,7 +26,11 @@ from openenv.core.llm_client import LLMResponse, ToolCall
 from harness_trainer.net import free_port, wait_until_healthy
 from harness_trainer.rollouts.client.factory import RolloutServerError
 from harness_trainer.rollouts.client.whitebox_session import WhiteBoxSession, WhiteBoxSessionFactory
+from harness_trainer.rollouts.errors import RolloutUnscorable
+from harness_trainer.rollouts.server.routes import RolloutServer
+from harness_trainer.rollouts.server.runtime import RolloutRuntime, RuntimeConfig
 from harness_trainer.sandboxes.tools import ToolLimits
+from harness_trainer.tasks.sources import LocalTaskSource
 from tests.rollouts.conftest import EXAMPLES
 
 HELLO = "hello-file"
@@ -307,3 +313,87 @@ def test_server_shutdown_closes_open_environments(tmp_path: Path) -> None:
     with pytest.raises(RolloutServerError, match="unreachable"):
         session.call_tool("bash", {"command": "true"})
     session.close()
+
+
+# In process (the server's app on a test client, no capture proxy: white-box sessions need none), where a
+# test can reach the sandbox behind a session and close it as its lifetime running out would.
+
+
+class ToolsOnlyRuntime(RolloutRuntime):
+    """The runtime without its capture proxy: sandbox backends only."""
+
+    async def start(self) -> None:
+        return None
+
+    async def open_capture_sessions(self) -> int:
+        return 0
+
+
+def in_process(tmp_path: Path, idle_timeout_s: float | None = None) -> RolloutServer:
+    config = RuntimeConfig(
+        upstream="http://127.0.0.1:9",
+        data_dir=tmp_path / "capture",
+        served_model="never-called",
+        sandbox_options={"local": {"base_dir": str(tmp_path / "sandboxes")}},
+    )
+    return RolloutServer(ToolsOnlyRuntime(config), LocalTaskSource(EXAMPLES), idle_timeout_s=idle_timeout_s)
+
+
+def roots(tmp_path: Path) -> list[str]:
+    return sorted(p.name for p in (tmp_path / "sandboxes").glob("ht-*"))
+
+
+async def test_a_sandbox_that_dies_answers_410_from_then_on_and_its_session_can_be_deleted(
+    tmp_path: Path,
+) -> None:
+    server = in_process(tmp_path)
+    async with TestClient(TestServer(server.app())) as client:
+        session_id = (await (await client.post("/sessions")).json())["session_id"]
+        started = await client.post(
+            f"/sessions/{session_id}/environment", json={"split": "train", "index": 0}
+        )
+        assert started.status == 201 and len(roots(tmp_path)) == 1
+        environment = server.slots[session_id].environment
+        assert environment is not None and environment.sandbox is not None
+        await environment.sandbox.close()  # as its lifetime running out would
+        call = {"name": "bash", "arguments": {"command": "true"}}
+        for path, body in [("tools/call", call), ("tools/call", call), ("verify", {})]:
+            reply = await client.post(f"/sessions/{session_id}/{path}", json=body)
+            assert reply.status == 410, path
+            assert "sandbox is gone" in (await reply.json())["error"]["message"]
+        status = await (await client.get(f"/sessions/{session_id}")).json()
+        assert status["status"] == "done" and "closed" in status["environment"]["error"]
+        assert (await client.delete(f"/sessions/{session_id}")).status == 200
+    assert roots(tmp_path) == []
+
+
+async def test_an_abandoned_environment_is_reaped_and_its_sandbox_closed(tmp_path: Path) -> None:
+    server = in_process(tmp_path, idle_timeout_s=0.4)
+    async with TestClient(TestServer(server.app())) as client:
+        session_id = (await (await client.post("/sessions")).json())["session_id"]
+        started = await client.post(
+            f"/sessions/{session_id}/environment", json={"split": "train", "index": 0}
+        )
+        assert started.status == 201 and len(roots(tmp_path)) == 1
+        deadline = time.monotonic() + 10
+        while roots(tmp_path) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert session_id not in server.slots and server.reaped == 1
+        assert roots(tmp_path) == []
+
+
+def test_a_dead_sandbox_makes_the_client_session_unscorable() -> None:
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.method == "DELETE":
+            return httpx.Response(200, json={"closed": True})
+        return httpx.Response(
+            410, json={"error": {"message": "the session's sandbox is gone: died", "code": 410}}
+        )
+
+    client = httpx.Client(base_url="http://rollouts", transport=httpx.MockTransport(answer))
+    started = {"task": {"name": "t", "split": "train", "index": 0, "instruction": "do it"}, "tools": []}
+    with WhiteBoxSession(client, "s", started) as session:
+        for call in (lambda: session.call_tool("bash", {"command": "true"}), lambda: session.verify([])):
+            with pytest.raises(RolloutUnscorable, match="sandbox is gone") as raised:
+                call()
+            assert raised.value.kind == "sandbox"

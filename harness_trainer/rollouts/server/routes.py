@@ -339,6 +339,8 @@ class RolloutServer:
             await environment.start()
         except (SandboxError, EnvironmentGone) as exc:
             raise _error(410, f"the sandbox did not start: {exc}") from exc
+        finally:
+            slot.touched = time.monotonic()  # the idle clock starts when the start ends
         described = {"name": task.name, "split": task.split, "index": task.index}
         body = {
             "session_id": slot.id,
@@ -353,7 +355,8 @@ class RolloutServer:
         return web.json_response({"tools": _tool_specs(environment)})
 
     async def call_tool(self, request: web.Request) -> web.Response:
-        environment = _environment(self._slot(request))
+        slot = self._slot(request)
+        environment = _environment(slot)
         body = await _json(request)
         name, arguments = body.get("name"), body.get("arguments", {})
         if not isinstance(name, str) or set(body) - {"name", "arguments"}:
@@ -364,15 +367,20 @@ class RolloutServer:
             raise _error(410, f"the session's sandbox is gone: {exc}") from exc
         except EpisodeOver as exc:
             raise _error(409, str(exc)) from exc
+        finally:
+            slot.touched = time.monotonic()  # and again when a (long) call ends
         body = {"data": result.data, "done": result.done, "metadata": result.metadata, "error": result.error}
         return web.json_response(body)
 
     async def verify(self, request: web.Request) -> web.Response:
-        environment = _environment(self._slot(request))
+        slot = self._slot(request)
+        environment = _environment(slot)
         try:
             verdict = await environment.verify()
         except EnvironmentGone as exc:
             raise _error(410, f"the session's sandbox is gone: {exc}") from exc
+        finally:
+            slot.touched = time.monotonic()
         return web.json_response(verdict.model_dump())
 
 
