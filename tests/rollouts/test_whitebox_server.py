@@ -26,9 +26,10 @@ from openenv.core.llm_client import LLMResponse, ToolCall
 from harness_trainer.net import free_port, wait_until_healthy
 from harness_trainer.rollouts.client.factory import RolloutServerError
 from harness_trainer.rollouts.client.whitebox_session import WhiteBoxSession, WhiteBoxSessionFactory
-from harness_trainer.rollouts.errors import RolloutUnscorable
+from harness_trainer.rollouts.errors import RolloutConfigError, RolloutUnscorable
 from harness_trainer.rollouts.server.routes import RolloutServer
 from harness_trainer.rollouts.server.runtime import RolloutRuntime, RuntimeConfig
+from harness_trainer.sandboxes.base import SandboxStartError
 from harness_trainer.sandboxes.tools import ToolLimits
 from harness_trainer.tasks.sources import LocalTaskSource
 from tests.rollouts.conftest import EXAMPLES
@@ -397,3 +398,42 @@ def test_a_dead_sandbox_makes_the_client_session_unscorable() -> None:
             with pytest.raises(RolloutUnscorable, match="sandbox is gone") as raised:
                 call()
             assert raised.value.kind == "sandbox"
+
+
+def test_a_factory_checks_its_keywords_and_split_when_built(server: Server) -> None:
+    with pytest.raises(TypeError, match="harness"):
+        WhiteBoxSessionFactory(server.url, harness="toy")
+    with pytest.raises(TypeError, match="create"):
+        WhiteBoxSessionFactory(server.url, index=0)
+    with pytest.raises(RolloutConfigError, match="nope"):
+        WhiteBoxSessionFactory(server.url, split="nope")
+
+
+class FailingBackend:
+    """A sandbox backend whose every start fails, as a provider's outage would."""
+
+    name = "local"
+
+    async def start(self, task, *, lifetime_s: float, env=None):
+        raise SandboxStartError(f"{task.name}: the provider is down")
+
+    async def aclose(self) -> None:
+        return None
+
+
+async def test_a_sandbox_that_fails_to_start_answers_410_and_its_session_can_be_deleted(
+    tmp_path: Path,
+) -> None:
+    server = in_process(tmp_path)
+    server.runtime.backend = lambda name: FailingBackend()  # type: ignore[method-assign,assignment,return-value]
+    async with TestClient(TestServer(server.app())) as client:
+        session_id = (await (await client.post("/sessions")).json())["session_id"]
+        started = await client.post(
+            f"/sessions/{session_id}/environment", json={"split": "train", "index": 0}
+        )
+        assert started.status == 410 and "provider is down" in (await started.json())["error"]["message"]
+        status = await (await client.get(f"/sessions/{session_id}")).json()
+        assert status["status"] == "done" and "SandboxStartError" in status["environment"]["error"]
+        call = await client.post(f"/sessions/{session_id}/tools/call", json={"name": "bash"})
+        assert call.status == 410
+        assert (await client.delete(f"/sessions/{session_id}")).status == 200

@@ -25,12 +25,13 @@ once.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any
 
 import httpx
 
 from harness_trainer.rollouts.client.factory import RolloutServerError
-from harness_trainer.rollouts.errors import RolloutUnscorable
+from harness_trainer.rollouts.errors import RolloutConfigError, RolloutUnscorable
 from harness_trainer.rollouts.result import EnvironmentVerdict
 
 try:
@@ -167,12 +168,26 @@ class WhiteBoxSessionFactory(ResourceSessionFactory[WhiteBoxSession]):
     as :meth:`WhiteBoxSession.start`. Holds settings only (picklable); each session its own client."""
 
     def __init__(self, server_url: str, *, split: str = "train", **options: Any) -> None:
+        """Raises TypeError for a keyword :meth:`WhiteBoxSession.start` does not take (or one ``create``
+        sets: ``index``, ``instruction``, ``seed``, ``episode_id``), :class:`RolloutConfigError` for a split
+        the server does not serve, :class:`RolloutServerError` for a server out of reach."""
+        if taken := sorted(set(options) & {"index", "instruction", "seed", "episode_id"}):
+            raise TypeError(f"WhiteBoxSessionFactory: {', '.join(taken)} are create()'s, not the factory's")
+        inspect.signature(WhiteBoxSession.start).bind_partial(server_url, **options)
         self.server_url, self.split, self.options = server_url.rstrip("/"), split, options
+        self.prompt_rows()  # the server answers and serves the split
 
     def prompt_rows(self) -> list[dict[str, Any]]:
         """Dataset rows, one per task: ``prompt`` (a user message), ``task_index``, ``task_name``."""
         with httpx.Client(base_url=self.server_url, timeout=60) as client:
-            listed = _request(client, "GET", f"/splits/{self.split}/tasks")["tasks"]
+            try:
+                listed = _request(client, "GET", f"/splits/{self.split}/tasks")["tasks"]
+            except RolloutServerError as exc:
+                if exc.status != 404:
+                    raise
+                raise RolloutConfigError(
+                    f"split {self.split!r} is not served by {self.server_url}: {exc}"
+                ) from None
         return [
             {
                 "prompt": [{"role": "user", "content": t["instruction"]}],

@@ -113,7 +113,7 @@ class Environment:
         lifetime = episode + self.task.verifier_timeout_sec + SANDBOX_SLACK_S
         try:
             self.sandbox = await self.backend.start(self.task, lifetime_s=lifetime)
-        except SandboxError as exc:
+        except Exception as exc:  # a failed start fails the environment (SandboxError, or a bug: logged)
             self.error = f"{type(exc).__name__}: {exc}"
             raise
         self.phase_seconds["sandbox_start"] = round(time.monotonic() - started, 4)
