@@ -5,6 +5,7 @@ with real local sandboxes; the test is the trainer, calling the session's tools 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import random
 import subprocess
@@ -437,3 +438,26 @@ async def test_a_sandbox_that_fails_to_start_answers_410_and_its_session_can_be_
         call = await client.post(f"/sessions/{session_id}/tools/call", json={"name": "bash"})
         assert call.status == 410
         assert (await client.delete(f"/sessions/{session_id}")).status == 200
+
+
+async def test_calls_on_one_session_run_one_at_a_time_and_bad_bodies_never_get_a_5xx(tmp_path: Path) -> None:
+    server = in_process(tmp_path)
+    async with TestClient(TestServer(server.app())) as client:
+        session_id = (await (await client.post("/sessions")).json())["session_id"]
+        for path in ("environment", "tools/call", "verify"):
+            for raw in (b"", b"[1]", b"{", b"\xff\xfe", b"[" * 2000 + b"]" * 2000, b'{"name": null}'):
+                reply = await client.post(f"/sessions/{session_id}/{path}", data=raw)
+                assert 400 <= reply.status < 500, (path, raw[:20], reply.status)
+        started = await client.post(
+            f"/sessions/{session_id}/environment", json={"split": "train", "index": 0}
+        )
+        assert started.status == 201
+        timed = {"name": "bash", "arguments": {"command": "date +%s.%N; sleep 0.3; date +%s.%N"}}
+        replies = await asyncio.gather(
+            *(client.post(f"/sessions/{session_id}/tools/call", json=timed) for _ in range(3))
+        )
+        outputs = [(await reply.json())["data"] for reply in replies]
+        spans = sorted(tuple(float(line) for line in output.splitlines()[:2]) for output in outputs)
+        assert all(earlier[1] <= later[0] for earlier, later in itertools.pairwise(spans)), spans
+        assert (await client.delete(f"/sessions/{session_id}")).status == 200
+    assert roots(tmp_path) == []

@@ -3,7 +3,8 @@
 The trainer owns sampling; an OpenEnv harness adapter (``MCPHarnessAdapter``) drives the episode and calls
 the session's tools, which the rollout server runs in the task's sandbox (``POST
 /sessions/{id}/environment``, ``GET …/tools``, ``POST …/tools/call``, ``POST …/verify``: the routes in
-:mod:`harness_trainer.rollouts.server.routes`). Either make sessions with a factory::
+:mod:`harness_trainer.rollouts.server.routes`). Make sessions with a factory (or one alone with
+:meth:`WhiteBoxSession.start`)::
 
     factory = WhiteBoxSessionFactory("http://127.0.0.1:8200", split="train", sandbox="local")
     session = factory.create(factory.prompt_rows()[0])   # a row, its messages, an instruction or an index
@@ -72,11 +73,14 @@ class WhiteBoxSession(ResourceSession):
         seed: int | None = None,
         episode_id: str | None = None,
         setup_timeout_sec: float = 900.0,
-        request_timeout_s: float = 660.0,
+        request_timeout_s: float | None = None,
     ) -> WhiteBoxSession:
         """Open a session on the server and start its environment for the task (``index``, else
-        ``instruction``, of ``split``). ``request_timeout_s`` bounds each tool call (default: above the
-        tools' largest command timeout); ``setup_timeout_sec`` the sandbox start."""
+        ``instruction``, of ``split``). ``request_timeout_s`` bounds each tool call (default: a minute
+        beyond the tools' largest command timeout, ``tool_limits.max_timeout_s``); ``setup_timeout_sec``
+        the sandbox start."""
+        if request_timeout_s is None:
+            request_timeout_s = (tool_limits or ToolLimits()).max_timeout_s + 60.0
         client = httpx.Client(base_url=server_url.rstrip("/"), timeout=request_timeout_s)
         session_id: str | None = None
         try:
