@@ -90,3 +90,49 @@ class RolloutResult(BaseModel):
     @property
     def tool_call_count(self) -> int:
         return sum(self.tool_calls_by_name.values())
+
+
+class EnvironmentOptions(BaseModel):
+    """How to start a white-box session's environment (``POST /sessions/{id}/environment``): a task's
+    sandbox offered as tools, with no agent and no capture session (the trainer samples the model)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sandbox: str = "local"
+    """Sandbox backend: a key of ``SANDBOXES`` (local, docker, e2b)."""
+    episode_timeout_sec: float | None = Field(default=None, gt=0)
+    """How long the episode may run; the sandbox closes itself after this plus the verifier's timeout (and
+    some slack). Default: the task's ``[agent] timeout_sec``."""
+    reward_key: str = ""
+    """Which named score of ``reward.json`` is the reward (as in :class:`RolloutOptions`)."""
+    tool_limits: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of :class:`~harness_trainer.sandboxes.tools.ToolLimits` (``default_timeout_s``,
+    ``max_timeout_s``, ``max_output_chars``), checked there; omitted ones keep its defaults."""
+    seed: int | None = None
+    episode_id: str | None = None
+
+
+class EnvironmentVerdict(BaseModel):
+    """What ``POST /sessions/{id}/verify`` returns: the task's verifier run in the episode's sandbox, and the
+    episode's tool counters. ``reward`` None means ungraded (the verifier timed out or wrote no reward),
+    never 0."""
+
+    task_name: str
+    split: str = ""
+    task_index: int = 0
+    sandbox: str
+    reward: float | None = None
+    rewards: dict[str, float] = Field(default_factory=dict)
+    reward_detail: str = ""
+    verifier_exit_code: int | None = None
+    verifier_timed_out: bool = False
+    verifier_output_tail: str = ""
+    tool_calls_by_name: dict[str, int] = Field(default_factory=dict)
+    tool_failures_by_name: dict[str, int] = Field(default_factory=dict)
+    tool_failure_count: int = 0
+    submitted: bool = False
+    """Whether the model called ``submit``."""
+    summary: str | None = None
+    """The ``submit`` call's summary, if any."""
+    phase_seconds: dict[str, float] = Field(default_factory=dict)
+    """``sandbox_start``, ``upload`` (the task's ``tests/``), ``verifier``."""

@@ -30,6 +30,29 @@ Routes (JSON):
   or absent: keeps its model) and records that version (the capture proxy's own ``PUT /policy``; 400 on a
   bad body).
 
+White-box sessions (issue 23: the trainer samples the model and calls the sandbox's tools itself; the
+contract: :mod:`~harness_trainer.rollouts.server.environment`; needs the ``openenv`` extra):
+
+- ``POST /sessions/{id}/environment`` with ``{"split", "index" | "instruction", **EnvironmentOptions}``
+  (``sandbox``, ``episode_timeout_sec``, ``reward_key``, ``tool_limits``, ``seed``, ``episode_id``) →
+  201 once the task's sandbox is up, no agent and no capture session: ``{"session_id", "task": {"name",
+  "split", "index", "instruction"}, "sandbox", "tools"}`` (404 unknown task, 409 already started, 400 bad
+  options or a sandbox backend that cannot run here, 410 the sandbox failed to start).
+- ``GET /sessions/{id}/tools`` → ``{"tools": [{"name", "description", "inputSchema"}]}`` (MCP's shape).
+- ``POST /sessions/{id}/tools/call`` with ``{"name", "arguments"}`` (MCP's ``tools/call`` params) → 200
+  ``{"data", "done", "metadata", "error"}``: the model's mistakes (an unknown tool, bad arguments, a
+  missing file, a command past its timeout) are results with ``error`` set, counted as failed calls.
+- ``POST /sessions/{id}/verify`` → the task's verifier run in the sandbox, as in a black-box rollout:
+  an :class:`~harness_trainer.rollouts.result.EnvironmentVerdict` (reward, rewards, detail, the tool
+  counters); it ends the episode and closes the sandbox; again: the same verdict.
+- ``GET /sessions/{id}`` shows ``status`` ``running`` (starting, or a call in flight) | ``ready`` | ``done``
+  and ``environment`` (the counters, the verdict, the error).
+
+Tool calls and verify on one session run one at a time. A sandbox that died (or closed on its lifetime)
+answers 410 from then on, its sandbox closed; a tool call after the verify 409; a session with no
+environment 409. ``DELETE`` cancels the call in flight and closes the sandbox, as do the idle reaper and
+shutdown.
+
 Every error is ``{"error": {"message", "code"}}`` with a 4xx status (unknown routes and methods included);
 a body over ``MAX_BODY_BYTES`` gets 413.
 """
@@ -52,8 +75,10 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from capture_proxy.sessions import Policy
-from harness_trainer.rollouts.result import RolloutOptions, RolloutResult
+from harness_trainer.rollouts.result import EnvironmentOptions, RolloutOptions, RolloutResult
+from harness_trainer.rollouts.server.environment import Environment, EnvironmentGone, EpisodeOver
 from harness_trainer.rollouts.server.runtime import RolloutRuntime
+from harness_trainer.sandboxes.base import SandboxError
 from harness_trainer.tasks.catalog import TaskCatalog, as_catalog
 from harness_trainer.tasks.sources import TaskSource
 from harness_trainer.tasks.task import HarborTask
@@ -69,12 +94,16 @@ class Slot:
     id: str
     task: HarborTask | None = None
     job: asyncio.Task[RolloutResult] | None = None
+    environment: Environment | None = None
+    """A white-box session's sandbox and tools (then ``job`` stays None)."""
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     touched: float = field(default_factory=time.monotonic)
     """When a client last asked about this session (the idle reaper's clock)."""
 
     @property
     def status(self) -> str:
+        if self.environment is not None:
+            return self.environment.status
         if self.job is None:
             return "idle"
         return "done" if self.job.done() else "running"
@@ -108,6 +137,10 @@ class RolloutServer:
         app.router.add_post("/sessions/{id}/rollout", self.start_rollout)
         app.router.add_post("/sessions/{id}/stop", self.stop_rollout)
         app.router.add_get("/sessions/{id}/trace", self.session_trace)
+        app.router.add_post("/sessions/{id}/environment", self.start_environment)
+        app.router.add_get("/sessions/{id}/tools", self.list_tools)
+        app.router.add_post("/sessions/{id}/tools/call", self.call_tool)
+        app.router.add_post("/sessions/{id}/verify", self.verify)
         app.router.add_delete("/sessions/{id}", self.close_session)
         app.router.add_put("/policy", self.put_policy)
         return app
@@ -206,12 +239,11 @@ class RolloutServer:
 
     async def start_rollout(self, request: web.Request) -> web.Response:
         slot = self._slot(request)
-        if slot.job is not None:
-            raise _error(409, "this session already ran its rollout; open a new session")
+        _not_started(slot)
         body = await _json(request)
         task = self._find_task(body)
         try:
-            options = RolloutOptions.model_validate({k: v for k, v in body.items() if k not in _TASK_KEYS})
+            options = RolloutOptions.model_validate(_options(body))
         except ValidationError as exc:
             raise _error(400, f"invalid rollout options: {exc.errors(include_url=False)}") from exc
         if problem := self.runtime.sandbox_problem(options.sandbox):
@@ -250,7 +282,9 @@ class RolloutServer:
         if slot.job is not None and wait > 0:
             await asyncio.wait({slot.job}, timeout=wait)
         body: dict[str, Any] = {"session_id": slot.id, "status": slot.status}
-        if slot.status == "done":
+        if slot.environment is not None:
+            body["environment"] = slot.environment.summary()
+        elif slot.status == "done":
             body["result"] = _result(slot).model_dump(exclude={"trace"})
         return web.json_response(body)
 
@@ -261,6 +295,8 @@ class RolloutServer:
 
     async def session_trace(self, request: web.Request) -> web.Response:
         slot = self._slot(request)
+        if slot.environment is not None:
+            raise _error(409, "a white-box session has no trace: its caller sampled the model")
         if slot.status != "done":
             raise _error(409, f"the rollout is {slot.status}; wait for it first")
         result = _result(slot)
@@ -276,13 +312,105 @@ class RolloutServer:
 
     async def _close(self, slot: Slot) -> None:
         self.slots.pop(slot.id, None)
+        if slot.environment is not None:
+            await slot.environment.close()
         if slot.job is not None and not slot.job.done():
             slot.job.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await slot.job
 
+    async def start_environment(self, request: web.Request) -> web.Response:
+        """A white-box session: the task's sandbox and tools, no agent (module docstring)."""
+        slot = self._slot(request)
+        _not_started(slot)
+        body = await _json(request)
+        task = self._find_task(body)
+        try:
+            options = EnvironmentOptions.model_validate(_options(body))
+            if problem := self.runtime.sandbox_problem(options.sandbox, for_agent=False):
+                raise _error(400, problem)
+            environment = Environment(task, options, self.runtime.backend(options.sandbox))
+        except ValidationError as exc:
+            raise _error(400, f"invalid environment options: {exc.errors(include_url=False)}") from exc
+        except (ValueError, ImportError) as exc:  # tool limits ToolLimits refuses; no `openenv` extra
+            raise _error(400, str(exc)) from exc
+        slot.task, slot.environment = task, environment
+        try:
+            await environment.start()
+        except (SandboxError, EnvironmentGone) as exc:
+            raise _error(410, f"the sandbox did not start: {exc}") from exc
+        finally:
+            slot.touched = time.monotonic()  # the idle clock starts when the start ends
+        described = {"name": task.name, "split": task.split, "index": task.index}
+        body = {
+            "session_id": slot.id,
+            "task": {**described, "instruction": task.instruction},
+            "sandbox": options.sandbox,
+            "tools": _tool_specs(environment),
+        }
+        return web.json_response(body, status=201)
+
+    async def list_tools(self, request: web.Request) -> web.Response:
+        environment = _environment(self._slot(request))
+        return web.json_response({"tools": _tool_specs(environment)})
+
+    async def call_tool(self, request: web.Request) -> web.Response:
+        slot = self._slot(request)
+        environment = _environment(slot)
+        body = await _json(request)
+        name, arguments = body.get("name"), body.get("arguments", {})
+        if not isinstance(name, str) or set(body) - {"name", "arguments"}:
+            raise _error(400, 'give {"name": TOOL, "arguments": {...}} (MCP\'s tools/call params)')
+        try:
+            result = await environment.call_tool(name, arguments)
+        except EnvironmentGone as exc:
+            raise _error(410, f"the session's sandbox is gone: {exc}") from exc
+        except EpisodeOver as exc:
+            raise _error(409, str(exc)) from exc
+        finally:
+            slot.touched = time.monotonic()  # and again when a (long) call ends
+        body = {"data": result.data, "done": result.done, "metadata": result.metadata, "error": result.error}
+        return web.json_response(body)
+
+    async def verify(self, request: web.Request) -> web.Response:
+        slot = self._slot(request)
+        environment = _environment(slot)
+        try:
+            verdict = await environment.verify()
+        except EnvironmentGone as exc:
+            raise _error(410, f"the session's sandbox is gone: {exc}") from exc
+        finally:
+            slot.touched = time.monotonic()
+        return web.json_response(verdict.model_dump())
+
 
 _TASK_KEYS = ("split", "index", "instruction")
+
+
+def _options(body: dict[str, Any]) -> dict[str, Any]:
+    """A start request's options: its body without the task's keys."""
+    return {k: v for k, v in body.items() if k not in _TASK_KEYS}
+
+
+def _not_started(slot: Slot) -> None:
+    if slot.job is not None or slot.environment is not None:
+        raise _error(409, "this session already started its rollout or environment; open a new session")
+
+
+def _environment(slot: Slot) -> Environment:
+    """The slot's environment once started; 409 otherwise."""
+    environment = slot.environment
+    if environment is None:
+        raise _error(409, "this session has no environment: POST /sessions/{id}/environment first")
+    if environment.tools is None and environment.status == "running":
+        raise _error(409, "this session's environment is still starting")
+    return environment
+
+
+def _tool_specs(environment: Environment) -> list[dict[str, Any]]:
+    """The tools as MCP lists them (``inputSchema``, camel-cased); none when the sandbox never started."""
+    tools = environment.tools.list_tools() if environment.tools is not None else []
+    return [{"name": t.name, "description": t.description, "inputSchema": t.input_schema} for t in tools]
 
 
 def _result(slot: Slot) -> RolloutResult:
@@ -304,6 +432,7 @@ _ERRORS: dict[int, type[web.HTTPException]] = {
     400: web.HTTPBadRequest,
     404: web.HTTPNotFound,
     409: web.HTTPConflict,
+    410: web.HTTPGone,
     413: web.HTTPRequestEntityTooLarge,
     429: web.HTTPTooManyRequests,
 }

@@ -216,11 +216,14 @@ class RolloutRuntime:
         if model is not None:
             self.model = model
 
-    def sandbox_problem(self, name: str, environ: Mapping[str, str] = os.environ) -> str | None:
+    def sandbox_problem(
+        self, name: str, environ: Mapping[str, str] = os.environ, *, for_agent: bool = True
+    ) -> str | None:
         """Why backend ``name`` cannot run rollouts from this runtime, in one line; None when it can.
 
         From the backend's class (its ``capabilities``): an unknown name, a credential missing from
-        ``environ``, or a remote backend whose agents would be pointed at the capture proxy on this
+        ``environ``, or (``for_agent``: an agent in it calls the capture proxy; a white-box session's
+        sandbox calls nothing) a remote backend whose agents would be pointed at the capture proxy on this
         machine's loopback (no public URL)."""
         try:
             caps = capabilities(name)
@@ -230,7 +233,7 @@ class RolloutRuntime:
             return f"sandbox {name} needs {' and '.join(missing)} in the rollout server's environment"
         public = self.config.public_url or self.config.capture_url
         host = urlsplit(public).hostname if public else self.config.capture_host
-        if caps.remote and host in LOOPBACK_HOSTS:
+        if for_agent and caps.remote and host in LOOPBACK_HOSTS:
             return (
                 f"sandbox {name} runs agents on another machine, which cannot reach the capture proxy on "
                 f"this machine's loopback ({host}): start the rollout server with --public-url"
