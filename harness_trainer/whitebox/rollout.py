@@ -299,7 +299,9 @@ def _made_class(builder: Callable[..., Any]) -> type | None:
         made = inspect.signature(target, eval_str=True).return_annotation
     except (TypeError, ValueError, NameError):
         return None
-    return made if inspect.isclass(made) else None
+    if made in (inspect.Signature.empty, Any, object) or not inspect.isclass(made):
+        return None  # no annotation, or one that says nothing (``Any`` is a class from Python 3.11)
+    return made
 
 
 def _require_resource_factory(made: type) -> None:

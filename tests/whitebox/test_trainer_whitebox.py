@@ -5,6 +5,7 @@ the dev engine app replaying scripted tool calls (``scripted_engine``) with the 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -15,15 +16,29 @@ import pytest
 pytest.importorskip("openenv.core.harness")
 pytest.importorskip("trl")
 
-from openenv.core.harness import HarnessAdapter, HarnessRunLimits, MCPHarnessAdapter
+from openenv.core.env_server.mcp_types import Tool
+from openenv.core.harness import (
+    HarnessAdapter,
+    HarnessRunLimits,
+    MCPHarnessAdapter,
+    ResourceSession,
+    ResourceSessionFactory,
+    ToolResult,
+    VerifyResult,
+)
 from transformers import AutoTokenizer
 
 from harness_trainer import HarnessAsyncGRPOTrainer
+from harness_trainer.net import free_port
 from harness_trainer.rollouts.client.local_factory import LocalSessionFactory
 from harness_trainer.rollouts.client.whitebox_session import WhiteBoxSessionFactory
+from harness_trainer.rollouts.errors import RolloutUnscorable
 from harness_trainer.trainer.config import AsyncGRPOConfig
+from harness_trainer.trainer.failures import FailureKind, judge
 from harness_trainer.trainer.rollout_log import read_rollout_log
 from harness_trainer.trainer.scheduling import RolloutSchedulerError
+from harness_trainer.whitebox.model_step import EngineCallError
+from harness_trainer.whitebox.rollout import WhiteBoxRolloutFactory, check_white_box, white_box_factory
 from tests.hardening.faults import metrics_lines
 from tests.rollouts.test_whitebox_server import HELLO, Server
 from tests.whitebox.conftest import ScriptedEngine
@@ -170,4 +185,124 @@ def test_a_factory_whose_sessions_have_no_tools_is_refused_when_the_trainer_is_m
     with pytest.raises(TypeError, match="HarnessAdapter"):
         HarnessAsyncGRPOTrainer(
             str(tiny_model_dir), partial(WhiteBoxSessionFactory, "http://x"), args, harness_adapter=object()
+        )
+
+
+# -- the wrapper alone, in process: a fake resource session factory, the scripted engine ------------------
+
+
+class ListingFactory(ResourceSessionFactory):
+    """Sessions with one ``bash`` tool that lists two files, after ``tool_delay_s``."""
+
+    def __init__(self, tool_delay_s: float = 0.0) -> None:
+        self.tool_delay_s = tool_delay_s
+        self.sessions: list[ListingSession] = []
+
+    def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> ListingSession:
+        session = ListingSession(self.tool_delay_s)
+        self.sessions.append(session)
+        return session
+
+
+class ListingSession(ResourceSession):
+    def __init__(self, tool_delay_s: float) -> None:
+        self.tool_delay_s, self.closed = tool_delay_s, 0
+
+    def initial_messages(self) -> list[dict[str, Any]]:
+        return [{"role": "user", "content": "List the files."}]
+
+    def list_tools(self) -> list[Tool]:
+        schema = {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}
+        return [Tool(name="bash", description="Run a shell command.", input_schema=schema)]
+
+    def call_tool(self, name: str, arguments: dict[str, Any]) -> ToolResult:
+        time.sleep(self.tool_delay_s)
+        return ToolResult(data="a.txt\nb.txt")
+
+    def verify(self, transcript: list[dict[str, Any]], final_state: Any | None = None) -> VerifyResult:
+        return VerifyResult(env_reward=float(len(transcript)), done=True, metrics={"mine": 1})
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+CALL_LS = '<tool_call>\n{"name": "bash", "arguments": {"cmd": "ls"}}\n</tool_call><|im_end|>'
+BROKEN = '<tool_call>\n{"name": "bash", "arguments": {"cmd": \n</tool_call><|im_end|>'
+
+
+def wrapper(url: str, tokenizer: Any, inner: ResourceSessionFactory) -> WhiteBoxRolloutFactory:
+    return white_box_factory(
+        inner, MCPHarnessAdapter(), tokenizer=tokenizer, base_url=url, sampling={"temperature": 1.0},
+        max_completion_length=64, limits=HarnessRunLimits(max_turns=4), policy_version=lambda: 9,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> Any:
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def test_a_rollout_verifies_the_adapters_transcript_and_counts_parse_errors_as_failed_tool_calls(
+    scripted_engine: ScriptedEngine, tokenizer: Any
+) -> None:
+    scripted_engine.script(BROKEN, CALL_LS, DONE)
+    inner = ListingFactory()
+    factory = wrapper(scripted_engine.url, tokenizer, inner)
+    assert factory.settings.model == "tiny" and factory.settings.context_budget == 4096
+    assert not hasattr(factory, "prompt_rows")  # the inner factory has none, so neither has the wrapper
+    rollout = factory.create({"prompt": "x"}, seed=1, episode_id="g0-m0")
+    assert rollout.wait_for_completion(timeout_s=60) == 0
+    trace = rollout.fetch_training_trace()
+    verdict = rollout.verify([])
+    rollout.close()
+    rollout.close()
+    served = scripted_engine.worker.weight_version  # the dev engine names it (vLLM would not: then 9)
+    assert len(trace.turns) == 3 and all(t.metadata["weight_version"] == served for t in trace.turns)
+    assert verdict.env_reward == 6.0  # user, 3 assistant turns, 2 tool results: the adapter's transcript
+    assert verdict.metrics["mine"] == 1
+    assert verdict.metrics["tool_calls_by_name"] == {"invalid_tool_call": 1, "bash": 1}
+    assert verdict.metrics["tool_failure_count"] == 1
+    assert verdict.metrics["whitebox/parse_errors"] == 1 and verdict.metrics["whitebox/turns"] == 3
+    assert verdict.metrics["whitebox/done"] == 1.0
+    assert inner.sessions[0].closed == 1
+
+
+def test_past_the_timeout_the_episode_samples_no_more_and_keeps_its_turns(
+    scripted_engine: ScriptedEngine, tokenizer: Any
+) -> None:
+    scripted_engine.script(CALL_LS, CALL_LS)
+    factory = wrapper(scripted_engine.url, tokenizer, ListingFactory(tool_delay_s=0.5))
+    rollout = factory.create(0)
+    with pytest.raises(TimeoutError):
+        rollout.wait_for_completion(timeout_s=0.3)
+    assert len(scripted_engine.worker.prompts) == 1  # the second turn was never sent
+    assert len(rollout.fetch_training_trace().turns) == 1
+    rollout.close()
+
+
+def test_an_engine_that_fails_a_turn_or_an_episode_with_no_turn_is_unscorable(
+    scripted_engine: ScriptedEngine, tokenizer: Any
+) -> None:
+    factory = wrapper(scripted_engine.url, tokenizer, ListingFactory())
+    dead = factory.create(0)
+    dead.step._client.base_url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(RolloutUnscorable) as raised:
+        dead.wait_for_completion()
+    assert raised.value.kind == "engine" and isinstance(raised.value.__cause__, EngineCallError)
+    assert judge(raised.value, stopping=False).kind is FailureKind.INFRASTRUCTURE
+    with pytest.raises(RolloutUnscorable, match="sampled no turn") as empty:
+        dead.fetch_training_trace()
+    assert empty.value.kind == "harness"
+    dead.close()
+
+
+def test_a_builder_function_of_unknown_type_is_checked_once_built(scripted_engine: ScriptedEngine) -> None:
+    def any_factory(**options: Any) -> Any:
+        raise AssertionError("never called")
+
+    check_white_box(MCPHarnessAdapter(), lambda **options: object())  # nothing to tell from its type
+    check_white_box(MCPHarnessAdapter(), any_factory)
+    with pytest.raises(TypeError, match="object is not a ResourceSessionFactory"):
+        white_box_factory(
+            object(), MCPHarnessAdapter(), tokenizer=None, base_url=scripted_engine.url, sampling={}
         )
