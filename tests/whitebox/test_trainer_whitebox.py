@@ -28,6 +28,7 @@ from openenv.core.harness import (
 )
 from transformers import AutoTokenizer
 
+from capture_proxy.sampling import SamplingPolicy
 from harness_trainer import HarnessAsyncGRPOTrainer
 from harness_trainer.net import free_port
 from harness_trainer.rollouts.client.local_factory import LocalSessionFactory
@@ -38,7 +39,12 @@ from harness_trainer.trainer.failures import FailureKind, judge
 from harness_trainer.trainer.rollout_log import read_rollout_log
 from harness_trainer.trainer.scheduling import RolloutSchedulerError
 from harness_trainer.whitebox.model_step import EngineCallError
-from harness_trainer.whitebox.rollout import WhiteBoxRolloutFactory, check_white_box, white_box_factory
+from harness_trainer.whitebox.rollout import (
+    StepSettings,
+    WhiteBoxRolloutFactory,
+    check_white_box,
+    white_box_factory,
+)
 from tests.hardening.faults import metrics_lines
 from tests.rollouts.test_whitebox_server import HELLO, Server
 from tests.whitebox.conftest import ScriptedEngine
@@ -84,17 +90,21 @@ def test_the_trainer_trains_white_box_rollouts_on_the_engines_ids_and_leaks_noth
     scripted_engine: ScriptedEngine, builder: Any, server: Server, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """Rollouts alternate: one writes the file through the sandbox's write_file tool (reward 1), the next
-    only answers (reward 0), so each group of 2 has an advantage. Two steps train, pushing weights to the
-    engine; every trained turn is the ids the engine saw and sampled; no session or sandbox is left."""
+    only answers (reward 0), so each group of 2 has an advantage. An evaluation at the start, then two
+    steps train, pushing weights to the engine; every trained turn is the ids the engine saw and sampled;
+    no session or sandbox is left."""
     scripted_engine.script(*[WRITE, DONE, DONE] * 8)
     out = tmp_path / "out"
+    args = config(out, scripted_engine.url, eval_on_start=True, eval_split="train", eval_num_generations=1)
     trainer = HarnessAsyncGRPOTrainer(
-        str(tiny_model_dir), builder, config(out, scripted_engine.url), train_dataset=hello_rows(server),
+        str(tiny_model_dir), builder, args, train_dataset=hello_rows(server), eval_dataset=hello_rows(server),
         harness_adapter=MCPHarnessAdapter(), harness_limits=HarnessRunLimits(max_turns=4),
     )  # fmt: skip
     trainer.train()
 
-    lines = metrics_lines(out)
+    evaluated, *lines = metrics_lines(out)
+    # The eval rollout (the eval factory wrapped too) took the first scripted solution.
+    assert evaluated["step"] == 0 and evaluated["eval/pass@1"] == 1.0 and evaluated["eval/unscorable"] == 0
     assert [line["step"] for line in lines] == [1, 2]
     assert [line["reward"] for line in lines] == [0.5, 0.5]
     assert all(line["rollout/unscorable"] == 0 and line["policy_version"] == line["step"] for line in lines)
@@ -280,12 +290,9 @@ def test_past_the_timeout_the_episode_samples_no_more_and_keeps_its_turns(
     rollout.close()
 
 
-def test_an_engine_that_fails_a_turn_or_an_episode_with_no_turn_is_unscorable(
-    scripted_engine: ScriptedEngine, tokenizer: Any
-) -> None:
-    factory = wrapper(scripted_engine.url, tokenizer, ListingFactory())
-    dead = factory.create(0)
-    dead.step._client.base_url = f"http://127.0.0.1:{free_port()}"
+def test_an_engine_that_fails_a_turn_or_an_episode_with_no_turn_is_unscorable(tokenizer: Any) -> None:
+    settings = StepSettings(tokenizer, f"http://127.0.0.1:{free_port()}", "tiny", SamplingPolicy(), 4096, 64)
+    dead = WhiteBoxRolloutFactory(ListingFactory(), MCPHarnessAdapter(), settings).create(0)
     with pytest.raises(RolloutUnscorable) as raised:
         dead.wait_for_completion()
     assert raised.value.kind == "engine" and isinstance(raised.value.__cause__, EngineCallError)
