@@ -263,14 +263,21 @@ def white_box_factory(
         TypeError: ``factory`` is not a ``ResourceSessionFactory``.
         EngineCallError: the engine does not list a model with its ``max_model_len``.
     """
-    ensure_resource_factory(factory)
-    model, context = served_model(base_url)
-    settings = StepSettings(
-        tokenizer=tokenizer, base_url=base_url, model=model, policy=SamplingPolicy.model_validate(sampling),
-        context_budget=context, max_completion_tokens=min(max_completion_length or context, context),
-        chat_template_kwargs=dict(chat_template_kwargs or {}), policy_version=policy_version,
-    )  # fmt: skip
-    return WhiteBoxRolloutFactory(factory, adapter, settings, limits)
+    try:
+        ensure_resource_factory(factory)
+        model, context = served_model(base_url)
+        settings = StepSettings(
+            tokenizer=tokenizer, base_url=base_url, model=model,
+            policy=SamplingPolicy.model_validate(sampling), context_budget=context,
+            max_completion_tokens=min(max_completion_length or context, context),
+            chat_template_kwargs=dict(chat_template_kwargs or {}), policy_version=policy_version,
+        )  # fmt: skip
+        return WhiteBoxRolloutFactory(factory, adapter, settings, limits)
+    except BaseException:
+        closer = getattr(factory, "close", None)  # the trainer never sees it, so it would not close it
+        if callable(closer):
+            closer()
+        raise
 
 
 def served_model(base_url: str, timeout_s: float = 30.0) -> tuple[str, int]:
