@@ -85,8 +85,9 @@ def rollout_metrics(
 ) -> dict[str, float]:
     """TRL-named metrics of the step's groups (``reward``, ``reward_std``, ``tools/…``, ``completions/…``)
     plus this trainer's own (``rollout/…``, ``rows/…``, ``staleness/…`` counted from each scored rollout's
-    :func:`behaviour_version`, ``perf/<phase>_s``, and ``perf/rollout_llm_s`` / ``_env_s`` / ``_other_s``:
-    the mean :func:`rollout_time_split` over the step's rollouts)."""
+    :func:`behaviour_version`, ``perf/<phase>_s``, ``whitebox/…`` in white-box runs, and
+    ``perf/rollout_llm_s`` / ``_env_s`` / ``_other_s``: the mean :func:`rollout_time_split` over the step's
+    rollouts)."""
     rollouts = [r for g in groups for r in g.rollouts]
     scored_rollouts = [r for r in rollouts if r.scored]
     rewards = [r.reward for r in scored_rollouts if r.reward is not None]
@@ -128,6 +129,7 @@ def rollout_metrics(
         "staleness/max": float(max(staleness, default=0)),
     }
     metrics |= phase_metrics(rollouts)
+    metrics |= whitebox_metrics(rollouts)
     if rollouts:
         splits = [rollout_time_split(r) for r in rollouts]
         metrics["perf/rollout_llm_s"] = _mean([s.llm_s for s in splits])
@@ -158,6 +160,22 @@ def rollout_time_split(rollout: Rollout) -> TimeSplit:
     turns = rollout.trace.turns if rollout.trace is not None else []
     phases = rollout.verify_metrics.get("phase_seconds") or {}
     return time_split((turn.metadata for turn in turns), phases, rollout.seconds)
+
+
+def whitebox_metrics(rollouts: Sequence[Rollout]) -> dict[str, float]:
+    """``whitebox/<counter>``: the mean of each white-box episode counter (turns, roots, retemplated turns,
+    parse errors, …: :mod:`harness_trainer.whitebox.episode`) over the rollouts whose verify metrics report
+    it; none in black-box runs."""
+    values: dict[str, list[float]] = {}
+    for rollout in rollouts:
+        for name, value in rollout.verify_metrics.items():
+            if (
+                str(name).startswith("whitebox/")
+                and isinstance(value, int | float)
+                and not isinstance(value, bool)
+            ):
+                values.setdefault(str(name), []).append(float(value))
+    return {name: _mean(found) for name, found in sorted(values.items())}
 
 
 def phase_metrics(rollouts: Sequence[Rollout]) -> dict[str, float]:

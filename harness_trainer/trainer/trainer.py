@@ -104,10 +104,19 @@ class HarnessAsyncGRPOTrainer:
             ``AutoTokenizer.from_pretrained`` of ``model``'s path, Hub id or ``name_or_path``).
         eval_dataset: the rows to evaluate on (TRL's name; :mod:`.evaluation`), passed to the eval factory's
             ``create``; default: the eval factory's ``prompt_rows()`` (``args.eval_split``'s tasks).
+        harness_adapter: white-box mode (issue 23): an OpenEnv ``HarnessAdapter`` (``MCPHarnessAdapter()``)
+            that runs each rollout as ``run_white_box(model_step, session, limits)``, the trainer sampling
+            each turn by token ids from ``args.vllm_server_base_url``. The builder must make an OpenEnv
+            ``ResourceSessionFactory`` (e.g. ``partial(WhiteBoxSessionFactory, url)``) and is called without
+            ``sampling=`` (``split=`` for eval as before); :mod:`harness_trainer.whitebox.rollout`.
+        harness_limits: OpenEnv's ``HarnessRunLimits`` for each white-box episode (turns, tool calls);
+            default: OpenEnv's.
 
     Raises:
         ValueError: ``args`` asks for evaluation (``eval_steps``, ``eval_on_start``) with neither an
             ``eval_split`` nor an ``eval_dataset`` to evaluate on.
+        TypeError: ``harness_adapter`` is no adapter, or the builder's factory is known not to make
+            sessions with tools (not a ``ResourceSessionFactory``).
     """
 
     def __init__(
@@ -121,6 +130,9 @@ class HarnessAsyncGRPOTrainer:
         engine: Any = None,
         processing_class: Any = None,
         eval_dataset: Any = None,
+        *,
+        harness_adapter: Any = None,
+        harness_limits: Any = None,
     ) -> None:
         if not callable(harness_session_factory):
             raise TypeError(
@@ -132,6 +144,13 @@ class HarnessAsyncGRPOTrainer:
                 "evaluation is on (eval_steps / eval_on_start) but there is nothing to evaluate on: set "
                 "eval_split (the factory's split of eval tasks) or pass eval_dataset= to the trainer"
             )
+        if harness_adapter is not None:
+            from harness_trainer.whitebox.rollout import check_white_box
+
+            check_white_box(harness_adapter, harness_session_factory)
+            if not self.args.vllm_server_base_url:
+                raise ValueError("harness_adapter samples from the engine: set vllm_server_base_url")
+        self.harness_adapter, self.harness_limits = harness_adapter, harness_limits
         self.eval_dataset = eval_dataset
         self.model_source = model
         self.factory_builder = harness_session_factory
@@ -238,7 +257,7 @@ class HarnessAsyncGRPOTrainer:
     def _start_rollouts(self) -> None:
         args = self.args
         assert self.model is not None
-        self.factory = self.factory_builder(sampling=args.sampling)
+        self.factory = self._build_factory(args.sampling)
         if self.engine is not None and args.vllm_server_base_url and hasattr(self.factory, "check_engine"):
             self.factory.check_engine(args.vllm_server_base_url)  # rollouts and trainer on one model
         if self._policy is not None:  # an adapter pushed on resume, before the factory existed
@@ -291,14 +310,28 @@ class HarnessAsyncGRPOTrainer:
             self._evaluate()
         self.scheduler.start()
 
+    def _build_factory(self, sampling: dict[str, Any], **kwargs: Any) -> Any:
+        """The builder's factory; with a harness adapter, wrapped so each session is a white-box episode
+        that samples under ``sampling`` (the builder then gets no ``sampling=``)."""
+        if self.harness_adapter is None:
+            return self.factory_builder(sampling=sampling, **kwargs)
+        from harness_trainer.whitebox.rollout import white_box_factory
+
+        args = self.args
+        assert args.vllm_server_base_url is not None  # checked at construction
+        return white_box_factory(
+            self.factory_builder(**kwargs), self.harness_adapter, tokenizer=self._tokenizer(),
+            base_url=args.vllm_server_base_url, sampling=sampling,
+            max_completion_length=args.max_completion_length, chat_template_kwargs=args.chat_template_kwargs,
+            limits=self.harness_limits, policy_version=lambda: self.state.policy_version,
+        )  # fmt: skip
+
     def _make_evaluator(self, train_rows: list[dict[str, Any]]) -> Evaluator:
         """The eval factory (the builder with the eval sampling and split) and its rows, checked."""
         args = self.args
         assert self.model is not None
-        kwargs: dict[str, Any] = {"sampling": args.eval_sampling}
-        if args.eval_split is not None:
-            kwargs["split"] = args.eval_split
-        self._eval_factory = self.factory_builder(**kwargs)
+        kwargs: dict[str, Any] = {} if args.eval_split is None else {"split": args.eval_split}
+        self._eval_factory = self._build_factory(args.eval_sampling, **kwargs)
         if self.eval_dataset is not None:
             rows = [dict(row) for row in self.eval_dataset]
         elif hasattr(self._eval_factory, "prompt_rows"):

@@ -4,6 +4,9 @@
   engine's ``/v1/completions`` by token ids, and :class:`AnswersParseErrors`, the session wrapper that
   hands a malformed tool call back to the model as an error.
 - :mod:`~harness_trainer.whitebox.episode`: the recorded turns as a validated ``TrainingTrace`` (pure).
+- :mod:`~harness_trainer.whitebox.rollout`: a ``ResourceSessionFactory`` and an adapter as the session
+  factory the trainer's scheduler drives (the trainer's ``harness_adapter=``).
 
-Importing :mod:`~harness_trainer.whitebox.model_step` needs the ``openenv`` and ``trl`` extras.
+Importing :mod:`~harness_trainer.whitebox.model_step` or :mod:`~harness_trainer.whitebox.rollout` needs the
+``openenv`` and ``trl`` extras.
 """
