@@ -306,7 +306,8 @@ class _ConfigFields:
             "TRL passes these to apply_chat_template. Here the engine renders each agent call's prompt and "
             "the trainer trains on the captured token ids (it renders no template), and the capture proxy "
             "sends no template arguments upstream: kept with the run's config and warned about; set them on "
-            "the engine (its default chat template arguments) to apply them. A dict, or JSON text."
+            "the engine (its default chat template arguments) to apply them. In white-box mode "
+            "(harness_adapter=) the trainer renders each turn itself, with them. A dict, or JSON text."
         ),
     )
 
@@ -559,7 +560,8 @@ class _ConfigFields:
         if self.chat_template_kwargs:
             logger.warning(
                 "chat_template_kwargs %s do not reach the engine: it renders each agent call's prompt and "
-                "the capture proxy sends no template arguments; set them on the engine to apply them",
+                "the capture proxy sends no template arguments; set them on the engine to apply them (in "
+                "white-box mode, harness_adapter=, the trainer renders each turn with them: ignore this)",
                 sorted(self.chat_template_kwargs),
             )
 
