@@ -74,7 +74,11 @@ def test_concurrent_lines_land_in_order_and_the_helper_holds_only_open_files(tmp
             reused = os.open(tmp_path / "g", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
             fds[0] = reused
             await asyncio.gather(*(append(writer, fd, b"more\n") for fd in fds))
-            held = helper_files(pid)
+            # The close goes to the helper after the syncs of that flush, so it may land just after their
+            # answers: give it a moment rather than read /proc at once.
+            deadline = time.monotonic() + 10
+            while str(tmp_path / "f0") in (held := helper_files(pid)) and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
             assert str(tmp_path / "f0") not in held and str(tmp_path / "g") in held
         finally:
             writer.close()
