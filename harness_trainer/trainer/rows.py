@@ -192,13 +192,14 @@ def _trie_size(sequences: list[list[int]]) -> int:
     size = 0
     previous: list[int] = []
     for sequence in sorted(sequences):
-        size += len(sequence) - _common_prefix_length(previous, sequence)
+        size += len(sequence) - common_prefix_length(previous, sequence)
         previous = sequence
     return size
 
 
-def _common_prefix_length(a: list[int], b: list[int]) -> int:
-    """Bisects on slice equality, halving the compared span each step: O(len) in C, not a Python loop."""
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids ``a`` and ``b`` share. Bisects on slice equality, halving the compared span
+    each step: O(len) in C, not a Python loop."""
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
         return n

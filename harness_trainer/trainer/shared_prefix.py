@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from harness_trainer.trainer.rows import Row
+from harness_trainer.trainer.rows import Row, common_prefix_length
 
 MIN_SHARED_FRACTION = 0.5
 """Rows join a group when their common prefix is at least this fraction of the row: less is not worth a
@@ -38,7 +38,7 @@ def prefix_groups(
     for index in order:
         # Sorted, a row shares no more with the run's first row than the rows between them do.
         ids = rows[index].input_ids
-        if runs and _common_prefix(rows[runs[-1][0]].input_ids, ids) >= min_fraction * len(ids):
+        if runs and common_prefix_length(rows[runs[-1][0]].input_ids, ids) >= min_fraction * len(ids):
             runs[-1].append(index)
         else:
             runs.append([index])
@@ -47,7 +47,7 @@ def prefix_groups(
         if len(members) == 1:
             groups.append((members, 0))
             continue
-        shared = _common_prefix(rows[members[0]].input_ids, rows[members[-1]].input_ids)
+        shared = common_prefix_length(rows[members[0]].input_ids, rows[members[-1]].input_ids)
         # Each member keeps at least its last id out of the prefix: the prefix's last position predicts it.
         groups.append((members, min(shared, *(len(rows[i].input_ids) - 1 for i in members))))
     return groups
@@ -88,9 +88,8 @@ def _group_logprobs(
     cache_name = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
     device = next(model.parameters()).device
     cache = DynamicCache() if shared else None
-    prefix_hidden = None
-    if shared:
-        assert cache is not None
+    prefix_hidden = torch.zeros(0, model.config.hidden_size, device=device)
+    if cache is not None:
         prefix = torch.tensor([rows[0].input_ids[:shared]], device=device)
         prefix_hidden = decoder(input_ids=prefix, use_cache=True, **{cache_name: cache}).last_hidden_state[0]
         cache.batch_repeat_interleave(len(rows))
@@ -112,27 +111,12 @@ def _group_logprobs(
     ).last_hidden_state
     result = []
     for number, row in enumerate(rows):
-        # Position t is predicted by the hidden state at t - 1: in the prefix's forward below ``shared``.
-        targets = [t for t, is_target in enumerate(row.targets) if is_target]
-        states = [
-            prefix_hidden[t - 1]
-            if t - 1 < shared and prefix_hidden is not None
-            else hidden[number, t - 1 - shared]
-            for t in targets
-        ]
-        if not states:
-            result.append(hidden.new_zeros(0))
-            continue
-        logits = head(torch.stack(states)).float() / temperature
-        chosen = torch.tensor([row.input_ids[t] for t in targets], device=device)
+        # The row's hidden states in order (its prefix's, then its own), so position t - 1 predicts t.
+        states = torch.cat([prefix_hidden, hidden[number]])
+        targets = torch.tensor(
+            [t for t, is_target in enumerate(row.targets) if is_target], dtype=torch.long, device=device
+        )
+        logits = head(states[targets - 1]).float() / temperature
+        chosen = torch.tensor(row.input_ids, device=device)[targets]
         result.append(logits.gather(-1, chosen.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1))
     return result
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
