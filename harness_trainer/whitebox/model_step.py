@@ -7,7 +7,8 @@ answers each call in this order:
 1. **Render** ``messages`` + ``tools`` with the model's chat template (``apply_chat_template``, generation
    prompt added, ``chat_template_kwargs`` passed through), straight to token ids. Tool-call arguments given
    as JSON strings (OpenEnv's ``LLMResponse.to_message_dict`` writes them so) are parsed to objects first,
-   as vLLM does, because Qwen-style templates render them with ``tojson``.
+   as vLLM does, because Qwen-style templates render them with ``tojson`` (the dev engine's own
+   ``normalize_messages``).
 2. **Budget.** ``room = context_budget - len(prompt)``; with no room left the step samples nothing and
    returns an empty reply (no content, no tool calls), which ends OpenEnv's MCP loop cleanly. The episode
    is marked ``context_exhausted`` and keeps the turns it had. Otherwise it asks for at most
@@ -47,6 +48,7 @@ from typing import Any
 import httpx
 
 from capture_proxy.sampling import SamplingPolicy
+from harness_trainer.dev_engine.chat import normalize_messages
 from harness_trainer.whitebox.episode import WhiteBoxTrace, build_trace
 
 try:
@@ -171,7 +173,7 @@ class TokenModelStep:
     def render(self, messages: list[Message], tools: list[dict[str, Any]]) -> list[int]:
         """The prompt ids of ``messages`` and ``tools`` under the chat template, generation prompt added."""
         ids = self.tokenizer.apply_chat_template(
-            [_template_message(message) for message in messages],
+            normalize_messages(messages),
             tools=tools or None,
             add_generation_prompt=True,
             tokenize=True,
@@ -299,27 +301,6 @@ def _openai_tool(tool: Tool) -> dict[str, Any]:
         "type": "function",
         "function": {"name": tool.name, "description": tool.description, "parameters": tool.input_schema},
     }
-
-
-def _template_message(message: Message) -> Message:
-    """A copy whose tool-call arguments are objects (templates ``tojson`` them) and whose content is text."""
-    out = dict(message)
-    if out.get("content") is None:
-        out["content"] = ""
-    if out.get("tool_calls"):
-        calls = []
-        for call in out["tool_calls"]:
-            call = dict(call)
-            function = dict(call.get("function") or {})
-            if isinstance(function.get("arguments"), str):
-                try:
-                    function["arguments"] = json.loads(function["arguments"] or "{}")
-                except json.JSONDecodeError:
-                    pass  # render what the model wrote
-            call["function"] = function
-            calls.append(call)
-        out["tool_calls"] = calls
-    return out
 
 
 def _read_reply(
