@@ -260,7 +260,6 @@ class AnswersParseErrors(ResourceSession):
 
     def __init__(self, inner: ResourceSession) -> None:
         self.inner = inner
-        self.parse_errors = 0
 
     def initial_messages(self) -> list[Message]:
         return self.inner.initial_messages()
@@ -271,7 +270,6 @@ class AnswersParseErrors(ResourceSession):
     def call_tool(self, name: str, arguments: dict[str, Any]) -> ToolResult:
         if name != PARSE_ERROR_TOOL:
             return self.inner.call_tool(name, arguments)
-        self.parse_errors += 1
         reason = str(arguments.get("error", "malformed tool call"))
         text = (
             f"error: your tool call could not be parsed ({reason}). Write each call as "
