@@ -34,12 +34,14 @@ from harness_trainer.sandboxes.base import SandboxStartError
 from harness_trainer.sandboxes.tools import ToolLimits
 from harness_trainer.tasks.sources import LocalTaskSource
 from tests.rollouts.conftest import EXAMPLES
+from tests.rollouts.test_server import Server as ServeProcess
 
 HELLO = "hello-file"
 
 
-class Server:
-    """``harness-trainer serve`` whose local sandboxes live under ``tmp`` (its ``TMPDIR``)."""
+class Server(ServeProcess):
+    """``harness-trainer serve`` whose local sandboxes live under ``tmp`` (its ``TMPDIR``), with an
+    engine it never calls; stopped as :class:`tests.rollouts.test_server.Server` is."""
 
     def __init__(self, root: Path, limit: int = 4) -> None:
         self.port, self.tmp = free_port(), root / "tmp"
@@ -63,15 +65,6 @@ class Server:
 
     def open_sessions(self) -> int:
         return httpx.get(self.url + "/health").json()["sessions"]
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
 
 
 @pytest.fixture(scope="module")
