@@ -47,12 +47,20 @@ def template_agent_layer(names: Sequence[str], home: str = "/root") -> str:
 
 
 def make_harness(name: str, **options: Any) -> Harness:
-    """The harness registered as ``name``, built with ``options``; raises ValueError for an unknown name."""
+    """The harness registered as ``name``, built with ``options`` (the keyword arguments its class
+    documents: e.g. mini-swe-agent's ``agent_config``, opencode's ``max_output_tokens``).
+
+    Raises:
+        ValueError: an unknown name, or options its class does not take or refuses.
+    """
     try:
         harness_class = HARNESSES[name]
     except KeyError:
         raise ValueError(f"unknown harness {name!r}; known: {', '.join(sorted(HARNESSES))}") from None
-    return harness_class(**options)
+    try:
+        return harness_class(**options)
+    except TypeError as exc:
+        raise ValueError(f"harness {name!r} does not take options {sorted(options)}: {exc}") from None
 
 
 __all__ = [

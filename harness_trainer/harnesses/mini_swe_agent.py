@@ -1,7 +1,9 @@
 """mini-swe-agent (pip ``mini-swe-agent``, pinned, in its own venv: it pulls litellm) as a harness.
 
 Configuration: the stock ``mini.yaml`` (its own prompts and its single ``bash`` tool) with an overlay,
-``~/.harness-trainer/mini-swe-agent/overlay.yaml``, merged on top (``mini -c mini.yaml -c overlay.yaml``):
+``~/.harness-trainer/mini-swe-agent/overlay.yaml``, merged on top (``mini -c mini.yaml -c overlay.yaml``).
+The overlay is the harness's ``agent_config`` (mini's own keys, e.g. ``agent.instance_template``: other
+prompts; none by default) with the rollout's settings over it:
 the model is litellm's ``openai/<served model>`` with ``api_base`` = the proxy's ``/v1`` (the session id
 travels as ``OPENAI_API_KEY``); ``agent.step_limit`` is the step limit (0 = none, as in mini); the cost
 limit is off (``cost_limit: 0``, cost tracking errors ignored: the served model has no price); ``mode:
@@ -35,6 +37,8 @@ from harness_trainer.sandboxes.base import Sandbox
 PACKAGE = ToolPackage("pip", "mini-swe-agent", "2.4.6", "venv/bin/mini")
 LOG_NAME = "mini-swe-agent.log"
 TRAJECTORY_NAME = "mini-swe-agent.traj.json"
+CONFIG_SECTIONS = ("agent", "model", "environment")
+"""The sections of a mini config that ``agent_config`` may set."""
 NOT_EXECUTED = "action was not executed"  # mini's stand-in observation after a submit: not a failure
 ENV = {
     "MSWEA_CONFIGURED": "true",  # skip the first-run setup wizard
@@ -51,8 +55,10 @@ def build_overlay(
     step_limit: int,
     max_output_tokens: int | None = None,
     command_timeout_s: int | None = None,
+    agent_config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The config merged over mini.yaml for one rollout (see the module docstring)."""
+    """The config merged over mini.yaml for one rollout: ``agent_config`` with the rollout's settings
+    (see the module docstring) merged over it."""
     model_kwargs: dict[str, Any] = {"api_base": endpoint.base_url, "drop_params": True}
     if max_output_tokens is not None:
         model_kwargs["max_tokens"] = max_output_tokens
@@ -66,7 +72,39 @@ def build_overlay(
     }
     if command_timeout_s is not None:
         overlay["environment"] = {"timeout": command_timeout_s}
-    return overlay
+    return _merged(agent_config or {}, overlay)
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` merged into ``base`` key by key, nested mappings merged too (as mini merges its ``-c``s)."""
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merged(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def check_agent_config(agent_config: Any) -> dict[str, Any]:
+    """``agent_config`` as JSON-able mini config sections (``agent``, ``model``, ``environment``).
+
+    Raises:
+        ValueError: not a mapping of those sections to mappings, or not JSON-serialisable.
+    """
+    if not isinstance(agent_config, dict):
+        raise ValueError(f"agent_config must be a mapping of mini config sections, got {agent_config!r}")
+    unknown = sorted(set(agent_config) - set(CONFIG_SECTIONS))
+    if unknown or not all(isinstance(v, dict) for v in agent_config.values()):
+        raise ValueError(
+            f"agent_config: sections must be mappings, from {', '.join(CONFIG_SECTIONS)}; got "
+            f"{', '.join(f'{k}: {type(v).__name__}' for k, v in agent_config.items())}"
+        )
+    try:
+        json.dumps(agent_config)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"agent_config is not JSON-serialisable: {exc}") from None
+    return agent_config
 
 
 def build_command(binary: str, instruction: str, overlay_path: str, trajectory_path: str) -> list[str]:
@@ -118,11 +156,24 @@ class MiniSweAgentHarness:
     name = "mini-swe-agent"
     package = PACKAGE
 
-    def __init__(self, *, max_output_tokens: int | None = None, command_timeout_s: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        max_output_tokens: int | None = None,
+        command_timeout_s: int | None = None,
+        agent_config: dict[str, Any] | None = None,
+    ) -> None:
         """``max_output_tokens``: ``max_tokens`` per call (None: the engine's default);
-        ``command_timeout_s``: the limit of one bash action (None: mini's own, 30 s)."""
+        ``command_timeout_s``: the limit of one bash action (None: mini's own, 30 s); ``agent_config``:
+        mini config merged over mini.yaml (its sections ``agent``, ``model``, ``environment``; e.g. other
+        prompt templates), under the rollout's own settings.
+
+        Raises:
+            ValueError: ``agent_config`` is not such a mapping (:func:`check_agent_config`).
+        """
         self.max_output_tokens = max_output_tokens
         self.command_timeout_s = command_timeout_s
+        self.agent_config = None if agent_config is None else check_agent_config(agent_config)
 
     async def install(self, sandbox: Sandbox) -> None:
         await install_tool(sandbox, PACKAGE)
@@ -143,6 +194,7 @@ class MiniSweAgentHarness:
             step_limit=step_limit,
             max_output_tokens=self.max_output_tokens,
             command_timeout_s=self.command_timeout_s,
+            agent_config=self.agent_config,
         )
         await sandbox.write_file(overlay_path, json.dumps(overlay, indent=2))  # JSON is YAML
         trajectory_path = f"{AGENT_LOG_DIR}/{TRAJECTORY_NAME}"

@@ -16,6 +16,9 @@ class RolloutOptions(BaseModel):
 
     harness: str = "opencode"
     """Agent program: a key of ``HARNESSES`` (opencode, mini-swe-agent, claude-code, codex)."""
+    harness_options: dict[str, Any] = Field(default_factory=dict)
+    """Keyword options of that harness's class (``make_harness``), e.g. mini-swe-agent's ``agent_config``
+    or opencode's ``max_output_tokens``; checked when the rollout is asked for (a bad one: HTTP 400)."""
     sandbox: str = "local"
     """Sandbox backend: a key of ``SANDBOXES`` (local, e2b)."""
     sampling: dict[str, Any] | None = None

@@ -87,6 +87,40 @@ def test_mini_overlay_points_litellm_at_the_proxy_with_cost_limits_off() -> None
     assert "sess-abc" not in json.dumps(overlay)  # the key travels in the environment only
 
 
+def test_mini_agent_config_lies_under_the_rollouts_own_settings() -> None:
+    agent_config = {
+        "agent": {"instance_template": "Task: {{task}}", "step_limit": 99, "mode": "confirm"},
+        "model": {"observation_template": "{{output.output}}", "model_name": "openai/elsewhere"},
+    }
+    overlay = mini_swe_agent.build_overlay(ENDPOINT, step_limit=3, agent_config=agent_config)
+    assert overlay["agent"] == {
+        "instance_template": "Task: {{task}}", "step_limit": 3, "cost_limit": 0, "mode": "yolo",
+        "confirm_exit": False,
+    }  # fmt: skip
+    assert overlay["model"]["observation_template"] == "{{output.output}}"
+    assert overlay["model"]["model_name"] == "openai/tiny"  # the rollout's engine, never the config's
+    assert agent_config["agent"]["step_limit"] == 99  # the caller's mapping is left as it was
+
+
+@pytest.mark.parametrize(
+    ("agent_config", "says"),
+    [
+        ("agent: {}", "must be a mapping"),
+        ({"run": {}}, "from agent, model, environment"),
+        ({"agent": "x"}, "agent: str"),
+        ({"agent": {"x": object()}}, "not JSON-serialisable"),
+    ],
+)
+def test_mini_refuses_an_agent_config_it_could_not_write(agent_config: object, says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        make_harness("mini-swe-agent", agent_config=agent_config)
+
+
+def test_a_harness_option_its_class_does_not_take_is_a_value_error_naming_it() -> None:
+    with pytest.raises(ValueError, match=r"harness 'codex' does not take options \['max_output_tokens'\]"):
+        make_harness("codex", max_output_tokens=5)
+
+
 def test_mini_command_layers_the_overlay_over_the_stock_config() -> None:
     argv = mini_swe_agent.build_command("/v/bin/mini", "fix it", "/o.yaml", "/t.json")
     assert argv[argv.index("-c") + 1] == "mini.yaml"

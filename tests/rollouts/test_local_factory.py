@@ -8,6 +8,7 @@ from transformers import AutoTokenizer
 
 from harness_trainer.rollouts.client.local_factory import LocalSessionFactory
 from harness_trainer.rollouts.client.session import RolloutUnscorable
+from harness_trainer.rollouts.errors import RolloutConfigError
 from tests.rollouts.conftest import EXAMPLES, bash_call, live_sandbox_processes
 
 HELLO = [bash_call("printf 'Hello, Harbor!\\n' > /app/hello.txt"), {"content": "Done."}]
@@ -143,3 +144,17 @@ def test_an_external_capture_proxy_needs_its_admin_key():
     """``capture_url`` without ``admin_key`` is refused when the factory is built, before anything runs."""
     with pytest.raises(ValueError, match="admin key"):
         factory_for("http://127.0.0.1:9", capture_url="http://127.0.0.1:9")
+
+
+@pytest.mark.parametrize(
+    ("harness", "options", "says"),
+    [
+        ("toy", {"bogus": 1}, r"harness 'toy' does not take options \['bogus'\]"),
+        ("mini-swe-agent", {"agent_config": {"agent": 1}}, "sections must be mappings"),
+    ],
+)
+def test_harness_options_the_harness_refuses_are_refused_when_the_factory_is_built(harness, options, says):
+    with pytest.raises(RolloutConfigError, match=says):
+        LocalSessionFactory(
+            str(EXAMPLES), upstream="http://127.0.0.1:9", harness=harness, harness_options=options
+        )

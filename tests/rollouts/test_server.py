@@ -14,6 +14,7 @@ import pytest
 
 from harness_trainer.net import free_port, wait_until_healthy
 from harness_trainer.rollouts.client.factory import HarborSessionFactory, RolloutServerError
+from harness_trainer.rollouts.errors import RolloutConfigError
 from tests.rollouts.conftest import EXAMPLES, bash_call, live_sandbox_processes
 
 HELLO = [bash_call("printf 'Hello, Harbor!\\n' > /app/hello.txt"), {"content": "Done."}]
@@ -107,6 +108,14 @@ def test_bad_requests_get_clear_errors(server: Server) -> None:
             json={"split": "train", "index": 0, "sandbox": sandbox},
         )
         assert refused.status_code == 400 and says in refused.json()["error"]["message"]
+    for options, says in [({"bogus": 1}, "take options ['bogus']"), ({"agent_config": 3}, "mapping")]:
+        refused = httpx.post(
+            f"{server.url}/sessions/{session_id}/rollout",
+            json={"split": "train", "index": 0, "harness": "mini-swe-agent", "harness_options": options},
+        )
+        assert refused.status_code == 400 and says in refused.json()["error"]["message"]
+    with pytest.raises(RolloutConfigError, match="does not take options"):  # refused before any request
+        HarborSessionFactory(server.url, harness="toy", harness_options={"bogus": 1})
     assert httpx.get(server.url + "/splits/nope/tasks").status_code == 404
     assert httpx.get(f"{server.url}/sessions/{session_id}/trace").status_code == 409
     assert httpx.delete(f"{server.url}/sessions/{session_id}").status_code == 200

@@ -13,6 +13,8 @@ Keywords keep OpenEnv's meanings:
   ``api_key`` / ``auth_header``: that engine's credential (``Authorization: Bearer KEY``, or ``KEY``
   under ``auth_header``), sent by the capture proxy, never shown to the agent.
 - ``agent_timeout_sec``: 0 (the default) = each task file's ``[agent] timeout_sec``.
+- ``harness_options``: keyword options of the harness's class (e.g. mini-swe-agent's ``agent_config``:
+  other prompts), checked here and by the server.
 - ``reward_key``: which named score of ``reward.json`` is the reward: a key, or a comma-separated
   preference list; checked against the first verifier result that writes scores (a key it does not
   hold stops the run with a :class:`RolloutConfigError` naming the keys it wrote).
@@ -42,6 +44,7 @@ from typing import Any
 import httpx
 
 from capture_proxy.config import engine_root
+from harness_trainer.harnesses import make_harness
 from harness_trainer.rollouts.client.session import (
     RewardKeyCheck,
     VerifyResult,
@@ -83,6 +86,7 @@ class HarborSessionFactory:
         *,
         split: str = "train",
         harness: str = "opencode",
+        harness_options: dict[str, Any] | None = None,
         sandbox: str = "e2b",
         llm_url: str | None = None,
         model: str | None = None,
@@ -121,7 +125,12 @@ class HarborSessionFactory:
         if num_tasks is not None and num_tasks < 1:
             raise RolloutConfigError(f"num_tasks={num_tasks}: give at least 1, or None for all")
         self.server_url = server_url.rstrip("/")
+        try:  # the server checks them too; here a bad one fails before any rollout is asked for
+            make_harness(harness, **(harness_options or {}))
+        except ValueError as exc:
+            raise RolloutConfigError(str(exc)) from None
         self.split, self.harness, self.sandbox = split, harness, sandbox
+        self.harness_options = dict(harness_options or {})
         self.llm_url, self.model, self.sampling = llm_url or None, model or None, sampling
         self.api_key, self.auth_header = api_key or None, auth_header or None
         self.agent_timeout_sec, self.agent_step_limit, self.reward_key = (
@@ -290,6 +299,8 @@ class HarborSessionFactory:
             "agent_step_limit": self.agent_step_limit, "reward_key": self.reward_key, "seed": seed,
             "episode_id": episode_id,
         }  # fmt: skip
+        if self.harness_options:
+            body["harness_options"] = self.harness_options
         engine = {"llm_url": self.llm_url, "model": self.model}
         engine.update(api_key=self.api_key, auth_header=self.auth_header)
         body.update({k: v for k, v in engine.items() if v is not None})

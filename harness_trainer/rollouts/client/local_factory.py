@@ -4,7 +4,8 @@ For the local dev loop and tests: a background thread runs a :class:`RolloutRunt
 sandboxes) in its own event loop; ``create`` submits a rollout to it and returns a session with the same
 sync API, the same keywords' meanings and the same exceptions (one mapping,
 :func:`~harness_trainer.rollouts.errors.error_for`) as a server-backed one: ``split`` names a dataset of
-``tasks`` (:mod:`harness_trainer.tasks.catalog`), ``agent_timeout_sec`` None or 0 means each task's own,
+``tasks`` (:mod:`harness_trainer.tasks.catalog`), ``harness_options`` are the harness class's keyword
+options (checked here), ``agent_timeout_sec`` None or 0 means each task's own,
 ``reward_key`` is a key or a comma-separated preference list checked on the first verifier result, and a
 session's wait without a timeout covers its agent, verifier and ``setup_timeout_sec``. ``close()``
 cancels what still runs and shuts the runtime down; the factory is also a context manager. With
@@ -21,6 +22,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from harness_trainer.harnesses import make_harness
 from harness_trainer.rollouts.client.session import (
     RewardKeyCheck,
     VerifyResult,
@@ -44,6 +46,7 @@ class LocalSessionFactory:
         upstream: str,
         split: str = "train",
         harness: str = "opencode",
+        harness_options: dict[str, Any] | None = None,
         sandbox: str = "local",
         model: str | None = None,
         sampling: dict[str, Any] | None = None,
@@ -72,9 +75,14 @@ class LocalSessionFactory:
         self.reward_key, self.setup_timeout_sec = reward_key, setup_timeout_sec
         self.check_reward_key = RewardKeyCheck(reward_key)
         """Called by each session's ``verify`` (checks once)."""
+        try:
+            make_harness(harness, **(harness_options or {}))
+        except ValueError as exc:
+            raise RolloutConfigError(str(exc)) from None
         agent_timeout_sec = agent_timeout_sec or None
         self.options = RolloutOptions(
-            harness=harness, sandbox=sandbox, sampling=sampling, agent_timeout_sec=agent_timeout_sec,
+            harness=harness, harness_options=harness_options or {},
+            sandbox=sandbox, sampling=sampling, agent_timeout_sec=agent_timeout_sec,
             agent_step_limit=agent_step_limit, reward_key=reward_key,
         )  # fmt: skip
         self._tmp = None if data_dir is not None else tempfile.TemporaryDirectory(prefix="capture-")

@@ -75,6 +75,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from capture_proxy.sessions import Policy
+from harness_trainer.harnesses import make_harness
 from harness_trainer.rollouts.result import EnvironmentOptions, RolloutOptions, RolloutResult
 from harness_trainer.rollouts.server.environment import Environment, EnvironmentGone, EpisodeOver
 from harness_trainer.rollouts.server.runtime import RolloutRuntime
@@ -248,6 +249,10 @@ class RolloutServer:
             raise _error(400, f"invalid rollout options: {exc.errors(include_url=False)}") from exc
         if problem := self.runtime.sandbox_problem(options.sandbox):
             raise _error(400, problem)
+        try:
+            make_harness(options.harness, **options.harness_options)
+        except ValueError as exc:
+            raise _error(400, str(exc)) from None
         if problem := await self.runtime.engine_problem(options.llm_url, options.model):
             raise _error(400, problem)
         slot.task = task

@@ -19,7 +19,7 @@ import time
 from collections.abc import Coroutine, Iterator
 from typing import Any
 
-from harness_trainer.harnesses import HARNESSES
+from harness_trainer.harnesses import make_harness
 from harness_trainer.harnesses.base import AgentEndpoint, AgentRun, Harness, HarnessError
 from harness_trainer.rollouts.errors import ErrorKind
 from harness_trainer.rollouts.result import RolloutOptions, RolloutResult
@@ -74,7 +74,7 @@ async def run_rollout(
     session_id: str | None = None
     sandbox: Sandbox | None = None
     try:
-        harness = harness or _harness(options.harness)
+        harness = harness or _harness(options.harness, options.harness_options)
         with _phase(result, "capture_session"):
             metadata = {
                 "task": task.name,
@@ -177,10 +177,11 @@ async def _until_stopped(agent: Coroutine[Any, Any, AgentRun], stop: asyncio.Eve
     return None
 
 
-def _harness(name: str) -> Harness:
-    if name not in HARNESSES:
-        raise HarnessError(f"unknown harness {name!r}; known: {', '.join(sorted(HARNESSES))}")
-    return HARNESSES[name]()
+def _harness(name: str, options: dict[str, Any]) -> Harness:
+    try:
+        return make_harness(name, **options)
+    except ValueError as exc:
+        raise HarnessError(str(exc)) from None
 
 
 async def _export(capture: CaptureClient, session_id: str) -> dict[str, Any]:
