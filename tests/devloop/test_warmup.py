@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 from transformers import AutoModelForCausalLM
 
+from harness_trainer.devloop.prompts import MINI_SWE_AGENT_COMPACT, dev_harness_options
 from harness_trainer.devloop.solver import (
     DISTRACTOR,
     MINI_SUBMIT,
@@ -61,3 +63,19 @@ def test_transcripts_solve_their_tasks_distractors_fail_them_and_the_fine_tune_r
     assert all(0.1 < report.per_task[name + DISTRACTOR_SUFFIX] < 0.6 for name in names)
     AutoModelForCausalLM.from_pretrained(tmp_path / "warm")
     assert (tmp_path / "warm" / "tokenizer_config.json").exists()
+
+
+def test_the_dev_loop_runs_mini_with_its_compact_prompt_unless_told_and_warms_up_on_the_prompt_it_runs(
+    tmp_path: Path,
+) -> None:
+    compact = dev_harness_options("mini-swe-agent")
+    assert compact == {"agent_config": MINI_SWE_AGENT_COMPACT}
+    assert dev_harness_options("mini-swe-agent", stock_prompt=True) == {}
+    assert dev_harness_options("toy") == {}  # no compact prompt of its own: its own prompts
+    instance = MINI_SWE_AGENT_COMPACT["agent"]["instance_template"]
+    assert MINI_SUBMIT in instance and instance.rstrip().endswith("Task: {{task}}")  # rules first: shared ids
+    # A warm model is keyed by the prompts its transcripts were recorded with: never reused for the other.
+    base, tasks = tmp_path / "tiny", ["a", "b"]
+    assert WarmupRecipe("mini-swe-agent", compact).fingerprint(base, tasks) != WarmupRecipe(
+        "mini-swe-agent"
+    ).fingerprint(base, tasks)
