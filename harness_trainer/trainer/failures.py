@@ -7,7 +7,8 @@
   a reward key no verifier writes), or a ``rollout_reward_fn`` that returned a bool, a non-number, NaN or
   infinity: fatal, the run stops naming it;
 - anything else, a raising ``rollout_reward_fn`` included: unexpected (a bug), counted against
-  ``max_unexpected_errors``;
+  ``max_unexpected_errors``; a white-box harness adapter's own bug comes as an :class:`AdapterError`
+  (the scheduler stops at once when a second kind of adapter bug follows the first);
 - whatever is raised once the run began stopping (sessions closed under it): unscorable, never counted.
 """
 
@@ -41,6 +42,15 @@ INFRASTRUCTURE_ERRORS: tuple[type[BaseException], ...] = (
 """What makes a rollout unscorable without counting as unexpected (see the module docstring)."""
 
 
+class AdapterError(Exception):
+    """What a white-box harness adapter raised that is none of the infrastructure's errors: a bug in the
+    adapter (``adapter``: its class name), the original exception chained as ``__cause__``."""
+
+    def __init__(self, adapter: str, exc: BaseException) -> None:
+        super().__init__(f"harness adapter {adapter} raised {type(exc).__name__}: {exc}")
+        self.adapter = adapter
+
+
 class FailureKind(enum.Enum):
     INFRASTRUCTURE = "infrastructure"
     FATAL = "fatal"
@@ -63,13 +73,22 @@ def judge(exc: BaseException, *, stopping: bool) -> Verdict:
         return Verdict(FailureKind.UNEXPECTED, f"reward function failed: {exc}")
     if isinstance(exc, INFRASTRUCTURE_ERRORS) or stopping:
         return Verdict(FailureKind.INFRASTRUCTURE, f"{type(exc).__name__}: {exc}")
+    if isinstance(exc, AdapterError):
+        return Verdict(FailureKind.UNEXPECTED, f"unexpected: {exc}")
     return Verdict(FailureKind.UNEXPECTED, f"unexpected {type(exc).__name__}: {exc}")
 
 
+def is_infrastructure(exc: BaseException) -> bool:
+    """Whether ``exc`` is the infrastructure's (or a fatal one), not a bug of the code that let it through:
+    what a white-box adapter passes on from its session or the engine stays that, not an adapter bug."""
+    return isinstance(exc, (*INFRASTRUCTURE_ERRORS, CaptureContractError, RolloutConfigError))
+
+
 def origin_of(exc: BaseException) -> tuple[str, str, int]:
-    """Where an exception comes from (its type and innermost frame; a reward function's own exception for a
-    RewardFunctionError), so that each bug's traceback is logged once."""
-    inner = exc.__cause__ if isinstance(exc, RewardFunctionError) and exc.__cause__ is not None else exc
+    """Where an exception comes from (its type and innermost frame; the chained original for a
+    RewardFunctionError or an AdapterError), so that each bug's traceback is logged once."""
+    wrapped = isinstance(exc, (RewardFunctionError, AdapterError)) and exc.__cause__ is not None
+    inner = exc.__cause__ if wrapped else exc
     frames = traceback.extract_tb(inner.__traceback__)
     if not frames:
         return type(inner).__name__, "", 0

@@ -25,7 +25,10 @@ Failures, by kind (judged by :mod:`.failures`):
   rollout unscorable; past ``max_unexpected_errors`` of them the scheduler stops and the trainer gets a
   :class:`RolloutSchedulerError` whose cause is the last one. A reward function that raises counts here
   because it is user code that TRL would let raise: a broken one stops the run instead of quietly making
-  every rollout unscorable. Nothing raised after the run began stopping is counted.
+  every rollout unscorable. Nothing raised after the run began stopping is counted. A white-box harness
+  adapter's bug (:class:`.failures.AdapterError`) counts the same, but when the next rollout to end fails
+  with another kind of adapter bug (another exception type or place), the scheduler stops at once, naming
+  the adapter and both bugs: two different bugs in a row are an adapter to fix, not bad luck.
 - The admission task, a group's task or the event loop's thread dying stops the scheduler too: the
   trainer's next :meth:`RolloutScheduler.next_group` raises a :class:`RolloutSchedulerError` caused by it,
   instead of waiting forever.
@@ -54,7 +57,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from harness_trainer.trace import TrainingTrace, load_trace
-from harness_trainer.trainer.failures import FailureKind, judge, origin_of
+from harness_trainer.trainer.failures import AdapterError, FailureKind, judge, origin_of
 from harness_trainer.trainer.groups import Group, Rollout
 from harness_trainer.trainer.outcome import (
     HarnessRolloutOutcome,
@@ -168,6 +171,8 @@ class RolloutScheduler:
         self._stopped = False
         self._unexpected_errors = 0
         self._logged_origins: set[tuple[str, str, int]] = set()
+        self._last_adapter_bug: tuple[str, str, int] | None = None
+        """Where the last rollout to end failed in the adapter (None: it did not)."""
         self._loop = asyncio.new_event_loop()
         self._pool = concurrent.futures.ThreadPoolExecutor(
             config.max_concurrent_rollouts, thread_name_prefix="rollout"
@@ -325,6 +330,8 @@ class RolloutScheduler:
                 if task is None or task.cancelling():
                     raise
                 self._failed(rollout, exc)  # what it awaited was cancelled (its factory closing), not it
+            else:
+                self._last_adapter_bug = None
             rollout.seconds = time.monotonic() - started
         if self.on_rollout_done is not None:
             # Off the loop (a long trace takes a while to write); a failure ends its group's task, which
@@ -351,6 +358,18 @@ class RolloutScheduler:
         count, limit = self._unexpected_errors, self.config.max_unexpected_errors
         where = f"rollout {rollout.rollout_id} (capture session {rollout.capture_session_id})"
         origin = origin_of(exc)
+        previous, self._last_adapter_bug = self._last_adapter_bug, None
+        if isinstance(exc, AdapterError):
+            self._last_adapter_bug = origin
+            if previous is not None and previous != origin:
+                error = RolloutSchedulerError(
+                    f"harness adapter {exc.adapter} failed with a second kind of bug in a row: "
+                    f"{_place(previous)}, then {_place(origin)} ({where}: {exc}); fix the adapter"
+                )
+                error.__cause__ = exc
+                logger.error("%s:\n%s", error, "".join(traceback.format_exception(exc)))
+                self._fail(error)
+                return
         if origin not in self._logged_origins:
             self._logged_origins.add(origin)
             logger.error(
@@ -468,3 +487,9 @@ def _close(session: Any) -> None:
             closer()
     except Exception:
         logger.warning("closing a rollout session failed", exc_info=True)
+
+
+def _place(origin: tuple[str, str, int]) -> str:
+    """An exception's origin as ``Type at file:line``."""
+    kind, filename, line = origin
+    return f"{kind} at {filename}:{line}" if filename else kind

@@ -25,8 +25,10 @@ answers the scheduler's calls in this order:
 Failures, judged by the scheduler's usual rules (:mod:`harness_trainer.trainer.failures`): what the session
 raises (a dead sandbox's ``RolloutUnscorable``, a ``RolloutServerError``) is infrastructure; an engine that
 fails the model step (``EngineCallError``) is re-raised as ``RolloutUnscorable(kind="engine")``; an episode
-that sampled no turn as ``RolloutUnscorable(kind="harness")``; anything else an adapter raises is a bug:
-*unexpected* (traceback logged once per place, counted against ``max_unexpected_errors``).
+that sampled no turn as ``RolloutUnscorable(kind="harness")``; anything else an adapter raises is a bug,
+re-raised as :class:`~harness_trainer.trainer.failures.AdapterError` naming the adapter: *unexpected*
+(traceback logged once per place, counted against ``max_unexpected_errors``), and a second kind of adapter
+bug right after the first stops the run.
 
 :func:`check_white_box` is the trainer's construction-time check; :func:`white_box_factory` builds the
 wrapper at setup, learning the served model's name and context length from the engine's ``/v1/models``.
@@ -49,6 +51,7 @@ import httpx
 from capture_proxy.sampling import SamplingPolicy
 from harness_trainer.rollouts.errors import RolloutUnscorable
 from harness_trainer.trace import TrainingTrace
+from harness_trainer.trainer.failures import AdapterError, is_infrastructure
 from harness_trainer.whitebox.episode import EmptyEpisode
 from harness_trainer.whitebox.model_step import AnswersParseErrors, EngineCallError, TokenModelStep
 
@@ -143,6 +146,10 @@ class WhiteBoxRollout:
             self.result = self.adapter.run_white_box(self._timed, self.session, self.limits)
         except EngineCallError as exc:
             raise RolloutUnscorable(f"white-box rollout: {exc}", kind="engine") from exc
+        except Exception as exc:
+            if is_infrastructure(exc):  # the session's or the engine's, passed on by the adapter
+                raise
+            raise AdapterError(type(self.adapter).__name__, exc) from exc
         if self._timed.expired:
             raise TimeoutError(f"the white-box episode ran past {timeout_s} s; its turns are kept")
         return 0

@@ -35,7 +35,7 @@ from harness_trainer.rollouts.client.local_factory import LocalSessionFactory
 from harness_trainer.rollouts.client.whitebox_session import WhiteBoxSessionFactory
 from harness_trainer.rollouts.errors import RolloutUnscorable
 from harness_trainer.trainer.config import AsyncGRPOConfig
-from harness_trainer.trainer.failures import FailureKind, judge
+from harness_trainer.trainer.failures import AdapterError, FailureKind, is_infrastructure, judge
 from harness_trainer.trainer.rollout_log import read_rollout_log
 from harness_trainer.trainer.scheduling import RolloutSchedulerError
 from harness_trainer.whitebox.model_step import EngineCallError
@@ -130,15 +130,16 @@ def test_the_trainer_trains_white_box_rollouts_on_the_engines_ids_and_leaks_noth
 
 
 class RaisingAdapter(HarnessAdapter):
-    """An adapter with a bug: each episode samples nothing and raises."""
+    """An adapter with a bug: each episode samples nothing and raises (with ``kinds``, each episode the next
+    kind of bug, round robin)."""
 
-    def __init__(self) -> None:
-        self.runs = 0
+    def __init__(self, kinds: tuple[type[Exception], ...] = (KeyError,)) -> None:
+        self.runs, self.kinds = 0, kinds
 
     def run_white_box(self, model_step: Any, session: Any, limits: Any = None) -> Any:
         self.runs += 1
         session.list_tools()
-        raise KeyError("a bug in the adapter")
+        raise self.kinds[(self.runs - 1) % len(self.kinds)]("a bug in the adapter")
 
     def run_black_box(self, session: Any, limits: Any = None) -> Any:
         raise NotImplementedError
@@ -164,14 +165,41 @@ def test_an_adapter_that_raises_makes_its_rollouts_unscorable_and_stops_past_max
     )  # fmt: skip
     with caplog.at_level(logging.ERROR), pytest.raises(RolloutSchedulerError) as raised:
         trainer.train()
-    assert isinstance(raised.value.__cause__, KeyError) and "max_unexpected_errors=2" in str(raised.value)
+    cause = raised.value.__cause__
+    assert isinstance(cause, AdapterError) and isinstance(cause.__cause__, KeyError)
+    assert cause.adapter == "RaisingAdapter" and "max_unexpected_errors=2" in str(raised.value)
     assert adapter.runs == 3
     tracebacks = [r for r in caplog.records if "Traceback" in r.getMessage()]
     assert len(tracebacks) == 1 and "a bug in the adapter" in tracebacks[0].getMessage()
     assert not (out / "metrics.jsonl").exists() or metrics_lines(out) == []
     failed = [r for r in read_rollout_log(out) if r.unscorable is not None]
     assert all(r.trace is None and r.reward is None for r in failed)
-    assert sum("unexpected KeyError" in str(r.unscorable) for r in failed) == 3
+    assert sum("harness adapter RaisingAdapter raised KeyError" in str(r.unscorable) for r in failed) == 3
+
+
+def test_a_second_kind_of_adapter_bug_in_a_row_stops_the_run_naming_the_adapter(
+    scripted_engine: ScriptedEngine, builder: Any, server: Server, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A KeyError, then a ValueError: stopped at the second rollout, well before max_unexpected_errors,
+    naming the adapter and both bugs; every session and sandbox closed (the fixture checks)."""
+    adapter = RaisingAdapter(kinds=(KeyError, ValueError))
+    args = config(tmp_path / "out", scripted_engine.url, engine="none", max_unexpected_errors=10)
+    trainer = HarnessAsyncGRPOTrainer(
+        str(tiny_model_dir), builder, args, train_dataset=hello_rows(server), harness_adapter=adapter
+    )
+    second_kind = "adapter RaisingAdapter failed with a second kind"
+    with pytest.raises(RolloutSchedulerError, match=second_kind) as raised:
+        trainer.train()
+    assert adapter.runs == 2
+    assert "KeyError at" in str(raised.value) and "then ValueError at" in str(raised.value)
+    assert isinstance(raised.value.__cause__, AdapterError)
+
+
+def test_what_an_adapter_passes_on_from_its_session_or_engine_is_not_an_adapter_bug() -> None:
+    assert is_infrastructure(RolloutUnscorable("sandbox died", kind="sandbox"))
+    assert not is_infrastructure(KeyError("x"))
+    bug = AdapterError("MyAdapter", KeyError("x"))
+    assert judge(bug, stopping=False).kind is FailureKind.UNEXPECTED and "MyAdapter" in str(bug)
 
 
 def test_a_factory_whose_sessions_have_no_tools_is_refused_when_the_trainer_is_made(
