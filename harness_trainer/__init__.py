@@ -17,6 +17,8 @@ _EXPORTS = {
     "HarnessRolloutOutcome": "harness_trainer.trainer.outcome",
     "HarborSessionFactory": "harness_trainer.rollouts.client.factory",
     "LocalSessionFactory": "harness_trainer.rollouts.client.local_factory",
+    "LocalWhiteBoxSessionFactory": "harness_trainer.rollouts.client.local_whitebox",
+    "ReActAdapter": "harness_trainer.whitebox.react",
     "TrainingTrace": "harness_trainer.trace",
     "CaptureContractError": "harness_trainer.trace",
 }

@@ -6,7 +6,9 @@
 - :mod:`~harness_trainer.whitebox.episode`: the recorded turns as a validated ``TrainingTrace`` (pure).
 - :mod:`~harness_trainer.whitebox.rollout`: a ``ResourceSessionFactory`` and an adapter as the session
   factory the trainer's scheduler drives (the trainer's ``harness_adapter=``).
+- :mod:`~harness_trainer.whitebox.react`: :class:`ReActAdapter`, the built-in adapter for coding tasks (a
+  ReAct loop over the session's tools, ending on ``submit``).
 
-Importing :mod:`~harness_trainer.whitebox.model_step` or :mod:`~harness_trainer.whitebox.rollout` needs the
-``openenv`` and ``trl`` extras.
+Importing :mod:`~harness_trainer.whitebox.model_step`, :mod:`~harness_trainer.whitebox.rollout` or
+:mod:`~harness_trainer.whitebox.react` needs the ``openenv`` and ``trl`` extras.
 """
