@@ -81,10 +81,16 @@ start() {
     PIDS+=($!)
 }
 
-# wait_up URL: until it answers 200 (vLLM loading a large model takes minutes).
+# wait_up URL: until it answers 200 (vLLM loading a large model takes minutes), while every process
+# started so far lives.
 wait_up() {
     [[ -n ${DRY_RUN:-} ]] && return
-    until curl -sf -o /dev/null "$1"; do sleep 2; done
+    until curl -sf -o /dev/null "$1"; do
+        for pid in "${PIDS[@]}"; do
+            kill -0 "$pid" 2>/dev/null || fail "a process exited before $1 answered (its output is above)"
+        done
+        sleep 2
+    done
     echo "up: $1" >&2
 }
 

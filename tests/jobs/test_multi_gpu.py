@@ -26,6 +26,7 @@ from harness_trainer.jobs.gpus import (
 )
 from harness_trainer.jobs.plan import VLLM_FLAGS, LaunchPlan, build_plan, trainer_settings
 from harness_trainer.jobs.submit import add_submit_arguments, run_submit
+from tests.jobs.conftest import alive, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "launch"
@@ -468,3 +469,41 @@ def test_the_slurm_example_with_one_replica_needs_no_replica_routing_and_refuses
         result.stderr.strip()
         == "error: 1 node: vLLM and the trainer need a node each (sbatch --nodes=2 or more)"
     )
+
+
+def fake_bin(folder: Path, **scripts: str) -> str:
+    """A PATH whose first folder holds the given executables (bash bodies), then the system's."""
+    folder.mkdir()
+    for name, body in scripts.items():
+        (folder / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
+        (folder / name).chmod(0o755)
+    return f"{folder}:{os.environ['PATH']}"
+
+
+def test_the_one_node_example_runs_the_trainer_in_the_foreground_and_stops_the_services_after(
+    tmp_path: Path,
+) -> None:
+    pids = tmp_path / "pids"
+    path = fake_bin(
+        tmp_path / "bin",
+        curl="exit 0",  # every health check answers
+        fakepython=f"echo $$ >> {pids}; exec sleep 60",  # vLLM and serve: services that stay up
+        torchrun='echo "trainer $CUDA_VISIBLE_DEVICES $FSDP_VERSION $*"; exit 7',
+    )
+    env = {"PATH": path, "MODEL": "m", "DATASET": "d", "GPUS": "4", "VLLM_GPUS": "2", "PYTHON": "fakepython"}
+    result = subprocess.run(
+        ["bash", str(ONE_NODE), "--seed", "3"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 7  # the trainer's
+    assert result.stdout.startswith(f"trainer 2,3 2 --standalone --nproc_per_node 2 -m {TRAINER_MODULE} ")
+    started = [int(pid) for pid in pids.read_text().split()]
+    assert len(started) == 2
+    assert all(wait_until(lambda pid=pid: not alive(pid), 10) for pid in started)  # the script's exit trap
+
+
+def test_the_one_node_example_stops_when_a_service_dies_before_it_answers(tmp_path: Path) -> None:
+    path = fake_bin(tmp_path / "bin", curl="exit 7", fakepython="exit 1")
+    env = {"PATH": path, "MODEL": "m", "DATASET": "d", "GPUS": "2", "PYTHON": "fakepython"}
+    result = subprocess.run(["bash", str(ONE_NODE)], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "error: a process exited before http://127.0.0.1:8000/health answered" in result.stderr
