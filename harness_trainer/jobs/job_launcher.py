@@ -8,7 +8,8 @@ launcher sets (passing them yourself is an error). It reads ``--model``, ``--san
 defaults) to configure the rest. Each step starts only once the one before is up, and every wait is
 bounded, with an error naming what did not come up:
 
-1. **vLLM** on ``127.0.0.1`` (``--vllm-gpus``, default GPU 0) with ``VLLM_SERVER_DEV_MODE=1`` and the flags of
+1. **vLLM** on ``127.0.0.1`` (default GPU 0; ``--vllm-gpu-count`` or ``--vllm-gpus`` for several, used
+   ``--vllm-parallel tensor`` or ``data``) with ``VLLM_SERVER_DEV_MODE=1`` and the flags of
    ``docs/gpu-checks.md`` (processed logprobs, token ids, NCCL weight transfer, tool-call parser; with
    ``--lora``, ``--enable-lora --max-lora-rank`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``); up when
    ``/health`` answers.
@@ -20,8 +21,10 @@ bounded, with an error naming what did not come up:
    or an unreachable proxy fails the job in a minute, not after vLLM has loaded and the first rollouts
    time out. It runs beside the server, not through it: the server has no route that starts a sandbox
    without an agent.
-4. **The trainer launcher** (``--trainer-command``) on ``--trainer-gpus`` (default GPU 1). Its exit status
-   is the launcher's.
+4. **The trainer launcher** (``--trainer-command``) on the GPUs vLLM does not get (``--trainer-gpus``;
+   by default GPU 1 of ``--gpus 2``); on several, one rank each under ``accelerate launch``
+   (``--accelerate-command``) with FSDP2, or DDP with ``--lora`` (:mod:`.gpus`). Its exit status is the
+   launcher's.
 
 How E2B sandboxes reach the capture proxy: the job is submitted with the capture port in
 ``expose_public`` (Hugging Face Jobs' own proxy: ``https://<job id>--<port>.hf.jobs``, no HF token needed to
@@ -43,7 +46,7 @@ server starts sandboxes with the task's environment only, and agents get their s
 On SIGTERM / SIGINT, or when a service dies, everything is stopped (see :mod:`.process_supervisor`),
 trainer first. Exit status: the trainer's when it ends by itself; 128 + N after signal N; 1 when a
 component did not come up or died; 2 for bad arguments. ``--dry-run`` prints the plan (commands,
-environment, secret names) as JSON and starts nothing.
+environment, secret names, the GPU split) as JSON and starts nothing.
 """
 
 from __future__ import annotations
@@ -59,8 +62,10 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from harness_trainer.jobs.gpus import TRAINER_MODULE
 from harness_trainer.jobs.plan import (
     DEFAULT_CAPTURE_PORT,
+    DEFAULT_GPUS,
     DEFAULT_SERVER_PORT,
     DEFAULT_VLLM_PORT,
     NAMESPACE_ENV,
@@ -75,8 +80,6 @@ from harness_trainer.jobs.plan import (
 from harness_trainer.jobs.process_supervisor import Child, Interrupted, LaunchError, Supervisor, log
 
 _HEALTH_POLL_S = 0.5
-# The trainer launcher's entry point; its module has no ``__main__`` block, so it cannot be run with -m.
-_TRAINER_MAIN = "import sys; from harness_trainer.launch.harbor_run import main; sys.exit(main())"
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback checks bypass proxies
 
 
@@ -88,6 +91,7 @@ def run(plan: LaunchPlan, environ: Mapping[str, str], supervisor: Supervisor) ->
         stop_timeout_s = step.stop_timeout_s
         return supervisor.start(step.name, step.argv, env, stop_timeout_s=stop_timeout_s, service=service)
 
+    log(f"GPU split: {plan.gpus.summary}")
     try:
         for step in (plan.vllm, plan.serve):
             start(step)
@@ -180,8 +184,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dataset", required=True, help="task folder or Hugging Face dataset id, for serve")
     parser.add_argument("--vllm-command", default="vllm serve", help="serves the model (flags are appended)")
     parser.add_argument("--serve-command", default=f"{python} -m harness_trainer.cli serve")
-    parser.add_argument("--trainer-command", default=f"{python} -c {shlex.quote(_TRAINER_MAIN)}")
+    parser.add_argument(
+        "--trainer-command",
+        default=f"{python} -m {TRAINER_MODULE}",
+        help="runs the trainer when it has one GPU (on several: --accelerate-command)",
+    )
     parser.add_argument("--warm-command", default=f"{python} -m harness_trainer.jobs.warm")
+    parser.add_argument(
+        "--accelerate-command",
+        default=f"{python} -m accelerate.commands.launch",
+        help="starts the trainer's ranks when it has several GPUs (its flags and the trainer module follow)",
+    )
+    parser.add_argument(
+        "--gpus", type=int, default=DEFAULT_GPUS, help="GPUs on this machine (jobs submit: the flavor's)"
+    )
     parser.add_argument("--vllm-port", type=int, default=DEFAULT_VLLM_PORT)
     parser.add_argument("--server-port", type=int, default=DEFAULT_SERVER_PORT)
     parser.add_argument("--capture-port", type=int, default=DEFAULT_CAPTURE_PORT)

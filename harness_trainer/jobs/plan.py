@@ -14,12 +14,21 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
+from harness_trainer.jobs.gpus import (
+    TRAINER_MODULE,
+    VLLM_PARALLEL_FLAGS,
+    GpuSplit,
+    attention_heads,
+    split_gpus,
+)
 from harness_trainer.jobs.process_supervisor import LaunchError
 from harness_trainer.sandboxes import capabilities, credential_variables
 
 DEFAULT_VLLM_PORT = 8000
 DEFAULT_SERVER_PORT = 8200
 DEFAULT_CAPTURE_PORT = 8300
+DEFAULT_GPUS = 2
+"""GPUs the launcher assumes without ``--gpus`` (``jobs submit`` passes the flavor's)."""
 RUN_ID_ENV = "HT_RUN_ID"
 """Set by ``jobs submit``: the value of the job's :data:`RUN_LABEL`, how the launcher finds its own job."""
 SECRET_NAMES_ENV = "HT_SECRET_NAMES"
@@ -113,6 +122,7 @@ class LaunchPlan(BaseModel):
 
     public_url: str | None
     """How sandboxes reach the capture proxy; None keeps it on loopback (local sandboxes)."""
+    gpus: GpuSplit
     secret_names: list[str]
     vllm: Step
     serve: Step
@@ -157,6 +167,7 @@ def build_plan(
             f"capture proxy: run as a job submitted by `harness-trainer jobs submit` (${RUN_ID_ENV} set) "
             "or pass --public-url"
         )
+    split = plan_gpus(options, settings)
     names = secret_names(environ)
     warm = None
     if remote:  # only a real remote sandbox can show that the public URL reaches the proxy
@@ -177,30 +188,51 @@ def build_plan(
             stop_timeout_s=options.stop_timeout,
         )
     urls = ["--server", _url(options.server_port), "--vllm-url", _url(options.vllm_port)]
+    command = shlex.split(options.trainer_command)
+    if split.trainer_sharding != "none":  # one rank per trainer GPU
+        command = [*shlex.split(options.accelerate_command), *split.launch_args(), "-m", TRAINER_MODULE]
     trainer = Step(
         name="trainer",
-        argv=[*shlex.split(options.trainer_command), *trainer_argv, *urls],
-        env={"CUDA_VISIBLE_DEVICES": options.trainer_gpus},
+        argv=[*command, *trainer_argv, *urls],
+        env={"CUDA_VISIBLE_DEVICES": _devices(split.trainer)},
         secrets=_secrets_for("trainer", names),
         stop_timeout_s=options.trainer_stop_timeout,
     )
     return LaunchPlan(
         public_url=public_url,
+        gpus=split,
         secret_names=names,
-        vllm=_vllm_step(options, settings, names),
+        vllm=_vllm_step(options, settings, names, split),
         serve=_serve_step(options, settings, names, capacity, public_url, environ.get(RUN_ID_ENV) or None),
         warm=warm,
         trainer=trainer,
     )
 
 
-def _vllm_step(options: argparse.Namespace, settings: TrainerSettings, names: list[str]) -> Step:
+def plan_gpus(options: argparse.Namespace, settings: TrainerSettings, total: int | None = None) -> GpuSplit:
+    """The GPU split of :func:`add_engine_arguments`' options on ``total`` GPUs (default ``options.gpus``),
+    the tensor-parallel size checked against the model's heads where its config is on disk; raises
+    :class:`~harness_trainer.jobs.gpus.GpuSplitError` (a LaunchError)."""
+    heads = attention_heads(settings.model) if options.vllm_parallel == "tensor" else None
+    return split_gpus(
+        options.gpus if total is None else total,
+        vllm_gpus=options.vllm_gpus,
+        trainer_gpus=options.trainer_gpus,
+        vllm_gpu_count=options.vllm_gpu_count,
+        parallel=options.vllm_parallel,
+        lora=settings.lora,
+        heads=heads,
+        model=settings.model,
+    )
+
+
+def _vllm_step(
+    options: argparse.Namespace, settings: TrainerSettings, names: list[str], split: GpuSplit
+) -> Step:
     argv = [*shlex.split(options.vllm_command), settings.model, "--host", LOOPBACK]
     argv += ["--port", str(options.vllm_port), *VLLM_FLAGS, "--tool-call-parser", options.tool_call_parser]
-    env = {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": options.vllm_gpus}
-    gpus = [gpu for gpu in options.vllm_gpus.split(",") if gpu.strip()]
-    if len(gpus) > 1:
-        argv += ["--tensor-parallel-size", str(len(gpus))]
+    argv += split.vllm_args()
+    env = {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": _devices(split.vllm)}
     if settings.lora:
         argv += ["--enable-lora", "--max-lora-rank", str(options.max_lora_rank)]
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
@@ -251,12 +283,32 @@ def _url(port: int) -> str:
     return f"http://{LOOPBACK}:{port}"
 
 
+def _devices(gpus: list[int]) -> str:
+    return ",".join(map(str, gpus))
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The GPU split and vLLM options, shared with ``jobs submit`` (which passes them to the launcher)."""
     parser.add_argument(
-        "--vllm-gpus", default="0", help="CUDA_VISIBLE_DEVICES of vLLM (several: tensor parallel)"
+        "--vllm-gpu-count",
+        type=int,
+        default=None,
+        help="vLLM gets the first N GPUs (default 1), the trainer the rest",
     )
-    parser.add_argument("--trainer-gpus", default="1", help="CUDA_VISIBLE_DEVICES of the trainer")
+    parser.add_argument(
+        "--vllm-gpus", default=None, help="vLLM's GPUs by id, e.g. 0,1 (instead of --vllm-gpu-count)"
+    )
+    parser.add_argument(
+        "--vllm-parallel",
+        choices=tuple(VLLM_PARALLEL_FLAGS),
+        default="tensor",
+        help="how vLLM uses several GPUs: one model split across them, or one copy on each",
+    )
+    parser.add_argument(
+        "--trainer-gpus",
+        default=None,
+        help="the trainer's GPUs by id (default: those vLLM does not get); several: accelerate, FSDP2",
+    )
     parser.add_argument(
         "--tool-call-parser", default="hermes", help="vLLM's parser of the model's tool calls"
     )
@@ -269,7 +321,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 def engine_arguments(options: argparse.Namespace) -> list[str]:
     """The options of :func:`add_engine_arguments` as a command line again."""
-    argv = ["--vllm-gpus", options.vllm_gpus, "--trainer-gpus", options.trainer_gpus]
-    argv += ["--tool-call-parser", options.tool_call_parser, "--max-lora-rank", str(options.max_lora_rank)]
+    argv = [] if options.vllm_gpus is None else ["--vllm-gpus", options.vllm_gpus]
+    argv += [] if options.vllm_gpu_count is None else ["--vllm-gpu-count", str(options.vllm_gpu_count)]
+    argv += [] if options.trainer_gpus is None else ["--trainer-gpus", options.trainer_gpus]
+    argv += [
+        "--vllm-parallel",
+        options.vllm_parallel,
+        "--tool-call-parser",
+        options.tool_call_parser,
+        "--max-lora-rank",
+        str(options.max_lora_rank),
+    ]
     argv += ["--vllm-ready-timeout", f"{options.vllm_ready_timeout:g}"]
     return argv + [f"--vllm-arg={flag}" for flag in options.vllm_arg]

@@ -29,7 +29,9 @@ the trainer as ``--config`` before the trainer arguments, which still win over t
 The job exposes the capture proxy's port publicly (``expose_public``) and is labelled
 ``harness-trainer-run=<run id>`` so the launcher can find its own public URL; the job launcher's docstring
 says why. ``--flavor`` is checked against the flavors the installed ``huggingface_hub`` knows
-(``JobHardware``).
+(``JobHardware``), and the GPU split (``--vllm-gpu-count``, ``--vllm-gpus``, ``--vllm-parallel``,
+``--trainer-gpus``) against its GPUs (:mod:`.gpus`); the launcher gets their count as ``--gpus``, and the
+dry run shows the split.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from harness_trainer.jobs.gpus import GpuSplit, flavor_gpus
 from harness_trainer.jobs.install import (
     DEFAULT_EXTRAS,
     WHEEL_MOUNT,
@@ -69,6 +72,7 @@ from harness_trainer.jobs.plan import (
     TrainerSettings,
     add_engine_arguments,
     engine_arguments,
+    plan_gpus,
     trainer_settings,
 )
 from harness_trainer.jobs.process_supervisor import LaunchError
@@ -128,6 +132,8 @@ class JobSpec(BaseModel):
     """How the command's first part installs this package."""
     command: list[str]
     flavor: str
+    gpus: GpuSplit
+    """The flavor's GPUs as the job's launcher will split them."""
     timeout: str
     env: dict[str, str]
     secrets: list[str]
@@ -171,10 +177,13 @@ def parse_volume(spec: str) -> VolumeSpec:
     return VolumeSpec(type="local", source=source, mount_path="/" + mount_path, read_only=read_only)
 
 
-def check_options(args: argparse.Namespace, trainer_args: Sequence[str]) -> tuple[TrainerSettings, list[str]]:
-    """The trainer's settings and the job's secret names, once every option (see :func:`add_submit_arguments`)
-    is checked, ``--install`` and ``--volume`` included; pure but for looking at local paths. Raises
-    SubmitError. Called before anything is built, so a bad option never waits for a wheel."""
+def check_options(
+    args: argparse.Namespace, trainer_args: Sequence[str]
+) -> tuple[TrainerSettings, list[str], GpuSplit]:
+    """The trainer's settings, the job's secret names and its GPU split, once every option (see
+    :func:`add_submit_arguments`) is checked, ``--install`` and ``--volume`` included; pure but for looking
+    at local paths. Raises SubmitError. Called before anything is built, so a bad option never waits for a
+    wheel."""
     from huggingface_hub import JobHardware
 
     flavors = [flavor.value for flavor in JobHardware]
@@ -186,11 +195,16 @@ def check_options(args: argparse.Namespace, trainer_args: Sequence[str]) -> tupl
         settings = trainer_settings(trainer_args)
     except LaunchError as exc:
         raise SubmitError(str(exc)) from exc
+    gpus = flavor_gpus(args.flavor)
+    try:
+        split = plan_gpus(args, settings, total=gpus)
+    except LaunchError as exc:
+        raise SubmitError(f"--flavor {args.flavor}: {exc}") from exc
     secrets = job_secret_names(settings.sandbox, args.secret)
     for volume in args.volume:
         parse_volume(volume)
     install_options(args)
-    return settings, secrets
+    return settings, secrets, split
 
 
 def install_options(args: argparse.Namespace) -> InstallRequest:
@@ -234,10 +248,13 @@ def build_job_spec(
     """The job for ``args``, the trainer's arguments and ``install`` (:func:`.install.prepare_install`);
     ``run_config`` (:func:`write_run_config`) is mounted at :data:`RUN_CONFIG_MOUNT` and read by the
     trainer. Pure but for reading local files and the folders of ``--volume``. Raises SubmitError."""
-    settings, secrets = check_options(args, with_run_config(trainer_args, run_config and str(run_config)))
+    settings, secrets, split = check_options(
+        args, with_run_config(trainer_args, run_config and str(run_config))
+    )
     in_job = f"{RUN_CONFIG_MOUNT}/{RUN_CONFIG_NAME}" if run_config else None
     launcher = ["python3", "-m", "harness_trainer.jobs.job_launcher", "--dataset", args.dataset]
-    launcher += ["--capture-port", str(DEFAULT_CAPTURE_PORT), *engine_arguments(args)]
+    launcher += ["--capture-port", str(DEFAULT_CAPTURE_PORT), "--gpus", str(split.total)]
+    launcher += engine_arguments(args)
     launcher += ["--", *with_run_config(trainer_args, in_job)]
     script = f"{install.pip_command} && exec {shlex.join(launcher)}"
     env = {RUN_ID_ENV: run_id, SECRET_NAMES_ENV: ",".join(secrets), "PYTHONUNBUFFERED": "1"}
@@ -265,6 +282,7 @@ def build_job_spec(
         install=install,
         command=["bash", "-c", script],
         flavor=args.flavor,
+        gpus=split,
         timeout=args.timeout,
         env=env,
         secrets=secrets,
@@ -338,7 +356,9 @@ def submit(spec: JobSpec, secrets: Mapping[str, str], api: Any) -> Any:
 
 def add_submit_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``jobs submit``'s options, and the trainer arguments after ``--``, to ``parser``."""
-    parser.add_argument("--flavor", default=DEFAULT_FLAVOR, help="Jobs hardware (2 GPUs: vLLM + trainer)")
+    parser.add_argument(
+        "--flavor", default=DEFAULT_FLAVOR, help="Jobs hardware, 2 GPUs or more (h200x2, h200x8, a100x4, ...)"
+    )
     parser.add_argument("--image", default=DEFAULT_IMAGE, help="Docker image with vLLM and CUDA torch")
     parser.add_argument("--timeout", default=DEFAULT_TIMEOUT, help="the job's limit, e.g. 90m, 8h, 2d")
     parser.add_argument(
@@ -385,7 +405,7 @@ def run_submit(args: argparse.Namespace, api: Any = None, build: WheelBuilder | 
         try:
             args = apply_config(args)
             run_config = write_run_config(args.config_sections, Path(folder))
-            _, secret_names = check_options(
+            _, secret_names, _ = check_options(
                 args, with_run_config(args.trainer_args, run_config and str(run_config))
             )
         except ValueError as exc:  # SubmitError, or a config file's problems

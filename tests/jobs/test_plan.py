@@ -110,7 +110,7 @@ def test_without_lora_vllm_gets_no_lora_flags() -> None:
 
 
 def test_the_gpus_are_split_between_vllm_and_the_trainer() -> None:
-    plan = plan_for(options=("--vllm-gpus", "0,1", "--trainer-gpus", "2,3"))
+    plan = plan_for(options=("--gpus", "4", "--vllm-gpus", "0,1", "--trainer-gpus", "2,3"))
     assert plan.vllm.env["CUDA_VISIBLE_DEVICES"] == "0,1"
     assert plan.vllm.argv[plan.vllm.argv.index("--tensor-parallel-size") + 1] == "2"
     assert plan.trainer.env["CUDA_VISIBLE_DEVICES"] == "2,3"
@@ -249,6 +249,7 @@ def test_bad_trainer_arguments_are_one_error_line_and_exit_2() -> None:
     [
         ("--serve-command", "harness-trainer serve"),
         ("--trainer-command", "Async GRPO on Harbor tasks"),
+        ("--accelerate-command", "--use_fsdp"),
         ("--warm-command", "The job's warm-up"),
     ],
 )

@@ -46,12 +46,12 @@ def cli_has_jobs() -> bool:
 
 def test_the_readme_has_only_commands_this_test_runs() -> None:
     commands = readme_commands()
-    assert len(commands) == 3
+    assert len(commands) == 4
     assert all(command[:3] == SUBMIT or command[:3] == LAUNCHER for command in commands)
 
 
 @pytest.mark.parametrize(
-    "command", [c for c in readme_commands() if c[:3] == SUBMIT], ids=["dry-run", "submit"]
+    "command", [c for c in readme_commands() if c[:3] == SUBMIT], ids=["dry-run", "submit", "several-gpus"]
 )
 def test_each_readme_submission_runs(
     command: list[str],
@@ -69,8 +69,11 @@ def test_each_readme_submission_runs(
     out = capsys.readouterr().out
     assert not any(value in out for value in SECRETS.values())
     if "--dry-run" in command:
-        assert json.loads(out)["secrets"]["HF_TOKEN"] == REDACTED
+        spec = json.loads(out)
+        assert spec["secrets"]["HF_TOKEN"] == REDACTED
         assert api.run_job_calls == []
+        if "--vllm-gpu-count" in command:  # the Several GPUs section's split, as it says
+            assert spec["gpus"]["summary"] in (ROOT / "docs/jobs.md").read_text().replace("\n  ", " ")
     else:
         assert out.startswith("submitted job ")
         (call,) = api.run_job_calls
@@ -82,7 +85,7 @@ def test_each_readme_submission_runs(
 
 @pytest.mark.slow  # each process builds the wheel (seconds)
 def test_the_readme_dry_run_runs_as_a_process_through_the_script_and_the_cli() -> None:
-    (dry_run,) = [c for c in readme_commands() if c[:3] == SUBMIT and "--dry-run" in c]
+    dry_run = next(c for c in readme_commands() if c[:3] == SUBMIT and "--dry-run" in c)
     entries = [[sys.executable, "examples/jobs/submit.py"]]
     if cli_has_jobs():
         entries.append([console_script(), "jobs", "submit"])
