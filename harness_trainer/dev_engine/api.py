@@ -34,7 +34,7 @@ from harness_trainer.dev_engine.protocol import (
     SamplingFields,
     TokenizeRequest,
 )
-from harness_trainer.dev_engine.script import ScriptError, completion_ids
+from harness_trainer.dev_engine.script import ScriptError, completion_ids, reply_ids
 from harness_trainer.dev_engine.state import STATE, EngineConfig, EngineState
 from harness_trainer.dev_engine.streaming import stream_chat
 from harness_trainer.dev_engine.worker import GenerationParams, Job, TokenEvent, event_emitter
@@ -204,8 +204,21 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if max(prompt_ids) >= len(tokenizer):
         raise EngineError(400, f"token id {max(prompt_ids)} is out of vocabulary (size {len(tokenizer)})")
     params = generation_params(state, req, len(prompt_ids), req.max_tokens, req.logprobs or 0)
+    if state.script is not None:
+        try:
+            fixed = await asyncio.to_thread(reply_ids, tokenizer, state.script.take())
+        except ScriptError as exc:
+            raise EngineError(400, str(exc)) from exc
+
+        def body(job: Job) -> int:
+            return state.worker.replay(job, prompt_ids, fixed, params)
+    else:
+
+        def body(job: Job) -> int:
+            return state.worker.generate(job, prompt_ids, params)
+
     events, version = [], 0
-    async for item in run_job(state, lambda job: state.worker.generate(job, prompt_ids, params)):
+    async for item in run_job(state, body):
         if isinstance(item, TokenEvent):
             events.append(item)
         else:

@@ -7,6 +7,11 @@ exactly as the model would have written it (everything the template adds after t
 to and including the end-of-turn token), tokenized with the model's tokenizer, and scored by the model on
 exactly those ids, so a real agent can solve a real task deterministically while the engine still returns
 real ids and real processed logprobs.
+
+A ``/v1/completions`` request (a white-box model step's: a token-id prompt, no messages) takes the next
+reply too (:func:`reply_ids`): rendered after a one-message stand-in conversation, since an assistant turn's
+ids do not depend on the turns before it in the chat templates the dev engine serves (the test checks it
+for the tiny model against the real conversation's).
 """
 
 from __future__ import annotations
@@ -82,3 +87,13 @@ def completion_ids(
     if end != -1:
         text = text[: end + len(tokenizer.eos_token)]
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+STAND_IN = [{"role": "user", "content": "."}]
+"""The conversation a completion request's scripted reply is rendered after (see the module docstring)."""
+
+
+def reply_ids(tokenizer: Any, reply: dict[str, Any]) -> list[int]:
+    """Token ids the model would sample to write ``reply`` as an assistant turn, end-of-turn included, for a
+    request that carries no messages (``/v1/completions``)."""
+    return completion_ids(tokenizer, STAND_IN, None, reply)
