@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 EXAMPLE_TASKS = Path(__file__).resolve().parents[1] / "examples" / "tasks"
 HARNESS_CHOICES = ("mini-swe-agent", "opencode", "toy")
 ENGINE_CHOICES = ("dev", "vllm")
+MODE_CHOICES = ("black-box", "white-box")
 
 
 SECTION = "dev"
@@ -93,6 +94,7 @@ class DevLoopOptions:
     target_probability: float = 0.3
     agent_step_limit: int = 4
     stock_prompt: bool = False
+    mode: str = "black-box"
     engine: str = "dev"
     vllm_python: Path | None = None
 
@@ -121,7 +123,13 @@ def add_dev_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--target-probability", type=float, default=d.target_probability,
                         help="warm-up stops when each of its transcripts has this probability")  # fmt: skip
-    parser.add_argument("--agent-step-limit", type=int, default=d.agent_step_limit)
+    parser.add_argument("--agent-step-limit", type=int, default=d.agent_step_limit,
+                        help="the agent's steps (white-box: the adapter's turns)")  # fmt: skip
+    parser.add_argument(
+        "--mode", choices=MODE_CHOICES, default=d.mode,
+        help="black-box: the real agent (--harness) owns its loop; white-box: the trainer samples every turn "
+        "and the built-in ReActAdapter runs the sandbox's tools (--harness does not apply)",
+    )  # fmt: skip
     parser.add_argument(
         "--stock-prompt", action="store_true",
         help="run mini-swe-agent with mini.yaml's own prompts, not the dev loop's compact one (about 1,000 "
@@ -258,6 +266,7 @@ def _run_dev_loop(
     from harness_trainer import HarnessAsyncGRPOTrainer, LocalSessionFactory
     from harness_trainer.devloop.engine import start_local_engine
     from harness_trainer.devloop.prompts import dev_harness_options
+    from harness_trainer.devloop.solver import WHITE_BOX
     from harness_trainer.devloop.warmup import WarmupRecipe, check_not_held_out, ensure_warm_model
     from harness_trainer.engines.vllm_process import check_vllm_python, vllm_python
     from harness_trainer.models.tiny import ensure_tiny_model
@@ -283,14 +292,19 @@ def _run_dev_loop(
             "another --output-dir"
         )
     output.mkdir(parents=True, exist_ok=True)
+    white_box = options.mode == "white-box"
+    # In white-box mode the transcripts and rollouts are the built-in adapter's, whatever --harness says.
+    agent = WHITE_BOX if white_box else options.harness
     harness_options = dev_harness_options(options.harness, stock_prompt=options.stock_prompt)
+    if white_box:
+        harness_options = {}
     started = time.monotonic()
     base = ensure_tiny_model()
     _say(f"tiny model: {base}")
     model_dir = base
     if options.warmup:
         recipe = WarmupRecipe(
-            options.harness, harness_options, target_probability=options.target_probability, seed=config.seed
+            agent, harness_options, target_probability=options.target_probability, seed=config.seed
         )
         model_dir = ensure_warm_model(source, options.split, base, recipe, log=_say)
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -303,16 +317,28 @@ def _run_dev_loop(
         _say(f"engine up: {options.engine} at {engine.url} serving {model_dir.name}")
         config = dataclasses.replace(config, vllm_server_base_url=engine.url)
         write_resolved(output, {**resolved, TRAINER: config.to_dict()})
-        builder = partial(
-            LocalSessionFactory, source, upstream=engine.url, split=options.split, harness=options.harness,
-            harness_options=harness_options, agent_step_limit=options.agent_step_limit,
-            data_dir=output / "capture",
-        )  # fmt: skip
+        white: dict[str, Any] = {}
+        if white_box:
+            from openenv.core.harness import HarnessRunLimits
+
+            from harness_trainer.rollouts.client.local_whitebox import LocalWhiteBoxSessionFactory
+            from harness_trainer.whitebox.react import ReActAdapter
+
+            builder = partial(LocalWhiteBoxSessionFactory, source, split=options.split)
+            white = {"harness_adapter": ReActAdapter(),
+                     "harness_limits": HarnessRunLimits(max_turns=options.agent_step_limit)}  # fmt: skip
+        else:
+            builder = partial(
+                LocalSessionFactory, source, upstream=engine.url, split=options.split,
+                harness=options.harness, harness_options=harness_options,
+                agent_step_limit=options.agent_step_limit, data_dir=output / "capture",
+            )  # fmt: skip
         _say(
-            f"training {options.harness} on {len(rows)} toy tasks: {config.max_steps} steps, "
-            f"{config.num_generations} rollouts per group, {config.max_concurrent_rollouts} at once"
+            f"training {'the white-box ReActAdapter' if white_box else options.harness} on {len(rows)} toy "
+            f"tasks: {config.max_steps} steps, {config.num_generations} rollouts per group, "
+            f"{config.max_concurrent_rollouts} at once"
         )
-        trainer = HarnessAsyncGRPOTrainer(str(model_dir), builder, config, train_dataset=rows)
+        trainer = HarnessAsyncGRPOTrainer(str(model_dir), builder, config, train_dataset=rows, **white)
         training.append(trainer)
         try:
             # The trainer handles SIGTERM itself while it trains (it stops after the step in hand).

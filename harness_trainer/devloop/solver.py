@@ -2,10 +2,12 @@
 
 Each task's reference ``solution/solve.sh`` becomes one shell command (its comments, shebang and ``set``
 line dropped); the transcript is that command as the harness's own shell tool call, then the harness's way
-of finishing. Served by the dev engine in scripted mode, these make a real agent solve the task, and the
-capture proxy records them as the agent's own token ids: warm-up data in exactly the format the agent
-sends and parses. A distractor transcript is the same with a harmless command that solves nothing
-(:data:`DISTRACTOR`): the wrong way to act, for a warm model that must learn which way the verifier rewards.
+of finishing (in white-box mode, the sandbox's ``bash`` tool, then its ``submit`` tool). Served by the dev
+engine in scripted mode, these make a real agent solve the task, and the capture proxy records them as the
+agent's own token ids (in white-box mode, the trainer's own model step does): warm-up data in exactly the
+format the agent sends and parses. A distractor transcript is the same with a harmless command that solves
+nothing (:data:`DISTRACTOR`): the wrong way to act, for a warm model that must learn which way the verifier
+rewards.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from harness_trainer.tasks.task import HarborTask
 
 MINI_SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 DISTRACTOR = "ls -la"
+WHITE_BOX = "white-box"
+"""The white-box mode's transcript format: the built-in ``ReActAdapter`` over the sandbox's tools."""
 
 
 def solve_command(task: HarborTask) -> str:
@@ -32,9 +36,13 @@ def solve_command(task: HarborTask) -> str:
 
 
 def _bash(**arguments: Any) -> dict[str, Any]:
+    return _call("bash", **arguments)
+
+
+def _call(name: str, **arguments: Any) -> dict[str, Any]:
     return {
         "content": "",
-        "tool_calls": [{"type": "function", "function": {"name": "bash", "arguments": arguments}}],
+        "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}],
     }
 
 
@@ -56,6 +64,9 @@ def command_replies(harness: str, command: str) -> list[dict[str, Any]]:
         return [_bash(command=command, description="Solve the task"), {"content": "Done."}]
     if harness == "toy":
         return [_bash(command=command), {"content": "Done."}]
+    if harness == WHITE_BOX:  # the sandbox's bash tool, then its submit tool
+        return [_bash(command=command), _call("submit")]
     raise ValueError(
-        f"no solver transcript format for harness {harness!r} (known: mini-swe-agent, opencode, toy)"
+        f"no solver transcript format for harness {harness!r} (known: mini-swe-agent, opencode, toy, "
+        f"{WHITE_BOX})"
     )

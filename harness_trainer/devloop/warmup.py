@@ -22,6 +22,7 @@ instructions, none of them held out now.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -37,7 +38,7 @@ from typing import Any
 import torch
 
 from harness_trainer.dev_engine.process import start_engine
-from harness_trainer.devloop.solver import distractor_replies, solver_replies
+from harness_trainer.devloop.solver import WHITE_BOX, distractor_replies, solver_replies
 from harness_trainer.rollouts.client.local_factory import LocalSessionFactory
 from harness_trainer.tasks.sources import LocalTaskSource
 from harness_trainer.trace import TrainingTrace
@@ -151,10 +152,7 @@ def collect_transcripts(
         engine = start_engine(base_model, "--script", str(script), output=log)
     traces: dict[str, TrainingTrace] = {}
     try:
-        with LocalSessionFactory(
-            source, upstream=engine.url, split=split, harness=harness, harness_options=harness_options,
-            sampling={"temperature": 1.0}, data_dir=work_dir / "capture",
-        ) as factory:  # fmt: skip
+        with _factory(source, split, harness, harness_options, base_model, engine.url, work_dir) as factory:
             for row, name, _ in plan:
                 session = factory.create(row, seed=0)
                 try:
@@ -172,6 +170,39 @@ def collect_transcripts(
     finally:
         engine.stop()
     return traces
+
+
+def _factory(
+    source: LocalTaskSource,
+    split: str,
+    harness: str,
+    harness_options: dict[str, Any] | None,
+    base_model: Path,
+    engine_url: str,
+    work_dir: Path,
+) -> contextlib.AbstractContextManager[Any]:
+    """The sessions a transcript is recorded through: the real agent's through the capture proxy, or in
+    white-box mode the trainer's own (the built-in adapter driving its model step over the sandbox's tools),
+    so the ids are those the run will sample and train on."""
+    if harness != WHITE_BOX:
+        return LocalSessionFactory(
+            source, upstream=engine_url, split=split, harness=harness, harness_options=harness_options,
+            sampling={"temperature": 1.0}, data_dir=work_dir / "capture",
+        )  # fmt: skip
+    from openenv.core.harness import HarnessRunLimits
+    from transformers import AutoTokenizer
+
+    from harness_trainer.rollouts.client.local_whitebox import LocalWhiteBoxSessionFactory
+    from harness_trainer.whitebox.react import ReActAdapter
+    from harness_trainer.whitebox.rollout import white_box_factory
+
+    return contextlib.closing(
+        white_box_factory(
+            LocalWhiteBoxSessionFactory(source, split=split), ReActAdapter(),
+            tokenizer=AutoTokenizer.from_pretrained(base_model), base_url=engine_url,
+            sampling={"temperature": 1.0}, limits=HarnessRunLimits(max_turns=4),
+        )
+    )  # fmt: skip
 
 
 def _rows(traces: dict[str, TrainingTrace]) -> tuple[list[Row], dict[int, float], dict[int, str]]:

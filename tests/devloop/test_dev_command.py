@@ -64,6 +64,28 @@ def test_the_dev_loop_runs_to_the_end_and_leaves_metrics_curves_viewer_and_check
     assert (tmp_path / "again.png").exists() and "hello-file" in (tmp_path / "again.html").read_text()
 
 
+def test_the_dev_loop_in_white_box_mode_trains_the_built_in_adapter_on_the_trainers_own_samples(tmp_path):
+    """``--mode white-box``: no agent process, no capture proxy; the trainer samples each turn and the
+    built-in ReActAdapter runs the sandbox's tools. The random model calls no tool, so each episode is one
+    turn, scored 0, and trained on (its equal-reward groups kept), with a held-out evaluation."""
+    with_a_held_out_task(one_task(tmp_path))
+    done = subprocess.run(
+        dev(tmp_path, "--mode", "white-box", "--max-steps", "2", "--eval-steps", "2"), cwd=ROOT,
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "training the white-box ReActAdapter on 1 toy tasks" in done.stdout
+    run = tmp_path / "run"
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    trained = [line for line in lines if "reward" in line]
+    assert [line["step"] for line in trained] == [1, 2]
+    assert all(line["whitebox/turns"] >= 1 and line["rollout/unscorable"] == 0 for line in trained)
+    assert [line["step"] for line in lines if "eval/pass@1" in line] == [0, 2]
+    assert not (run / "capture").exists()  # no capture proxy ran: the trainer's own model step sampled
+    assert (run / "checkpoint-2" / "trainer_state.json").exists()
+    assert alive(descendants(os.getpid())) == set()
+
+
 def test_the_dev_loop_evaluates_the_held_out_split_at_the_start_every_eval_steps_and_the_end(tmp_path):
     with_a_held_out_task(one_task(tmp_path))
     done = subprocess.run(

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from harness_trainer.devloop.prompts import MINI_SWE_AGENT_COMPACT, dev_harness_options
 from harness_trainer.devloop.solver import (
     DISTRACTOR,
     MINI_SUBMIT,
+    WHITE_BOX,
     distractor_replies,
     solve_command,
     solver_replies,
@@ -79,3 +81,28 @@ def test_the_dev_loop_runs_mini_with_its_compact_prompt_unless_told_and_warms_up
     assert WarmupRecipe("mini-swe-agent", compact).fingerprint(base, tasks) != WarmupRecipe(
         "mini-swe-agent"
     ).fingerprint(base, tasks)
+
+
+def test_white_box_transcripts_are_the_built_in_adapters_episodes_through_the_trainers_model_step(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """The scripted engine answers the model step's token-id prompts; ReActAdapter runs each reply's bash
+    call in a real local sandbox, then submit ends the episode; the solver passes, the distractor fails
+    (collect_transcripts checks both), and each transcript is the step's own two turns."""
+    tasks = tmp_path / "tasks" / "train"
+    shutil.copytree(EXAMPLES / "train" / "hello-file", tasks / "hello-file")
+    source = LocalTaskSource(tmp_path / "tasks")
+    work = tmp_path / "work"
+    work.mkdir()
+    traces = collect_transcripts(source, "train", WHITE_BOX, tiny_model_dir, work, distractors=True)
+    assert sorted(traces) == ["hello-file", "hello-file" + DISTRACTOR_SUFFIX]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    for name, trace in traces.items():
+        first, second = trace.turns
+        command = DISTRACTOR if name.endswith(DISTRACTOR_SUFFIX) else solve_command(source.task("train", 0))
+        said = tokenizer.decode(first.completion_token_ids)
+        assert '"name": "bash"' in said and json.dumps(command)[1:-1] in said
+        assert '"name": "submit"' in tokenizer.decode(second.completion_token_ids)
+        # The second turn's prompt extends the first turn's prompt and completion: one root, as trained.
+        assert second.prompt_token_ids[: len(first.prompt_token_ids)] == first.prompt_token_ids
+    assert live_sandbox_processes() == []
