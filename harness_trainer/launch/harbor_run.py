@@ -61,6 +61,7 @@ OWNED = {"engine": "engine", "vllm_server_base_url": "vllm_url", "agent_timeout"
 :data:`WAIT_MARGIN_S`), so its config file's trainer section may not set them; ``server_capacity`` is
 what preflight measures."""
 SECTION = "run"
+MODES = ("black-box", "white-box")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     tasks.add_argument(
         "--harness", default="opencode", help="opencode, mini-swe-agent, claude-code, codex (toy: tests)"
     )
+    tasks.add_argument(
+        "--mode", choices=MODES, default="black-box",
+        help="black-box: the agent (--harness) owns its loop behind the capture proxy; white-box: the "
+        "trainer samples every turn and the built-in ReActAdapter runs the session's tools (--harness "
+        "does not apply; --agent-step-limit bounds its turns, --agent-timeout its episode)",
+    )  # fmt: skip
     tasks.add_argument("--sandbox", default="e2b", help=f"where agents run: {describe_backends()}")
     tasks.add_argument("--reward-key", default="", help="named score of reward.json to train on")
     tasks.add_argument("--num-tasks", type=_positive_int, default=None, help="use the first N tasks")
@@ -151,6 +158,13 @@ def session_builder(args: argparse.Namespace) -> partial[Any]:
     """The factory builder the trainer calls with its sampling policy. Rollouts sample from the trainer's
     engine (``llm_url``) under the name the rollout server learned from it: ``--model`` is what the
     trainer loads, which the engine may serve under another name (preflight checks they are one model)."""
+    if args.mode == "white-box":
+        from harness_trainer.rollouts.client.whitebox_session import WhiteBoxSessionFactory
+
+        return partial(
+            WhiteBoxSessionFactory, args.server, split=args.split, sandbox=args.sandbox,
+            episode_timeout_sec=args.agent_timeout, reward_key=args.reward_key,
+        )  # fmt: skip
     from harness_trainer.rollouts.client.factory import HarborSessionFactory
 
     return partial(
@@ -220,15 +234,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.model,
         builder,
         args=config,
-        train_dataset=_task_rows(builder, config),
+        train_dataset=_task_rows(builder, config, args),
         rollout_reward_fn=correctness_with_tool_efficiency,
+        **white_box_options(args),
     )
     trainer.train()
     return 0
 
 
-def _task_rows(builder: partial[Any], config: AsyncGRPOConfig) -> list[dict[str, Any]]:
-    """The dataset: one row per chosen task of the split, as the server lists them."""
+def white_box_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The trainer's ``harness_adapter`` and ``harness_limits`` in white-box mode (none in black-box): the
+    built-in :class:`~harness_trainer.whitebox.react.ReActAdapter`, its turns bounded by
+    ``--agent-step-limit`` (0: OpenEnv's default)."""
+    if args.mode != "white-box":
+        return {}
+    from openenv.core.harness import HarnessRunLimits
+
+    from harness_trainer.whitebox.react import ReActAdapter
+
+    limits = (
+        HarnessRunLimits(max_turns=args.agent_step_limit) if args.agent_step_limit else HarnessRunLimits()
+    )
+    return {"harness_adapter": ReActAdapter(), "harness_limits": limits}
+
+
+def _task_rows(
+    builder: partial[Any], config: AsyncGRPOConfig, args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """The dataset: one row per chosen task of the split, as the server lists them (a white-box factory
+    lists every task: ``--task-indices`` and ``--num-tasks`` choose here)."""
+    if args.mode == "white-box":
+        rows = builder().prompt_rows()  # holds no server session
+        if args.task_indices is not None:
+            rows = [row for row in rows if row["task_index"] in set(args.task_indices)]
+        return rows[: args.num_tasks] if args.num_tasks is not None else rows
     factory = builder(sampling=config.sampling)
     try:
         return factory.prompt_rows()

@@ -77,3 +77,63 @@ def test_the_launcher_trains_two_steps_through_a_real_rollout_server(
             server.stop()
     finally:
         engine.stop()
+
+
+def submit_call() -> dict:
+    return {
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "submit", "arguments": {}}}],
+    }
+
+
+@pytest.mark.slow
+def test_the_launcher_in_white_box_mode_trains_the_built_in_adapter_through_the_servers_tool_sessions(
+    tiny_model_dir, tmp_path
+) -> None:
+    """``--mode white-box``: the trainer samples each turn from the (scripted) engine by token ids, the
+    built-in ReActAdapter runs the reply's calls as the rollout server's tools, and the verifier scores the
+    sandbox: one episode writes the file and submits (2 tool calls), the next only answers."""
+    solve = [bash_call("printf 'Hello, Harbor!\\n' > /app/hello.txt"), submit_call()]
+    script = tmp_path / "script.jsonl"
+    script.write_text("\n".join(json.dumps(reply) for reply in PROBE + (solve + GIVE_UP) * 6))
+    engine = start_engine(tiny_model_dir, "--script", str(script))
+    try:
+        server = Server(engine.url, tmp_path / "capture", limit=2)
+        try:
+            tasks = httpx.get(f"{server.url}/splits/train/tasks").json()["tasks"]
+            hello = next(t["index"] for t in tasks if t["name"] == "hello-file")
+            out = tmp_path / "out"
+            argv = [
+                *("--server", server.url, "--vllm-url", engine.url, "--model", str(tiny_model_dir)),
+                *(
+                    "--mode",
+                    "white-box",
+                    "--sandbox",
+                    "local",
+                    "--engine",
+                    "dev",
+                    "--task-indices",
+                    str(hello),
+                ),
+                *("--num-generations", "2", "--max-concurrent-rollouts", "1", "--max-steps", "2"),
+                *("--max-staleness", "0", "--learning-rate", "1e-4", "--agent-timeout", "120"),
+                *("--agent-step-limit", "4", "--output-dir", str(out)),
+            ]
+            result = subprocess.run(
+                [sys.executable, str(TRAIN), *argv], capture_output=True, text=True, timeout=300,
+                env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            )  # fmt: skip
+            assert result.returncode == 0, result.stderr[-4000:]
+            steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+            assert len(steps) == 2
+            solved = 1.0 + TOOL_BONUS * (1 - 2 / TOOL_CALL_BUDGET)  # bash, then submit
+            assert all(step["reward"] == pytest.approx(solved / 2) for step in steps)
+            assert all(step["whitebox/turns"] == 1.5 for step in steps)  # 2 turns, then 1
+            assert httpx.get(f"{engine.url}/weight_version").json()["weight_version"] == 2
+            health = httpx.get(f"{server.url}/health").json()
+            assert health["sessions"] == 0 and health["capture_sessions"] == 0  # no capture session at all
+            assert live_sandbox_processes() == []
+        finally:
+            server.stop()
+    finally:
+        engine.stop()
