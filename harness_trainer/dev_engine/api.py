@@ -5,6 +5,7 @@ Routes (same wire shapes as vLLM serving with ``--return-tokens-as-token-ids`` a
 
 - ``POST /v1/chat/completions`` (streaming and not), ``POST /v1/completions`` (string or token-id prompt),
   ``GET /v1/models``, ``GET /health``, ``POST /tokenize``, ``POST /detokenize``.
+- ``GET /metrics``: its load in Prometheus text under vLLM's metric names (module ``metrics``).
 - Weight control for the trainer (module ``control``): ``POST /pause``, ``POST /resume``,
   ``GET /is_paused``, ``POST /update_weights``, ``GET /weight_version``.
 
@@ -26,6 +27,7 @@ from aiohttp import web
 
 from harness_trainer.dev_engine import chat, responses
 from harness_trainer.dev_engine.control import add_control_routes
+from harness_trainer.dev_engine.metrics import metrics
 from harness_trainer.dev_engine.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -319,5 +321,6 @@ def build_app(state: EngineState) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/metrics", metrics)
     add_control_routes(app)
     return app

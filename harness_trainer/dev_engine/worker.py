@@ -63,6 +63,18 @@ class TokenEvent:
     weight_version: int | None = None  # set on the last event: the weights that sampled the reply
 
 
+@dataclass(frozen=True)
+class WorkerLoad:
+    """A snapshot of the worker's queue: what the engine's ``/metrics`` reports."""
+
+    running: int
+    """Generations being decoded: 1 or 0 (one at a time)."""
+    waiting: int
+    """Generations queued behind it."""
+    held_tokens: int
+    """Tokens in the running generation's KV cache (its prompt and what it sampled so far)."""
+
+
 @dataclass
 class Job:
     """A unit of work for the worker; ``emit`` delivers events on the submitting event loop."""
@@ -90,6 +102,7 @@ class ModelWorker:
         self._generation: deque[Job] = deque()
         self._paused = False
         self._busy_generating = False
+        self._held_tokens = 0  # the running generation's KV-cache length, written by the worker thread
         self._stopping = False
         self._shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
         # transformers renamed ``past_key_values`` to ``cache``; use whichever this version takes.
@@ -122,6 +135,11 @@ class ModelWorker:
     @property
     def paused(self) -> bool:
         return self._paused
+
+    def load(self) -> WorkerLoad:
+        """What runs and what waits now (any thread)."""
+        with self._cond:
+            return WorkerLoad(int(self._busy_generating), len(self._generation), self._held_tokens)
 
     def stop(self) -> None:
         with self._cond:
@@ -158,6 +176,7 @@ class ModelWorker:
             finally:
                 with self._cond:
                     self._busy_generating = False
+                    self._held_tokens = 0
                     self._cond.notify_all()
 
     # -- job bodies (run on the worker thread) --------------------------------------------------------
@@ -176,6 +195,7 @@ class ModelWorker:
         stop_ids = set(self.eos_token_ids) | set(params.stop_token_ids)
         named_stops = set(self._extra_stop_ids) | set(params.stop_token_ids)
         cache = self._new_cache()
+        self._held_tokens = len(prompt_ids)
         with torch.inference_mode():
             logits = self.model(
                 input_ids=torch.tensor([prompt_ids]),
@@ -220,6 +240,7 @@ class ModelWorker:
                 shown = visible_to
                 if finish is not None:
                     return version
+                self._held_tokens += 1
                 logits = self.model(
                     input_ids=torch.tensor([[token]]), **{self._cache_kwarg: cache}, use_cache=True
                 ).logits[0, -1]
@@ -230,6 +251,7 @@ class ModelWorker:
     ) -> int:
         """Emit fixed ``completion_ids`` as if sampled, with the model's own processed logprobs."""
         completion_ids = completion_ids[: params.max_tokens]
+        self._held_tokens = len(prompt_ids) + len(completion_ids)  # scored in one pass: all of it at once
         logprobs = self.score(prompt_ids, completion_ids, params.temperature, params.top_logprobs)
         detok = IncrementalDetokenizer(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
         for index, (token, (logprob, top)) in enumerate(zip(completion_ids, logprobs, strict=True)):

@@ -201,6 +201,48 @@ class _ConfigFields:
             "is a number rather than that because every session here holds a sandbox."
         ),
     )
+    adaptive_concurrency: bool = field(
+        default=False,
+        metadata=_help(
+            "Let the engine's load set how many rollouts are in flight, between min_concurrent_rollouts "
+            "and max_concurrent_rollouts: every concurrency_poll_interval seconds the trainer reads the "
+            "Prometheus GET /metrics of vllm_server_base_url (KV-cache usage, running and waiting requests, "
+            "preemptions, under vLLM's names, which the dev engine serves too). The limit starts at the "
+            "floor; it grows while the KV usage is below kv_cache_low_water, nothing waits in the engine and "
+            "rollouts wait for a slot, and shrinks above kv_cache_high_water or on a preemption, without "
+            "cancelling rollouts (the rule: harness_trainer/trainer/concurrency.py). Logged each step as "
+            "rollout/concurrency_limit with engine/kv_cache_usage, engine/running, engine/waiting and "
+            "engine/preemptions_total. A /metrics that cannot be read is warned about once and keeps the "
+            "limit where it is."
+        ),
+    )
+    min_concurrent_rollouts: int = field(
+        default=1,
+        metadata=_help(
+            "The floor of adaptive_concurrency, where its limit starts (1 to max_concurrent_rollouts)."
+        ),
+    )
+    kv_cache_low_water: float = field(
+        default=0.8,
+        metadata=_help(
+            "adaptive_concurrency grows the limit only while the engine's KV-cache usage (0 to 1) "
+            "is below this."
+        ),
+    )
+    kv_cache_high_water: float = field(
+        default=0.9,
+        metadata=_help(
+            "adaptive_concurrency shrinks the limit when the engine's KV-cache usage is above this (from "
+            "kv_cache_low_water to 1; the band between them holds the limit)."
+        ),
+    )
+    concurrency_poll_interval: float = field(
+        default=5.0,
+        metadata=_help(
+            "Seconds between two readings of the engine's /metrics under adaptive_concurrency; each reading "
+            "changes the limit at most once."
+        ),
+    )
     max_staleness: int = field(
         default=1, metadata=_help("Policy versions a rollout may lag behind the weights it is trained on.")
     )
@@ -790,6 +832,7 @@ def _checks(c: _ConfigFields) -> Sequence[str]:
             f"max_concurrent_rollouts + 1 = {concurrency + 1} (the factory keeps one "
             "session for metadata); raise MAX_CONCURRENT_ENVS or lower max_concurrent_rollouts"
         )
+    yield from _adaptive_checks(c)
     if c.max_staleness < 0:
         yield "max_staleness must be ≥ 0"
     if c.groups_per_step is not None and c.groups_per_step < 1:
@@ -875,6 +918,24 @@ def _checks(c: _ConfigFields) -> Sequence[str]:
         yield f"lora_save {c.lora_save!r} is not one of {LORA_SAVES}"
     if c.use_peft and c.lora_r < 1:
         yield "lora_r must be at least 1"
+
+
+def _adaptive_checks(c: _ConfigFields) -> Sequence[str]:
+    ceiling = c.max_concurrent_rollouts
+    if c.min_concurrent_rollouts < 1 or (ceiling is not None and c.min_concurrent_rollouts > ceiling):
+        yield (
+            f"min_concurrent_rollouts must be in [1, max_concurrent_rollouts={ceiling}], got "
+            f"{c.min_concurrent_rollouts}"
+        )
+    if not 0 < c.kv_cache_low_water <= c.kv_cache_high_water <= 1:
+        yield (
+            f"the KV-cache water marks must satisfy 0 < kv_cache_low_water ({c.kv_cache_low_water}) ≤ "
+            f"kv_cache_high_water ({c.kv_cache_high_water}) ≤ 1"
+        )
+    if not 0 < c.concurrency_poll_interval < float("inf"):
+        yield f"concurrency_poll_interval must be a positive number of seconds: {c.concurrency_poll_interval}"
+    if c.adaptive_concurrency and not c.vllm_server_base_url:
+        yield "adaptive_concurrency reads the engine's /metrics: set vllm_server_base_url"
 
 
 def _curriculum_checks(c: _ConfigFields) -> Sequence[str]:

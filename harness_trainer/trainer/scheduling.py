@@ -2,7 +2,9 @@
 
 Dataset rows are cycled in order (reshuffled per pass when asked), or chosen by a :class:`RowChooser` (a
 curriculum, :mod:`.curriculum`); group ``i`` rolls its row out ``num_generations`` times with one seed. At
-most ``max_concurrent_rollouts`` sessions are live; a new group is admitted only while groups in flight plus
+most ``concurrency_limit`` sessions are live (``max_concurrent_rollouts`` unless set; it may change while the
+scheduler runs, :meth:`RolloutScheduler.set_concurrency_limit`: a lower limit stops new sessions from
+starting until fewer are live, and cancels none); a new group is admitted only while groups in flight plus
 groups finished but not yet taken stay within ``admission_limit`` ((max_staleness + 1) × groups per step),
 which bounds how stale a trained rollout can be.
 The trainer takes finished groups in admission order, so the data order is reproducible and a resumed run
@@ -45,6 +47,7 @@ included.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import inspect
 import logging
@@ -110,6 +113,8 @@ class SchedulerConfig:
     """Unexpected rollout errors tolerated; one more stops the scheduler (0: the first does)."""
     max_groups: int | None = None
     """Groups admitted in all, then none (an evaluation's one pass over its tasks); None: without end."""
+    concurrency_limit: int | None = None
+    """Sessions live at once at the start, in [1, max_concurrent_rollouts]; None: max_concurrent_rollouts."""
 
 
 def row_order(num_rows: int, group: int, *, seed: int, shuffle: bool) -> int:
@@ -179,7 +184,10 @@ class RolloutScheduler:
         )
         self._thread = threading.Thread(target=self._run_loop, name="rollout-scheduler", daemon=True)
         self._space: asyncio.Event | None = None
-        self._slots: asyncio.Semaphore | None = None
+        limit = (
+            config.max_concurrent_rollouts if config.concurrency_limit is None else config.concurrency_limit
+        )
+        self._slots = _Slots(self._check_limit(limit))
         self._main: concurrent.futures.Future | None = None
         self._tasks: set[asyncio.Task] = set()
 
@@ -219,6 +227,36 @@ class RolloutScheduler:
     def live_sessions(self) -> int:
         with self._live_lock:
             return len(self._live)
+
+    def set_concurrency_limit(self, limit: int) -> None:
+        """Let at most ``limit`` rollouts be in flight from now on (any thread). A higher limit starts
+        waiting rollouts at once; a lower one cancels none: no new rollout starts until fewer are in flight.
+
+        Raises:
+            ValueError: ``limit`` is not in [1, max_concurrent_rollouts].
+        """
+        self._check_limit(limit)
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._slots.set_limit, limit)
+        else:  # not started (or stopped): nothing waits on the slots
+            self._slots.set_limit(limit)
+
+    @property
+    def concurrency_limit(self) -> int:
+        """The limit on rollouts in flight (the last one set reaches the loop soon after)."""
+        return self._slots.limit
+
+    def slot_counts(self) -> tuple[int, int]:
+        """Rollouts holding a slot (in flight) and rollouts waiting for one, now."""
+        return self._slots.held, self._slots.waiting
+
+    def _check_limit(self, limit: int) -> int:
+        ceiling = self.config.max_concurrent_rollouts
+        if not (isinstance(limit, int) and 1 <= limit <= ceiling):
+            raise ValueError(
+                f"the concurrency limit must be in [1, max_concurrent_rollouts={ceiling}], got {limit!r}"
+            )
+        return limit
 
     def stop(self) -> None:
         """Stop admitting, close every live session, and wait (bounded) for the members to wind down. A
@@ -277,7 +315,6 @@ class RolloutScheduler:
 
     async def _admit(self) -> None:
         self._space = asyncio.Event()
-        self._slots = asyncio.Semaphore(self.config.max_concurrent_rollouts)
         while not self._stopping.is_set():
             with self._cond:
                 in_system = self._next_to_admit - self.next_to_take
@@ -312,7 +349,6 @@ class RolloutScheduler:
             self._cond.notify_all()
 
     async def _run_member(self, group: Group, rollout: Rollout) -> None:
-        assert self._slots is not None
         async with self._slots:
             started = time.monotonic()
             try:
@@ -470,6 +506,53 @@ class RolloutScheduler:
             self._main.cancel()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=self.config.close_timeout_s)
+
+
+class _Slots:
+    """An async semaphore whose size (``limit``) may change while it is held: a rollout takes a slot while
+    fewer than ``limit`` are held, waiting in arrival order otherwise. Used on the scheduler's loop only
+    (``set_limit`` from elsewhere goes through ``call_soon_threadsafe``); the counts are read from any
+    thread (ints, a moment's snapshot)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def set_limit(self, limit: int) -> None:
+        self.limit = limit
+        self._wake()
+
+    async def __aenter__(self) -> None:
+        if self.held < self.limit and not self._waiters:
+            self.held += 1
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await waiter  # resolved by _wake, which counts the slot as held
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():  # given a slot and cancelled at once: give it back
+                self.held -= 1
+            elif waiter in self._waiters:
+                self._waiters.remove(waiter)
+            self._wake()  # whoever queued behind it may go now
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.held -= 1
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters and self.held < self.limit:
+            waiter = self._waiters.popleft()
+            if not waiter.done():  # a cancelled one leaves in its own time
+                waiter.set_result(None)
+                self.held += 1
 
 
 def _died(what: str, error: BaseException | None) -> RolloutSchedulerError:

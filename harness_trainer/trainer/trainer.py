@@ -38,6 +38,7 @@ from harness_trainer.trainer.checkpoint import (
     resolve_resume,
     save_checkpoint,
 )
+from harness_trainer.trainer.concurrency import AdaptiveConcurrency, ConcurrencyRule
 from harness_trainer.trainer.config import AsyncGRPOConfig
 from harness_trainer.trainer.curriculum import PassRateCurriculum, PassRateRule
 from harness_trainer.trainer.distributed import (
@@ -61,6 +62,7 @@ from harness_trainer.trainer.export import (
     write_model_folder,
 )
 from harness_trainer.trainer.groups import Group, Rollout
+from harness_trainer.trainer.load_poller import ConcurrencyPoller
 from harness_trainer.trainer.logprobs import token_logprobs
 from harness_trainer.trainer.loss import LossConfig, LossStats, policy_loss
 from harness_trainer.trainer.optim import build_optimizer
@@ -169,6 +171,8 @@ class HarnessAsyncGRPOTrainer:
         self.lr_scheduler: Any = None
         self.factory: Any = None
         self.scheduler: RolloutScheduler | None = None
+        self.poller: ConcurrencyPoller | None = None
+        """With ``adaptive_concurrency``: sets the scheduler's concurrency limit from the engine's load."""
         self.evaluator: Evaluator | None = None
         self._eval_factory: Any = None
         self.reporter: MetricsReporter | None = None
@@ -286,6 +290,14 @@ class HarnessAsyncGRPOTrainer:
         self.rollout_log = RolloutLog(self.output_dir)
         # What an earlier run wrote of the groups and steps this one does again is superseded by this line.
         self.rollout_log.write([RunStart(step=self.state.step, start_group=self.state.groups_consumed)])
+        adaptive = None
+        if args.adaptive_concurrency:
+            assert args.max_concurrent_rollouts is not None  # resolved at construction
+            rule = ConcurrencyRule(
+                floor=args.min_concurrent_rollouts, ceiling=args.max_concurrent_rollouts,
+                low_water=args.kv_cache_low_water, high_water=args.kv_cache_high_water,
+            )  # fmt: skip
+            adaptive = AdaptiveConcurrency(rule)
         self.scheduler = RolloutScheduler(
             self.factory,
             rows,
@@ -299,6 +311,7 @@ class HarnessAsyncGRPOTrainer:
                 vocab_size=vocab_size(self.model),
                 temperature=args.temperature,
                 max_unexpected_errors=args.max_unexpected_errors,
+                concurrency_limit=adaptive.limit if adaptive is not None else None,
             ),
             reward_fn=self.rollout_reward_fn,
             policy_version=lambda: self.state.policy_version,
@@ -309,6 +322,12 @@ class HarnessAsyncGRPOTrainer:
         if args.eval_on_start and self.state.step == 0:  # a resumed run logged its start step already
             self._evaluate()
         self.scheduler.start()
+        if adaptive is not None:
+            assert args.vllm_server_base_url is not None  # the config refuses adaptive_concurrency without it
+            self.poller = ConcurrencyPoller(
+                args.vllm_server_base_url, adaptive, self.scheduler, interval_s=args.concurrency_poll_interval
+            )
+            self.poller.start()
 
     def _build_factory(self, sampling: dict[str, Any], **kwargs: Any) -> Any:
         """The builder's factory; with a harness adapter, wrapped so each session is a white-box episode
@@ -619,6 +638,8 @@ class HarnessAsyncGRPOTrainer:
         metrics.update(self._counters)
         if self.curriculum is not None:
             metrics.update(self.curriculum.summary())
+        if self.poller is not None:
+            metrics.update(self.poller.metrics())
         metrics.update({
             "rollout/zero_variance_dropped": float(len(self._zero_variance)),
             "rollout/dropped_groups": float(batch.dropped_groups),
@@ -898,6 +919,9 @@ class HarnessAsyncGRPOTrainer:
     def cleanup(self) -> None:
         """Close every session, the factory, the trackers, the engine client's weight files. Safe to call
         more than once."""
+        if self.poller is not None:  # before the scheduler it steers stops
+            self.poller.stop()
+            self.poller = None
         if self.scheduler is not None:
             self.scheduler.stop()
         _close_factory(self.factory, "session factory")
