@@ -44,7 +44,6 @@ from typing import Any
 import httpx
 
 from capture_proxy.config import engine_root
-from harness_trainer.harnesses import make_harness
 from harness_trainer.rollouts.client.session import (
     RewardKeyCheck,
     VerifyResult,
@@ -125,10 +124,15 @@ class HarborSessionFactory:
         if num_tasks is not None and num_tasks < 1:
             raise RolloutConfigError(f"num_tasks={num_tasks}: give at least 1, or None for all")
         self.server_url = server_url.rstrip("/")
-        try:  # the server checks them too; here a bad one fails before any rollout is asked for
-            make_harness(harness, **(harness_options or {}))
-        except ValueError as exc:
-            raise RolloutConfigError(str(exc)) from None
+        if harness_options:
+            # The server checks them too; here a bad one fails before any rollout is asked for. Only when
+            # given: the client otherwise needs none of the server side (the harnesses import sandboxes).
+            from harness_trainer.harnesses import make_harness
+
+            try:
+                make_harness(harness, **harness_options)
+            except ValueError as exc:
+                raise RolloutConfigError(str(exc)) from None
         self.split, self.harness, self.sandbox = split, harness, sandbox
         self.harness_options = dict(harness_options or {})
         self.llm_url, self.model, self.sampling = llm_url or None, model or None, sampling
