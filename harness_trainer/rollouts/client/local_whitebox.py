@@ -62,6 +62,7 @@ except ImportError as exc:  # an optional extra: only white-box sessions need it
         "white-box sessions need the `openenv` extra: pip install 'harness-trainer[openenv]'"
     ) from exc
 
+from harness_trainer.rollouts.client.whitebox_session import verify_result
 from harness_trainer.sandboxes.tools import ToolLimits
 
 log = logging.getLogger(__name__)
@@ -155,28 +156,6 @@ class LocalWhiteBoxSession(ResourceSession):
         except BaseException:
             future.cancel()  # interrupted while waiting (KeyboardInterrupt): stop the call
             raise
-
-
-def verify_result(verdict: EnvironmentVerdict, session_id: str) -> VerifyResult:
-    """The verdict as OpenEnv's ``VerifyResult``, with the metrics and artifacts ``WhiteBoxSession.verify``
-    returns (the trainer reads ``tool_calls_by_name`` and ``tool_failure_count``)."""
-    metrics = {
-        "tool_calls_by_name": dict(verdict.tool_calls_by_name),
-        "tool_failures_by_name": dict(verdict.tool_failures_by_name),
-        "tool_failure_count": verdict.tool_failure_count,
-        "rewards": dict(verdict.rewards),
-        "submitted": verdict.submitted,
-        "verifier_exit_code": verdict.verifier_exit_code,
-        "verifier_timed_out": verdict.verifier_timed_out,
-        "phase_seconds": dict(verdict.phase_seconds),
-        "session_id": session_id,
-    }
-    artifacts = {
-        "reward_detail": verdict.reward_detail,
-        "verifier_output_tail": verdict.verifier_output_tail,
-        "summary": verdict.summary,
-    }
-    return VerifyResult(env_reward=verdict.reward, done=True, metrics=metrics, artifacts=artifacts)
 
 
 class LocalWhiteBoxSessionFactory(ResourceSessionFactory[LocalWhiteBoxSession]):

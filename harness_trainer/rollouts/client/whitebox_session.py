@@ -128,24 +128,7 @@ class WhiteBoxSession(ResourceSession):
         if self.verdict is None:
             reply = self._request("POST", f"/sessions/{self.session_id}/verify")
             self.verdict = EnvironmentVerdict.model_validate(reply)
-        verdict = self.verdict
-        metrics = {
-            "tool_calls_by_name": dict(verdict.tool_calls_by_name),
-            "tool_failures_by_name": dict(verdict.tool_failures_by_name),
-            "tool_failure_count": verdict.tool_failure_count,
-            "rewards": dict(verdict.rewards),
-            "submitted": verdict.submitted,
-            "verifier_exit_code": verdict.verifier_exit_code,
-            "verifier_timed_out": verdict.verifier_timed_out,
-            "phase_seconds": dict(verdict.phase_seconds),
-            "session_id": self.session_id,
-        }
-        artifacts = {
-            "reward_detail": verdict.reward_detail,
-            "verifier_output_tail": verdict.verifier_output_tail,
-            "summary": verdict.summary,
-        }
-        return VerifyResult(env_reward=verdict.reward, done=True, metrics=metrics, artifacts=artifacts)
+        return verify_result(self.verdict, self.session_id)
 
     def close(self) -> None:
         """Delete the server session (its sandbox closed, the call in flight cancelled); idempotent."""
@@ -165,6 +148,29 @@ class WhiteBoxSession(ResourceSession):
         if self._closed:
             raise RolloutServerError(f"white-box session {self.session_id} is closed")
         return _request(self.client, method, path, **kwargs)
+
+
+def verify_result(verdict: EnvironmentVerdict, session_id: str) -> VerifyResult:
+    """A white-box verdict as OpenEnv's ``VerifyResult``, for both white-box sessions (over HTTP and in
+    process): the tool counters the trainer reads (``tool_calls_by_name``, ``tool_failure_count``), the
+    verifier's details and the session's id."""
+    metrics = {
+        "tool_calls_by_name": dict(verdict.tool_calls_by_name),
+        "tool_failures_by_name": dict(verdict.tool_failures_by_name),
+        "tool_failure_count": verdict.tool_failure_count,
+        "rewards": dict(verdict.rewards),
+        "submitted": verdict.submitted,
+        "verifier_exit_code": verdict.verifier_exit_code,
+        "verifier_timed_out": verdict.verifier_timed_out,
+        "phase_seconds": dict(verdict.phase_seconds),
+        "session_id": session_id,
+    }
+    artifacts = {
+        "reward_detail": verdict.reward_detail,
+        "verifier_output_tail": verdict.verifier_output_tail,
+        "summary": verdict.summary,
+    }
+    return VerifyResult(env_reward=verdict.reward, done=True, metrics=metrics, artifacts=artifacts)
 
 
 class WhiteBoxSessionFactory(ResourceSessionFactory[WhiteBoxSession]):
