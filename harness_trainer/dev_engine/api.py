@@ -17,9 +17,10 @@ serving after every one of them.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pydantic
@@ -126,6 +127,23 @@ async def run_job(state: EngineState, body: Any) -> AsyncIterator[TokenEvent | i
         job.cancelled.set()  # a client that went away stops its generation at the next token
 
 
+async def job_body(
+    state: EngineState,
+    prompt_ids: list[int],
+    params: GenerationParams,
+    scripted_ids: Callable[[dict[str, Any]], list[int]],
+) -> Callable[[Job], int]:
+    """What a request's job runs: sampling, or in scripted mode the script's next reply (its ids from
+    ``scripted_ids``) replayed with the model's logprobs. A script that has run out is a 400."""
+    if state.script is None:
+        return lambda job: state.worker.generate(job, prompt_ids, params)
+    try:
+        fixed = await asyncio.to_thread(scripted_ids, state.script.take())
+    except ScriptError as exc:
+        raise EngineError(400, str(exc)) from exc
+    return lambda job: state.worker.replay(job, prompt_ids, fixed, params)
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = ChatCompletionRequest.model_validate(await read_json(request))
@@ -140,21 +158,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     params = generation_params(
         state, req, len(prompt_ids), req.completion_limit(), req.top_logprobs or 0 if req.logprobs else 0
     )
-    if state.script is not None:
-        try:
-            reply = state.script.take()
-            fixed = await asyncio.to_thread(
-                completion_ids, state.worker.tokenizer, req.messages, req.tools, reply
-            )
-        except ScriptError as exc:
-            raise EngineError(400, str(exc)) from exc
-
-        def body(job: Job) -> int:
-            return state.worker.replay(job, prompt_ids, fixed, params)
-    else:
-
-        def body(job: Job) -> int:
-            return state.worker.generate(job, prompt_ids, params)
+    body = await job_body(
+        state,
+        prompt_ids,
+        params,
+        functools.partial(completion_ids, state.worker.tokenizer, req.messages, req.tools),
+    )
 
     name = responses.TokenNamer(
         state.worker.tokenizer,
@@ -206,18 +215,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if max(prompt_ids) >= len(tokenizer):
         raise EngineError(400, f"token id {max(prompt_ids)} is out of vocabulary (size {len(tokenizer)})")
     params = generation_params(state, req, len(prompt_ids), req.max_tokens, req.logprobs or 0)
-    if state.script is not None:
-        try:
-            fixed = await asyncio.to_thread(reply_ids, tokenizer, state.script.take())
-        except ScriptError as exc:
-            raise EngineError(400, str(exc)) from exc
-
-        def body(job: Job) -> int:
-            return state.worker.replay(job, prompt_ids, fixed, params)
-    else:
-
-        def body(job: Job) -> int:
-            return state.worker.generate(job, prompt_ids, params)
+    body = await job_body(state, prompt_ids, params, functools.partial(reply_ids, tokenizer))
 
     events, version = [], 0
     async for item in run_job(state, body):

@@ -21,12 +21,7 @@ from harness_trainer.rollouts.client.whitebox_session import WhiteBoxSessionFact
 from harness_trainer.whitebox.model_step import TokenModelStep
 from tests.rollouts.test_whitebox_server import HELLO, Server
 from tests.whitebox.conftest import ScriptedEngine
-
-WRITE = (
-    '<tool_call>\n{"name": "write_file", "arguments": {"path": "/app/hello.txt", '
-    '"content": "Hello, Harbor!\\n"}}\n</tool_call><|im_end|>'
-)
-DONE = "Done.<|im_end|>"
+from tests.whitebox.test_trainer_whitebox import DONE, WRITE
 
 
 @pytest.fixture(scope="module")
