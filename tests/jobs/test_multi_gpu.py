@@ -487,7 +487,8 @@ def test_the_one_node_example_runs_the_trainer_in_the_foreground_and_stops_the_s
     path = fake_bin(
         tmp_path / "bin",
         curl="exit 0",  # every health check answers
-        fakepython=f"echo $$ >> {pids}; exec sleep 60",  # vLLM and serve: services that stay up
+        # vLLM and serve: services that stay up, in a sleep no other test looks for among all processes.
+        fakepython=f"echo $$ >> {pids}; exec sleep 3600",
         torchrun='echo "trainer $CUDA_VISIBLE_DEVICES $FSDP_VERSION $*"; exit 7',
     )
     env = {"PATH": path, "MODEL": "m", "DATASET": "d", "GPUS": "4", "VLLM_GPUS": "2", "PYTHON": "fakepython"}

@@ -134,6 +134,7 @@ def other_value(f: dataclasses.Field[Any], default: Any) -> Any:
         # The curriculum refuses dataset_shuffle (it chooses every row itself).
         "curriculum": "pass_rate", "curriculum_retire_threshold": 0.5, "dataset_shuffle": False,
         "eval_strategy": "steps", "eval_steps": 2,
+        "kv_cache_low_water": 0.5, "kv_cache_high_water": 0.7,  # 0 < low <= high <= 1
     }  # fmt: skip
     if f.name in special:
         return special[f.name]

@@ -150,11 +150,12 @@ def test_ctrl_c_during_the_agent_kills_the_sandbox_and_stops_the_proxy(
     make_task: TaskFactory,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    engine, port = scripted_engine([bash("sleep 60")]), free_port()
+    # A sleep no other test runs: the wait below looks for it among every process on the machine.
+    engine, port = scripted_engine([bash("sleep 67")]), free_port()
     task = make_task("FROM python:3.11-slim\nWORKDIR /app\n")
 
     def interrupt_once_the_agent_sleeps() -> None:
-        wait_until_present("sleep 60", timeout_s=120)  # the toy agent's bash tool, in the fake sandbox
+        wait_until_present("sleep 67", timeout_s=120)  # the toy agent's bash tool, in the fake sandbox
         os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C: asyncio.run's handler cancels the command
 
     interrupter = threading.Thread(target=interrupt_once_the_agent_sleeps)
@@ -168,7 +169,7 @@ def test_ctrl_c_during_the_agent_kills_the_sandbox_and_stops_the_proxy(
         interrupter.join()
     out = capsys.readouterr().out
     assert status == 130, out
-    assert time.monotonic() - started < 50  # not the agent's 60 s sleep
+    assert time.monotonic() - started < 50  # not the agent's 67 s sleep
     assert "interrupted" in out.splitlines()[-1]
     assert len(cloud.sandboxes) == 1 and cloud.sandboxes[0].killed and not listening(port)
 
