@@ -295,9 +295,9 @@ def _run_dev_loop(
     white_box = options.mode == "white-box"
     # In white-box mode the transcripts and rollouts are the built-in adapter's, whatever --harness says.
     agent = WHITE_BOX if white_box else options.harness
-    harness_options = dev_harness_options(options.harness, stock_prompt=options.stock_prompt)
-    if white_box:
-        harness_options = {}
+    harness_options = (
+        {} if white_box else dev_harness_options(options.harness, stock_prompt=options.stock_prompt)
+    )
     started = time.monotonic()
     base = ensure_tiny_model()
     _say(f"tiny model: {base}")
@@ -319,14 +319,11 @@ def _run_dev_loop(
         write_resolved(output, {**resolved, TRAINER: config.to_dict()})
         white: dict[str, Any] = {}
         if white_box:
-            from openenv.core.harness import HarnessRunLimits
-
             from harness_trainer.rollouts.client.local_whitebox import LocalWhiteBoxSessionFactory
-            from harness_trainer.whitebox.react import ReActAdapter
+            from harness_trainer.whitebox.react import react_trainer_options
 
             builder = partial(LocalWhiteBoxSessionFactory, source, split=options.split)
-            white = {"harness_adapter": ReActAdapter(),
-                     "harness_limits": HarnessRunLimits(max_turns=options.agent_step_limit)}  # fmt: skip
+            white = react_trainer_options(options.agent_step_limit)
         else:
             builder = partial(
                 LocalSessionFactory, source, upstream=engine.url, split=options.split,

@@ -189,18 +189,18 @@ def _factory(
             source, upstream=engine_url, split=split, harness=harness, harness_options=harness_options,
             sampling={"temperature": 1.0}, data_dir=work_dir / "capture",
         )  # fmt: skip
-    from openenv.core.harness import HarnessRunLimits
     from transformers import AutoTokenizer
 
     from harness_trainer.rollouts.client.local_whitebox import LocalWhiteBoxSessionFactory
-    from harness_trainer.whitebox.react import ReActAdapter
+    from harness_trainer.whitebox.react import react_trainer_options
     from harness_trainer.whitebox.rollout import white_box_factory
 
+    adapter = react_trainer_options(max_turns=4)  # a transcript is 2 turns
     return contextlib.closing(
         white_box_factory(
-            LocalWhiteBoxSessionFactory(source, split=split), ReActAdapter(),
+            LocalWhiteBoxSessionFactory(source, split=split), adapter["harness_adapter"],
             tokenizer=AutoTokenizer.from_pretrained(base_model), base_url=engine_url,
-            sampling={"temperature": 1.0}, limits=HarnessRunLimits(max_turns=4),
+            sampling={"temperature": 1.0}, limits=adapter["harness_limits"],
         )
     )  # fmt: skip
 

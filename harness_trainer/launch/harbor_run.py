@@ -248,14 +248,9 @@ def white_box_options(args: argparse.Namespace) -> dict[str, Any]:
     ``--agent-step-limit`` (0: OpenEnv's default)."""
     if args.mode != "white-box":
         return {}
-    from openenv.core.harness import HarnessRunLimits
+    from harness_trainer.whitebox.react import react_trainer_options
 
-    from harness_trainer.whitebox.react import ReActAdapter
-
-    limits = (
-        HarnessRunLimits(max_turns=args.agent_step_limit) if args.agent_step_limit else HarnessRunLimits()
-    )
-    return {"harness_adapter": ReActAdapter(), "harness_limits": limits}
+    return react_trainer_options(args.agent_step_limit)
 
 
 def _task_rows(

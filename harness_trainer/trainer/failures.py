@@ -79,9 +79,9 @@ def judge(exc: BaseException, *, stopping: bool) -> Verdict:
 
 
 def is_infrastructure(exc: BaseException) -> bool:
-    """Whether ``exc`` is the infrastructure's (or a fatal one), not a bug of the code that let it through:
-    what a white-box adapter passes on from its session or the engine stays that, not an adapter bug."""
-    return isinstance(exc, (*INFRASTRUCTURE_ERRORS, CaptureContractError, RolloutConfigError))
+    """Whether :func:`judge` calls ``exc`` something other than a bug (infrastructure, or fatal): what a
+    white-box adapter passes on from its session or the engine stays that, not an adapter bug."""
+    return judge(exc, stopping=False).kind is not FailureKind.UNEXPECTED
 
 
 def origin_of(exc: BaseException) -> tuple[str, str, int]:

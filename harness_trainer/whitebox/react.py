@@ -123,3 +123,10 @@ def stop_reason(result: HarnessRolloutResult) -> StopReason:
     if last is not None and last.type == "model_response" and not last.payload.get("tool_calls"):
         return "no_tool_call"
     return "max_turns"
+
+
+def react_trainer_options(max_turns: int = 0) -> dict[str, Any]:
+    """The trainer's white-box keywords for the built-in adapter: ``harness_adapter`` (a
+    :class:`ReActAdapter`) and ``harness_limits`` (``max_turns`` turns; 0: OpenEnv's default)."""
+    limits = HarnessRunLimits(max_turns=max_turns) if max_turns else HarnessRunLimits()
+    return {"harness_adapter": ReActAdapter(), "harness_limits": limits}

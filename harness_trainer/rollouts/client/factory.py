@@ -48,6 +48,7 @@ from harness_trainer.rollouts.client.session import (
     RewardKeyCheck,
     VerifyResult,
     exit_code_of,
+    task_reference,
     trace_of,
     verify_result,
 )
@@ -276,13 +277,9 @@ class HarborSessionFactory:
 
     def task_index(self, task: Any) -> int:
         """Which task a prompt row, message list, instruction string or index means."""
-        if isinstance(task, int):
-            return task
-        if isinstance(task, dict) and task.get("task_index") is not None:
-            return int(task["task_index"])
-        text = task.get("prompt", task) if isinstance(task, dict) else task
-        if isinstance(text, list):
-            text = next((m.get("content") for m in reversed(text) if m.get("role") == "user"), None)
+        text = task_reference(task)
+        if isinstance(text, int):
+            return text
         for listed in self.tasks():
             if listed["instruction"] == text:
                 return int(listed["index"])

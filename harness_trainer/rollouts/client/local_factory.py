@@ -27,6 +27,7 @@ from harness_trainer.rollouts.client.session import (
     RewardKeyCheck,
     VerifyResult,
     exit_code_of,
+    task_reference,
     trace_of,
     verify_result,
 )
@@ -127,14 +128,8 @@ class LocalSessionFactory:
         self._call(self.runtime.set_policy(None, version))
 
     def _task(self, task: Any) -> Any:
-        if isinstance(task, int):
-            return self.tasks.task(self.split, task)
-        if isinstance(task, dict) and task.get("task_index") is not None:
-            return self.tasks.task(self.split, int(task["task_index"]))
-        text = task.get("prompt", task) if isinstance(task, dict) else task
-        if isinstance(text, list):
-            text = next((m.get("content") for m in reversed(text) if m.get("role") == "user"), None)
-        return self.tasks.find(self.split, str(text))
+        ref = task_reference(task)
+        return self.tasks.task(self.split, ref) if isinstance(ref, int) else self.tasks.find(self.split, ref)
 
     def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> LocalSession:
         if self._closed:

@@ -45,6 +45,7 @@ from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
+from harness_trainer.rollouts.client.session import task_reference
 from harness_trainer.rollouts.errors import RolloutConfigError, RolloutUnscorable
 from harness_trainer.rollouts.result import EnvironmentOptions, EnvironmentVerdict
 from harness_trainer.rollouts.server.environment import Environment, EnvironmentGone
@@ -273,14 +274,8 @@ class LocalWhiteBoxSessionFactory(ResourceSessionFactory[LocalWhiteBoxSession]):
             self._sessions.discard(session)
 
     def _task(self, task: Any) -> HarborTask:
-        if isinstance(task, int):
-            return self.tasks.task(self.split, task)
-        if isinstance(task, dict) and task.get("task_index") is not None:
-            return self.tasks.task(self.split, int(task["task_index"]))
-        text = task.get("prompt", task) if isinstance(task, dict) else task
-        if isinstance(text, list):
-            text = next((m.get("content") for m in reversed(text) if m.get("role") == "user"), None)
-        return self.tasks.find(self.split, str(text))
+        ref = task_reference(task)
+        return self.tasks.task(self.split, ref) if isinstance(ref, int) else self.tasks.find(self.split, ref)
 
 
 async def _open(task: HarborTask, options: EnvironmentOptions, backend: SandboxSupervisor) -> Environment:

@@ -29,6 +29,7 @@ __all__ = [
     "VerifyResult",
     "check_reward_key",
     "exit_code_of",
+    "task_reference",
     "trace_of",
     "verify_result",
 ]
@@ -102,3 +103,16 @@ def check_reward_key(reward_key: str, result: RolloutResult) -> None:
             f"reward_key {reward_key!r} names no score the verifier of {result.task_name} wrote; "
             f"it wrote {sorted(result.rewards)}"
         )
+
+
+def task_reference(task: Any) -> int | str:
+    """What a factory's ``create(task)`` names: a task index (an int, or a prompt row's ``task_index``), else
+    the instruction (a row's ``prompt``, a message list's last user message, or the string itself)."""
+    if isinstance(task, int):
+        return task
+    if isinstance(task, dict) and task.get("task_index") is not None:
+        return int(task["task_index"])
+    text = task.get("prompt", task) if isinstance(task, dict) else task
+    if isinstance(text, list):
+        text = next((m.get("content") for m in reversed(text) if m.get("role") == "user"), None)
+    return str(text)

@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 
 from harness_trainer.rollouts.client.factory import RolloutServerError
+from harness_trainer.rollouts.client.session import task_reference
 from harness_trainer.rollouts.errors import RolloutConfigError, RolloutUnscorable
 from harness_trainer.rollouts.result import EnvironmentVerdict
 
@@ -210,16 +211,8 @@ class WhiteBoxSessionFactory(ResourceSessionFactory[WhiteBoxSession]):
     def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> WhiteBoxSession:
         """A session on ``task``: a task index, a prompt row (its ``task_index``), its messages, or the
         instruction (the server finds the task by it)."""
-        which: dict[str, Any]
-        if isinstance(task, int):
-            which = {"index": task}
-        elif isinstance(task, dict) and task.get("task_index") is not None:
-            which = {"index": int(task["task_index"])}
-        else:
-            text = task.get("prompt", task) if isinstance(task, dict) else task
-            if isinstance(text, list):
-                text = next((m.get("content") for m in reversed(text) if m.get("role") == "user"), None)
-            which = {"instruction": str(text)}
+        ref = task_reference(task)
+        which = {"index": ref} if isinstance(ref, int) else {"instruction": ref}
         return WhiteBoxSession.start(
             self.server_url, split=self.split, seed=seed, episode_id=episode_id, **which, **self.options
         )
