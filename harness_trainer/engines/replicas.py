@@ -12,6 +12,9 @@ Rules (the contract of this module):
    paused; ``resume`` to those that are current. A replica whose call raises
    :class:`~harness_trainer.engines.base.EngineUnavailable` (:class:`PushRefused` included) is *out*: the
    error is logged and kept on its :class:`ReplicaState`, and the step goes on with the others.
+   ``stage_weights`` (the part of a push that needs no pause) goes to every replica that has one; one that
+   fails it is out, and its push does the whole of it; when all of them refuse the tensors
+   (:class:`PushRefused`: nothing sent), none goes out and the refusal is raised.
 3. *Out of rotation at the proxy.* When the set knows the proxy's admin URL and key, a replica that goes out
    is drained there (``POST /replicas/{i}/drain``, ``i`` found by its engine URL in ``GET /replicas``), so no
    session is placed on it, and the proxy's own probing does not put it back (a drain outlasts probing). A
@@ -136,6 +139,32 @@ class EngineReplicas:
             if error is None and replica.version != version:  # answered, but with another version
                 await self._take_out(replica, f"serves version {replica.version} after a push of {version}")
         return version
+
+    async def stage_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        """Each replica's part of the push that needs no pause (its ``stage_weights``, e.g. the file path's
+        write), at once; a replica without one has nothing to stage. One that fails is out (rule 2) and
+        still gets the push, which does the whole of it.
+
+        Raises:
+            PushRefused: every replica refused the tensors (they serve one model: it cannot load them).
+        """
+        staging = [replica for replica in self.replicas if hasattr(replica.engine, "stage_weights")]
+        calls = (replica.engine.stage_weights(named_tensors, version) for replica in staging)
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
+        if outcomes and all(isinstance(outcome, PushRefused) for outcome in outcomes):
+            # Nothing was sent anywhere and every replica serves its old weights whole: none goes out.
+            raise PushRefused(f"no replica can load version {version}: {outcomes[0]}")
+        for replica, outcome in zip(staging, outcomes, strict=True):
+            if isinstance(outcome, EngineUnavailable):
+                await self._take_out(replica, f"{type(outcome).__name__} on staging of {version}: {outcome}")
+            elif isinstance(outcome, BaseException):
+                raise outcome
+
+    def close(self) -> None:
+        """Close each replica's client that has a ``close`` (the file path's folders, a transfer group)."""
+        for replica in self.replicas:
+            if hasattr(replica.engine, "close"):
+                replica.engine.close()
 
     async def resume(self) -> None:
         current = [replica for replica in self.replicas if replica.version == self.version]

@@ -559,6 +559,26 @@ class _ConfigFields:
         default=None,
         metadata=_help("Folder the 'file' path writes to, readable by vLLM (default: /dev/shm)."),
     )
+    vllm_replica_urls: list[str] = field(
+        default_factory=list,
+        metadata=_help(
+            "Further replicas of the engine at vllm_server_base_url (same kind, same model; vLLM's data "
+            "parallelism across servers): each weight push pauses, pushes to and resumes every one, and a "
+            "replica that fails a push is out of rotation until a later push gives it the current weights "
+            "(harness_trainer.engines.EngineReplicas). The rollouts' capture proxy routes over them "
+            "(serve --upstream A --upstream B --replicas). A comma-separated string is split."
+        ),
+    )
+    replica_proxy_url: str | None = field(
+        default=None,
+        metadata=_help(
+            "The capture proxy that routes the rollouts over vllm_replica_urls (serve --replicas's "
+            "--capture-port, or python -m capture_proxy --replicas): a replica that goes out is drained "
+            "there and enabled once current. Its admin key comes from $CAPTURE_PROXY_ADMIN_KEY (serve "
+            "--capture-admin-key sets the one it starts with). None: a replica out is only recorded, and "
+            "the proxy's sessions on it wait while it stays paused."
+        ),
+    )
 
     def __post_init__(self) -> None:
         # TRL's names that are not fields, set aside by AsyncGRPOConfig.__init__; dropped once checked.
@@ -571,6 +591,8 @@ class _ConfigFields:
                     setattr(self, name, json.loads(text))
                 except json.JSONDecodeError as exc:
                     problems.append(f"{name} is not JSON: {exc}")
+        if isinstance(self.vllm_replica_urls, str):
+            self.vllm_replica_urls = [u.strip() for u in self.vllm_replica_urls.split(",") if u.strip()]
         if self.report_to is None:
             self.report_to = ["none"]
         elif isinstance(self.report_to, str):
@@ -914,10 +936,35 @@ def _checks(c: _ConfigFields) -> Sequence[str]:
         yield "weight_sync_steps and weight_sync_retries must be ≥ 1 and weight_sync_timeout positive"
     if c.lora_sync not in LORA_SYNCS:
         yield f"lora_sync {c.lora_sync!r} is not one of {LORA_SYNCS}"
+    yield from _replica_checks(c)
     if c.lora_save not in LORA_SAVES:
         yield f"lora_save {c.lora_save!r} is not one of {LORA_SAVES}"
     if c.use_peft and c.lora_r < 1:
         yield "lora_r must be at least 1"
+
+
+def _replica_checks(c: _ConfigFields) -> Sequence[str]:
+    if not c.vllm_replica_urls:
+        if c.replica_proxy_url:
+            yield "replica_proxy_url drains replicas, but vllm_replica_urls names none: set both or neither"
+        return
+    roots = [_engine_root(url) for url in [c.vllm_server_base_url or "", *c.vllm_replica_urls]]
+    if twice := sorted({root for root in roots if roots.count(root) > 1}):
+        yield f"vllm_replica_urls name an engine twice (vllm_server_base_url included): {twice}"
+    if c.engine == "none":
+        yield "vllm_replica_urls with engine='none': no weights are pushed, so no replica needs any"
+    if c.use_peft and c.lora_sync == "adapter" and c.engine == "vllm":
+        yield ADAPTER_ON_REPLICAS
+
+
+ADAPTER_ON_REPLICAS = (
+    "lora_sync='adapter' publishes each adapter on one engine; with vllm_replica_urls use lora_sync='merged' "
+    "(every replica gets the merged weights)"
+)
+
+
+def _engine_root(url: str) -> str:
+    return url.rstrip("/").removesuffix("/v1")
 
 
 def _adaptive_checks(c: _ConfigFields) -> Sequence[str]:

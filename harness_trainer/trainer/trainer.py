@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import random
 import signal
 import threading
@@ -30,7 +31,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from harness_trainer.engines import ENGINES, EngineUnavailable, PushRefused, detect_engine_kind, make_engine
+from harness_trainer.engines import (
+    ENGINES,
+    EngineReplicas,
+    EngineUnavailable,
+    PushRefused,
+    detect_engine_kind,
+    make_engine,
+)
 from harness_trainer.trainer.adapter_sync import AdapterFolders
 from harness_trainer.trainer.batch import StepBatch, assemble, rollout_metrics
 from harness_trainer.trainer.checkpoint import (
@@ -39,7 +47,7 @@ from harness_trainer.trainer.checkpoint import (
     save_checkpoint,
 )
 from harness_trainer.trainer.concurrency import AdaptiveConcurrency, ConcurrencyRule
-from harness_trainer.trainer.config import AsyncGRPOConfig
+from harness_trainer.trainer.config import ADAPTER_ON_REPLICAS, AsyncGRPOConfig
 from harness_trainer.trainer.curriculum import PassRateCurriculum, PassRateRule
 from harness_trainer.trainer.distributed import (
     Collective,
@@ -384,30 +392,50 @@ class HarnessAsyncGRPOTrainer:
         return metrics
 
     def _make_engine(self) -> Any:
+        """The engine client: one, or with ``vllm_replica_urls`` an :class:`EngineReplicas` over one client
+        per replica (each with its own weight path), draining at ``replica_proxy_url`` when given."""
         args = self.args
-        assert args.vllm_server_base_url is not None and self.model is not None
+        assert args.vllm_server_base_url is not None
+        if not args.vllm_replica_urls:
+            return self._engine_at(args.vllm_server_base_url)
+        if self._adapter_sync:
+            raise ValueError(ADAPTER_ON_REPLICAS)
+        from capture_proxy.config import ADMIN_KEY_ENV
+
+        urls = [args.vllm_server_base_url, *args.vllm_replica_urls]
+        kinds = {url: detect_engine_kind(url) for url in args.vllm_replica_urls}
+        if others := {url: kind for url, kind in kinds.items() if kind != args.engine}:
+            raise ValueError(f"every replica must be a {args.engine} engine, as engine says; not: {others}")
+        return EngineReplicas(
+            [self._engine_at(url) for url in urls], proxy_url=args.replica_proxy_url,
+            admin_key=os.environ.get(ADMIN_KEY_ENV) or None, proxy_timeout_s=args.weight_sync_timeout,
+        )  # fmt: skip
+
+    def _engine_at(self, url: str) -> Any:
+        args = self.args
+        assert self.model is not None
         if args.engine == "vllm" and self._adapter_sync:
             # Only the adapter travels; vLLM keeps the versions a rollout may still be finishing on.
             return make_engine(
-                "vllm", args.vllm_server_base_url, timeout=args.weight_sync_timeout, lora=True,
+                "vllm", url, timeout=args.weight_sync_timeout, lora=True,
                 keep_adapters=args.max_staleness + 1, weight_sync_timeout=args.weight_sync_timeout,
             )  # fmt: skip
         if args.engine == "vllm":
             # A merged LoRA (or the full model) travels whole: vLLM serves one model name throughout.
             return make_engine(
-                "vllm", args.vllm_server_base_url, timeout=args.weight_sync_timeout,
-                weight_sync=self._weight_sync(), weight_sync_timeout=args.weight_sync_timeout,
+                "vllm", url, timeout=args.weight_sync_timeout,
+                weight_sync=self._weight_sync(url), weight_sync_timeout=args.weight_sync_timeout,
             )  # fmt: skip
-        return make_engine(args.engine, args.vllm_server_base_url, timeout=args.weight_sync_timeout)
+        return make_engine(args.engine, url, timeout=args.weight_sync_timeout)
 
-    def _weight_sync(self) -> Any:
+    def _weight_sync(self, url: str) -> Any:
         from harness_trainer.engines import FileWeightSync, NcclTransport, choose_weight_sync
 
         args = self.args
-        assert args.vllm_server_base_url is not None and self.model is not None
-        path = choose_weight_sync(args.weight_sync, args.vllm_server_base_url)
+        assert self.model is not None
+        path = choose_weight_sync(args.weight_sync, url)
         logger.warning(
-            "weight sync to vLLM at %s: %s%s", args.vllm_server_base_url, path,
+            "weight sync to vLLM at %s: %s%s", url, path,
             " (auto: vLLM is on this host)" if args.weight_sync == "auto" and path == "file"
             else " (auto: vLLM is on another host)" if args.weight_sync == "auto" else "",
         )  # fmt: skip
@@ -670,6 +698,8 @@ class HarnessAsyncGRPOTrainer:
             "perf/weight_sync_s": sync_s,
             "policy_version": float(self.state.policy_version),
         })  # fmt: skip
+        if isinstance(self.engine, EngineReplicas):
+            metrics["engine/replicas_out"] = float(len(self.engine.out_of_rotation))
         return metrics
 
     def _optimize(self, share: StepShare) -> tuple[dict[str, float], int]:

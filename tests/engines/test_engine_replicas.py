@@ -168,3 +168,39 @@ async def test_a_drain_the_proxy_did_not_take_is_recorded_and_asked_again_on_res
     assert state["out"] and not state["drained"] and "drain at the proxy" in state["error"]
     await replicas.resume()  # the proxy is still down: asked again, still recorded
     assert replicas.report()[1]["error"].count("drain at the proxy") == 2
+
+
+class Staging(Refusing):
+    """A replica with a pause-free part of its push (as VLLMEngine's file path): it stages, refuses, or is
+    unreachable, and records what it was given to close."""
+
+    def __init__(self, base_url: str, stage: str = "ok") -> None:
+        super().__init__(base_url)
+        self.stage, self.staged, self.closed = stage, [], 0
+
+    async def stage_weights(self, named_tensors: object, version: int) -> None:
+        if self.stage == "refuse":
+            raise PushRefused(f"{self.base_url} cannot load version {version}")
+        if self.stage == "unreachable":
+            raise EngineUnavailable(f"{self.base_url} unreachable")
+        self.staged.append(version)
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+async def test_staging_reaches_every_replica_and_one_that_fails_it_is_out() -> None:
+    engines = [Staging("http://a"), Staging("http://b", stage="unreachable")]
+    replicas = EngineReplicas(engines)
+    await replicas.stage_weights({}, 1)
+    assert engines[0].staged == [1] and replicas.out_of_rotation == [1]
+    assert "staging of 1" in replicas.report()[1]["error"]
+    replicas.close()
+    assert [engine.closed for engine in engines] == [1, 1]
+
+
+async def test_staging_every_replica_refused_is_a_push_refused_and_none_goes_out() -> None:
+    replicas = EngineReplicas([Staging("http://a", stage="refuse"), Staging("http://b", stage="refuse")])
+    with pytest.raises(PushRefused, match="no replica can load version 2"):
+        await replicas.stage_weights({}, 2)
+    assert replicas.out_of_rotation == []  # nothing was sent: each serves its old weights whole

@@ -26,6 +26,7 @@ from harness_trainer.jobs.gpus import (
 )
 from harness_trainer.jobs.plan import VLLM_FLAGS, LaunchPlan, build_plan, trainer_settings
 from harness_trainer.jobs.submit import add_submit_arguments, run_submit
+from harness_trainer.launch.harbor_run import build_config, parse_args
 from tests.jobs.conftest import alive, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -433,6 +434,9 @@ def test_the_slurm_example_puts_replicas_on_some_nodes_and_trainer_ranks_on_the_
     assert env == {"CUDA_VISIBLE_DEVICES": "", "MAX_CONCURRENT_ENVS": "9"}
     upstreams = [serve[i + 1] for i, word in enumerate(serve) if word == "--upstream"]
     assert upstreams == ["http://n1:8000", "http://n2:8000"] and "--replicas" in serve
+    # The trainer's rank 0 drains a replica at the capture proxy, from another node, with the admin key
+    # the script exported (on no command line).
+    assert after(serve, "--capture-host") == "0.0.0.0" and "--capture-admin-key" not in serve
 
     argv = commands["trainer"]
     assert argv[: argv.index("env")] == [
@@ -450,10 +454,13 @@ def test_the_slurm_example_puts_replicas_on_some_nodes_and_trainer_ranks_on_the_
     assert (after(torchrun, "--nnodes"), after(torchrun, "--nproc_per_node")) == ("2", "8")
     assert (after(torchrun, "--rdzv_endpoint"), after(torchrun, "--rdzv_id")) == ("n3:29500", "77")
     assert trainer[module + 1] == TRAINER_MODULE
-    # The trainer takes one engine URL: the first replica's (the example's header says what that costs).
     assert trainer[-4:] == ["--server", "http://n3:8200", "--vllm-url", "http://n1:8000"]
     settings = trainer_settings(trainer[module + 2 : -4])
     assert (settings.model, settings.max_concurrent_rollouts) == ("org/m", 8)
+    # Every replica gets each step's weights: the first by --vllm-url, the others as replicas.
+    config = build_config(parse_args(trainer[module + 2 :]))
+    assert config.vllm_server_base_url == "http://n1:8000" and config.vllm_replica_urls == ["http://n2:8000"]
+    assert config.replica_proxy_url == "http://n3:8300"
 
 
 def test_the_slurm_example_with_one_replica_needs_no_replica_routing_and_refuses_one_node() -> None:
@@ -462,6 +469,9 @@ def test_the_slurm_example_with_one_replica_needs_no_replica_routing_and_refuses
     assert vllm[-2:] == ["--data-parallel-size", "4"]
     _, serve = environment(commands["serve"])
     assert "--replicas" not in serve and after(serve, "--upstream") == "http://a:8000"
+    assert after(serve, "--capture-host") == "127.0.0.1"
+    _, trainer = environment(commands["trainer"])
+    assert "--vllm-replica-urls" not in trainer and "--replica-proxy-url" not in trainer
     full = {"PATH": os.environ["PATH"], "DRY_RUN": "1", "MODEL": "m", "DATASET": "d", "NODE_HOSTS": "solo"}
     result = subprocess.run(["bash", str(SLURM)], env=full, capture_output=True, text=True, timeout=30)
     assert result.returncode == 2

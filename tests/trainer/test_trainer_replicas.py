@@ -1,0 +1,145 @@
+"""The trainer over several engine replicas (``vllm_replica_urls``): every step's weights reach every real dev
+engine on loopback; a replica killed mid-run is taken out (drained at a real ``capture_proxy --replicas``,
+whose admin key the trainer reads from the environment) while the run goes on; and the config's refusals."""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from capture_proxy.config import ADMIN_KEY_ENV
+from harness_trainer import HarnessAsyncGRPOTrainer
+from harness_trainer.dev_engine.process import EngineProcess, start_engine
+from harness_trainer.engines import EngineReplicas
+from harness_trainer.net import free_port
+from harness_trainer.rollouts.server.capture_client import CaptureClient
+from harness_trainer.rollouts.server.proxy_process import ProxyProcess
+from harness_trainer.trainer.config import AsyncGRPOConfig, ConfigProblems
+from tests.trainer.handmade import HandmadeFactory
+from tests.trainer.test_trainer import builder, config, metrics_lines
+
+
+@pytest.fixture
+def two_engines(tiny_model_dir: Path) -> Iterator[list[EngineProcess]]:
+    started = [start_engine(tiny_model_dir) for _ in range(2)]
+    yield started
+    for engine in started:
+        engine.stop()
+
+
+def weight_version(url: str) -> int:
+    return httpx.get(url + "/weight_version", timeout=30).json()["weight_version"]
+
+
+def greedy_logprobs(url: str) -> list[float]:
+    """The logprobs of a greedy reply: they move with any change of the weights."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Count to five."}], "temperature": 0.0}
+    body.update(max_tokens=6, logprobs=True)
+    reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    reply.raise_for_status()
+    return [round(entry["logprob"], 4) for entry in reply.json()["choices"][0]["logprobs"]["content"]]
+
+
+def test_every_step_reaches_every_replica(two_engines, tiny_model_dir, tmp_path) -> None:
+    first, second = two_engines
+    before = greedy_logprobs(second.url)
+    factory = HandmadeFactory()
+    args = config(
+        tmp_path, engine="auto", vllm_server_base_url=first.url, vllm_replica_urls=f"{second.url}/v1",
+        max_steps=2, learning_rate=0.05,
+    )  # fmt: skip
+    trainer = HarnessAsyncGRPOTrainer(str(tiny_model_dir), builder(factory), args)
+    trainer.train()
+    assert args.vllm_replica_urls == [f"{second.url}/v1"]  # the comma-separated form, split
+    assert [weight_version(engine.url) for engine in two_engines] == [2, 2]
+    after = greedy_logprobs(second.url)
+    assert after == greedy_logprobs(first.url) and after != before  # both serve the trained weights
+    assert [line["engine/replicas_out"] for line in metrics_lines(tmp_path / "out")] == [0.0, 0.0]
+    assert not factory.live and factory.factory_closed
+
+
+def test_a_replica_killed_mid_run_is_drained_and_the_run_goes_on(
+    two_engines, tiny_model_dir, tmp_path, monkeypatch
+) -> None:
+    first, second = two_engines
+    proxy = ProxyProcess(
+        first.url, tmp_path / "proxy", "key", "127.0.0.1", free_port(),
+        allowed_upstreams=(second.url,), replicas=True,
+    )  # fmt: skip
+    client = CaptureClient(proxy.url, "key")
+    loop = asyncio.new_event_loop()  # the proxy's child process is watched from the loop that started it
+    loop.run_until_complete(proxy.start(client))
+    monkeypatch.setenv(ADMIN_KEY_ENV, "key")
+
+    def kill_after_first_push() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and weight_version(first.url) < 1:
+            time.sleep(0.05)
+        second.process.kill()
+
+    killer = threading.Thread(target=kill_after_first_push, daemon=True)
+    try:
+        factory = HandmadeFactory()
+        args = config(
+            tmp_path, engine="dev", vllm_server_base_url=first.url, vllm_replica_urls=[second.url],
+            replica_proxy_url=proxy.url, max_steps=3,
+        )  # fmt: skip
+        trainer = HarnessAsyncGRPOTrainer(str(tiny_model_dir), builder(factory), args)
+        killer.start()
+        trainer.train()
+        killer.join(60)
+        assert isinstance(trainer.engine, EngineReplicas) and trainer.engine.out_of_rotation == [1]
+        lines = metrics_lines(tmp_path / "out")
+        assert [line["step"] for line in lines] == [1, 2, 3]
+        assert lines[-1]["engine/replicas_out"] == 1.0 and lines[-1]["policy_version"] == 3.0
+        assert weight_version(first.url) == 3
+        assert [r["drained"] for r in loop.run_until_complete(client.replicas())] == [False, True]
+    finally:
+        loop.run_until_complete(proxy.stop())
+        loop.run_until_complete(client.aclose())
+        loop.close()
+
+
+def test_a_replica_of_another_kind_is_refused_naming_it(two_engines, tiny_model_dir, tmp_path) -> None:
+    # It answers, but not GET /weight_version (a route only the dev engine has): taken for a vLLM.
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    not_dev = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        args = config(
+            tmp_path, engine="dev", vllm_server_base_url=two_engines[0].url, vllm_replica_urls=[not_dev]
+        )
+        trainer = HarnessAsyncGRPOTrainer(str(tiny_model_dir), builder(HandmadeFactory()), args)
+        with pytest.raises(ValueError, match=f"every replica must be a dev engine.*{not_dev}"):
+            trainer.train()
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"vllm_replica_urls": ["http://a:8000/v1"]}, "name an engine twice"),
+        ({"replica_proxy_url": "http://proxy:8300"}, "vllm_replica_urls names none"),
+        ({"vllm_replica_urls": ["http://b:8000"], "engine": "none"}, "engine='none'"),
+        (
+            {"vllm_replica_urls": ["http://b:8000"], "engine": "vllm", "use_peft": True},
+            "lora_sync='adapter' publishes each adapter on one engine",
+        ),
+    ],
+)
+def test_bad_replica_settings_are_refused(overrides: dict, message: str) -> None:
+    with pytest.raises(ConfigProblems, match=message):
+        AsyncGRPOConfig(vllm_server_base_url="http://a:8000", **overrides)
+
+
+def test_without_replicas_the_engine_is_one_client(tmp_path) -> None:
+    assert AsyncGRPOConfig(output_dir=str(tmp_path)).vllm_replica_urls == []
