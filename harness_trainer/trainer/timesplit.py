@@ -7,8 +7,9 @@
   stamp, or ending before it starts, is left out. Only captured turns count: a call the engine failed, or
   that assembly discarded, is not a turn.
 - ``env_s``: the environment's phases as the rollout server reports them (``phase_seconds``:
-  :data:`ENV_PHASES`: sandbox start, agent install, test upload, verifier, cleanup), plus the part of the
-  ``agent`` phase spent outside model calls (its tools and the harness in the sandbox). Without phases (a
+  :data:`ENV_PHASES`: sandbox start, agent install, test upload, verifier, cleanup, and a white-box
+  episode's ``tools``: its tool calls, summed), plus the part of the black-box ``agent`` phase spent
+  outside model calls (its tools and the harness in the sandbox). Without phases (a
   factory that reports none, a rollout that failed before any) it is 0: nothing says how much there was.
 - ``other_s``: the rest of the wall time (the server's bookkeeping phases, queueing, transport, scoring),
   at least 0. The proxy's and the server's clocks are not the scheduler's, so the three parts add up to the
@@ -22,8 +23,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-ENV_PHASES = frozenset({"sandbox_start", "install", "upload", "verifier", "cleanup"})
-"""Phases of the rollout server (``rollouts/server/run.py``) spent in the environment, not the model."""
+ENV_PHASES = frozenset({"sandbox_start", "install", "upload", "verifier", "cleanup", "tools"})
+"""Phases of the rollout server spent in the environment, not the model: a black-box rollout's
+(``rollouts/server/run.py``) and a white-box environment's (``rollouts/server/environment.py``)."""
 AGENT_PHASE = "agent"
 """The phase the agent runs in: its model calls and its tools."""
 

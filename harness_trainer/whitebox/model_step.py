@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -94,6 +95,10 @@ class TurnRecord:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     parse_error: str | None = None
     """Why the reply's tool call could not be parsed, or None."""
+    started_at: float | None = None
+    finished_at: float | None = None
+    """When the engine call was sent and answered (unix seconds), as the capture proxy stamps a black-box
+    call: the rollout's model time (``perf/rollout_llm_s``) is their union."""
 
 
 class TokenModelStep:
@@ -147,7 +152,9 @@ class TokenModelStep:
             self.context_exhausted = True  # nothing sampled: the adapter sees a final, empty reply
             return ModelStepResult(response=LLMResponse(content=""))
         limit = min(self.max_completion_tokens, room, self.policy.max_tokens or room)
+        started_at = time.time()
         reply = self._complete(prompt_ids, limit)
+        finished_at = time.time()
         completion_ids, logprobs, finish, version = _read_reply(reply, prompt_ids)
         response, parse_error = self._parse(prompt_ids, completion_ids, tool_dicts)
         self.records.append(
@@ -162,6 +169,8 @@ class TokenModelStep:
                 text=response.content,
                 tool_calls=[{"name": call.name, "arguments": call.args} for call in response.tool_calls],
                 parse_error=parse_error,
+                started_at=started_at,
+                finished_at=finished_at,
             )
         )
         if finish == "length" and len(prompt_ids) + len(completion_ids) >= self.context_budget:

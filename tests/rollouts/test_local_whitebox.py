@@ -96,7 +96,8 @@ def test_a_bash_command_solves_the_task_and_verify_gives_reward_1(
         assert verdict.metrics["tool_calls_by_name"] == {"bash": 1, "read_file": 1, "submit": 1}
         assert verdict.metrics["tool_failure_count"] == 0 and verdict.metrics["submitted"]
         assert verdict.metrics["session_id"] == session.session_id
-        assert set(verdict.metrics["phase_seconds"]) == {"sandbox_start", "upload", "verifier"}
+        assert set(verdict.metrics["phase_seconds"]) == {"sandbox_start", "tools", "upload", "verifier"}
+        assert verdict.metrics["phase_seconds"]["tools"] > 0  # the three calls, summed
         assert verdict.artifacts["summary"] == "wrote it"
         assert roots(base) == [], "verify ends the episode: its sandbox is closed"
         assert session.verify([]).env_reward == 1.0  # again: the same verdict

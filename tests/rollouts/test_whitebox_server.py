@@ -127,7 +127,8 @@ def test_a_solution_written_through_the_tools_is_verified_with_reward_1(
         assert verdict.metrics["tool_calls_by_name"] == {"write_file": 1, "read_file": 1, "submit": 1}
         assert verdict.metrics["tool_failure_count"] == 0 and verdict.metrics["submitted"]
         assert verdict.artifacts["summary"] == "wrote it"
-        assert set(verdict.metrics["phase_seconds"]) == {"sandbox_start", "upload", "verifier"}
+        assert set(verdict.metrics["phase_seconds"]) == {"sandbox_start", "tools", "upload", "verifier"}
+        assert verdict.metrics["phase_seconds"]["tools"] > 0  # the three calls, summed
         assert server.sandbox_roots() == [], "verify ends the episode: its sandbox is closed"
         assert session.verify([]).env_reward == 1.0  # again: the same verdict
         with pytest.raises(RolloutServerError, match=r"409.*verified"):

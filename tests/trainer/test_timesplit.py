@@ -20,6 +20,15 @@ def test_sequential_calls_add_up_and_the_agent_phase_outside_them_is_environment
     assert split.other_s == pytest.approx(20.0 - 3.0 - 11.5)
 
 
+def test_a_white_box_episodes_tool_calls_are_environment() -> None:
+    # A white-box environment reports no agent phase: its tools' summed time is the environment's.
+    turns = [call(100.0, 102.0), call(104.0, 105.0)]
+    phases = {"sandbox_start": 1.0, "tools": 2.5, "upload": 0.2, "verifier": 0.8}
+    split = time_split(turns, phases, wall_s=9.0)
+    assert (split.llm_s, split.env_s) == (pytest.approx(3.0), pytest.approx(4.5))
+    assert split.other_s == pytest.approx(1.5)
+
+
 def test_concurrent_calls_are_counted_once() -> None:
     turns = [call(0.0, 4.0), call(1.0, 2.0), call(3.0, 6.0), call(10.0, 11.0)]
     assert time_split(turns, {}, wall_s=12.0).llm_s == pytest.approx(7.0)

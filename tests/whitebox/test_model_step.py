@@ -5,6 +5,7 @@ logprobs), driven by OpenEnv's own MCP harness adapter."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +96,10 @@ def run_episode(step: TokenModelStep, max_turns: int = 4, **limits: Any) -> tupl
 def test_a_turn_is_the_engines_own_ids_and_logprobs(engine: EngineProcess, tokenizer: Any) -> None:
     messages = [{"role": "user", "content": "Say something."}]
     with make_step(tokenizer, engine.url, max_completion_tokens=12) as step:
+        before = time.time()
         result = step(messages, [], {})
+        after = time.time()
+        episode = step.trace()
     prompt = tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=True, return_dict=False
     )
@@ -113,6 +117,11 @@ def test_a_turn_is_the_engines_own_ids_and_logprobs(engine: EngineProcess, token
     assert record.weight_version == httpx.get(f"{engine.url}/weight_version").json()["weight_version"]
     assert record.finish_reason == direct["choices"][0]["finish_reason"]
     assert record.sampling["temperature"] == 1.0
+    # The call's own interval, on the trace as the capture proxy stamps a black-box call: the model time.
+    assert record.started_at is not None and record.finished_at is not None
+    assert before <= record.started_at < record.finished_at <= after
+    meta = episode.trace.turns[0].metadata
+    assert (meta["started_at"], meta["finished_at"]) == (record.started_at, record.finished_at)
 
 
 def test_turns_that_extend_each_other_build_one_root_and_one_row(

@@ -113,6 +113,8 @@ def test_the_trainer_trains_white_box_rollouts_on_the_engines_ids_and_leaks_noth
         line["whitebox/retemplated_turns"] == 0 and line["tools/call_frequency"] == 0.5 for line in lines
     )
     assert scripted_engine.worker.weight_version == 2
+    # Each turn's engine call is timed, as the capture proxy times a black-box one; the tools are environment.
+    assert all(line["perf/rollout_llm_s"] > 0 and line["perf/rollout_env_s"] > 0 for line in lines)
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     replies = {text: tokenizer(text, add_special_tokens=False)["input_ids"] for text in (WRITE, DONE)}

@@ -126,11 +126,15 @@ class Environment:
     async def _call_tool(self, name: str, arguments: Any) -> ToolResult:
         async with self._lock:
             tools = self._usable()
+            started = time.monotonic()
             try:
                 return await tools.call_tool(name, arguments)
             except SandboxError as exc:
                 await self._fail(f"{type(exc).__name__}: {exc}")
                 raise EnvironmentGone(self.error) from exc
+            finally:  # the episode's time in its tools: its environment time, beside the sandbox's phases
+                spent = time.monotonic() - started
+                self.phase_seconds["tools"] = round(self.phase_seconds.get("tools", 0.0) + spent, 4)
 
     async def verify(self) -> EnvironmentVerdict:
         """The verdict (rule 4); the same one again on a second call."""
