@@ -1,4 +1,4 @@
-"""mini-swe-agent (pip ``mini-swe-agent``, pinned, in its own venv: it pulls litellm) as a harness.
+"""mini-swe-agent (pip ``mini-swe-agent``, pinned, in its own venv, with its litellm pinned too) as a harness.
 
 Configuration: the stock ``mini.yaml`` (its own prompts and its single ``bash`` tool) with an overlay,
 ``~/.harness-trainer/mini-swe-agent/overlay.yaml``, merged on top (``mini -c mini.yaml -c overlay.yaml``).
@@ -34,7 +34,10 @@ from harness_trainer.harnesses.base import (
 from harness_trainer.harnesses.tools import ToolPackage, install_tool, tool_path
 from harness_trainer.sandboxes.base import Sandbox
 
-PACKAGE = ToolPackage("pip", "mini-swe-agent", "2.4.6", "venv/bin/mini")
+# litellm pinned: mini's range (>=1.75.5) floats to each new release, and importing litellm is most of an
+# agent start (mini's imports with 1.76.0: about 3.0 s of CPU here, against 4.4 s with 1.110.2, 2026-12;
+# a first dev run starts the agent about 100 times).
+PACKAGE = ToolPackage("pip", "mini-swe-agent", "2.4.6", "venv/bin/mini", pins=(("litellm", "1.76.0"),))
 LOG_NAME = "mini-swe-agent.log"
 TRAJECTORY_NAME = "mini-swe-agent.traj.json"
 CONFIG_SECTIONS = ("agent", "model", "environment")

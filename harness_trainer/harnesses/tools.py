@@ -2,9 +2,11 @@
 
 Contract:
 
-- A :class:`ToolPackage` names one pinned package and the executable inside its install folder. Its
-  install folder is named ``<package>-<version>`` and is complete once it holds the marker file
-  ``.harness-trainer-installed``; a folder without the marker is a broken install, wiped and redone.
+- A :class:`ToolPackage` names one pinned package, the executable inside its install folder, and any of
+  its dependencies pinned too (``pins``, installed with it). Its install folder is named
+  ``<package>-<version>`` (then ``-<pin>-<version>`` per pin, so other pins install anew) and is complete
+  once it holds the marker file ``.harness-trainer-installed``; a folder without the marker is a broken
+  install, wiped and redone.
 - A sandbox that sees the host's filesystem (the local sandbox) runs agents from the **host tool cache**
   ``$HARNESS_TRAINER_CACHE/tools`` (default ``~/.cache/harness-trainer/tools``), installed once per
   machine and shared by every sandbox: concurrent installers (threads, tasks, processes) serialise on a
@@ -51,28 +53,41 @@ class ToolPackage:
     name: str
     version: str
     entrypoint: str
+    pins: tuple[tuple[str, str], ...] = ()
+    """Dependencies pinned to an exact version, ``(name, version)``, installed with the package: where its
+    own range would float (a start's cost, and what the agent runs, would change with each release)."""
 
     @property
     def spec(self) -> str:
         """What the package manager is asked for (``name@version`` / ``name==version``)."""
-        return f"{self.name}@{self.version}" if self.manager == "npm" else f"{self.name}=={self.version}"
+        return self._spec(self.name, self.version)
+
+    @property
+    def specs(self) -> list[str]:
+        """The package's spec, then its pins'."""
+        return [self.spec, *(self._spec(name, version) for name, version in self.pins)]
+
+    def _spec(self, name: str, version: str) -> str:
+        return f"{name}@{version}" if self.manager == "npm" else f"{name}=={version}"
 
     @property
     def dirname(self) -> str:
-        return re.sub(r"[^A-Za-z0-9._-]+", "-", self.name.lstrip("@")) + f"-{self.version}"
+        parts = [(self.name, self.version), *self.pins]
+        return "-".join(re.sub(r"[^A-Za-z0-9._-]+", "-", name.lstrip("@")) + f"-{v}" for name, v in parts)
 
     def install_command(self, dest: str, python: str = "python3") -> str:
         """A bash command that installs the package into ``dest`` (which it creates)."""
         quoted = shlex.quote(dest)
+        specs = " ".join(shlex.quote(spec) for spec in self.specs)
         if self.manager == "npm":
             return (
                 f"mkdir -p {quoted} && npm install --prefix {quoted} --no-fund --no-audit "
-                f"--loglevel=error {shlex.quote(self.spec)}"
+                f"--loglevel=error {specs}"
             )
         venv = shlex.quote(f"{dest}/venv")
         return (
             f"mkdir -p {quoted} && {shlex.quote(python)} -m venv {venv} && {venv}/bin/pip install "
-            f"--disable-pip-version-check --no-input -q {shlex.quote(self.spec)}"
+            f"--disable-pip-version-check --no-input -q {specs}"
         )
 
     @property
@@ -110,7 +125,7 @@ def sandbox_install_command(package: ToolPackage, dest: str) -> str:
         f"if [ -f {marker} ]; then exit 0; fi; "
         f"command -v {need} >/dev/null || {{ echo 'no {need} on PATH' >&2; exit 127; }}; "
         f"rm -rf {shlex.quote(dest)} && {package.install_command(dest)} && "
-        f"echo {shlex.quote(package.spec)} > {marker}"
+        f"echo {shlex.quote(' '.join(package.specs))} > {marker}"
     )
 
 
@@ -164,7 +179,7 @@ async def ensure_host_install(
         if not (folder / MARKER).is_file():
             await asyncio.to_thread(shutil.rmtree, folder, True)
             await _run_installer(package.install_command(str(folder), python=sys.executable), timeout_s)
-            (folder / MARKER).write_text(package.spec + "\n")
+            (folder / MARKER).write_text(" ".join(package.specs) + "\n")
     _host_ready.add(folder)
     return folder
 

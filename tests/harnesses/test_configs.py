@@ -194,7 +194,7 @@ def _writes_log(log_name: str, text: str):  # type: ignore[no-untyped-def]
     ("name", "log_name", "binary"),
     [
         ("opencode", "opencode.jsonl", "opencode-ai-1.18.33/node_modules/.bin/opencode"),
-        ("mini-swe-agent", "mini-swe-agent.log", "mini-swe-agent-2.4.6/venv/bin/mini"),
+        ("mini-swe-agent", "mini-swe-agent.log", "mini-swe-agent-2.4.6-litellm-1.76.0/venv/bin/mini"),
         ("claude-code", "claude-code.jsonl", "anthropic-ai-claude-code-2.1.332/node_modules/.bin/claude"),
         ("codex", "codex.jsonl", "openai-codex-0.171.0/node_modules/.bin/codex"),
     ],

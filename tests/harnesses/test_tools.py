@@ -61,6 +61,20 @@ def test_package_specs_and_folders_are_pinned_and_filesystem_safe() -> None:
     assert "npm install --prefix /d" in FAKE.install_command("/d")
 
 
+def test_pinned_dependencies_install_with_the_package_in_a_folder_of_their_own() -> None:
+    pinned = ToolPackage("pip", "mini-swe-agent", "2.4.6", "venv/bin/mini", pins=(("litellm", "1.76.0"),))
+    assert pinned.specs == ["mini-swe-agent==2.4.6", "litellm==1.76.0"]
+    assert pinned.install_command("/d").endswith("pip install --disable-pip-version-check --no-input -q "
+                                                  "mini-swe-agent==2.4.6 litellm==1.76.0")  # fmt: skip
+    # Other pins are another install: a cached folder with the old ones is never taken for it.
+    assert pinned.dirname == "mini-swe-agent-2.4.6-litellm-1.76.0"
+    assert pinned.dirname != ToolPackage("pip", "mini-swe-agent", "2.4.6", "venv/bin/mini").dirname
+    npm = ToolPackage("npm", "@acme/agent", "1.0.0", "bin/agent", pins=(("@acme/dep", "2.0.0"),))
+    assert npm.install_command("/d").endswith("@acme/agent@1.0.0 @acme/dep@2.0.0")
+    assert npm.dirname == "acme-agent-1.0.0-acme-dep-2.0.0"
+    assert "echo 'mini-swe-agent==2.4.6 litellm==1.76.0' >" in sandbox_install_command(pinned, "/d")
+
+
 async def test_concurrent_host_installs_of_one_package_run_the_installer_once(fake_npm: Path) -> None:
     folders = await asyncio.gather(*(ensure_host_install(FAKE) for _ in range(4)))
     assert len(set(folders)) == 1
@@ -130,6 +144,10 @@ def test_the_template_agent_layer_installs_where_a_rollout_looks() -> None:
     assert agent_layer([], "/root") == ""
     both = template_agent_layer(["toy", "opencode", "mini-swe-agent"])
     assert both == template_agent_layer(["mini-swe-agent", "opencode"])  # toy installs nothing
-    assert "opencode-ai@1.18.33" in both and "mini-swe-agent==2.4.6" in both and both.count("( ") == 2
+    assert (
+        "opencode-ai@1.18.33" in both
+        and "mini-swe-agent==2.4.6 litellm==1.76.0" in both
+        and both.count("( ") == 2
+    )
     with pytest.raises(ValueError, match="unknown harness nope"):
         template_agent_layer(["nope"])
