@@ -6,6 +6,7 @@ the unit tests at the top (no server)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import pickle
 import shutil
@@ -69,6 +70,24 @@ def test_a_group_is_pinned_until_its_last_session_closes_and_moves_off_a_down_se
     with pytest.raises(RolloutServerError, match="no rollout server is up to take the policy"):
         pool.set_policy({"version": 1})
     pool.close()
+
+
+def test_members_placed_from_many_threads_at_once_keep_their_group_together() -> None:
+    pool = ServerPool([f"http://127.0.0.1:{free_port()}" for _ in range(3)], 5.0)
+    for server in pool.servers:
+        server.capacity = 40
+    members = [f"group{g}-member{m}" for m in range(4) for g in range(20)]
+    with concurrent.futures.ThreadPoolExecutor(8) as threads:
+        placed = list(threads.map(lambda episode: (episode, pool.place(group_of(episode))), members))
+    by_group: dict[str, set[str]] = {}
+    for episode, placement in placed:
+        by_group.setdefault(group_of(episode) or "", set()).add(placement.server.url)
+    assert all(len(urls) == 1 for urls in by_group.values())
+    opened = [r["open"] for r in pool.report()]  # 20 whole groups of 4, spread (the order is the threads')
+    assert sum(opened) == 80 and all(count % 4 == 0 and count > 0 for count in opened)
+    with concurrent.futures.ThreadPoolExecutor(8) as threads:
+        list(threads.map(pool.release, [placement for _, placement in placed]))
+    assert [r["open"] for r in pool.report()] == [0, 0, 0] and pool._pins == {} and pool._members == {}
 
 
 def test_refused_server_lists_fail_before_any_request() -> None:
