@@ -2,7 +2,7 @@
 
 Pass it as a builder, as with OpenEnv: ``partial(HarborSessionFactory, server_url, split="owner/tasks",
 harness="opencode", sandbox="local", llm_url=..., model=...)``; the trainer calls
-``builder(sampling=policy)``.
+``builder(sampling=policy)``. ``server_url`` is one server's URL, or a list of them (below).
 Keywords keep OpenEnv's meanings:
 
 - ``split``: a dataset the server serves (``serve --dataset A --dataset B``), ``A:test`` for one of its
@@ -33,17 +33,35 @@ timeout waits the agent's timeout plus the task's verifier timeout plus ``setup_
 start and agent install), then stops the agent (its captured turns stay trainable). The factory is
 picklable (it holds settings only; HTTP clients are made on use) and keeps one extra server session open
 for metadata, so the server needs ``MAX_CONCURRENT_ENVS >= max_concurrent_rollouts + 1``.
+
+Several servers (``server_url=[URL, URL, ...]``, no URL twice): each is checked as above at construction,
+and all must list the same tasks for the split (indices and instructions) and sample from the same engine
+and model, else a :class:`RolloutConfigError` naming the two that differ. A GRPO group's members run on
+one server; groups go where most capacity is free (each server's own ``MAX_CONCURRENT_ENVS``); a server
+that goes away loses only the rollouts it held (:class:`RolloutServerError`, unscorable) and comes back
+only after taking the last policy sent. The contract: :mod:`harness_trainer.rollouts.client.servers`.
+The metadata session is held by the first server that is up when the tasks are first listed (size that
+one ``+1``); ``servers_report()`` counts, per server, what was placed and lost there.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
 
 from capture_proxy.config import engine_root
+from harness_trainer.rollouts.client.servers import (
+    _POLL_S,
+    Placement,
+    RolloutServerError,
+    Server,
+    ServerPool,
+    group_of,
+)
 from harness_trainer.rollouts.client.session import (
     RewardKeyCheck,
     VerifyResult,
@@ -56,7 +74,7 @@ from harness_trainer.rollouts.errors import RolloutConfigError, error_for
 from harness_trainer.rollouts.result import RolloutResult
 from harness_trainer.trace import TrainingTrace
 
-_POLL_S = 30.0
+__all__ = ["HarborSession", "HarborSessionFactory", "RolloutServerError"]
 _OPENENV_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     # OpenEnv keyword: (the values that apply here, why others do not)
     "keep_sandbox": ((False,), "every sandbox is closed when its rollout ends, on every path (none is left "
@@ -71,18 +89,10 @@ _OPENENV_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
 }  # fmt: skip
 
 
-class RolloutServerError(RuntimeError):
-    """The rollout server refused (``status``, its HTTP status) or could not be reached (``status`` None)."""
-
-    def __init__(self, message: str, status: int | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-
-
 class HarborSessionFactory:
     def __init__(
         self,
-        server_url: str,
+        server_url: str | Sequence[str],
         *,
         split: str = "train",
         harness: str = "opencode",
@@ -124,7 +134,14 @@ class HarborSessionFactory:
             raise RolloutConfigError("indices=[] selects no task: give task indices, or None for all")
         if num_tasks is not None and num_tasks < 1:
             raise RolloutConfigError(f"num_tasks={num_tasks}: give at least 1, or None for all")
-        self.server_url = server_url.rstrip("/")
+        urls = [server_url] if isinstance(server_url, str) else list(server_url)
+        self.server_urls = tuple(url.rstrip("/") for url in urls)
+        if not self.server_urls or len(set(self.server_urls)) < len(self.server_urls):
+            raise RolloutConfigError(
+                f"server_url={server_url!r}: give one rollout server URL, or a list of them without repeats"
+            )
+        self.server_url = self.server_urls[0]
+        """The (first) server's URL; ``server_urls`` holds them all."""
         if harness_options:
             # The server checks them too; here a bad one fails before any rollout is asked for. Only when
             # given: the client otherwise needs none of the server side (the harnesses import sandboxes).
@@ -145,8 +162,7 @@ class HarborSessionFactory:
         )
         self.num_tasks, self.indices = num_tasks, None if indices is None else list(indices)
         self.setup_timeout_sec, self.request_timeout_s = setup_timeout_sec, request_timeout_s
-        self._client: httpx.Client | None = None
-        self._metadata_session: str | None = None
+        self.pool = ServerPool(self.server_urls, request_timeout_s)
         self._tasks: list[dict[str, Any]] | None = None
         self._tasks_lock = threading.Lock()  # rollout threads list tasks at once: one metadata session
         self.check_reward_key = RewardKeyCheck(reward_key)
@@ -155,14 +171,14 @@ class HarborSessionFactory:
         self.rollout_model: str | None = None
         """The engine and served model this factory's rollouts sample from (learned at construction)."""
         try:
-            self._check_server()
+            self._check_servers()
         except BaseException:
             self.close()
             raise
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_client=None, _metadata_session=None, _tasks=None, _tasks_lock=None)
+        state.update(_tasks=None, _tasks_lock=None)  # the pool pickles its settings only
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -170,28 +186,46 @@ class HarborSessionFactory:
 
     @property
     def client(self) -> httpx.Client:
-        if self._client is None:
-            self._client = httpx.Client(base_url=self.server_url, timeout=self.request_timeout_s + _POLL_S)
-        return self._client
+        """The first up server's HTTP client (made on use)."""
+        return self.pool.primary().http(self.request_timeout_s)
 
     def request(self, method: str, path: str, **kwargs: Any) -> Any:
-        try:
-            response = self.client.request(method, path, **kwargs)
-        except httpx.HTTPError as exc:
-            raise RolloutServerError(f"rollout server {self.server_url} unreachable: {exc!r}") from exc
-        if response.status_code >= 400:
-            message = f"{method} {path}: {response.status_code} {_message(response)}"
-            raise RolloutServerError(message, status=response.status_code)
-        return response.json()
+        """One request to the first server that is up (:class:`RolloutServerError` if it fails)."""
+        return self.pool.call(self.pool.primary(), method, path, **kwargs)
 
-    def _check_server(self) -> None:
-        health = self.request("GET", "/health")
+    def servers_report(self) -> list[dict[str, Any]]:
+        """Per server: ``url``, ``up``, ``open``, ``capacity``, ``placed``, ``lost`` (see
+        :meth:`ServerPool.report <harness_trainer.rollouts.client.servers.ServerPool.report>`)."""
+        return self.pool.report()
+
+    def _check_servers(self) -> None:
+        """Each server's checks; then all must list the same tasks and sample from one engine and model."""
+        seen: list[tuple[str, list[tuple[int, str]], tuple[str | None, str | None]]] = []
+        for server in self.pool.servers:
+            listed = [(t["index"], t["instruction"]) for t in self._check_server(server)]
+            seen.append((server.url, listed, (self.rollout_engine, self.rollout_model)))
+            (first, first_tasks, first_engine), (url, tasks, engine) = seen[0], seen[-1]
+            if tasks != first_tasks:
+                raise RolloutConfigError(
+                    f"rollout servers {first} and {url} list different tasks for split {self.split!r} "
+                    f"({len(first_tasks)} and {len(tasks)} tasks, or other instructions): serve one dataset"
+                )
+            if engine != first_engine:
+                raise RolloutConfigError(
+                    f"rollout servers {first} and {url} sample from different engines or models "
+                    f"({first_engine} and {engine}): their rollouts must sample from one policy"
+                )
+
+    def _check_server(self, server: Server) -> list[dict[str, Any]]:
+        """One server's checks (module docstring); its task listing of the split."""
+        health = self.pool.call(server, "GET", "/health")
+        server.capacity = int(health.get("max_concurrent_envs", 0))
         engines = {engine_root(e["url"]): list(e["models"]) for e in health.get("engines", [])}
         if engines:
             url = engine_root(self.llm_url) if self.llm_url else next(iter(engines))
             if url not in engines:
                 raise RolloutConfigError(
-                    f"llm_url {self.llm_url!r} is not an engine the rollout server at {self.server_url} "
+                    f"llm_url {self.llm_url!r} is not an engine the rollout server at {server.url} "
                     f"forwards to; allowed: {', '.join(engines)} (start it with --upstream {self.llm_url})"
                 )
             if self.model is not None and self.model not in engines[url]:
@@ -202,16 +236,16 @@ class HarborSessionFactory:
                 url,
                 self.model or (health.get("model") if url == next(iter(engines)) else engines[url][0]),
             )
-        if not self.split:  # OpenEnv's default: the server's first dataset
-            self.split = self.request("GET", "/splits")["datasets"][0]["name"]
+        if not self.split:  # OpenEnv's default: the (first) server's first dataset
+            self.split = self.pool.call(server, "GET", "/splits")["datasets"][0]["name"]
         try:  # listed without the metadata session: a factory built only to be pickled holds none
-            listed = self.request("GET", f"/splits/{self.split}/tasks")["tasks"]
+            listed = self.pool.call(server, "GET", f"/splits/{self.split}/tasks")["tasks"]
         except RolloutServerError as exc:
             if exc.status != 404:
                 raise
-            known = self.request("GET", "/splits").get("splits", [])
+            known = self.pool.call(server, "GET", "/splits").get("splits", [])
             raise RolloutConfigError(
-                f"split {self.split!r} is not served by {self.server_url}; splits: {known}"
+                f"split {self.split!r} is not served by {server.url}; splits: {known}"
             ) from None
         have = {t["index"] for t in listed}
         if self.indices is not None and (missing := sorted(set(self.indices) - have)):
@@ -219,7 +253,8 @@ class HarborSessionFactory:
                 f"indices {missing} are not in split {self.split!r} (it has tasks 0..{len(have) - 1})"
             )
         if not listed:
-            raise RolloutConfigError(f"split {self.split!r} of {self.server_url} has no task to run")
+            raise RolloutConfigError(f"split {self.split!r} of {server.url} has no task to run")
+        return listed
 
     def check_engine(self, engine_url: str) -> None:
         """The trainer's engine at ``engine_url`` must serve the model this factory's rollouts sample from
@@ -243,22 +278,23 @@ class HarborSessionFactory:
 
     def set_policy(self, model: str, version: int) -> None:
         """Send every model call of the server's rollouts from now on to served model ``model``, recording
-        ``version`` on its turn (the server's ``PUT /policy``, passed to its capture proxy)."""
-        self.request("PUT", "/policy", json={"model": model, "version": version})
+        ``version`` on its turn (the server's ``PUT /policy``, passed to its capture proxy). With several
+        servers: every one that is up (it raises only when none took it)."""
+        self.pool.set_policy({"model": model, "version": version})
 
     def set_policy_version(self, version: int) -> None:
         """Record ``version`` on every later model call of the server's rollouts, their model unchanged (the
         server's ``PUT /policy`` without a model): the trainer's call after pushing weights in place."""
-        self.request("PUT", "/policy", json={"version": version})
+        self.pool.set_policy({"version": version})
 
     def tasks(self) -> list[dict[str, Any]]:
         """The split's tasks (``index``, ``name``, ``instruction``, timeouts), narrowed by ``indices`` /
         ``num_tasks``."""
         with self._tasks_lock:
-            if self._tasks is None:
-                if self._metadata_session is None:
-                    self._metadata_session = self.request("POST", "/sessions")["session_id"]
-                listed = self.request("GET", f"/splits/{self.split}/tasks")["tasks"]
+            if self._tasks is None:  # from the first server up: all list the same (checked at construction)
+                server = self.pool.primary()
+                self.pool.open_metadata_session(server)
+                listed = self.pool.call(server, "GET", f"/splits/{self.split}/tasks")["tasks"]
                 if self.indices is not None:
                     listed = [t for t in listed if t["index"] in set(self.indices)]
                 self._tasks = listed[: self.num_tasks] if self.num_tasks is not None else listed
@@ -293,7 +329,7 @@ class HarborSessionFactory:
 
     def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> HarborSession:
         index = self.task_index(task)
-        session_id = self.request("POST", "/sessions")["session_id"]
+        wait_timeout_s = self.wait_timeout_s(index)  # lists tasks first: placing counts the metadata session
         body = {
             "split": self.split, "index": index, "harness": self.harness, "sandbox": self.sandbox,
             "sampling": self.sampling, "agent_timeout_sec": self.agent_timeout_sec or None,
@@ -305,23 +341,26 @@ class HarborSessionFactory:
         engine = {"llm_url": self.llm_url, "model": self.model}
         engine.update(api_key=self.api_key, auth_header=self.auth_header)
         body.update({k: v for k, v in engine.items() if v is not None})
+        for attempt in range(len(self.pool.servers)):
+            placement = self.pool.place(group_of(episode_id))
+            try:
+                session_id = self.pool.call(placement.server, "POST", "/sessions")["session_id"]
+                break
+            except RolloutServerError as exc:
+                self.pool.release(placement)
+                if exc.status is not None or attempt == len(self.pool.servers) - 1:
+                    raise
+                # that server is now down: the next placement skips it (or says none is up)
         try:
-            self.request("POST", f"/sessions/{session_id}/rollout", json=body)
+            self.pool.call(placement.server, "POST", f"/sessions/{session_id}/rollout", json=body)
         except RolloutServerError:
-            self.request("DELETE", f"/sessions/{session_id}")
+            self.pool.close_session(placement, session_id)
             raise
-        return HarborSession(self, session_id, wait_timeout_s=self.wait_timeout_s(index))
+        return HarborSession(self, session_id, wait_timeout_s=wait_timeout_s, placement=placement)
 
     def close(self) -> None:
-        if self._metadata_session is not None:
-            try:
-                self.request("DELETE", f"/sessions/{self._metadata_session}")
-            except RolloutServerError:
-                pass  # the server may be gone; nothing of ours is left to leak there
-            self._metadata_session = None
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        """Close the metadata session and client of every server (up or gone); sessions are their owner's."""
+        self.pool.close()
 
     def __enter__(self) -> HarborSessionFactory:
         return self
@@ -330,20 +369,20 @@ class HarborSessionFactory:
         self.close()
 
 
-def _message(response: httpx.Response) -> str:
-    try:
-        error = response.json().get("error", {})
-        return str(error.get("message", response.text[:500]))
-    except (ValueError, AttributeError):
-        return response.text[:500]
-
-
 class HarborSession:
     """One rollout running on the server (OpenEnv's ``TrainableSession``)."""
 
-    def __init__(self, factory: HarborSessionFactory, session_id: str, wait_timeout_s: float) -> None:
+    def __init__(
+        self,
+        factory: HarborSessionFactory,
+        session_id: str,
+        wait_timeout_s: float,
+        placement: Placement | None = None,
+    ) -> None:
         self.factory = factory
         self.session_id = session_id
+        self.placement = placement
+        """Its server (None: the factory's first, unplaced: a session made by hand)."""
         self.wait_timeout_s = wait_timeout_s
         """The whole rollout's bound: its agent, verifier and setup timeouts (see the module docstring)."""
         self.result: RolloutResult | None = None
@@ -356,11 +395,11 @@ class HarborSession:
         deadline = time.monotonic() + (self.wait_timeout_s if timeout_s is None else timeout_s)
         while self.result is None:
             wait = _POLL_S if deadline is None else min(_POLL_S, max(deadline - time.monotonic(), 0.0))
-            body = self.factory.request("GET", f"/sessions/{self.session_id}", params={"wait": wait})
+            body = self._request("GET", f"/sessions/{self.session_id}", params={"wait": wait})
             if body["status"] == "done":
                 self.result = RolloutResult.model_validate(body["result"])
             elif deadline is not None and time.monotonic() >= deadline:
-                self.factory.request("POST", f"/sessions/{self.session_id}/stop")
+                self._request("POST", f"/sessions/{self.session_id}/stop")
                 self.timed_out = True
                 deadline = None  # the agent is stopping; wait for the verifier and the trace
         self.timed_out = self.timed_out or self.result.timed_out
@@ -374,7 +413,7 @@ class HarborSession:
         assert self.result is not None
         if self.result.error is not None:
             raise error_for(self.result)
-        self.result.trace = self.factory.request("GET", f"/sessions/{self.session_id}/trace")
+        self.result.trace = self._request("GET", f"/sessions/{self.session_id}/trace")
         return trace_of(self.result, self.session_id)
 
     def verify(self, completion: list[dict[str, Any]] | None = None, final_state: Any = None) -> VerifyResult:
@@ -388,7 +427,15 @@ class HarborSession:
         if self._closed:
             return
         self._closed = True
+        if self.placement is not None:
+            self.factory.pool.close_session(self.placement, self.session_id)
+            return
         try:
             self.factory.request("DELETE", f"/sessions/{self.session_id}")
         except RolloutServerError:
             pass  # already gone (server restarted); closing twice or late is not an error
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        if self.placement is None:
+            return self.factory.request(method, path, **kwargs)
+        return self.factory.pool.session_call(self.placement, method, path, **kwargs)
