@@ -78,8 +78,8 @@ TRAINER_DEFAULTS: dict[str, Any] = {
     "eval_steps": 5,
     "eval_on_start": True,
 }
-OWNED = ("engine", "vllm_server_base_url")
-"""Trainer fields the dev loop sets itself: the engine it starts, and its URL."""
+OWNED = ("engine", "vllm_server_base_url", "vllm_replica_urls", "replica_proxy_url")
+"""Trainer fields the dev loop sets itself: the one engine it starts, and its URL."""
 _ENGINE_URL_UNTIL_STARTED = "http://127.0.0.1:1"
 
 

@@ -192,6 +192,19 @@ def test_the_learning_rate_defaults_by_what_is_trained_and_an_explicit_one_wins(
     assert learning_rate("--lora", "--learning-rate", "1e-9") == 1e-9
 
 
+def test_the_dev_loop_has_no_flags_for_the_engine_it_starts_itself() -> None:
+    import argparse
+
+    from harness_trainer.devloop.run import add_dev_arguments
+
+    parser = argparse.ArgumentParser()
+    add_dev_arguments(parser)
+    flags = {flag for action in parser._actions for flag in action.option_strings}
+    for owned in ("--vllm-server-base-url", "--vllm-replica-urls", "--replica-proxy-url"):
+        assert owned not in flags  # one engine, started and stopped by the dev loop
+    assert "--engine" in flags  # its own: dev or vllm
+
+
 @pytest.mark.skipif(
     ordinary_user.why_not_available() is not None, reason=str(ordinary_user.why_not_available())
 )
