@@ -356,9 +356,9 @@ def _option_value(action: argparse.Action, value: Any) -> Any:
             raise TypeError(f"expected true or false, got {_shown(value)}")
         return value
     if isinstance(action, argparse._AppendAction) or action.nargs in ("+", "*"):
-        if not isinstance(value, list):
-            raise TypeError(f"expected a list, got {_shown(value)}")
-        return [_one_value(action, item) for item in value]
+        # One value where a list goes is that list of one, as one word after the flag would be.
+        items = value if isinstance(value, list) else [value]
+        return [_one_value(action, item) for item in items]
     if value is None:
         return None
     return _one_value(action, value)

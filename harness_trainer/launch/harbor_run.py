@@ -61,6 +61,7 @@ OWNED = {"engine": "engine", "vllm_server_base_url": "vllm_url", "agent_timeout"
 :data:`WAIT_MARGIN_S`), so its config file's trainer section may not set them; ``server_capacity`` is
 what preflight measures."""
 SECTION = "run"
+WHITE_BOX_ONE_SERVER = "--mode white-box runs its sessions on one rollout server; --server gave {}"
 MODES = ("black-box", "white-box")
 
 
@@ -72,7 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Start vLLM and `harness-trainer serve` first: examples/async_grpo_harbor/README.md.",
     )
     where = parser.add_argument_group("where things run")
-    where.add_argument("--server", default="http://127.0.0.1:8200", help="rollout server URL")
+    where.add_argument(
+        "--server", nargs="+", default=["http://127.0.0.1:8200"], metavar="URL",
+        help="rollout server URL; several: a GRPO group runs on one, groups go where most sessions are free",
+    )  # fmt: skip
     where.add_argument("--vllm-url", default="http://127.0.0.1:8000", help="inference engine URL")
     where.add_argument(
         "--engine",
@@ -148,28 +152,44 @@ def resolve(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, Asyn
     """The launcher's options and the trainer's config for ``argv``, checked: what a run would start with.
 
     Raises:
-        ValueError: a config file's problems, or a value the trainer's config refuses.
+        ValueError: a config file's problems, a value the trainer's config refuses, or several servers in
+            white-box mode.
     """
     args = parse_args(argv)
+    if args.mode == "white-box" and len(servers(args)) > 1:
+        raise ValueError(WHITE_BOX_ONE_SERVER.format(len(servers(args))))
     return args, build_config(args)
+
+
+def servers(args: argparse.Namespace) -> list[str]:
+    """The rollout servers' URLs (``--server``, or a config file's ``server``: one URL or a list)."""
+    given = args.server
+    return [given] if isinstance(given, str) else list(given)
 
 
 def session_builder(args: argparse.Namespace) -> partial[Any]:
     """The factory builder the trainer calls with its sampling policy. Rollouts sample from the trainer's
     engine (``llm_url``) under the name the rollout server learned from it: ``--model`` is what the
-    trainer loads, which the engine may serve under another name (preflight checks they are one model)."""
+    trainer loads, which the engine may serve under another name (preflight checks they are one model).
+
+    Raises:
+        ValueError: several servers in white-box mode (its sessions run on one server).
+    """
+    urls = servers(args)
     if args.mode == "white-box":
         from harness_trainer.rollouts.client.whitebox_session import WhiteBoxSessionFactory
 
+        if len(urls) > 1:
+            raise ValueError(WHITE_BOX_ONE_SERVER.format(len(urls)))
         return partial(
-            WhiteBoxSessionFactory, args.server, split=args.split, sandbox=args.sandbox,
+            WhiteBoxSessionFactory, urls[0], split=args.split, sandbox=args.sandbox,
             episode_timeout_sec=args.agent_timeout, reward_key=args.reward_key,
         )  # fmt: skip
     from harness_trainer.rollouts.client.factory import HarborSessionFactory
 
     return partial(
         HarborSessionFactory,
-        args.server,
+        urls[0] if len(urls) == 1 else urls,
         split=args.split,
         harness=args.harness,
         sandbox=args.sandbox,
@@ -187,7 +207,8 @@ def preflight_options(args: argparse.Namespace, config: AsyncGRPOConfig) -> Pref
     settings = config.to_dict()
     return PreflightOptions(
         engine_url=args.vllm_url,
-        server_url=args.server,
+        server_url=servers(args)[0],
+        more_servers=tuple(servers(args)[1:]),
         model=args.model,
         harness=args.harness,
         sandbox=args.sandbox,
@@ -279,7 +300,7 @@ def _write_launch_record(
         "harness": args.harness,
         "sandbox": args.sandbox,
         "split": args.split,
-        "server": args.server,
+        "server": servers(args)[0] if len(servers(args)) == 1 else servers(args),
         "engine": engine_kind,
         "engine_url": args.vllm_url,
         "argv": list(sys.argv[1:] if argv is None else argv),

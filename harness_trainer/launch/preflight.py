@@ -77,6 +77,12 @@ class PreflightOptions:
     timeout_s: float = 60.0
     weight_sync: str = "auto"
     """The run's ``AsyncGRPOConfig.weight_sync``: only the ``nccl`` path needs vLLM's transfer engine."""
+    more_servers: tuple[str, ...] = ()
+    """Further rollout servers beside ``server_url``: the run's sessions are spread over all of them."""
+
+    @property
+    def server_urls(self) -> list[str]:
+        return [url.rstrip("/") for url in (self.server_url, *self.more_servers)]
 
 
 @dataclass(frozen=True)
@@ -94,8 +100,9 @@ class PreflightReport:
         resume = f"; resuming from {self.resume_from}" if self.resume_from else ""
         return (
             f"preflight ok: {self.engine_kind} engine at {options.engine_url} serves {self.served_model!r}; "
-            f"rollout server at {options.server_url}: {self.server_capacity - self.open_sessions} of "
-            f"{self.server_capacity} sessions free, {options.max_concurrent_rollouts + 1} needed; "
+            f"rollout server{'s' if options.more_servers else ''} at {', '.join(options.server_urls)}: "
+            f"{self.server_capacity - self.open_sessions} of {self.server_capacity} sessions free, "
+            f"{options.max_concurrent_rollouts + 1} needed; "
             f"{self.tasks} task(s) in split {options.split!r}{resume}"
         )
 
@@ -113,11 +120,45 @@ def run_preflight(options: PreflightOptions) -> PreflightReport:
     with httpx.Client(timeout=options.timeout_s) as client:
         kind = detect_engine(engine_url, options.timeout_s) if options.engine == "auto" else options.engine
         served = check_engine(client, engine_url, kind, weight_sync=options.weight_sync)
-        capacity, open_sessions = check_capacity(
-            client, options.server_url.rstrip("/"), options.max_concurrent_rollouts + 1, served, engine_url
-        )
-        tasks = check_tasks(client, options.server_url.rstrip("/"), options)
+        needed = options.max_concurrent_rollouts + 1
+        if not options.more_servers:
+            capacity, open_sessions = check_capacity(client, options.server_url.rstrip("/"), needed, served,
+                                                     engine_url)  # fmt: skip
+            tasks = check_tasks(client, options.server_url.rstrip("/"), options)
+        else:
+            capacity, open_sessions, tasks = check_servers(client, options, needed, served, engine_url)
     return PreflightReport(kind, served[0], capacity, open_sessions, tasks, resume_from)
+
+
+def check_servers(
+    client: httpx.Client, options: PreflightOptions, needed: int, served: list[str], engine_url: str
+) -> tuple[int, int, int]:
+    """Several rollout servers: each answers as one does (a session free, a model the engine serves, the
+    split's tasks), they list as many tasks, and ``needed`` sessions are free over all of them; their
+    summed capacity and open sessions, and the task count."""
+    limits, opened, counts = [], [], []
+    for url in options.server_urls:
+        limit, open_sessions = check_capacity(client, url, 0, served, engine_url)  # the sum is checked
+        limits.append(limit)
+        opened.append(open_sessions)
+        counts.append(check_tasks(client, url, options))
+    if len(set(counts)) > 1:
+        listed = ", ".join(f"{url}: {n}" for url, n in zip(options.server_urls, counts, strict=True))
+        raise PreflightError(
+            f"the rollout servers list different tasks for split {options.split!r} ({listed})"
+        )
+    free = sum(limits) - sum(opened)
+    if free < needed:
+        each = ", ".join(
+            f"{url}: {limit - n} of {limit}"
+            for url, limit, n in zip(options.server_urls, limits, opened, strict=True)
+        )
+        raise PreflightError(
+            f"the rollout servers have {free} sessions free in all ({each}) but --max-concurrent-rollouts "
+            f"{needed - 1} needs {needed} (the session factory keeps one for task metadata): raise their "
+            "MAX_CONCURRENT_ENVS, add a server, or lower --max-concurrent-rollouts"
+        )
+    return sum(limits), sum(opened), counts[0]
 
 
 def check_names(harness: str, sandbox: str) -> None:

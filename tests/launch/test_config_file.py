@@ -135,6 +135,7 @@ def other_value(f: dataclasses.Field[Any], default: Any) -> Any:
         "curriculum": "pass_rate", "curriculum_retire_threshold": 0.5, "dataset_shuffle": False,
         "eval_strategy": "steps", "eval_steps": 2,
         "kv_cache_low_water": 0.5, "kv_cache_high_water": 0.7,  # 0 < low <= high <= 1
+        "vllm_replica_urls": ["http://replica:8000"], "replica_proxy_url": "http://proxy:8300",
     }  # fmt: skip
     if f.name in special:
         return special[f.name]

@@ -3,6 +3,7 @@ nothing is started (no rollout session, no weight push, no ``launch.json``); a p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import Callable, Iterator
@@ -268,3 +269,49 @@ def test_real_vllm_replies_pass_the_shape_check_and_one_without_ids_does_not() -
     without_ids = json.loads((FIXTURES / "chat_no_return_token_ids.json").read_text())
     with pytest.raises(PreflightError, match="no prompt_token_ids"):
         check_capture_shapes(without_ids, "http://vllm")
+
+
+@contextlib.contextmanager
+def two_servers(services: Callable[..., Services], **second: Any) -> Iterator[tuple[Services, list[str]]]:
+    """The services with a first server holding 2 sessions and a second fake server (``second``: its
+    settings), and a run's arguments giving both to ``--server``."""
+    running = services(server=FakeRolloutServer(max_concurrent_envs=2))
+    with serving(FakeRolloutServer(**{"max_concurrent_envs": 2, **second}).app()) as url:
+        argv = running.argv()
+        at = argv.index(running.server_url)
+        yield running, [*argv[: at + 1], url, *argv[at + 1 :]]
+
+
+def test_several_servers_are_checked_each_and_their_free_sessions_add_up(services, capsys) -> None:
+    with two_servers(services) as (running, argv):
+        # 3 sessions needed (2 rollouts + metadata): neither server holds them alone, both together do.
+        code, out, err = run([*argv, "--preflight-only"], capsys)
+        second = argv[argv.index(running.server_url) + 1]
+        assert (code, err) == (0, "")
+        assert f"rollout servers at {running.server_url}, {second}: 4 of 4 sessions free, 3 needed" in out
+        running.assert_nothing_started()
+
+
+@pytest.mark.parametrize(
+    ("second", "expected"),
+    [
+        ({"sessions": 2}, "the rollout servers have 2 sessions free in all"),
+        ({"tasks": ["hello-file"]}, "the rollout servers list different tasks for split 'train'"),
+        ({"model": "qwen-7b"}, "agents call model 'qwen-7b'"),
+    ],
+)
+def test_several_servers_that_cannot_hold_the_run_together_are_refused(
+    second, expected, services, capsys
+) -> None:
+    with two_servers(services, **second) as (running, argv):
+        assert_refused(run(argv, capsys), expected)
+        running.assert_nothing_started()
+
+
+def test_white_box_mode_takes_one_server(services, capsys) -> None:
+    with two_servers(services) as (running, argv):
+        code, _, err = run([*argv, "--mode", "white-box"], capsys)
+        assert code == 2 and err.strip() == (
+            "error: --mode white-box runs its sessions on one rollout server; --server gave 2"
+        )
+        running.assert_nothing_started()
