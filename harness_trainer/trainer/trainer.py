@@ -700,6 +700,9 @@ class HarnessAsyncGRPOTrainer:
         })  # fmt: skip
         if isinstance(self.engine, EngineReplicas):
             metrics["engine/replicas_out"] = float(len(self.engine.out_of_rotation))
+        if len(servers := getattr(self.factory, "servers_report", list)()) > 1:  # several rollout servers
+            metrics["rollout/servers_down"] = float(sum(not server["up"] for server in servers))
+            metrics["rollout/server_lost_total"] = float(sum(server["lost"] for server in servers))
         return metrics
 
     def _optimize(self, share: StepShare) -> tuple[dict[str, float], int]:

@@ -1,6 +1,7 @@
-"""The trainer over several engine replicas (``vllm_replica_urls``): every step's weights reach every real dev
-engine on loopback; a replica killed mid-run is taken out (drained at a real ``capture_proxy --replicas``,
-whose admin key the trainer reads from the environment) while the run goes on; and the config's refusals."""
+"""The trainer over several engine replicas (``vllm_replica_urls``): every step's weights reach every real
+dev engine on loopback; a replica killed mid-run is taken out (drained at a real ``capture_proxy
+--replicas``, whose admin key the trainer reads from the environment) while the run goes on; the config's
+refusals; and a factory over several rollout servers, whose state each step logs."""
 
 from __future__ import annotations
 
@@ -143,3 +144,26 @@ def test_bad_replica_settings_are_refused(overrides: dict, message: str) -> None
 
 def test_without_replicas_the_engine_is_one_client(tmp_path) -> None:
     assert AsyncGRPOConfig(output_dir=str(tmp_path)).vllm_replica_urls == []
+
+
+class TwoServerFactory(HandmadeFactory):
+    """Hand-made sessions from a factory that reports two rollout servers, the second gone with 3 rollouts."""
+
+    def servers_report(self) -> list[dict]:
+        return [
+            {"url": "http://a", "up": True, "open": 1, "capacity": 4, "placed": 9, "lost": 0},
+            {"url": "http://b", "up": False, "open": 0, "capacity": 4, "placed": 5, "lost": 3},
+        ]
+
+
+def test_a_factory_over_several_rollout_servers_has_their_state_logged_each_step(
+    tiny_model_dir, tmp_path
+) -> None:
+    trainer = HarnessAsyncGRPOTrainer(str(tiny_model_dir), builder(TwoServerFactory()), config(tmp_path))
+    trainer.train()
+    lines = metrics_lines(tmp_path / "out")
+    logged = [(line["rollout/servers_down"], line["rollout/server_lost_total"]) for line in lines]
+    assert logged == [(1, 3)] * 3
+    one = tmp_path / "one"
+    HarnessAsyncGRPOTrainer(str(tiny_model_dir), builder(HandmadeFactory()), config(one)).train()
+    assert all("rollout/servers_down" not in line for line in metrics_lines(one / "out"))
