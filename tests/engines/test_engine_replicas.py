@@ -44,6 +44,15 @@ def weights(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
+def replica_proxy(first: str, second: str, folder: Path) -> tuple[ProxyProcess, CaptureClient]:
+    """A real ``capture_proxy --replicas`` over two engines (admin key ``key``), not yet started, and its
+    admin client."""
+    proxy = ProxyProcess(
+        first, folder, "key", "127.0.0.1", free_port(), allowed_upstreams=(second,), replicas=True
+    )
+    return proxy, CaptureClient(proxy.url, "key")
+
+
 def weight_version(url: str) -> int:
     return httpx.get(url + "/weight_version", timeout=30).json()["weight_version"]
 
@@ -76,11 +85,7 @@ async def test_a_dead_replica_is_drained_and_enabled_only_once_it_has_the_curren
     two_engines: list[EngineProcess], tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     first, second = two_engines
-    proxy = ProxyProcess(
-        first.url, tmp_path / "proxy", "key", "127.0.0.1", free_port(),
-        allowed_upstreams=(second.url,), replicas=True,
-    )  # fmt: skip
-    client = CaptureClient(proxy.url, "key")
+    proxy, client = replica_proxy(first.url, second.url, tmp_path / "proxy")
     await proxy.start(client)
     replicas = EngineReplicas(
         [DevEngine(engine.url, retry=NO_RETRY) for engine in two_engines],

@@ -26,6 +26,7 @@ from harness_trainer.rollouts.client.factory import HarborSession, HarborSession
 from harness_trainer.rollouts.client.servers import ServerPool, group_of, pick_server
 from harness_trainer.rollouts.errors import RolloutConfigError
 from tests.rollouts.conftest import EXAMPLES, bash_call, live_sandbox_processes
+from tests.rollouts.test_server import Server
 
 # One model call per rollout (agent_step_limit=1), so concurrent rollouts may take the replies in any order.
 SOLVE = bash_call("sleep 2; printf 'Hello, Harbor!\\n' > /app/hello.txt")
@@ -100,10 +101,13 @@ def test_refused_server_lists_fail_before_any_request() -> None:
 # --- real servers ----------------------------------------------------------------------------------------
 
 
-class Serve:
-    """``harness-trainer serve`` on loopback; ``port`` given to restart one where it was."""
+class Serve(Server):
+    """``harness-trainer serve`` on loopback, started without waiting for it (``ready`` waits); ``port``
+    given to restart one where it was. Stopped as ``test_server.Server`` is."""
 
-    def __init__(self, engine_url: str, data_dir: Path, limit: int, dataset: Path = EXAMPLES, port: int = 0):
+    def __init__(  # not Server's: several start at once, then each is waited for
+        self, engine_url: str, data_dir: Path, limit: int, dataset: Path = EXAMPLES, port: int = 0
+    ) -> None:
         self.port = port or free_port()
         command = [sys.executable, "-m", "harness_trainer.cli", "serve", "--dataset", str(dataset)]
         command += ["--upstream", engine_url, "--port", str(self.port), "--capture-port", str(free_port())]
@@ -140,15 +144,6 @@ class Serve:
                 found.append(child)
                 todo.append(child)
         return found
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
 
 
 @pytest.fixture

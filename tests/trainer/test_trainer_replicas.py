@@ -9,34 +9,17 @@ import asyncio
 import http.server
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
 from capture_proxy.config import ADMIN_KEY_ENV
 from harness_trainer import HarnessAsyncGRPOTrainer
-from harness_trainer.dev_engine.process import EngineProcess, start_engine
 from harness_trainer.engines import EngineReplicas
-from harness_trainer.net import free_port
-from harness_trainer.rollouts.server.capture_client import CaptureClient
-from harness_trainer.rollouts.server.proxy_process import ProxyProcess
 from harness_trainer.trainer.config import AsyncGRPOConfig, ConfigProblems
+from tests.engines.test_engine_replicas import replica_proxy, two_engines, weight_version  # noqa: F401
 from tests.trainer.handmade import HandmadeFactory
 from tests.trainer.test_trainer import builder, config, metrics_lines
-
-
-@pytest.fixture
-def two_engines(tiny_model_dir: Path) -> Iterator[list[EngineProcess]]:
-    started = [start_engine(tiny_model_dir) for _ in range(2)]
-    yield started
-    for engine in started:
-        engine.stop()
-
-
-def weight_version(url: str) -> int:
-    return httpx.get(url + "/weight_version", timeout=30).json()["weight_version"]
 
 
 def greedy_logprobs(url: str) -> list[float]:
@@ -48,7 +31,7 @@ def greedy_logprobs(url: str) -> list[float]:
     return [round(entry["logprob"], 4) for entry in reply.json()["choices"][0]["logprobs"]["content"]]
 
 
-def test_every_step_reaches_every_replica(two_engines, tiny_model_dir, tmp_path) -> None:
+def test_every_step_reaches_every_replica(two_engines, tiny_model_dir, tmp_path) -> None:  # noqa: F811
     first, second = two_engines
     before = greedy_logprobs(second.url)
     factory = HandmadeFactory()
@@ -67,14 +50,13 @@ def test_every_step_reaches_every_replica(two_engines, tiny_model_dir, tmp_path)
 
 
 def test_a_replica_killed_mid_run_is_drained_and_the_run_goes_on(
-    two_engines, tiny_model_dir, tmp_path, monkeypatch
+    two_engines,  # noqa: F811
+    tiny_model_dir,
+    tmp_path,
+    monkeypatch,
 ) -> None:
     first, second = two_engines
-    proxy = ProxyProcess(
-        first.url, tmp_path / "proxy", "key", "127.0.0.1", free_port(),
-        allowed_upstreams=(second.url,), replicas=True,
-    )  # fmt: skip
-    client = CaptureClient(proxy.url, "key")
+    proxy, client = replica_proxy(first.url, second.url, tmp_path / "proxy")
     loop = asyncio.new_event_loop()  # the proxy's child process is watched from the loop that started it
     loop.run_until_complete(proxy.start(client))
     monkeypatch.setenv(ADMIN_KEY_ENV, "key")
@@ -108,7 +90,7 @@ def test_a_replica_killed_mid_run_is_drained_and_the_run_goes_on(
         loop.close()
 
 
-def test_a_replica_of_another_kind_is_refused_naming_it(two_engines, tiny_model_dir, tmp_path) -> None:
+def test_a_replica_of_another_kind_is_refused_naming_it(two_engines, tiny_model_dir, tmp_path) -> None:  # noqa: F811
     # It answers, but not GET /weight_version (a route only the dev engine has): taken for a vLLM.
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
