@@ -40,6 +40,7 @@ from torch import nn
 
 from harness_trainer.trainer.batch import StepBatch
 from harness_trainer.trainer.checkpoint import TrainerState, load_checkpoint
+from harness_trainer.trainer.fsdp2 import gathered_state, merged_weights, shard, shards_itself
 from harness_trainer.trainer.loss import LossStats
 from harness_trainer.trainer.packing import plan_micro_batches
 from harness_trainer.trainer.policy import engine_weights, is_peft
@@ -195,10 +196,11 @@ class Collective:
 
 
 def is_sharded(accelerator: Any) -> bool:
-    """Whether the weights are sharded across ranks (FSDP)."""
+    """Whether the weights are sharded across ranks: accelerate's FSDP, or the trainer's own FSDP2 on CPU
+    (:func:`harness_trainer.trainer.fsdp2.shards_itself`)."""
     from accelerate.utils import DistributedType
 
-    return accelerator.distributed_type == DistributedType.FSDP
+    return accelerator.distributed_type == DistributedType.FSDP or shards_itself(accelerator)
 
 
 def prepare(
@@ -212,9 +214,11 @@ def prepare(
     with checkpoint ``resume`` restored into them on this rank; its state, or None without one.
 
     ``optimizer`` holds ``model``'s trainable parameters in model order (FSDP restores its state by name).
+    Under the trainer's own FSDP2 (CPU) ``model`` is sharded in place and ``optimizer`` re-pointed at its
+    shards; both come back unwrapped.
 
     Raises:
-        NotImplementedError: DeepSpeed, Megatron-LM or XLA; LoRA under FSDP.
+        NotImplementedError: DeepSpeed, Megatron-LM or XLA; LoRA under accelerate's FSDP.
         ValueError: as :func:`harness_trainer.trainer.checkpoint.load_checkpoint`.
     """
     from accelerate.utils import DistributedType
@@ -226,16 +230,20 @@ def prepare(
         trained, optimizer = accelerator.prepare(model, optimizer)
         state = None if resume is None else load_checkpoint(resume, model, optimizer, scheduler)
         return trained, optimizer, state
-    if is_peft(model):
+    itself = shards_itself(accelerator)
+    if is_peft(model) and not itself:
         raise NotImplementedError(
-            "LoRA under FSDP is not supported: the engine's merged weights and the adapter checkpoint would "
-            "need the base weights gathered; train LoRA with DDP (the adapter is small)"
+            "LoRA under accelerate's FSDP is not supported (untested without GPUs); train LoRA with DDP "
+            "(the adapter is small)"
         )
     # FSDP shards what it is given: weights go in before sharding, the optimizer state after it.
     held = OptimizerState()
     state = None if resume is None else load_checkpoint(resume, model, held, scheduler)  # type: ignore[arg-type]
     names = [name for name, p in model.named_parameters() if p.requires_grad]
-    trained, optimizer = accelerator.prepare(model, optimizer)
+    if itself:
+        trained = shard(model, optimizer, accelerator.num_processes)
+    else:
+        trained, optimizer = accelerator.prepare(model, optimizer)
     if held.state is not None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
@@ -247,6 +255,9 @@ def prepare(
 def engine_state(accelerator: Any, trained: nn.Module, model: nn.Module) -> dict[str, torch.Tensor] | None:
     """The full weights under the engine's names, on rank 0 (None elsewhere). Every rank must call it:
     under FSDP it gathers."""
+    if shards_itself(accelerator):
+        state = gathered_state(trained)  # empty but on rank 0
+        return merged_weights(model, state) if accelerator.is_main_process else None
     if is_sharded(accelerator):
         weights = accelerator.get_state_dict(trained)
         return weights if accelerator.is_main_process else None
@@ -256,6 +267,8 @@ def engine_state(accelerator: Any, trained: nn.Module, model: nn.Module) -> dict
 def savable_model(accelerator: Any, trained: nn.Module, model: nn.Module) -> Any:
     """What to ``save_pretrained`` on rank 0: ``model`` itself, or under FSDP a :class:`GatheredModel`.
     Every rank must call it: under FSDP it gathers."""
+    if shards_itself(accelerator):
+        return GatheredModel(model, gathered_state(trained))
     if is_sharded(accelerator):
         return GatheredModel(model, accelerator.get_state_dict(trained))
     return model
