@@ -40,7 +40,13 @@ from torch import nn
 
 from harness_trainer.trainer.batch import StepBatch
 from harness_trainer.trainer.checkpoint import TrainerState, load_checkpoint
-from harness_trainer.trainer.fsdp2 import gathered_state, merged_weights, shard, shards_itself
+from harness_trainer.trainer.fsdp2 import (
+    autocast_forward,
+    gathered_state,
+    merged_weights,
+    shard,
+    shards_itself,
+)
 from harness_trainer.trainer.loss import LossStats
 from harness_trainer.trainer.packing import plan_micro_batches
 from harness_trainer.trainer.policy import engine_weights, is_peft
@@ -241,6 +247,7 @@ def prepare(
     state = None if resume is None else load_checkpoint(resume, model, held, scheduler)  # type: ignore[arg-type]
     names = [name for name, p in model.named_parameters() if p.requires_grad]
     if itself:
+        autocast_forward(accelerator, model)
         trained = shard(model, optimizer, accelerator.num_processes)
     else:
         trained, optimizer = accelerator.prepare(model, optimizer)

@@ -26,6 +26,7 @@ Contract:
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -82,6 +83,23 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer, world_size: int) -
     for group in optimizer.param_groups:
         group["params"] = [sharded[names[id(p)]] for p in group["params"]]
     return model
+
+
+def autocast_forward(accelerator: Any, model: nn.Module) -> None:
+    """Run ``model``'s forward under ``accelerator``'s mixed precision with its outputs in float32, as
+    accelerate's ``prepare`` does for the models it wraps (the trainer's own FSDP2 does not go through it)."""
+    if not getattr(accelerator, "native_amp", False):
+        return
+    from accelerate.utils import convert_outputs_to_fp32
+
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def mixed_forward(*args: Any, **kwargs: Any) -> Any:
+        with accelerator.autocast():
+            return forward(*args, **kwargs)
+
+    model.forward = convert_outputs_to_fp32(mixed_forward)  # type: ignore[method-assign]
 
 
 def is_fsdp2(module: nn.Module) -> bool:

@@ -10,8 +10,9 @@ FSDP2). Modes:
   and full rows, the bytes of parameters, gradients and optimizer state it holds); rank 0 writes the last
   weights pushed in each phase (``{full,lora}-pushed.safetensors``) and the gathered final full weights
   (``full-final.safetensors``).
-- ``kill``: train up to :data:`KILL_STEPS` steps into ``OUTPUT_DIR/kill``, rank 1 killing itself with
-  SIGKILL as it starts step :data:`KILLED_AT` (checkpoints 1 to ``KILLED_AT - 1`` written).
+- ``kill``: train up to :data:`KILL_STEPS` steps (bf16 mixed precision) into ``OUTPUT_DIR/kill``, rank 1
+  killing itself with SIGKILL as it starts step :data:`KILLED_AT` (checkpoints 1 to ``KILLED_AT - 1``
+  written).
 - ``resume``: resume that run from its latest checkpoint to :data:`KILL_STEPS`; rank 0 writes
   ``OUTPUT_DIR/resumed.json`` (the step it resumed from, the steps at the end).
 """
@@ -93,9 +94,9 @@ def train(model_dir: str, out: Path) -> None:
 
 
 def kill(model_dir: str, out: Path, resume: bool) -> None:
-    config = run_config(
-        out / "kill", max_steps=KILL_STEPS, resume_from_checkpoint="latest" if resume else None
-    )
+    # bf16: the mixed precision the trainer's own FSDP2 applies to the forward, end to end.
+    resume_from = "latest" if resume else None
+    config = run_config(out / "kill", max_steps=KILL_STEPS, resume_from_checkpoint=resume_from, bf16=True)
     trainer = HarnessAsyncGRPOTrainer(model_dir, lambda sampling: HandmadeFactory(sampling=sampling), config)
     if not resume:
         optimize = trainer._optimize

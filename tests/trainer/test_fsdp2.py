@@ -20,7 +20,13 @@ from transformers import AutoModelForCausalLM
 
 from harness_trainer import HarnessAsyncGRPOTrainer
 from harness_trainer.jobs.gpus import FSDP2_ENV
-from harness_trainer.trainer.fsdp2 import merged_weights, shard_units, shards_itself, wants_fsdp2
+from harness_trainer.trainer.fsdp2 import (
+    autocast_forward,
+    merged_weights,
+    shard_units,
+    shards_itself,
+    wants_fsdp2,
+)
 from harness_trainer.trainer.policy import engine_weights
 from tests.trainer.distributed_run import FIRST_STEPS, TOTAL_STEPS, run_config
 from tests.trainer.fsdp2_run import KILL_STEPS, KILLED_AT, held_bytes
@@ -72,6 +78,33 @@ def test_the_merge_from_a_gathered_state_equals_the_engine_weights_of_the_module
         merged["model.layers.0.self_attn.q_proj.weight"],
         model.model.layers[0].self_attn.q_proj.base_layer.weight,
     )
+
+
+class Recording(torch.nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+        return super().forward(x)
+
+
+class MixedAccelerator:
+    def __init__(self, native_amp: bool) -> None:
+        self.native_amp = native_amp
+
+    def autocast(self):
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+def test_the_self_sharded_forward_runs_under_the_accelerators_mixed_precision_with_float32_outputs():
+    model = Recording(4, 4)
+    autocast_forward(MixedAccelerator(native_amp=True), model)
+    out = model(torch.ones(1, 4))
+    assert model.seen == (True, torch.bfloat16) and out.dtype == torch.float32
+    plain = Recording(4, 4)
+    forward = plain.forward
+    autocast_forward(MixedAccelerator(native_amp=False), plain)
+    assert plain.forward == forward  # no mixed precision: left alone
+    plain(torch.ones(1, 4))
+    assert plain.seen[0] is False
 
 
 # -- two real processes ---------------------------------------------------------------------------------
