@@ -18,12 +18,19 @@ Control messages (the deal, the stop, a weight push's outcome, "does this checkp
 :class:`Collective`, on a gloo group of its own: the other ranks wait there as long as rank 0 waits for
 rollouts, longer than a GPU backend's watchdog lets an operation stay pending.
 
-Under FSDP the weights are sharded: the engine's weights and checkpoints are gathered to rank 0 with
-accelerate (``get_state_dict``) and torch's ``get_optimizer_state_dict``, the optimizer state is written by
-parameter index exactly as a single process writes it, and on resume the weights are restored before
-sharding and the optimizer state after it, by parameter name. That path needs GPUs (accelerate has no
-FSDP on CPU), so it is not exercised by the tests; its state-dict conversions are. LoRA under FSDP is
-refused.
+Under FSDP the weights are sharded: the engine's weights and checkpoints are gathered to rank 0, the
+optimizer state is written by parameter index exactly as a single process writes it, and on resume the
+weights are restored before sharding and the optimizer state after it, by parameter name. Two paths shard:
+
+- **On CPU, the trainer's own FSDP2** (:mod:`harness_trainer.trainer.fsdp2`): accelerate has no FSDP on
+  CPU, so when the environment asks for FSDP2 and accelerate runs plain CPU processes, the trainer calls
+  torch's ``fully_shard`` itself and gathers with torch's ``get_model_state_dict`` /
+  ``get_optimizer_state_dict``. LoRA is supported: the engine's merged weights come from the gathered
+  state. Ran for real: two gloo processes under ``torchrun`` train, checkpoint, resume and push like one
+  process, full weights and LoRA (``tests/trainer/test_fsdp2.py``).
+- **On GPUs, accelerate's FSDP** (``accelerate launch --use_fsdp``), gathered with accelerate's
+  ``get_state_dict``. It needs GPUs, so it is not exercised by the tests (nor NCCL); its state-dict
+  conversions are. LoRA under it is refused: train LoRA with DDP there.
 """
 
 from __future__ import annotations
