@@ -11,7 +11,9 @@ Contract:
 - **What.** One shard unit per transformer layer (the classes named by the model's
   ``_no_split_modules``, as accelerate's ``TRANSFORMER_BASED_WRAP`` picks them), then the root, over a
   one-dimensional CPU mesh of every rank. Each parameter becomes a DTensor holding its rank's rows; the
-  optimizer built before sharding is re-pointed at them by parameter name (:func:`shard`).
+  optimizer built before sharding is re-pointed at them by parameter name (:func:`shard`). The forward
+  runs under the accelerator's mixed precision, as accelerate's ``prepare`` would set it
+  (:func:`autocast_forward`).
 - **Same step.** Ranks backpropagate ``world_size ×`` their share and FSDP2's reduce-scatter averages, so
   each rank's gradient shard is the single-process gradient's rows. Gradients are reduced at the last
   micro-batch only (:func:`no_sync` turns FSDP2's gradient sync off before it), and the norm clipped

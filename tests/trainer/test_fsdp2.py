@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -110,12 +111,13 @@ def test_the_self_sharded_forward_runs_under_the_accelerators_mixed_precision_wi
 # -- two real processes ---------------------------------------------------------------------------------
 
 
-def torchrun(*args: str, timeout: float) -> tuple[int, str]:
+def torchrun(*args: str, timeout: float, monitor_s: float = 0.1) -> tuple[int, str]:
     """``torchrun`` of :mod:`tests.trainer.fsdp2_run` on two gloo ranks with the FSDP2 environment: its exit
-    code and output. Every process it started is killed on the way out, whatever happened."""
+    code and output. ``monitor_s``: how often torchrun checks its ranks (when one fails it terminates the
+    others). Every process it started is killed on the way out, whatever happened."""
     env = {**os.environ, **FSDP2_ENV, "ACCELERATE_USE_CPU": "true", "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "-m", "tests.trainer.fsdp2_run", *args]  # fmt: skip
+               "--monitor-interval", str(monitor_s), "-m", "tests.trainer.fsdp2_run", *args]  # fmt: skip
     process = subprocess.Popen(
         command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
@@ -210,10 +212,12 @@ def test_a_killed_fsdp2_rank_stops_the_run_with_an_error_and_a_rerun_resumes_fro
     tmp_path, tiny_model_dir
 ):
     started = time.monotonic()
-    code, output = torchrun("kill", str(tiny_model_dir), str(tmp_path), timeout=120)
+    # Torchrun checks its ranks every 2 s: time for the survivor to raise its own error before it is
+    # terminated (torchrun would stop it anyway, at its next check).
+    code, output = torchrun("kill", str(tiny_model_dir), str(tmp_path), timeout=120, monitor_s=2.0)
     assert code != 0
     assert "Signal 9 (SIGKILL) received" in output  # torchrun names the killed rank
-    assert "[rank0]: RuntimeError" in output and "Connection closed by peer" in output  # the survivor's error
+    assert re.search(r"\[rank0\]: RuntimeError: .*(closed|reset) by peer", output), output[-8000:]
     checkpoints = sorted(p.name for p in (tmp_path / "kill").glob("checkpoint-*"))
     assert checkpoints == [f"checkpoint-{step}" for step in range(1, KILLED_AT)]
     code, output = torchrun("resume", str(tiny_model_dir), str(tmp_path), timeout=120)
