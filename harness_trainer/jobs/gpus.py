@@ -6,7 +6,8 @@ gets its own GPUs, one rank each. Both sets are non-empty, disjoint and on the m
 size must divide the model's attention heads when its config can be read without the network. With one
 trainer GPU the trainer is one plain process; with several it runs under ``accelerate launch``, sharded
 with FSDP2 (:data:`FSDP2_LAUNCH_FLAGS`), or replicated with DDP when it trains LoRA, which the trainer
-refuses under FSDP (:func:`harness_trainer.trainer.distributed.prepare`).
+refuses under accelerate's FSDP on GPUs (:func:`harness_trainer.trainer.distributed.prepare`; the
+trainer's own FSDP2 on CPU supports it, :mod:`harness_trainer.trainer.fsdp2`).
 
 The launch examples in ``examples/launch/`` (torchrun, which has no FSDP flags of its own) set
 :data:`FSDP2_ENV`, the environment that ``accelerate launch`` sets for those flags and that

@@ -18,12 +18,19 @@ Control messages (the deal, the stop, a weight push's outcome, "does this checkp
 :class:`Collective`, on a gloo group of its own: the other ranks wait there as long as rank 0 waits for
 rollouts, longer than a GPU backend's watchdog lets an operation stay pending.
 
-Under FSDP the weights are sharded: the engine's weights and checkpoints are gathered to rank 0 with
-accelerate (``get_state_dict``) and torch's ``get_optimizer_state_dict``, the optimizer state is written by
-parameter index exactly as a single process writes it, and on resume the weights are restored before
-sharding and the optimizer state after it, by parameter name. That path needs GPUs (accelerate has no
-FSDP on CPU), so it is not exercised by the tests; its state-dict conversions are. LoRA under FSDP is
-refused.
+Under FSDP the weights are sharded: the engine's weights and checkpoints are gathered to rank 0, the
+optimizer state is written by parameter index exactly as a single process writes it, and on resume the
+weights are restored before sharding and the optimizer state after it, by parameter name. Two paths shard:
+
+- **On CPU, the trainer's own FSDP2** (:mod:`harness_trainer.trainer.fsdp2`): accelerate has no FSDP on
+  CPU, so when the environment asks for FSDP2 and accelerate runs plain CPU processes, the trainer calls
+  torch's ``fully_shard`` itself and gathers with torch's ``get_model_state_dict`` /
+  ``get_optimizer_state_dict``. LoRA is supported: the engine's merged weights come from the gathered
+  state. Ran for real: two gloo processes under ``torchrun`` train, checkpoint, resume and push like one
+  process, full weights and LoRA (``tests/trainer/test_fsdp2.py``).
+- **On GPUs, accelerate's FSDP** (``accelerate launch --use_fsdp``), gathered with accelerate's
+  ``get_state_dict``. It needs GPUs, so it is not exercised by the tests (nor NCCL); its state-dict
+  conversions are. LoRA under it is refused: train LoRA with DDP there.
 """
 
 from __future__ import annotations
@@ -40,6 +47,13 @@ from torch import nn
 
 from harness_trainer.trainer.batch import StepBatch
 from harness_trainer.trainer.checkpoint import TrainerState, load_checkpoint
+from harness_trainer.trainer.fsdp2 import (
+    autocast_forward,
+    gathered_state,
+    merged_weights,
+    shard,
+    shards_itself,
+)
 from harness_trainer.trainer.loss import LossStats
 from harness_trainer.trainer.packing import plan_micro_batches
 from harness_trainer.trainer.policy import engine_weights, is_peft
@@ -195,10 +209,11 @@ class Collective:
 
 
 def is_sharded(accelerator: Any) -> bool:
-    """Whether the weights are sharded across ranks (FSDP)."""
+    """Whether the weights are sharded across ranks: accelerate's FSDP, or the trainer's own FSDP2 on CPU
+    (:func:`harness_trainer.trainer.fsdp2.shards_itself`)."""
     from accelerate.utils import DistributedType
 
-    return accelerator.distributed_type == DistributedType.FSDP
+    return accelerator.distributed_type == DistributedType.FSDP or shards_itself(accelerator)
 
 
 def prepare(
@@ -212,9 +227,11 @@ def prepare(
     with checkpoint ``resume`` restored into them on this rank; its state, or None without one.
 
     ``optimizer`` holds ``model``'s trainable parameters in model order (FSDP restores its state by name).
+    Under the trainer's own FSDP2 (CPU) ``model`` is sharded in place and ``optimizer`` re-pointed at its
+    shards; both come back unwrapped.
 
     Raises:
-        NotImplementedError: DeepSpeed, Megatron-LM or XLA; LoRA under FSDP.
+        NotImplementedError: DeepSpeed, Megatron-LM or XLA; LoRA under accelerate's FSDP.
         ValueError: as :func:`harness_trainer.trainer.checkpoint.load_checkpoint`.
     """
     from accelerate.utils import DistributedType
@@ -226,16 +243,21 @@ def prepare(
         trained, optimizer = accelerator.prepare(model, optimizer)
         state = None if resume is None else load_checkpoint(resume, model, optimizer, scheduler)
         return trained, optimizer, state
-    if is_peft(model):
+    itself = shards_itself(accelerator)
+    if is_peft(model) and not itself:
         raise NotImplementedError(
-            "LoRA under FSDP is not supported: the engine's merged weights and the adapter checkpoint would "
-            "need the base weights gathered; train LoRA with DDP (the adapter is small)"
+            "LoRA under accelerate's FSDP is not supported (untested without GPUs); train LoRA with DDP "
+            "(the adapter is small)"
         )
     # FSDP shards what it is given: weights go in before sharding, the optimizer state after it.
     held = OptimizerState()
     state = None if resume is None else load_checkpoint(resume, model, held, scheduler)  # type: ignore[arg-type]
     names = [name for name, p in model.named_parameters() if p.requires_grad]
-    trained, optimizer = accelerator.prepare(model, optimizer)
+    if itself:
+        autocast_forward(accelerator, model)
+        trained = shard(model, optimizer, accelerator.num_processes)
+    else:
+        trained, optimizer = accelerator.prepare(model, optimizer)
     if held.state is not None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
@@ -247,6 +269,9 @@ def prepare(
 def engine_state(accelerator: Any, trained: nn.Module, model: nn.Module) -> dict[str, torch.Tensor] | None:
     """The full weights under the engine's names, on rank 0 (None elsewhere). Every rank must call it:
     under FSDP it gathers."""
+    if shards_itself(accelerator):
+        state = gathered_state(trained)  # empty but on rank 0
+        return merged_weights(model, state) if accelerator.is_main_process else None
     if is_sharded(accelerator):
         weights = accelerator.get_state_dict(trained)
         return weights if accelerator.is_main_process else None
@@ -256,6 +281,8 @@ def engine_state(accelerator: Any, trained: nn.Module, model: nn.Module) -> dict
 def savable_model(accelerator: Any, trained: nn.Module, model: nn.Module) -> Any:
     """What to ``save_pretrained`` on rank 0: ``model`` itself, or under FSDP a :class:`GatheredModel`.
     Every rank must call it: under FSDP it gathers."""
+    if shards_itself(accelerator):
+        return GatheredModel(model, gathered_state(trained))
     if is_sharded(accelerator):
         return GatheredModel(model, accelerator.get_state_dict(trained))
     return model

@@ -69,6 +69,7 @@ from harness_trainer.trainer.export import (
     upload,
     write_model_folder,
 )
+from harness_trainer.trainer.fsdp2 import clip_grad_norm, no_sync
 from harness_trainer.trainer.groups import Group, Rollout
 from harness_trainer.trainer.load_poller import ConcurrencyPoller
 from harness_trainer.trainer.logprobs import token_logprobs
@@ -717,7 +718,7 @@ class HarnessAsyncGRPOTrainer:
             micro = collate(plan.rows, share.advantages, share.weights).to(device)
             if plan.padding:
                 micro.token_weights.zero_()
-            with self.accelerator.no_sync(self._trained) if i < last else contextlib.nullcontext():
+            with no_sync(self.accelerator, self._trained) if i < last else contextlib.nullcontext():
                 stats = self._backward(micro)
             if not plan.padding:
                 total = total.merge(stats)
@@ -727,7 +728,7 @@ class HarnessAsyncGRPOTrainer:
         if share.micro_batches:  # as many on every rank, so every rank steps or none does
             # An infinite max norm measures without clipping (the gradients are scaled by exactly 1).
             max_norm = args.max_grad_norm if args.max_grad_norm > 0 else math.inf
-            grad_norm = float(self.accelerator.clip_grad_norm_(self._trained.parameters(), max_norm))
+            grad_norm = clip_grad_norm(self.accelerator, self._trained, max_norm)
             # fp16: the loss scaler itself skips a step whose gradients overflowed, and lowers its scale.
             if not math.isfinite(grad_norm) and not args.fp16:
                 logger.warning(

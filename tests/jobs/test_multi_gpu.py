@@ -92,7 +92,7 @@ def test_on_eight_gpus_vllm_may_run_data_parallel_and_lora_trains_with_ddp() -> 
     split = split_gpus(8, vllm_gpu_count=4, parallel="data", lora=True)
     assert (split.vllm, split.trainer) == ([0, 1, 2, 3], [4, 5, 6, 7])
     assert split.vllm_args() == ["--data-parallel-size", "4"]
-    # The trainer refuses LoRA under FSDP (distributed.prepare): several ranks replicate it instead.
+    # The trainer refuses LoRA under accelerate's FSDP (distributed.prepare): several ranks replicate it.
     assert split.launch_args() == ["--num_processes", "4", "--num_machines", "1", "--multi_gpu"]
     assert split.heads_check == "no tensor parallelism: nothing to check"
     assert (

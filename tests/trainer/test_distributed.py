@@ -250,12 +250,12 @@ def test_an_fsdp_checkpoint_has_the_single_process_format_and_resumes_weights_an
         torch.testing.assert_close(r, p)
 
 
-def test_lora_under_fsdp_and_deepspeed_are_refused(tiny_model_dir):
+def test_lora_under_accelerates_fsdp_and_deepspeed_are_refused(tiny_model_dir):
     peft = pytest.importorskip("peft")
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     lora = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"]))
     optimizer = torch.optim.AdamW([p for p in lora.parameters() if p.requires_grad])
-    with pytest.raises(NotImplementedError, match="LoRA under FSDP"):
+    with pytest.raises(NotImplementedError, match="LoRA under accelerate's FSDP"):
         prepare(PretendFsdp(), lora, optimizer, None, None)
 
     class PretendDeepSpeed(PretendFsdp):

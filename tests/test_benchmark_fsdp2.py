@@ -1,0 +1,39 @@
+"""The FSDP2 benchmark's ratios, and its quick configuration end to end: one process, two FSDP2 ranks and two
+DDP ranks on CPU (gloo), each rank's memory and step time, and its report section."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.benchmark_scripts import BENCHMARKS, load_benchmark, run_quick
+
+benchmark_fsdp2 = load_benchmark("fsdp2")
+
+
+def test_ratios_put_each_two_rank_run_over_the_single_process_and_take_the_largest_rank() -> None:
+    rank = {"parameters": 10, "step_s": [1.0, 3.0, 2.0], "peak_rss_mb": 100.0, "held_mb": {"params": 4.0}}
+    other = {**rank, "peak_rss_mb": 120.0, "step_s": [2.5]}
+    runs = {
+        "single": benchmark_fsdp2.summarise([{**rank, "peak_rss_mb": 200.0, "held_mb": {"params": 8.0}}]),
+        "fsdp2": benchmark_fsdp2.summarise([rank, other]),
+    }
+    assert runs["fsdp2"]["peak_rss_mb"] == 120.0 and runs["fsdp2"]["step_s"] == 2.5  # the worst rank
+    assert benchmark_fsdp2.ratios(runs) == {"fsdp2": {"peak_rss_mb": 0.6, "held_mb": 0.5, "step_s": 1.25}}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs torch.distributed with gloo")
+def test_quick_fsdp2_benchmark_measures_every_run_and_halves_the_state_held_per_rank(tmp_path) -> None:
+    out = tmp_path / "fsdp2.json"
+    run = run_quick(BENCHMARKS / "fsdp2.py", out, 180, "the quick FSDP2 benchmark", stop_s=30)
+    assert run.returncode == 0, run.stdout[-4000:]
+    result = json.loads(out.read_text())
+    assert set(result["runs"]) == {"single", "fsdp2", "ddp"}
+    assert [len(result["runs"][name]["ranks"]) for name in ("single", "fsdp2", "ddp")] == [1, 2, 2]
+    assert result["ratios"]["fsdp2"]["held_mb"] == pytest.approx(0.5, abs=0.05)  # sharded: half per rank
+    assert result["ratios"]["ddp"]["held_mb"] == pytest.approx(1.0, abs=0.01)  # replicated
+    assert all(r["peak_rss_mb"] > 0 and r["step_s"] > 0 for r in result["runs"].values())
+    assert "peak RSS/rank" in run.stdout and result["verdicts"][0]["target"] == benchmark_fsdp2.VERDICT

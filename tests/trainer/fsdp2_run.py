@@ -1,0 +1,133 @@
+"""Training runs for the FSDP2 tests, launched on every rank by ``torchrun`` with the FSDP2 environment.
+
+``torchrun --standalone --nproc_per_node 2 -m tests.trainer.fsdp2_run MODE MODEL_DIR OUTPUT_DIR`` (with
+``ACCELERATE_USE_CPU=true`` and :data:`harness_trainer.jobs.gpus.FSDP2_ENV`: gloo, the trainer's own
+FSDP2). Modes:
+
+- ``train``: the phases of :mod:`tests.trainer.distributed_run` (full weights for ``FIRST_STEPS`` steps,
+  resumed to ``TOTAL_STEPS``, then LoRA for ``FIRST_STEPS``), each pushing to a :class:`RecordingEngine`
+  every step. Each rank writes ``OUTPUT_DIR/rank{R}.json`` (steps, versions pushed, a layer weight's local
+  and full rows, the bytes of parameters, gradients and optimizer state it holds); rank 0 writes the last
+  weights pushed in each phase (``{full,lora}-pushed.safetensors``) and the gathered final full weights
+  (``full-final.safetensors``).
+- ``kill``: train up to :data:`KILL_STEPS` steps (bf16 mixed precision) into ``OUTPUT_DIR/kill``, rank 1
+  killing itself with SIGKILL as it starts step :data:`KILLED_AT` (checkpoints 1 to ``KILLED_AT - 1``
+  written).
+- ``resume``: resume that run from its latest checkpoint to :data:`KILL_STEPS`; rank 0 writes
+  ``OUTPUT_DIR/resumed.json`` (the step it resumed from, the steps at the end).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch import nn
+
+from harness_trainer import HarnessAsyncGRPOTrainer
+from harness_trainer.trainer.fsdp2 import gathered_state, local_bytes
+from tests.trainer.distributed_run import FIRST_STEPS, RecordingEngine, run_config
+from tests.trainer.handmade import HandmadeFactory
+
+KILL_STEPS = 4
+KILLED_AT = 3
+LAYER_WEIGHT = "model.layers.0.mlp.gate_proj.weight"
+
+
+def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """The bytes of parameters, gradients and optimizer state this rank holds (local shards), the
+    gradients filled by one backward pass (collective under FSDP: every rank calls it)."""
+    model.zero_grad(set_to_none=True)
+    model(torch.tensor([[1, 2, 3, 4]])).logits.float().square().mean().backward()
+    params = [p for p in model.parameters()]
+    held = {
+        "params": local_bytes(params),
+        "grads": local_bytes([p.grad for p in params if p.grad is not None]),
+        "optimizer": local_bytes([v for s in optimizer.state.values() for v in s.values() if v.dim() > 0]),
+    }
+    model.zero_grad(set_to_none=True)
+    return held
+
+
+def _clone(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # Cloned: the tied embeddings share storage, which safetensors refuses.
+    return {name: tensor.detach().clone().contiguous() for name, tensor in weights.items()}
+
+
+def train(model_dir: str, out: Path) -> None:
+    engine = RecordingEngine()
+
+    def phase(directory: Path, **overrides: Any) -> HarnessAsyncGRPOTrainer:
+        config = run_config(directory, **overrides)
+        trainer = HarnessAsyncGRPOTrainer(
+            model_dir, lambda sampling: HandmadeFactory(sampling=sampling), config, engine=engine
+        )
+        trainer.train()
+        return trainer
+
+    first = phase(out / "full", max_steps=FIRST_STEPS)
+    resumed = phase(out / "full", resume_from_checkpoint="latest")
+    rank = resumed.collective.rank
+    full_pushed = _clone(engine.last)
+    final = gathered_state(resumed._trained)  # type: ignore[arg-type]
+    layer = dict(resumed.model.named_parameters())[LAYER_WEIGHT]  # type: ignore[union-attr]
+    summary: dict[str, Any] = {
+        "sharded": type(layer).__name__ == "DTensor",
+        "local_rows": layer.to_local().shape[0] if hasattr(layer, "to_local") else layer.shape[0],
+        "full_rows": layer.shape[0],
+        "held": held_bytes(resumed._trained, resumed.optimizer),  # type: ignore[arg-type]
+    }
+    lora = phase(out / "lora", max_steps=FIRST_STEPS, use_peft=True, learning_rate=1e-3)
+    summary.update(steps=[first.state.step, resumed.state.step, lora.state.step], pushed=engine.versions)
+    (out / f"rank{rank}.json").write_text(json.dumps(summary))
+    if rank == 0:
+        save_file(full_pushed, str(out / "full-pushed.safetensors"))
+        save_file(_clone(engine.last), str(out / "lora-pushed.safetensors"))
+        save_file(_clone(final), str(out / "full-final.safetensors"))
+
+
+def kill(model_dir: str, out: Path, resume: bool) -> None:
+    # bf16: the mixed precision the trainer's own FSDP2 applies to the forward, end to end.
+    resume_from = "latest" if resume else None
+    config = run_config(out / "kill", max_steps=KILL_STEPS, resume_from_checkpoint=resume_from, bf16=True)
+    trainer = HarnessAsyncGRPOTrainer(model_dir, lambda sampling: HandmadeFactory(sampling=sampling), config)
+    if not resume:
+        optimize = trainer._optimize
+
+        def dying(share: Any) -> Any:
+            if trainer.collective.rank == 1 and trainer.state.step + 1 == KILLED_AT:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return optimize(share)
+
+        trainer._optimize = dying  # type: ignore[method-assign]
+    setup, started = trainer.setup, []
+
+    def recorded_setup() -> None:
+        setup()
+        started.append(trainer.state.step)
+
+    trainer.setup = recorded_setup  # type: ignore[method-assign]
+    trainer.train()
+    if trainer.collective.is_main:
+        (out / "resumed.json").write_text(json.dumps({"from": started[0], "steps": trainer.state.step}))
+
+
+def main(mode: str, model_dir: str, output_dir: str) -> None:
+    out = Path(output_dir)
+    if mode == "train":
+        train(model_dir, out)
+    else:
+        kill(model_dir, out, resume=mode == "resume")
+    dist.barrier()  # gloo aborts the process if a peer destroys the group while it still talks
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
