@@ -360,6 +360,8 @@ class HarnessAsyncGRPOTrainer:
         assert self.model is not None
         kwargs: dict[str, Any] = {} if args.eval_split is None else {"split": args.eval_split}
         self._eval_factory = self._build_factory(args.eval_sampling, **kwargs)
+        if self._policy is not None and hasattr(self._eval_factory, "set_policy"):  # resumed on an adapter
+            self._eval_factory.set_policy(*self._policy)
         if self.eval_dataset is not None:
             rows = [dict(row) for row in self.eval_dataset]
         elif hasattr(self._eval_factory, "prompt_rows"):
@@ -807,6 +809,10 @@ class HarnessAsyncGRPOTrainer:
                     "lora_sync='merged'"
                 )
             self.factory.set_policy(model, version)
+        # Evaluation samples the current policy too: its own factory (a white-box wrapper, an in-process
+        # proxy) is told as well; on a shared rollout server the second call changes nothing.
+        if self._eval_factory is not None and hasattr(self._eval_factory, "set_policy"):
+            self._eval_factory.set_policy(model, version)
 
     def _publish_version(self, version: int) -> None:
         """Tell the rollouts' capture proxy that the engine now serves ``version`` (weights pushed in place,

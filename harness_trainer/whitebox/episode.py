@@ -14,9 +14,10 @@ The rules, in order:
    row builder (:mod:`harness_trainer.trainer.rows`) finds the same forest from the ids alone.
 3. **Metadata** per turn: ``seq``, ``parent``, ``root``, ``depth``, ``retemplated``, ``weight_version``,
    ``sampling`` (the trainer's temperature is checked against it), ``agent_params``, ``finish_reason``,
-   ``parse_error``, ``tool_calls``, and ``started_at`` / ``finished_at`` (unix seconds of the engine call,
-   when recorded: the rollout's model time). The last turn of an episode that ran out of context budget
-   carries ``context_exhausted`` True; its turns stay trainable.
+   ``parse_error``, ``tool_calls``, and when recorded ``model`` (the served model the call named) and
+   ``started_at`` / ``finished_at`` (unix seconds of the engine call: the rollout's model time). The last
+   turn of an episode that ran out of context budget carries ``context_exhausted`` True; its turns stay
+   trainable.
 4. The trace is validated (:func:`harness_trainer.trace.load_trace`); a broken rule raises
    ``CaptureContractError``. An episode with no turn at all (the first prompt is over budget) has no trace.
 """
@@ -100,6 +101,8 @@ def build_trace(records: Sequence[TurnRecord], *, context_exhausted: bool = Fals
             "parse_error": record.parse_error,
             "tool_calls": [dict(call) for call in record.tool_calls],
         }
+        if record.model:
+            metadata["model"] = record.model
         if record.started_at is not None and record.finished_at is not None:
             metadata.update(started_at=record.started_at, finished_at=record.finished_at)
         turns.append(

@@ -95,6 +95,8 @@ class TurnRecord:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     parse_error: str | None = None
     """Why the reply's tool call could not be parsed, or None."""
+    model: str = ""
+    """The served model the call named (the newest adapter's name, with ``lora_sync="adapter"``)."""
     started_at: float | None = None
     finished_at: float | None = None
     """When the engine call was sent and answered (unix seconds), as the capture proxy stamps a black-box
@@ -152,7 +154,7 @@ class TokenModelStep:
             self.context_exhausted = True  # nothing sampled: the adapter sees a final, empty reply
             return ModelStepResult(response=LLMResponse(content=""))
         limit = min(self.max_completion_tokens, room, self.policy.max_tokens or room)
-        started_at = time.time()
+        model, started_at = self.model, time.time()
         reply = self._complete(prompt_ids, limit)
         finished_at = time.time()
         completion_ids, logprobs, finish, version = _read_reply(reply, prompt_ids)
@@ -169,6 +171,7 @@ class TokenModelStep:
                 text=response.content,
                 tool_calls=[{"name": call.name, "arguments": call.args} for call in response.tool_calls],
                 parse_error=parse_error,
+                model=model,
                 started_at=started_at,
                 finished_at=finished_at,
             )
@@ -206,7 +209,7 @@ class TokenModelStep:
 
     def _complete(self, prompt_ids: list[int], max_tokens: int) -> dict[str, Any]:
         body: dict[str, Any] = {
-            "model": self.model,
+            "model": self.model,  # read once per call: the trainer may name a newer adapter between turns
             "prompt": prompt_ids,
             "max_tokens": max_tokens,
             "temperature": self.policy.temperature,

@@ -98,10 +98,18 @@ class StepSettings:
 
 
 class _TimedStep:
-    """The model step, with the policy version refreshed before each turn and the cooperative deadline."""
+    """The model step, with the served model and the policy version refreshed before each turn, and the
+    cooperative deadline. ``policy`` gives the model a turn names and, once the trainer published an
+    adapter (``lora_sync="adapter"``), that adapter's version, read together so a turn never pairs one
+    adapter's name with another's version; before that, the version is ``version``'s (in-place pushes)."""
 
-    def __init__(self, step: TokenModelStep, version: Callable[[], int | None] | None) -> None:
-        self.step, self.version = step, version
+    def __init__(
+        self,
+        step: TokenModelStep,
+        version: Callable[[], int | None] | None,
+        policy: Callable[[], tuple[str, int | None]] | None = None,
+    ) -> None:
+        self.step, self.version, self.policy = step, version, policy
         self.deadline: float | None = None
         self.expired = False
 
@@ -109,7 +117,11 @@ class _TimedStep:
         if self.deadline is not None and time.monotonic() >= self.deadline:
             self.expired = True  # nothing sampled: the adapter sees a final, empty reply
             return ModelStepResult(response=LLMResponse(content=""))
-        if self.version is not None:
+        model, published = self.policy() if self.policy is not None else (self.step.model, None)
+        self.step.model = model
+        if published is not None:
+            self.step.policy_version = published
+        elif self.version is not None:
             self.step.policy_version = self.version()
         return self.step(messages, tools, sampling)
 
@@ -124,10 +136,11 @@ class WhiteBoxRollout:
         step: TokenModelStep,
         limits: HarnessRunLimits,
         policy_version: Callable[[], int | None] | None = None,
+        policy: Callable[[], tuple[str, int | None]] | None = None,
     ) -> None:
         self.session, self.adapter, self.limits = session, adapter, limits
         self.step = step
-        self._timed = _TimedStep(step, policy_version)
+        self._timed = _TimedStep(step, policy_version, policy)
         self.result: HarnessRolloutResult | None = None
         self._closed = False
         self._close_lock = threading.Lock()
@@ -210,6 +223,9 @@ class WhiteBoxRolloutFactory:
     ) -> None:
         self.inner, self.adapter, self.settings = factory, adapter, settings
         self.limits = limits or HarnessRunLimits()
+        self.policy: tuple[str, int | None] = (settings.model, None)
+        """The served model every later turn names and its version: the base model's (its version the
+        trainer's), or the newest adapter's (``set_policy``). One tuple, replaced whole."""
         settings.make().close()  # a chat template TRL cannot parse fails here, not in every rollout
         if callable(getattr(factory, "prompt_rows", None)):
             self.prompt_rows = factory.prompt_rows
@@ -222,8 +238,19 @@ class WhiteBoxRolloutFactory:
             step.close()
             raise
         return WhiteBoxRollout(
-            AnswersParseErrors(session), self.adapter, step, self.limits, self.settings.policy_version
+            AnswersParseErrors(session),
+            self.adapter,
+            step,
+            self.limits,
+            self.settings.policy_version,
+            lambda: self.policy,
         )
+
+    def set_policy(self, model: str, version: int) -> None:
+        """Name served model ``model`` (``version``'s adapter, with ``lora_sync="adapter"``) in every later
+        turn, of episodes running and to come, each recording ``version``, as the capture proxy does for
+        black-box calls."""
+        self.policy = (model, version)
 
     def close(self) -> None:
         closer = getattr(self.inner, "close", None)

