@@ -42,6 +42,22 @@ def run_config(output_dir: str | Path, **overrides: Any) -> AsyncGRPOConfig:
     return AsyncGRPOConfig(**settings)
 
 
+def trained_alone(model_dir: str | Path, output_dir: Path) -> HarnessAsyncGRPOTrainer:
+    """The single-process reference: :func:`run_config`'s run in one process, trained to its end. Checks that
+    training moved the weights by more than 1e-4, far over the tolerances the comparisons use."""
+    from transformers import AutoModelForCausalLM
+
+    single = HarnessAsyncGRPOTrainer(
+        str(model_dir), lambda sampling: HandmadeFactory(sampling=sampling), run_config(output_dir)
+    )
+    single.train()
+    initial = dict(AutoModelForCausalLM.from_pretrained(model_dir).named_parameters())
+    assert single.model is not None
+    moved = max((p.detach() - initial[n]).abs().max().item() for n, p in single.model.named_parameters())
+    assert moved > 1e-4
+    return single
+
+
 class RecordingEngine:
     """An engine that takes every push and keeps the versions and the last weights."""
 

@@ -18,7 +18,6 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from transformers import AutoModelForCausalLM, get_scheduler
 
-from harness_trainer import HarnessAsyncGRPOTrainer
 from harness_trainer.trainer.batch import StepBatch
 from harness_trainer.trainer.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from harness_trainer.trainer.distributed import (
@@ -37,8 +36,7 @@ from harness_trainer.trainer.logprobs import token_logprobs, use_packed_attentio
 from harness_trainer.trainer.loss import LossConfig, LossStats, policy_loss
 from harness_trainer.trainer.packing import collate, plan_micro_batches
 from harness_trainer.trainer.rows import Row
-from tests.trainer.distributed_run import FIRST_STEPS, TOTAL_STEPS, run_config
-from tests.trainer.handmade import HandmadeFactory
+from tests.trainer.distributed_run import FIRST_STEPS, TOTAL_STEPS, trained_alone
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -300,13 +298,7 @@ def test_two_gloo_processes_train_resume_push_and_log_like_one_process(tmp_path,
             torch.testing.assert_close(one[name], tensor, rtol=0, atol=0, msg=f"{phase}: {name}")
 
     alone = tmp_path / "one"
-    single = HarnessAsyncGRPOTrainer(
-        str(tiny_model_dir), lambda sampling: HandmadeFactory(sampling=sampling), run_config(alone)
-    )
-    single.train()
-    initial = dict(AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters())
-    moved = max((p.detach() - initial[n]).abs().max().item() for n, p in single.model.named_parameters())
-    assert moved > 1e-4  # the tolerance below is far under what training moved
+    single = trained_alone(tiny_model_dir, alone)
     trained = load_file(out / "full-rank0.safetensors")
     for name, p in single.model.named_parameters():
         torch.testing.assert_close(trained[name], p.detach(), rtol=0, atol=1e-5)
