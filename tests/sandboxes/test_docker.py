@@ -137,3 +137,30 @@ async def test_containers_left_by_a_dead_process_are_removed(backend: DockerSand
         assert created["Id"] in await backend.call(remove_leftovers, backend.client)
     finally:
         await backend.remove(created["Id"])
+
+
+async def test_the_sandbox_tools_work_in_a_docker_sandbox(
+    backend: DockerSandboxBackend, make_task: TaskFactory
+) -> None:
+    """White-box mode's tools need only the sandbox protocol: in a container as in the local sandbox (a hung
+    command killed at its timeout, errors as results)."""
+    pytest.importorskip("openenv")
+    from harness_trainer.sandboxes.tools import SandboxTools
+    from tests.sandboxes.test_tools import assert_error, marker
+
+    sandbox = await backend.start(make_task(), lifetime_s=60)
+    tag = marker()
+    try:
+        tools = SandboxTools(sandbox)
+        written = await tools.call_tool("write_file", {"path": "src/a.py", "content": "print(1)\n"})
+        assert written.error is None, written.error
+        assert (await tools.call_tool("read_file", {"path": "src/a.py"})).data == "print(1)\n"
+        assert (await tools.call_tool("list_dir", {"path": "src"})).data == "a.py\n"
+        assert (await tools.call_tool("bash", {"command": "python3 src/a.py"})).data == "1\n[exit code: 0]"
+        hung = await tools.call_tool("bash", {"command": f"sleep {tag}", "timeout": 0.5})
+        assert_error(hung, "timeout and was killed")
+        assert (await sandbox.exec(f"pgrep -f 'sleep {tag}' || echo none")).stdout.strip() == "none"
+        assert_error(await tools.call_tool("read_file", {"path": "nope"}), "no such file")
+        assert tools.metrics()["tool_failures_by_name"] == {"bash": 1, "read_file": 1}
+    finally:
+        await sandbox.close()
