@@ -175,6 +175,10 @@ def replicas_section(result: dict[str, Any]) -> Section:
     latency = [r["p50_ms"] / b["p50_ms"] for b, r in pairs]
     value = f"{lat['replicas_p50_ms']:.2f} ms ({lat['added_p50_ms']:+.2f})"
     rows.append(Row("paced p50, routed vs named", value, f"{lat['baseline_p50_ms']:.2f} ms", latency))
+    for count, rps in t.get("rps_by_replicas", {}).items():
+        linear = f"{count} x {t['one_engine_rps']:.0f}"
+        scaling = t["scaling_by_replicas"][count]
+        rows.append(Row(f"req/s over {count} replica(s) vs {count} x one", f"{rps:.0f}", linear, [scaling]))
     rows.append(Row("routing code per call", f"{result['routing_us_per_call']:.2f} us"))
     c = result["config"]
     notes = [f"{c['agents']} agents, {c['turns']}-turn conversations, {c['repeats']} repeat(s)"]
