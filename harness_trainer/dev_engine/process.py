@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from harness_trainer.net import free_port, wait_until_healthy
+from harness_trainer.net import free_port, stop_signals_held, wait_until_healthy
 
 
 @dataclass
@@ -37,21 +38,26 @@ def start_engine(
     output: IO[bytes] | int | None = None,
     own_session: bool = False,
     port: int | None = None,
+    started: Callable[[EngineProcess], None] | None = None,
 ) -> EngineProcess:
     """Start a dev engine serving ``model_dir`` as ``name`` (``extra``: more ``engine`` flags) on ``port``
     (default: a free one); returns once it answers ``/health``. ``output`` takes the engine's stdout and
     stderr (default: inherited); ``own_session`` keeps a terminal's Ctrl-C away from it, so its owner
-    decides when it stops."""
+    decides when it stops. ``started`` is handed the engine as soon as its process exists, with SIGINT and
+    SIGTERM held until then, so an owner stopped at any moment has it to stop."""
     port = free_port() if port is None else port
-    process = subprocess.Popen(
-        [sys.executable, "-m", "harness_trainer.cli", "engine", "--model", str(model_dir),
-         "--port", str(port), "--served-model-name", name, *extra],
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        stdout=output,
-        stderr=subprocess.STDOUT if output is not None else None,
-        start_new_session=own_session,
-    )  # fmt: skip
-    engine = EngineProcess(url=f"http://127.0.0.1:{port}", process=process, model=name)
+    with stop_signals_held():
+        process = subprocess.Popen(
+            [sys.executable, "-m", "harness_trainer.cli", "engine", "--model", str(model_dir),
+             "--port", str(port), "--served-model-name", name, *extra],
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            stdout=output,
+            stderr=subprocess.STDOUT if output is not None else None,
+            start_new_session=own_session,
+        )  # fmt: skip
+        engine = EngineProcess(url=f"http://127.0.0.1:{port}", process=process, model=name)
+        if started is not None:
+            started(engine)
     try:
         wait_until_healthy(engine.url, process)
     except BaseException:

@@ -308,12 +308,14 @@ def _run_dev_loop(
         )
         model_dir = ensure_warm_model(source, options.split, base, recipe, log=_say)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    with (output / "engine.log").open("ab") as engine_log:
-        engine = start_local_engine(
-            options.engine, model_dir, seed=config.seed, output=engine_log, vllm_python=vllm,
-            lora_rank=config.lora_r if config.use_peft else None, max_loras=config.max_staleness + 1,
-        )  # fmt: skip
+    engines: list[Any] = []  # the engine, from the moment its process exists: stopped below on every path
     try:
+        with (output / "engine.log").open("ab") as engine_log:
+            engine = start_local_engine(
+                options.engine, model_dir, seed=config.seed, output=engine_log, vllm_python=vllm,
+                lora_rank=config.lora_r if config.use_peft else None, max_loras=config.max_staleness + 1,
+                started=engines.append,
+            )  # fmt: skip
         _say(f"engine up: {options.engine} at {engine.url} serving {model_dir.name}")
         config = dataclasses.replace(config, vllm_server_base_url=engine.url)
         write_resolved(output, {**resolved, TRAINER: config.to_dict()})
@@ -345,7 +347,8 @@ def _run_dev_loop(
         if trainer.stop_requested and not stopped_by:
             stopped_by.append(signal.SIGTERM)  # only its own SIGTERM handler stops it without us
     finally:
-        engine.stop()
+        for running in engines:
+            running.stop()
     if stopped_by:
         _say(f"{signal.Signals(stopped_by[0]).name}: stopped at step {trainer.state.step}, checkpoint kept")
         raise Stopped(stopped_by[0])

@@ -249,7 +249,7 @@ def test_the_trainer_logs_the_weight_sync_it_chose(caplog: pytest.LogCaptureFixt
     trainer = HarnessAsyncGRPOTrainer("unused", lambda **_: None, config, train_dataset=[])
     trainer.model = torch.nn.Linear(2, 2)
     with caplog.at_level(logging.WARNING):
-        sync = trainer._weight_sync()
+        sync = trainer._weight_sync(config.vllm_server_base_url)
     assert isinstance(sync, FileWeightSync)
     assert "weight sync to vLLM at http://127.0.0.1:9: file (auto: vLLM is on this host)" in caplog.text
 

@@ -493,10 +493,16 @@ def fake_bin(folder: Path, **scripts: str) -> str:
 def test_the_one_node_example_runs_the_trainer_in_the_foreground_and_stops_the_services_after(
     tmp_path: Path,
 ) -> None:
-    pids = tmp_path / "pids"
+    pids, checks = tmp_path / "pids", tmp_path / "checks"
+    # The n-th health check answers once the n-th service runs (has written its pid), as a real one would:
+    # the script may not start the trainer, nor stop the services, before each one is up.
+    answer_once_up = (
+        f'n=$(( $(cat {checks} 2>/dev/null || echo 0) + 1 )); echo "$n" > {checks}; '
+        f'for _ in $(seq 100); do [ "$(cat {pids} 2>/dev/null | wc -l)" -ge "$n" ] && exit 0; sleep 0.1; done'
+    )
     path = fake_bin(
         tmp_path / "bin",
-        curl="exit 0",  # every health check answers
+        curl=answer_once_up,
         # vLLM and serve: services that stay up, in a sleep no other test looks for among all processes.
         fakepython=f"echo $$ >> {pids}; exec sleep 3600",
         torchrun='echo "trainer $CUDA_VISIBLE_DEVICES $FSDP_VERSION $*"; exit 7',
