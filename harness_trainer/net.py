@@ -6,25 +6,9 @@ benchmarks; stdlib only at import time (``httpx`` is imported when a wait starts
 
 from __future__ import annotations
 
-import contextlib
-import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-@contextlib.contextmanager
-def stop_signals_held() -> Iterator[None]:
-    """SIGINT and SIGTERM held (blocked for this thread) inside the block, delivered when it ends: a child
-    started and handed to its owner inside it is never orphaned by a stop that lands in between."""
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def free_port() -> int:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from harness_trainer.net import free_port, stop_signals_held, wait_until_healthy
+from harness_trainer.net import free_port, wait_until_healthy
 
 
 @dataclass
@@ -43,21 +43,20 @@ def start_engine(
     """Start a dev engine serving ``model_dir`` as ``name`` (``extra``: more ``engine`` flags) on ``port``
     (default: a free one); returns once it answers ``/health``. ``output`` takes the engine's stdout and
     stderr (default: inherited); ``own_session`` keeps a terminal's Ctrl-C away from it, so its owner
-    decides when it stops. ``started`` is handed the engine as soon as its process exists, with SIGINT and
-    SIGTERM held until then, so an owner stopped at any moment has it to stop."""
+    decides when it stops. ``started`` is handed the engine as soon as its process exists, before the wait:
+    an owner stopped while the engine comes up has it to stop."""
     port = free_port() if port is None else port
-    with stop_signals_held():
-        process = subprocess.Popen(
-            [sys.executable, "-m", "harness_trainer.cli", "engine", "--model", str(model_dir),
-             "--port", str(port), "--served-model-name", name, *extra],
-            env={**os.environ, "HF_HUB_OFFLINE": "1"},
-            stdout=output,
-            stderr=subprocess.STDOUT if output is not None else None,
-            start_new_session=own_session,
-        )  # fmt: skip
-        engine = EngineProcess(url=f"http://127.0.0.1:{port}", process=process, model=name)
-        if started is not None:
-            started(engine)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "harness_trainer.cli", "engine", "--model", str(model_dir),
+         "--port", str(port), "--served-model-name", name, *extra],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        stdout=output,
+        stderr=subprocess.STDOUT if output is not None else None,
+        start_new_session=own_session,
+    )  # fmt: skip
+    engine = EngineProcess(url=f"http://127.0.0.1:{port}", process=process, model=name)
+    if started is not None:
+        started(engine)
     try:
         wait_until_healthy(engine.url, process)
     except BaseException:

@@ -21,8 +21,7 @@ def start_local_engine(
 ) -> Any:
     """Start engine ``kind`` (``dev`` or ``vllm``) serving ``model_dir`` as ``tiny``, seeded; returns once it
     answers, as an object with ``url`` and ``stop()``. ``lora_rank``: vLLM takes adapters up to that rank
-    (``max_loras`` of them at once). ``started`` gets it as soon as its process exists (stop signals held
-    until then)."""
+    (``max_loras`` of them at once). ``started`` gets it as soon as its process exists."""
     if kind == "vllm":
         from harness_trainer.engines.vllm_process import serve_env, serve_flags, start_vllm
 

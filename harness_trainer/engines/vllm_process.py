@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from harness_trainer.net import free_port, stop_signals_held, wait_until_healthy
+from harness_trainer.net import free_port, wait_until_healthy
 
 CAPTURE_FLAGS = ("--logprobs-mode", "processed_logprobs", "--return-tokens-as-token-ids")
 """What the capture proxy needs from vLLM: the sampled ids and the logprobs after temperature."""
@@ -134,8 +134,8 @@ def start_vllm(
     started: Callable[[VLLMProcess], None] | None = None,
 ) -> VLLMProcess:
     """Serve ``model_dir`` with ``flags`` on a free loopback port; returns once ``/health`` answers.
-    ``started`` is handed the server as soon as its process exists, SIGINT and SIGTERM held until then (so
-    an owner stopped at any moment has it to stop).
+    ``started`` is handed the server as soon as its process exists, before the wait (so an owner stopped
+    while it comes up has it to stop).
 
     Raises:
         FileNotFoundError: no vLLM python (:func:`check_vllm_python` says why).
@@ -149,18 +149,17 @@ def start_vllm(
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), *flags,
             "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
     name = served_model_name or _flag_value(flags, "--served-model-name") or str(model_dir)
-    with stop_signals_held():
-        process = subprocess.Popen(
-            argv,
-            env={**os.environ, **(env or {})},
-            stdin=subprocess.DEVNULL,
-            stdout=output,
-            stderr=subprocess.STDOUT if output is not None else None,
-            start_new_session=True,
-        )
-        server = VLLMProcess(url=f"http://127.0.0.1:{port}", process=process, model=name)
-        if started is not None:
-            started(server)
+    process = subprocess.Popen(
+        argv,
+        env={**os.environ, **(env or {})},
+        stdin=subprocess.DEVNULL,
+        stdout=output,
+        stderr=subprocess.STDOUT if output is not None else None,
+        start_new_session=True,
+    )
+    server = VLLMProcess(url=f"http://127.0.0.1:{port}", process=process, model=name)
+    if started is not None:
+        started(server)
     try:
         wait_until_healthy(server.url, process, timeout=startup_timeout)
     except BaseException:
