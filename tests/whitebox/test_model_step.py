@@ -87,6 +87,16 @@ def make_step(tokenizer: Any, url: str, **overrides: Any) -> TokenModelStep:
     return TokenModelStep(tokenizer, url, "tiny", **{**options, **overrides})
 
 
+def direct_completion(url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """The engine's own seeded ``/v1/completions`` reply for ``prompt``, as :func:`make_step`'s policy
+    samples it (temperature 1, seed 7), to compare a turn with."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "seed": 7,
+            "logprobs": 0, "return_token_ids": True}  # fmt: skip
+    reply = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    reply.raise_for_status()
+    return reply.json()
+
+
 def run_episode(step: TokenModelStep, max_turns: int = 4, **limits: Any) -> tuple[Any, AnswersParseErrors]:
     session = AnswersParseErrors(ListingSession())
     result = MCPHarnessAdapter().run_white_box(step, session, HarnessRunLimits(max_turns=max_turns, **limits))
@@ -104,12 +114,7 @@ def test_a_turn_is_the_engines_own_ids_and_logprobs(engine: EngineProcess, token
         messages, add_generation_prompt=True, tokenize=True, return_dict=False
     )
     assert result.prompt_ids == list(prompt)
-    direct = httpx.post(
-        f"{engine.url}/v1/completions",
-        json={"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 1.0, "seed": 7,
-              "logprobs": 0, "return_token_ids": True},
-        timeout=60,
-    ).json()  # fmt: skip
+    direct = direct_completion(engine.url, list(prompt), max_tokens=12)
     assert result.completion_ids == direct["choices"][0]["token_ids"]
     assert result.logprobs == direct["choices"][0]["logprobs"]["token_logprobs"]
     assert len(result.completion_ids) == len(result.logprobs) > 0

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
 import pytest
 
 pytest.importorskip("openenv")
@@ -17,7 +16,7 @@ from transformers import AutoTokenizer
 
 from harness_trainer.trainer.rows import build_rows, row_stats
 from tests.test_vllm_cpu_parity import model_dir, pytestmark, vllm_url  # noqa: F401 - fixtures and marks
-from tests.whitebox.test_model_step import make_step, run_episode
+from tests.whitebox.test_model_step import direct_completion, make_step, run_episode
 
 
 @pytest.fixture(scope="module")
@@ -33,12 +32,7 @@ def test_a_turn_is_vllms_own_ids_and_processed_logprobs(vllm_url: str, tokenizer
     prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                 return_dict=False))  # fmt: skip
     assert result.prompt_ids == prompt
-    direct = httpx.post(
-        f"{vllm_url}/v1/completions",
-        json={"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 1.0, "seed": 7,
-              "logprobs": 0, "return_token_ids": True},
-        timeout=120,
-    ).json()  # fmt: skip
+    direct = direct_completion(vllm_url, prompt, max_tokens=12)
     # The same seeded sample: vLLM's own ids and logprobs, never re-tokenised text.
     assert result.completion_ids == direct["choices"][0]["token_ids"]
     assert result.logprobs == pytest.approx(direct["choices"][0]["logprobs"]["token_logprobs"], abs=1e-5)

@@ -55,7 +55,7 @@ import httpx
 
 from capture_proxy.config import engine_root
 from harness_trainer.rollouts.client.servers import (
-    _POLL_S,
+    POLL_S,
     Placement,
     RolloutServerError,
     Server,
@@ -394,7 +394,7 @@ class HarborSession:
         bound, ``wait_timeout_s``) the agent is stopped and ``TimeoutError`` raised, its turns kept."""
         deadline = time.monotonic() + (self.wait_timeout_s if timeout_s is None else timeout_s)
         while self.result is None:
-            wait = _POLL_S if deadline is None else min(_POLL_S, max(deadline - time.monotonic(), 0.0))
+            wait = POLL_S if deadline is None else min(POLL_S, max(deadline - time.monotonic(), 0.0))
             body = self._request("GET", f"/sessions/{self.session_id}", params={"wait": wait})
             if body["status"] == "done":
                 self.result = RolloutResult.model_validate(body["result"])

@@ -35,7 +35,7 @@ import httpx
 log = logging.getLogger(__name__)
 PROBE_EVERY_S = 10.0
 """How often, at most, a down server is asked whether it is back (read at each placement)."""
-_POLL_S = 30.0
+POLL_S = 30.0
 """The longest long poll a session sends (the client's timeout is the request timeout plus this)."""
 _CLOSE_TIMEOUT_S = 5.0
 """Closing on a down server: one short try (it may be a blip), never the full request timeout."""
@@ -85,7 +85,7 @@ class Server:
 
     def http(self, timeout_s: float) -> httpx.Client:
         if self.client is None:
-            self.client = httpx.Client(base_url=self.url, timeout=timeout_s + _POLL_S)
+            self.client = httpx.Client(base_url=self.url, timeout=timeout_s + POLL_S)
         return self.client
 
     def send(self, method: str, path: str, timeout_s: float, **kwargs: Any) -> Any:
@@ -95,7 +95,7 @@ class Server:
         except httpx.HTTPError as exc:
             raise RolloutServerError(f"rollout server {self.url} unreachable: {exc!r}") from exc
         if response.status_code >= 400:
-            message = f"{method} {path}: {response.status_code} {_message(response)}"
+            message = f"{method} {path}: {response.status_code} {error_message(response)}"
             raise RolloutServerError(message, status=response.status_code)
         return response.json()
 
@@ -326,7 +326,8 @@ class ServerPool:
                     server.client = None
 
 
-def _message(response: httpx.Response) -> str:
+def error_message(response: httpx.Response) -> str:
+    """A rollout server's error reply's message (``{"error": {"message"}}``), else the start of its body."""
     try:
         error = response.json().get("error", {})
         return str(error.get("message", response.text[:500]))

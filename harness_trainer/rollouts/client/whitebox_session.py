@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 
 from harness_trainer.rollouts.client.factory import RolloutServerError
+from harness_trainer.rollouts.client.servers import error_message
 from harness_trainer.rollouts.client.session import task_reference
 from harness_trainer.rollouts.errors import RolloutConfigError, RolloutUnscorable
 from harness_trainer.rollouts.result import EnvironmentVerdict
@@ -228,9 +229,9 @@ def _request(client: httpx.Client, method: str, path: str, **kwargs: Any) -> Any
     except httpx.HTTPError as exc:
         raise RolloutServerError(f"rollout server {client.base_url} unreachable: {exc!r}") from exc
     if response.status_code == 410:  # the sandbox failed to start or died: not the model's fault
-        raise RolloutUnscorable(f"{method} {path}: {_message(response)}", kind="sandbox")
+        raise RolloutUnscorable(f"{method} {path}: {error_message(response)}", kind="sandbox")
     if response.status_code >= 400:
-        message = f"{method} {path}: {response.status_code} {_message(response)}"
+        message = f"{method} {path}: {response.status_code} {error_message(response)}"
         raise RolloutServerError(message, status=response.status_code)
     return response.json()
 
@@ -240,10 +241,3 @@ def _delete(client: httpx.Client, session_id: str) -> None:
         client.delete(f"/sessions/{session_id}")
     except httpx.HTTPError:
         pass  # the server may be gone; nothing of ours is left to leak there
-
-
-def _message(response: httpx.Response) -> str:
-    try:
-        return str(response.json()["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return response.text[:500]
