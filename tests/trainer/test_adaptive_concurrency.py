@@ -155,6 +155,8 @@ def test_the_limit_grows_at_once_and_shrinks_without_cancelling_rollouts_in_flig
         eventually(lambda: scheduler.slot_counts() == (1, 3))
         scheduler.set_concurrency_limit(3)
         eventually(lambda: scheduler.slot_counts() == (3, 1))
+        # a slot is taken before its worker creates the session: wait for the sessions, not the slots
+        eventually(lambda: len(factory.live) == 3)
         assert factory.max_live == 3
         scheduler.set_concurrency_limit(1)  # three in flight stay; the fourth waits until none is
         for expected in [(2, 1), (1, 1), (1, 0)]:
