@@ -21,7 +21,7 @@ from capture_proxy.app import build_app
 from capture_proxy.config import ConfigError, ProxyConfig
 from capture_proxy.journal import read_records
 from capture_proxy.replicas import ReplicaSet
-from capture_proxy.upstream import Upstream, UpstreamResult
+from capture_proxy.upstream import Upstream, UpstreamResult, process_start_time
 from harness_trainer.net import free_port
 from tests.proxy.conftest import ADMIN_KEY, Stack
 from tests.proxy.fake_engine import FakeEngine, ServerThread
@@ -439,3 +439,11 @@ def test_the_stale_decision_follows_the_start_time_and_the_policy_version() -> N
     assert not first.stale and first.in_rotation
     replicas.note_start(first, 30.0, back=False)
     assert first.stale and replicas.pick("s").index == 1
+
+
+def test_the_start_time_is_read_from_a_prometheus_page_labelled_or_not() -> None:
+    page = "# HELP process_start_time_seconds x\nprocess_start_time_seconds_x 1\n"
+    page += "process_start_time_seconds 12.5\n"
+    assert process_start_time(page) == 12.5
+    assert process_start_time('process_start_time_seconds{pid="a b"} 7e2\n') == 700.0
+    assert process_start_time("vllm:num_requests_running 0\n") is None
