@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import torch
+from transformers import AutoModelForCausalLM
 
 from harness_trainer.dev_engine.process import EngineProcess, start_engine
 from harness_trainer.engines import DevEngine, RetryPolicy
@@ -18,10 +20,24 @@ from harness_trainer.engines.replicas import EngineReplicas
 from harness_trainer.net import free_port
 from harness_trainer.rollouts.server.capture_client import CaptureClient
 from harness_trainer.rollouts.server.proxy_process import ProxyProcess
-from tests.engines.test_engine_replicas import weights
 
 ADMIN_KEY = "key"
 PROBE_INTERVAL_S = 0.1
+
+
+def weights(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
+    """The tiny model's weights with seeded noise: a version that samples unlike the start-up weights."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    noise = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=noise) * 0.05)
+    return model.state_dict()
+
+
+def weight_version(url: str) -> int:
+    """The version a dev engine serves (``GET /weight_version``)."""
+    return httpx.get(url + "/weight_version", timeout=30).json()["weight_version"]
 
 
 @dataclass
