@@ -37,8 +37,8 @@ Rules (the contract of this module):
    time read is the one the next is compared with, so a restart is reported once, and an enable needs no
    new reading. Without a policy version, start times are only recorded: every engine serves its start-up
    weights. A page without the line (or that cannot be read) changes nothing on a healthy replica and leaves
-   one probed back in stale. With every replica stale, a call is answered 503 without being sent (rule 4
-   would otherwise send it to old weights).
+   one probed back in stale. With every replica stale, a call fails (502 to the agent, as when no engine
+   answers) without being sent: rule 4 would otherwise send it to old weights.
 """
 
 from __future__ import annotations
