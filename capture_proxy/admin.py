@@ -11,9 +11,10 @@ or absent: calls keep their model), its turn recorded with that version (``dispa
 null}`` before any);
 ``DELETE /policy`` → back to the configured or discovered model name.
 With replicas (``--replicas``): ``GET /replicas`` → ``{"replicas": [{"index", "engine", "healthy",
-"drained", "sessions", "calls", "failures"}, …]}``; ``POST /replicas/{i}/drain`` takes replica ``i`` out of
-rotation (its sessions move on their next call), ``POST /replicas/{i}/enable`` puts it back; both answer the
-replica (404 for no such replica or a proxy without replicas).
+"drained", "stale", "sessions", "calls", "failures"}, …]}``; ``POST /replicas/{i}/drain`` takes replica ``i``
+out of rotation (its sessions move on their next call), ``POST /replicas/{i}/enable`` puts it back (and clears
+``stale``: a replica that may have restarted since a policy version was set); both answer the replica (404
+for no such replica or a proxy without replicas).
 Without a configured admin key (loopback only) the admin routes are open.
 """
 

@@ -39,7 +39,8 @@ class ProxyConfig:
     engine are pinned to one, placed on the least loaded and moved off one that stops answering (see
     :mod:`capture_proxy.replicas`); engines serving different models are refused at start."""
     probe_interval_s: float = 5.0
-    """With ``replicas``: seconds between probes of a replica that stopped answering."""
+    """With ``replicas``: seconds between probes of a replica that stopped answering, and between readings of
+    each healthy one's engine start time (rule 8 of :mod:`capture_proxy.replicas`)."""
     upstream_api_key: str | None = None
     upstream_timeout_s: float = 600.0
     upstream_pool: int = 512

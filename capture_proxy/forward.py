@@ -192,7 +192,8 @@ async def send(
 
     A session routed by replicas goes to its pinned replica; one that does not answer past its retries is
     taken out of rotation and the call is sent, whole, to the replica the session is pinned to next (each
-    replica at most once). The result then counts every attempt and all the time spent waiting.
+    replica at most once). The result then counts every attempt and all the time spent waiting. With every
+    replica stale (rule 8 of :mod:`capture_proxy.replicas`), the call is failed without being sent.
     """
     headers = session.spec.engine_headers or None
     replicas = state.routed(session.spec)
@@ -202,6 +203,9 @@ async def send(
     attempts, waited = 0, 0.0
     while True:
         replica = replicas.pick(session.id)
+        if replica.stale:  # every replica is: none is known to serve the current weights
+            error = "no replica serves the current policy version (every one is stale: restarted)"
+            return UpstreamResult(None, 503, error, attempts=0), replica.upstream.root
         result = await replica.upstream.chat(body, headers)
         replicas.observe(replica, result)
         tried.add(replica.index)

@@ -6,8 +6,8 @@ Exposed: ``capture_proxy_requests_total{route,status}``, ``capture_proxy_errors_
 durable append of one journal line), ``capture_proxy_open_sessions`` and
 ``capture_proxy_journal_bytes_total``; with replicas, per replica (labels ``replica``, its index, and
 ``engine``, its base URL): ``capture_proxy_replica_sessions`` (pinned), ``capture_proxy_replica_calls_total``,
-``capture_proxy_replica_failures_total``, ``capture_proxy_replica_healthy`` and
-``capture_proxy_replica_in_rotation`` (0/1), rendered by :meth:`capture_proxy.replicas.ReplicaSet.render`.
+``capture_proxy_replica_failures_total``, ``capture_proxy_replica_healthy``, ``capture_proxy_replica_stale``
+and ``capture_proxy_replica_in_rotation`` (0/1), rendered by :meth:`capture_proxy.replicas.ReplicaSet.render`.
 """
 
 from __future__ import annotations

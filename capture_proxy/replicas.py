@@ -27,6 +27,18 @@ Rules (the contract of this module):
    replica that answers must list it; without, their first models must be the same. Otherwise the proxy
    refuses to start (:class:`ConfigError` naming both engines and their models). A replica that does not
    answer starts down and is probed in once it serves the set's model.
+8. *Stale after a restart.* While a policy version is set (``PUT /policy``: the trainer has pushed weights
+   that the replicas' start-up weights are not), a replica whose engine may have restarted is *stale*: out
+   of rotation until ``POST /replicas/{i}/enable`` (the trainer's, once it gave the replica the current
+   version). The restart is told by the engine's ``process_start_time_seconds`` on its Prometheus
+   ``/metrics``, read at the start-up check, when a probe finds a down replica answering again, and on every
+   probe from each healthy replica. A replica probed back in is stale unless its start time is known and
+   unchanged since it was last read; a healthy one is stale once its start time changes. The latest start
+   time read is the one the next is compared with, so a restart is reported once, and an enable needs no
+   new reading. Without a policy version, start times are only recorded: every engine serves its start-up
+   weights. A page without the line (or that cannot be read) changes nothing on a healthy replica and leaves
+   one probed back in stale. With every replica stale, a call fails (502 to the agent, as when no engine
+   answers) without being sent: rule 4 would otherwise send it to old weights.
 """
 
 from __future__ import annotations
@@ -34,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from capture_proxy.config import ConfigError
@@ -55,10 +68,14 @@ class Replica:
     """Calls sent here (a failover counts one call on each replica tried)."""
     failures: int = 0
     """Calls here that failed past the retries without an answer (each took the replica out of rotation)."""
+    stale: bool = False
+    """Its engine may have restarted with its start-up weights since a policy version was set (rule 8)."""
+    start_time: float | None = None
+    """The engine's ``process_start_time_seconds`` as last read (None: never read, or not on its page)."""
 
     @property
     def in_rotation(self) -> bool:
-        return self.healthy and not self.drained
+        return self.healthy and not self.drained and not self.stale
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -66,6 +83,7 @@ class Replica:
             "engine": self.upstream.root,
             "healthy": self.healthy,
             "drained": self.drained,
+            "stale": self.stale,
             "sessions": self.sessions,
             "calls": self.calls,
             "failures": self.failures,
@@ -75,7 +93,15 @@ class Replica:
 class ReplicaSet:
     """The replicas and each session's pin; its methods run on the event loop, without awaiting."""
 
-    def __init__(self, upstreams: list[Upstream], served_model: str | None, probe_interval_s: float) -> None:
+    def __init__(
+        self,
+        upstreams: list[Upstream],
+        served_model: str | None,
+        probe_interval_s: float,
+        policy_version: Callable[[], int | None] = lambda: None,
+    ) -> None:
+        self.policy_version = policy_version
+        """The policy version set on the proxy now, or None (rule 8)."""
         self.replicas = [Replica(i, upstream) for i, upstream in enumerate(upstreams)]
         self.model = served_model
         """The set's model: the configured one, else the first replica's first model once known."""
@@ -91,9 +117,9 @@ class ReplicaSet:
             return pinned
         candidates = [r for r in self.replicas if r.in_rotation]
         if not candidates:
-            if pinned is not None:
+            if pinned is not None and not pinned.stale:
                 return pinned
-            candidates = self.replicas
+            candidates = [r for r in self.replicas if not r.stale] or self.replicas
         chosen = min(candidates, key=lambda r: (r.sessions, r.index))
         self._pin(session_id, chosen)
         return chosen
@@ -120,10 +146,29 @@ class ReplicaSet:
         return replica
 
     def enable(self, index: int) -> Replica:
-        """Undo :meth:`drain`; the replica is in rotation again if it is healthy."""
+        """Undo :meth:`drain` and clear stale (rule 8); the replica is in rotation again if it is healthy."""
         replica = self.replicas[index]
-        replica.drained = False
+        replica.drained = replica.stale = False
         return replica
+
+    def note_start(self, replica: Replica, start: float | None, *, back: bool) -> None:
+        """Rule 8 for one reading of ``replica``'s start time (None: not read): ``back`` for a replica being
+        probed back in (stale unless known and unchanged), else for a healthy one (stale once changed)."""
+        previous = replica.start_time
+        if start is not None:
+            replica.start_time = start
+        if back:
+            restarted = start is None or start != previous
+        else:
+            restarted = start is not None and previous is not None and start != previous
+        version = self.policy_version()
+        if restarted and version is not None and not replica.stale:
+            replica.stale = True
+            log.warning(
+                "replica %d (%s) may have restarted (start time %s, was %s): stale until enabled with "
+                "policy version %s",
+                replica.index, replica.upstream.root, start, previous, version,
+            )  # fmt: skip
 
     def _pin(self, session_id: str, replica: Replica) -> None:
         self.release(session_id)
@@ -141,6 +186,7 @@ class ReplicaSet:
                 log.warning("replica %d (%s) does not answer; probing it", replica.index, root)
             else:
                 answered.append((replica, names))
+                replica.start_time = await self._start_time(replica)
         reference: tuple[Replica, list[str]] | None = None
         for replica, names in answered:
             if self._configured:
@@ -175,13 +221,26 @@ class ReplicaSet:
         except Exception:  # any failure to answer (refused, timeout, a non-200, a bad body) means "down"
             return None
 
+    async def _start_time(self, replica: Replica) -> float | None:
+        """The replica's engine start time (rule 8), or None if it is not on its page or not read."""
+        try:
+            return await replica.upstream.start_time(timeout_s=PROBE_TIMEOUT_S)
+        except Exception:  # any failure to read it means "unknown"; rule 3 alone judges a replica down
+            return None
+
     def _serves(self, names: list[str]) -> bool:
         if self.model is None:
             return True
         return self.model in names if self._configured else names[:1] == [self.model]
 
     async def probe_once(self) -> None:
-        """Ask every down replica for its models; one serving the set's model rejoins rotation (rule 5)."""
+        """Ask every down replica for its models; one serving the set's model rejoins rotation (rule 5),
+        stale if it may have restarted (rule 8). Read every healthy replica's start time (rule 8)."""
+        healthy = [replica for replica in self.replicas if replica.healthy]
+        starts = await asyncio.gather(*(self._start_time(replica) for replica in healthy))
+        for replica, start in zip(healthy, starts, strict=True):
+            if replica.healthy:  # a call may have found it down meanwhile: then the probe-back decides
+                self.note_start(replica, start, back=False)
         for replica in self.replicas:
             if replica.healthy:
                 continue
@@ -194,8 +253,10 @@ class ReplicaSet:
                 continue
             if self.model is None and names:
                 self.model = names[0]
+            self.note_start(replica, await self._start_time(replica), back=True)
             replica.healthy = True
-            log.info("replica %d (%s) is back in rotation", replica.index, replica.upstream.root)
+            where = "stale, out of rotation" if replica.stale else "in rotation"
+            log.info("replica %d (%s) answers again: %s", replica.index, replica.upstream.root, where)
 
     async def _probe_loop(self) -> None:
         while True:
@@ -209,7 +270,8 @@ class ReplicaSet:
             ("capture_proxy_replica_calls_total", "counter", "Calls sent to the replica", "calls"),
             ("capture_proxy_replica_failures_total", "counter", "Calls it did not answer", "failures"),
             ("capture_proxy_replica_healthy", "gauge", "1 while the replica answers", "healthy"),
-            ("capture_proxy_replica_in_rotation", "gauge", "1 while healthy and not drained", "in_rotation"),
+            ("capture_proxy_replica_stale", "gauge", "1 while it waits for the current weights", "stale"),
+            ("capture_proxy_replica_in_rotation", "gauge", "1 while it takes sessions", "in_rotation"),
         )
         lines: list[str] = []
         for name, kind, help_text, attribute in families:

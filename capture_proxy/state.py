@@ -43,7 +43,9 @@ class ProxyState:
         """With ``config.replicas``: every engine, a replica that sessions naming no engine are routed to."""
         if config.replicas:
             upstreams = list(self.upstreams.values())
-            self.replicas = ReplicaSet(upstreams, config.served_model, config.probe_interval_s)
+            self.replicas = ReplicaSet(
+                upstreams, config.served_model, config.probe_interval_s, policy_version=self._policy_version
+            )
         self.metrics = Metrics()
         self.load_problems: list[str] = []
         self._models: dict[str, str] = {}
@@ -54,6 +56,9 @@ class ProxyState:
         """Set by ``PUT /policy``: overrides the served model name and stamps the version on each call."""
         self._model_lock = asyncio.Lock()
         self._inflight: set[asyncio.Future[Any]] = set()
+
+    def _policy_version(self) -> int | None:
+        return self.policy.version if self.policy is not None else None
 
     async def start(self) -> None:
         for upstream in self.upstreams.values():

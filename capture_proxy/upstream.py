@@ -96,6 +96,16 @@ class Upstream:
             data = loads(await response.read())
         return [str(entry["id"]) for entry in data.get("data", [])]
 
+    async def start_time(self, timeout_s: float | None = None) -> float | None:
+        """The engine process's start (``process_start_time_seconds`` on its Prometheus ``/metrics``, unix
+        seconds), or None when its page has no such line. Raises, as :meth:`models` does, when it does not
+        answer."""
+        timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
+        url = self.root + "/metrics"
+        async with self.session.get(url, headers=self.headers, timeout=timeout) as response:
+            response.raise_for_status()
+            return process_start_time(await response.text())
+
     async def chat(self, body: dict[str, Any], headers: dict[str, str] | None = None) -> UpstreamResult:
         """POST ``body`` to ``/v1/chat/completions`` with retries; never raises for engine failures.
 
@@ -146,6 +156,26 @@ class Upstream:
         except ValueError as exc:
             return UpstreamResult(None, 502, str(exc)), None
         return UpstreamResult(reply.body, 200, prompt_text=reply.prompt_text, logprobs=reply.logprobs), None
+
+
+START_TIME = "process_start_time_seconds"
+
+
+def process_start_time(page: str) -> float | None:
+    """``process_start_time_seconds`` from a Prometheus text page (labelled or not), or None."""
+    for line in page.splitlines():
+        if not line.startswith(START_TIME):
+            continue
+        name, _, rest = line.partition(" ")
+        if name.split("{", 1)[0] != START_TIME:
+            continue
+        if "}" in line:  # labels may hold spaces: the value follows the closing brace
+            rest = line.rsplit("}", 1)[1]
+        try:
+            return float(rest.split()[0])
+        except (IndexError, ValueError):
+            return None
+    return None
 
 
 def _retry_after(value: str | None) -> float | None:

@@ -8,7 +8,10 @@ rather than a preallocated pool of KV blocks):
 - ``vllm:kv_cache_usage_perc``: the running generation's tokens (prompt and sampled so far) over
   ``max_model_len``: the share of the one sequence's worth of context the engine serves at a time. 0 when
   idle;
-- ``vllm:num_preemptions_total``: always 0: nothing is ever evicted.
+- ``vllm:num_preemptions_total``: always 0: nothing is ever evicted;
+- ``process_start_time_seconds`` (unlabelled): when the engine's process started, in unix seconds, as
+  prometheus_client's process collector gives it on vLLM's page. The capture proxy reads it to tell a
+  replica that restarted with its start-up weights (rule 8 of ``capture_proxy/replicas.py``).
 
 Labels are vLLM's: ``model_name`` (the served name) and ``engine="0"``. The format is Prometheus text
 0.0.4, as :func:`harness_trainer.engines.engine_metrics.engine_load` reads it.
@@ -16,6 +19,9 @@ Labels are vLLM's: ``model_name`` (the served name) and ``engine="0"``. The form
 
 from __future__ import annotations
 
+from functools import cache
+
+import psutil
 from aiohttp import web
 
 from harness_trainer.dev_engine.state import STATE
@@ -46,8 +52,17 @@ def render_metrics(load: WorkerLoad, *, model_name: str, max_model_len: int) -> 
         f"# HELP {counter} Cumulative number of preemption from the engine.",
         f"# TYPE {counter} counter",
         f"{PREEMPTIONS}{{{labels}}} 0.0",
+        "# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.",
+        "# TYPE process_start_time_seconds gauge",
+        f"process_start_time_seconds {process_start_time()!r}",
     ]
     return "\n".join(lines) + "\n"
+
+
+@cache
+def process_start_time() -> float:
+    """This process's start, in unix seconds (it never changes while the process lives)."""
+    return psutil.Process().create_time()
 
 
 def _escape(value: str) -> str:

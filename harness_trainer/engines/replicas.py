@@ -25,14 +25,21 @@ Rules (the contract of this module):
    and enabled at the proxy (``POST /replicas/{i}/enable``) only once a push gave it the current version.
    A replica that is not current is left paused where it answers, so it never samples from old weights
    after a step's resume without being reported out (:meth:`EngineReplicas.report`).
-5. *Failure of the whole.* ``pause`` raises :class:`EngineUnavailable` when no replica paused;
+5. *Stale at the proxy.* A replica that restarted (with its start-up weights) while the proxy had a policy
+   version set is *stale* there (rule 8 of ``capture_proxy/replicas.py``): out of rotation until enabled.
+   After a step's resume, each replica that took this step's push and resumed, and that the proxy lists as
+   stale, is enabled there: it now serves the current version. One the proxy lists as drained as well was
+   drained by someone else, and is left as it is. A failure to ask is logged, as in rule 3.
+6. *Failure of the whole.* ``pause`` raises :class:`EngineUnavailable` when no replica paused;
    ``push_weights`` raises when no replica took the version (:class:`PushRefused` when every push was
    refused, so every replica still serves its old weights whole, as one engine's refusal means).
 
 Limits: a push must carry every weight that differs from the base model (as the trainer's full-state push
 does), since an out replica catches up through the next push alone. A replica that dies and restarts
-*between* two steps, with the proxy not told, serves its start-up weights until the next step finds it (the
-proxy probes it back in); with the proxy's admin URL given, it stays drained only if it was already out.
+*between* two steps is kept out by the proxy (stale, rule 5) from when the proxy notices, at a failed call or
+its next probe (``--probe-interval``); until then it serves its start-up weights. One that restarts between
+a step's push and its resume is enabled with its start-up weights: the set cannot tell it from one that took
+the push.
 """
 
 from __future__ import annotations
@@ -106,6 +113,8 @@ class EngineReplicas:
         self._admin_key = admin_key
         self._proxy_timeout_s = proxy_timeout_s
         self._paused: set[int] = set()
+        self._pushed: set[int] = set()
+        """Replicas that took the current version in this step's push (rule 5)."""
 
     @property
     def out_of_rotation(self) -> list[int]:
@@ -119,6 +128,7 @@ class EngineReplicas:
     async def pause(self) -> None:
         results = await self._each(self.replicas, lambda replica: replica.engine.pause(), "pause")
         self._paused = {replica.index for replica, error in results if error is None}
+        self._pushed = set()
         if not self._paused:
             raise EngineUnavailable(f"no replica paused: {self._errors()}")
 
@@ -135,6 +145,7 @@ class EngineReplicas:
                 f"no replica took version {version}: {self._errors()}"
             )
         self.version = version
+        self._pushed = {r.index for r, error in results if error is None and r.version == version}
         for replica, error in results:
             if error is None and replica.version != version:  # answered, but with another version
                 await self._take_out(replica, f"serves version {replica.version} after a push of {version}")
@@ -172,6 +183,8 @@ class EngineReplicas:
         for replica, error in results:
             if error is None and replica.out:
                 await self._put_back(replica)
+        pushed = [r for r, error in results if error is None and r.index in self._pushed and not r.out]
+        await self._enable_stale(pushed)
         for replica in self.replicas:
             if replica.out and not replica.drained:  # a drain the proxy missed: asked again each step
                 replica.drained = await self._at_proxy(replica, "drain")
@@ -217,6 +230,30 @@ class EngineReplicas:
                 "replica %d (%s) back in rotation at version %s", replica.index, replica.url, self.version
             )
             replica.out, replica.drained, replica.error, replica.failed_at = False, False, None, None
+
+    async def _enable_stale(self, pushed: list[ReplicaState]) -> None:
+        """Enable at the proxy each of ``pushed`` (current, resumed) that it lists as stale (rule 5)."""
+        if self.proxy_url is None or not pushed:
+            return
+        client = CaptureClient(
+            self.proxy_url, self._admin_key, timeout_s=self._proxy_timeout_s, reconnect_s=0
+        )
+        try:
+            listed = {str(r["engine"]).rstrip("/"): r for r in await client.replicas()}
+            for replica in pushed:
+                row = listed.get(replica.url)
+                if row is None or not row.get("stale") or row.get("drained"):
+                    continue
+                await client.replica_action(int(row["index"]), "enable")
+                logger.info(
+                    "replica %d (%s) restarted and now holds version %s: enabled again at the proxy",
+                    replica.index, replica.url, self.version,
+                )  # fmt: skip
+        except (CaptureError, KeyError, ValueError) as exc:
+            # As for a drain (rule 3): the replica stays out at the proxy, and the next resume asks again.
+            logger.warning("enabling stale replicas at the proxy %s failed: %r", self.proxy_url, exc)
+        finally:
+            await client.aclose()
 
     async def _at_proxy(self, replica: ReplicaState, action: str) -> bool:
         """``POST /replicas/{i}/{action}`` at the proxy for ``replica``; True when done or when there is no

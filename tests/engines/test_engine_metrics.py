@@ -133,3 +133,15 @@ def test_the_dev_engine_serves_its_queue_and_context_under_vllms_names(engine: E
         assert load.running in (0, 1) and load.waiting <= 2 and load.preemptions_total == 0
         assert held == 0 or (load.running == 1 and len(prompt) <= round(held) <= len(prompt) + 50)
     assert dev_metrics(engine)[1] == idle
+
+
+def test_the_dev_engine_serves_its_process_start_time_as_vllm_does(engine: EngineProcess) -> None:
+    import psutil
+
+    from capture_proxy.upstream import process_start_time
+
+    recorded = process_start_time(RECORDED.read_text())  # vLLM's, through prometheus_client
+    assert recorded == 1.79622103643e09
+    page = httpx.get(f"{engine.url}/metrics", timeout=10).text
+    assert process_start_time(page) == psutil.Process(engine.process.pid).create_time()
+    assert process_start_time(httpx.get(f"{engine.url}/metrics", timeout=10).text) == process_start_time(page)

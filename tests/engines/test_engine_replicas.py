@@ -4,13 +4,12 @@ start-up weights, it is given the current version before it is enabled again."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from harness_trainer.dev_engine.process import EngineProcess, start_engine
 from harness_trainer.engines import DevEngine, EngineUnavailable, PushRefused, RetryPolicy
@@ -18,6 +17,7 @@ from harness_trainer.engines.replicas import EngineReplicas
 from harness_trainer.net import free_port
 from harness_trainer.rollouts.server.capture_client import CaptureClient
 from harness_trainer.rollouts.server.proxy_process import ProxyProcess
+from tests.proxy.replica_rig import ReplicaRig, replica_rig, weight_version, weights
 
 NO_RETRY = RetryPolicy(attempts=1)
 
@@ -35,15 +35,6 @@ def two_engines(tiny_model_dir: Path) -> Iterator[list[EngineProcess]]:
         engine.stop()
 
 
-def weights(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    noise = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn(param.shape, generator=noise) * 0.05)
-    return model.state_dict()
-
-
 def replica_proxy(first: str, second: str, folder: Path) -> tuple[ProxyProcess, CaptureClient]:
     """A real ``capture_proxy --replicas`` over two engines (admin key ``key``), not yet started, and its
     admin client."""
@@ -51,10 +42,6 @@ def replica_proxy(first: str, second: str, folder: Path) -> tuple[ProxyProcess, 
         first, folder, "key", "127.0.0.1", free_port(), allowed_upstreams=(second,), replicas=True
     )
     return proxy, CaptureClient(proxy.url, "key")
-
-
-def weight_version(url: str) -> int:
-    return httpx.get(url + "/weight_version", timeout=30).json()["weight_version"]
 
 
 def greedy_reply(url: str) -> tuple[str, int]:
@@ -117,6 +104,33 @@ async def test_a_dead_replica_is_drained_and_enabled_only_once_it_has_the_curren
     finally:
         await proxy.stop()
         await client.aclose()
+
+
+@pytest.fixture
+async def rig(tiny_model_dir: Path, tmp_path: Path) -> AsyncIterator[ReplicaRig]:
+    async for running in replica_rig(tiny_model_dir, tmp_path / "proxy"):
+        yield running
+
+
+async def test_a_replica_restarted_between_steps_is_enabled_once_pushed_and_samples_at_the_dispatch_version(
+    rig: ReplicaRig,
+) -> None:
+    await rig.step(1)
+    rig.restart(1)
+    await rig.wait_for(lambda table: table[1]["stale"])
+    await rig.replicas.pause()
+    await rig.replicas.resume()  # no push (as after a refused one): it still holds its start-up weights
+    assert [row["stale"] for row in await rig.table()] == [False, True]
+    assert rig.replicas.out_of_rotation == []  # the set saw no failure: only the proxy knows
+
+    await rig.step(2)
+
+    assert [row["stale"] for row in await rig.table()] == [False, False]
+    assert [weight_version(url) for url in rig.urls] == [2, 2]
+    assert [state["version"] for state in rig.replicas.report()] == [2, 2]
+    records = [rig.placed_on() for _ in range(2)]
+    assert [record["engine"] for record in records] == rig.urls
+    assert all(record["weight_version"] == record["dispatch_version"] == 2 for record in records)
 
 
 async def test_without_a_proxy_a_dead_replica_is_only_recorded(

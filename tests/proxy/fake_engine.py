@@ -87,17 +87,24 @@ class FakeEngine:
         self.authorizations: list[dict[str, str]] = []
         """Per chat request, its ``Authorization`` and ``X-*`` headers (what a session's credential set)."""
         self.weight_version = 0
+        self.start_time = time.time()
+        """``process_start_time_seconds`` on its ``/metrics`` (change it to play a restarted engine)."""
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/_faults", self.set_faults)
         app.router.add_get("/_requests", self.list_requests)
         return app
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        lines = ["# TYPE process_start_time_seconds gauge", f"process_start_time_seconds {self.start_time!r}"]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def set_faults(self, request: web.Request) -> web.Response:
         self.faults = list((await request.json())["queue"])

@@ -21,7 +21,7 @@ from capture_proxy.app import build_app
 from capture_proxy.config import ConfigError, ProxyConfig
 from capture_proxy.journal import read_records
 from capture_proxy.replicas import ReplicaSet
-from capture_proxy.upstream import Upstream, UpstreamResult
+from capture_proxy.upstream import Upstream, UpstreamResult, process_start_time
 from harness_trainer.net import free_port
 from tests.proxy.conftest import ADMIN_KEY, Stack
 from tests.proxy.fake_engine import FakeEngine, ServerThread
@@ -327,3 +327,123 @@ def test_with_every_replica_down_a_session_keeps_its_pin() -> None:
     replicas.replicas[0].healthy = True
     replicas.observe(replicas.replicas[0], refused)  # an engine that answers, even a 5xx, stays up
     assert replicas.replicas[0].healthy and replicas.replicas[0].failures == 1  # the one before
+
+
+def wait_for(check: Any, timeout: float = 10.0) -> None:
+    """Poll ``check()`` until it is true (the probe loop runs every 0.05 s here)."""
+    deadline = time.monotonic() + timeout
+    while not check() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def placed_on(replicas: Replicas) -> str | None:
+    """The engine a newly minted session's first call goes to."""
+    session = replicas.stack.new_session()
+    assert call(session).status_code == 200
+    return replicas.engine_of(session)[0]
+
+
+def restart_after_a_failed_call(replicas: Replicas, index: int, *, new_process: bool) -> None:
+    """Three sessions placed round the set; replica ``index`` dies, its session fails over, then it comes
+    back (``new_process``: with another start time, as a restarted engine) and is probed in."""
+    sessions = [replicas.stack.new_session() for _ in range(3)]
+    for session in sessions:
+        assert call(session).status_code == 200
+    replicas.kill(index)
+    assert call(sessions[index]).status_code == 200  # failed over
+    if new_process:
+        replicas.engines[index].start_time += 100.0
+    replicas.revive(index)
+    wait_for(lambda: replicas.replica_table()[index]["healthy"])
+    assert replicas.replica_table()[index]["healthy"] is True
+
+
+def test_a_replica_restarted_while_a_policy_version_is_set_is_stale_and_gets_no_session_until_enabled(
+    replicas: Replicas,
+) -> None:
+    assert replicas.stack.admin.put("/policy", json={"version": 3}).status_code == 200
+    restart_after_a_failed_call(replicas, 1, new_process=True)
+
+    row = replicas.replica_table()[1]
+    assert row["stale"] is True and row["drained"] is False
+    assert placed_on(replicas) != replicas.urls[1]  # it held the fewest sessions, but is stale
+    text = httpx.get(replicas.stack.url + "/metrics").text
+    labels = f'{{replica="1",engine="{replicas.urls[1]}"}}'
+    assert f"capture_proxy_replica_stale{labels} 1" in text
+    assert f"capture_proxy_replica_in_rotation{labels} 0" in text
+
+    assert replicas.stack.admin.post("/replicas/1/enable").json()["stale"] is False
+    assert placed_on(replicas) == replicas.urls[1]
+    assert replicas.replica_table()[1]["stale"] is False  # the new start time is the one compared now
+
+
+def test_a_replica_back_with_an_unchanged_start_time_is_not_stale(replicas: Replicas) -> None:
+    assert replicas.stack.admin.put("/policy", json={"version": 3}).status_code == 200
+    restart_after_a_failed_call(replicas, 1, new_process=False)  # the same process answered again
+
+    assert replicas.replica_table()[1]["stale"] is False
+    assert placed_on(replicas) == replicas.urls[1]
+
+
+def test_without_a_policy_version_a_restarted_replica_is_not_stale(replicas: Replicas) -> None:
+    restart_after_a_failed_call(replicas, 1, new_process=True)
+
+    assert replicas.replica_table()[1]["stale"] is False
+    assert placed_on(replicas) == replicas.urls[1]
+
+
+def test_a_healthy_replica_whose_start_time_changes_is_stale(replicas: Replicas) -> None:
+    assert replicas.stack.admin.put("/policy", json={"version": 1}).status_code == 200
+    replicas.engines[2].start_time += 100.0  # restarted between two probes: no call of it failed
+
+    wait_for(lambda: replicas.replica_table()[2]["stale"])
+    assert [(row["healthy"], row["stale"]) for row in replicas.replica_table()] == [
+        (True, False),
+        (True, False),
+        (True, True),
+    ]
+    assert {placed_on(replicas) for _ in range(4)} == set(replicas.urls[:2])
+
+
+def test_with_every_replica_stale_a_call_fails_without_reaching_old_weights(replicas: Replicas) -> None:
+    session = replicas.stack.new_session()
+    assert call(session).status_code == 200
+    assert replicas.stack.admin.put("/policy", json={"version": 1}).status_code == 200
+    for engine in replicas.engines:
+        engine.start_time += 100.0
+    wait_for(lambda: all(row["stale"] for row in replicas.replica_table()))
+    sent = [len(engine.requests) for engine in replicas.engines]
+
+    assert call(session).status_code == 502
+    assert [len(engine.requests) for engine in replicas.engines] == sent
+    records = replicas.stack.calls(session["session_id"])
+    assert records[-1]["kind"] == "upstream_error" and "stale" in records[-1]["finding"]["detail"]
+
+
+def test_the_stale_decision_follows_the_start_time_and_the_policy_version() -> None:
+    version: list[int | None] = [None]
+    replicas = ReplicaSet(
+        [Upstream(f"http://127.0.0.1:{9000 + i}") for i in range(2)], "m", 5.0, lambda: version[0]
+    )
+    first = replicas.replicas[0]
+    replicas.note_start(first, 10.0, back=False)  # the first reading is adopted
+    replicas.note_start(first, 20.0, back=False)  # a restart, with no version set: recorded only
+    assert not first.stale and first.start_time == 20.0
+    version[0] = 1
+    replicas.note_start(first, None, back=False)  # unreadable: a healthy replica stays as it is
+    replicas.note_start(first, 20.0, back=True)  # back in with the same process
+    assert not first.stale
+    replicas.note_start(first, None, back=True)  # back in, its start unknown: it may have restarted
+    assert first.stale and not first.in_rotation
+    replicas.enable(0)
+    assert not first.stale and first.in_rotation
+    replicas.note_start(first, 30.0, back=False)
+    assert first.stale and replicas.pick("s").index == 1
+
+
+def test_the_start_time_is_read_from_a_prometheus_page_labelled_or_not() -> None:
+    page = "# HELP process_start_time_seconds x\nprocess_start_time_seconds_x 1\n"
+    page += "process_start_time_seconds 12.5\n"
+    assert process_start_time(page) == 12.5
+    assert process_start_time('process_start_time_seconds{pid="a b"} 7e2\n') == 700.0
+    assert process_start_time("vllm:num_requests_running 0\n") is None

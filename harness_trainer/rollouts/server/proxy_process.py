@@ -42,9 +42,12 @@ class ProxyProcess:
         served_model: str | None = None,
         allowed_upstreams: tuple[str, ...] = (),
         replicas: bool = False,
+        probe_interval_s: float | None = None,
     ) -> None:
         self.upstream, self.data_dir, self.admin_key = upstream, Path(data_dir), admin_key
         self.allowed_upstreams, self.replicas = allowed_upstreams, replicas
+        self.probe_interval_s = probe_interval_s
+        """With ``replicas``: the proxy's ``--probe-interval`` (None: its default)."""
         self.host, self.port, self.public_url, self.served_model = host, port, public_url, served_model
         self.process: asyncio.subprocess.Process | None = None
 
@@ -66,6 +69,8 @@ class ProxyProcess:
             argv += ["--upstream", engine]
         if self.replicas:
             argv.append("--replicas")
+        if self.probe_interval_s is not None:
+            argv += ["--probe-interval", str(self.probe_interval_s)]
         if self.public_url:
             argv += ["--public-url", self.public_url]
         if self.served_model:
