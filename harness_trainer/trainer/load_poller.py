@@ -179,7 +179,8 @@ class ConcurrencyPoller:
         if others_read:
             meanwhile = f"the load is read from the other {others_read} replica(s) until it reads"
         else:
-            meanwhile = f"the rollout concurrency limit stays at {self.controller.limit} until one reads"
+            which = "it reads" if len(self.urls) == 1 else "one reads"
+            meanwhile = f"the rollout concurrency limit stays at {self.controller.limit} until {which}"
         logger.warning(
             "cannot read the engine's %s (%s: %s): %s (adaptive_concurrency)",
             url, type(page).__name__, page, meanwhile,

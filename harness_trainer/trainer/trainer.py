@@ -181,7 +181,7 @@ class HarnessAsyncGRPOTrainer:
         self.factory: Any = None
         self.scheduler: RolloutScheduler | None = None
         self.poller: ConcurrencyPoller | None = None
-        """With ``adaptive_concurrency``: sets the scheduler's concurrency limit from the engine's load."""
+        """With ``adaptive_concurrency``: sets the scheduler's concurrency limit from the engines' load."""
         self.evaluator: Evaluator | None = None
         self._eval_factory: Any = None
         self.reporter: MetricsReporter | None = None

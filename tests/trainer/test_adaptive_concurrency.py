@@ -334,6 +334,7 @@ def test_the_poller_reads_every_replica_and_warns_once_about_one_that_stops(
     warnings = warnings_of(caplog)
     assert len(warnings) == 1 and metrics_url(second.url) in warnings[0].getMessage()
     assert "read from the other 1 replica(s)" in warnings[0].getMessage()
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("concurrency-")]  # readers closed
 
 
 # -- the config ------------------------------------------------------------------------------------------
@@ -401,3 +402,4 @@ def test_a_resumed_run_starts_at_its_checkpoints_limit(tmp_path, tiny_model_dir)
     assert [line["step"] for line in lines] == [1, 2, 3, 4]
     assert [line["rollout/concurrency_limit"] for line in lines] == [3.0] * 4  # not the new floor, 1
     assert all(line["engine/replicas_read"] == 0.0 for line in lines)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("concurrency-")]
