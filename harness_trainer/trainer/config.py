@@ -206,20 +206,25 @@ class _ConfigFields:
         metadata=_help(
             "Let the engine's load set how many rollouts are in flight, between min_concurrent_rollouts "
             "and max_concurrent_rollouts: every concurrency_poll_interval seconds the trainer reads the "
-            "Prometheus GET /metrics of vllm_server_base_url (KV-cache usage, running and waiting requests, "
-            "preemptions, under vLLM's names, which the dev engine serves too). The limit starts at the "
-            "floor; it grows while the KV usage is below kv_cache_low_water, nothing waits in the engine and "
-            "rollouts wait for a slot, and shrinks above kv_cache_high_water or on a preemption, without "
-            "cancelling rollouts (the rule: harness_trainer/trainer/concurrency.py). Logged each step as "
-            "rollout/concurrency_limit with engine/kv_cache_usage, engine/running, engine/waiting and "
-            "engine/preemptions_total. A /metrics that cannot be read is warned about once and keeps the "
-            "limit where it is."
+            "Prometheus GET /metrics of vllm_server_base_url and of each of vllm_replica_urls (KV-cache "
+            "usage, running and waiting requests, preemptions, under vLLM's names, which the dev engine "
+            "serves too) and pools them: the mean KV usage over the replicas read, the sums of running and "
+            "waiting, the preemptions since polling started. The limit starts at the floor (a resumed run: "
+            "at its checkpoint's limit, within the bounds); it grows while the KV usage is below "
+            "kv_cache_low_water, nothing waits in the engines and rollouts wait for a slot, and shrinks "
+            "above kv_cache_high_water or on a preemption, without cancelling rollouts (the rule: "
+            "harness_trainer/trainer/concurrency.py). Logged each step as rollout/concurrency_limit with "
+            "engine/replicas_read, engine/kv_cache_usage, engine/running, engine/waiting and "
+            "engine/preemptions_total (since polling started). A replica whose /metrics cannot be read is "
+            "warned about once until it reads again, and left out of the pool; with none read the limit "
+            "stays where it is."
         ),
     )
     min_concurrent_rollouts: int = field(
         default=1,
         metadata=_help(
-            "The floor of adaptive_concurrency, where its limit starts (1 to max_concurrent_rollouts)."
+            "The floor of adaptive_concurrency, where its limit starts unless resumed (1 to "
+            "max_concurrent_rollouts)."
         ),
     )
     kv_cache_low_water: float = field(
@@ -239,7 +244,7 @@ class _ConfigFields:
     concurrency_poll_interval: float = field(
         default=5.0,
         metadata=_help(
-            "Seconds between two readings of the engine's /metrics under adaptive_concurrency; each reading "
+            "Seconds between two readings of the engines' /metrics under adaptive_concurrency; each reading "
             "changes the limit at most once."
         ),
     )

@@ -181,7 +181,7 @@ class HarnessAsyncGRPOTrainer:
         self.factory: Any = None
         self.scheduler: RolloutScheduler | None = None
         self.poller: ConcurrencyPoller | None = None
-        """With ``adaptive_concurrency``: sets the scheduler's concurrency limit from the engine's load."""
+        """With ``adaptive_concurrency``: sets the scheduler's concurrency limit from the engines' load."""
         self.evaluator: Evaluator | None = None
         self._eval_factory: Any = None
         self.reporter: MetricsReporter | None = None
@@ -306,7 +306,8 @@ class HarnessAsyncGRPOTrainer:
                 floor=args.min_concurrent_rollouts, ceiling=args.max_concurrent_rollouts,
                 low_water=args.kv_cache_low_water, high_water=args.kv_cache_high_water,
             )  # fmt: skip
-            adaptive = AdaptiveConcurrency(rule)
+            # A resumed run starts where its checkpoint's limit was (clamped to this run's bounds).
+            adaptive = AdaptiveConcurrency(rule, start=self.state.extra.get("concurrency_limit"))
         self.scheduler = RolloutScheduler(
             self.factory,
             rows,
@@ -334,8 +335,9 @@ class HarnessAsyncGRPOTrainer:
         if adaptive is not None:
             assert args.vllm_server_base_url is not None  # the config refuses adaptive_concurrency without it
             self.poller = ConcurrencyPoller(
-                args.vllm_server_base_url, adaptive, self.scheduler, interval_s=args.concurrency_poll_interval
-            )
+                [args.vllm_server_base_url, *args.vllm_replica_urls], adaptive, self.scheduler,
+                interval_s=args.concurrency_poll_interval,
+            )  # fmt: skip
             self.poller.start()
 
     def _build_factory(self, sampling: dict[str, Any], **kwargs: Any) -> Any:
@@ -851,6 +853,8 @@ class HarnessAsyncGRPOTrainer:
             self.state.extra["model"] = str(self.model_source)
         if self.curriculum is not None:
             self.state.extra["curriculum"] = self.curriculum.state_dict(self.state.groups_consumed)
+        if self.poller is not None:  # rank 0 only, which alone writes the state
+            self.state.extra["concurrency_limit"] = self.poller.limit
         model, optimizer = checkpoint_parts(self.accelerator, self._trained, self.model, self.optimizer)
         if not self.collective.is_main:
             return None

