@@ -49,7 +49,13 @@ intervals and difference target (``vllm: …``); the first run is the first arm'
 Output: the runs' table, the held-out pass@1 intervals per arm, the first run's time, then PASS/MISS; a MISS
 exits 0 unless ``--strict``.
 
+**The mode** (``--mode``, default ``black-box``): every run of every arm in that dev-loop mode; with
+``white-box`` the runs train the built-in ``ReActAdapter`` (its own warm-up, the trainer sampling each turn),
+about 3x as many rollouts per minute as mini-swe-agent here (``benchmarks/whitebox.py``). The report says
+which.
+
 Run: ``python benchmarks/learning.py [--quick] [--seeds 0,1,2] [--tasks DIR] [--engines dev,vllm,vllm-lora]
+[--mode black-box|white-box]
 [--max-steps 20] [--eval-steps N] [--eval-num-generations 4] [--eval-temperature 0.7] [--json OUT]
 [--strict]``; ``--quick`` is the test's configuration: the toy agent, 2 steps of 2 rollouts of at most 32
 tokens, no warm-up, seeds 0,1, one greedy evaluation rollout per task at steps 0 and 2.
@@ -73,7 +79,7 @@ if not __package__:  # run as a script (python benchmarks/learning.py): its sibl
 
 from benchmarks.common import finish, print_table, print_verdicts, run_dev_loop
 from benchmarks.intervals import Interval, mean_interval, paired_difference
-from harness_trainer.devloop.run import EXAMPLE_TASKS, reward_windows, step_rewards
+from harness_trainer.devloop.run import EXAMPLE_TASKS, MODE_CHOICES, reward_windows, step_rewards
 
 FROZEN_LR = 1e-9
 FIRST_RUN_MINUTES = 12.0
@@ -107,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seeds", default=None, help="comma-separated seeds, at least 2 (default 0,1,2)")
     parser.add_argument("--tasks", type=Path, default=EXAMPLE_TASKS, help="a task folder with train and test")
     parser.add_argument("--engines", default="dev", help=f"comma-separated, from {','.join(ENGINE_ARMS)}")
+    parser.add_argument(
+        "--mode", choices=MODE_CHOICES, default="black-box",
+        help="each run's dev-loop mode (white-box: the built-in ReActAdapter; the trainer samples each turn)",
+    )  # fmt: skip
     parser.add_argument("--max-steps", type=int, default=None, help="steps per run (default 20)")
     parser.add_argument(
         "--eval-steps", type=int, default=None, help="must divide --max-steps (default: --max-steps)"
@@ -148,7 +158,8 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[s
         parser.error(f"--tasks {args.tasks} has no split {', '.join(missing)} (it needs {', '.join(SPLITS)})")
     # Absolute: the dev loops run in the repository root, not where the benchmark was started.
     tasks = str(args.tasks.resolve())
-    return {"quick": args.quick, "seeds": seeds, "engines": engines, "tasks": tasks, **values,
+    return {"quick": args.quick, "seeds": seeds, "engines": engines, "mode": args.mode, "tasks": tasks,
+            **values,
             "eval_steps": eval_steps, "frozen_lr": FROZEN_LR,
             "first_run_minutes": FIRST_RUN_MINUTES}  # fmt: skip
 
@@ -158,7 +169,8 @@ def run_flags(config: dict[str, Any], engine: str, kind: str, seed: int) -> list
     flags = ["--seed", str(seed), "--tasks", config["tasks"], "--max-steps", str(config["max_steps"]),
              "--eval-steps", str(config["eval_steps"]), "--eval-num-generations",
              str(config["eval_num_generations"]), "--eval-temperature", str(config["eval_temperature"]),
-             *(QUICK_FLAGS if config["quick"] else []), *ENGINE_ARMS[engine]]  # fmt: skip
+             *(QUICK_FLAGS if config["quick"] else []), "--mode", config["mode"],
+             *ENGINE_ARMS[engine]]  # fmt: skip
     return flags + (["--learning-rate", str(FROZEN_LR)] if kind == "frozen" else [])
 
 
@@ -240,7 +252,8 @@ def verdicts(result: dict[str, Any]) -> list[dict[str, Any]]:
         out.append({"target": prefix + TARGET_NAMES[0], "pass": difference.above(0.0), "measured": measured})
     if (first := result.get("first_run")) is not None:
         minutes = first["seconds"] / 60
-        measured = f"{minutes:.1f} min ({first['engine']}, seed {first['seed']})"
+        mode = result["config"].get("mode", "black-box")
+        measured = f"{minutes:.1f} min ({first['engine']}, {mode}, seed {first['seed']})"
         measured += " (quick configuration)" if result["config"]["quick"] else ""
         out.append({"target": TARGET_NAMES[1], "pass": minutes < FIRST_RUN_MINUTES, "measured": measured})
     return out
@@ -263,7 +276,8 @@ def print_report(result: dict[str, Any]) -> None:
     runs = [run for arm in result["arms"].values() for run in arm["runs"]]
     k = runs[0]["k"]
     end = f"step {config['max_steps']}"
-    print(f"\nper run: held-out pass@1 at step 0 and at {end}; mean training reward over the first and the "
+    print(f"\n{config.get('mode', 'black-box')} runs; per run: held-out pass@1 at step 0 and at {end}; mean "
+          f"training reward over the first and the "
           f"last {k} steps; cache: fresh (the first run), built warm-up (in its time), cached")  # fmt: skip
     print_table([COLUMNS, *(_run_row(run) for run in runs)], left=1)
     seeds = ",".join(map(str, config["seeds"]))

@@ -71,7 +71,7 @@ def test_the_first_run_must_take_under_twelve_minutes() -> None:
     arms = {"dev": runs_of("dev", [0.75, 0.75, 0.875], [0.5, 0.5, 0.5])}
     assert benchmark_learning.verdicts(result_of(arms, first_run_s=11.5 * 60))[1]["pass"] is True
     missed = benchmark_learning.verdicts(result_of(arms, first_run_s=12.5 * 60))[1]
-    assert missed["pass"] is False and missed["measured"] == "12.5 min (dev, seed 0)"
+    assert missed["pass"] is False and missed["measured"] == "12.5 min (dev, black-box, seed 0)"
 
 
 def test_step_zero_and_the_end_are_summarized_per_kind_and_paired() -> None:
@@ -207,13 +207,24 @@ def test_a_run_gets_the_seed_the_evaluation_the_arm_and_for_frozen_the_tiny_lear
     assert flags[6:12] == ["--eval-steps", "2", "--eval-num-generations", "2", "--eval-temperature", "0.5"]
     assert flags[12:] == [
         *benchmark_learning.QUICK_FLAGS,
+        "--mode",
+        "black-box",
         "--engine",
         "vllm",
         "--lora",
         "--learning-rate",
         "1e-09",
     ]
-    assert benchmark_learning.run_flags(config, "dev", "trained", 1)[-1] == benchmark_learning.QUICK_FLAGS[-1]
+    assert benchmark_learning.run_flags(config, "dev", "trained", 1)[-2:] == ["--mode", "black-box"]
+
+
+def test_the_mode_reaches_every_run_and_the_first_runs_figure() -> None:
+    config = parse("--quick", "--mode", "white-box")
+    for engine, kind in (("dev", "trained"), ("vllm", "frozen")):
+        flags = benchmark_learning.run_flags(config, engine, kind, 0)
+        assert flags[flags.index("--mode") + 1] == "white-box" and flags.count("--mode") == 1
+    with pytest.raises(SystemExit):
+        parse("--mode", "grey-box")
 
 
 def test_the_fresh_cache_is_empty_but_for_a_link_to_the_machines_tool_cache(
