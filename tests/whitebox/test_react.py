@@ -183,6 +183,24 @@ def test_it_is_white_box_only_and_the_trainer_accepts_it_with_the_local_factory(
     check_white_box(adapter, partial(LocalWhiteBoxSessionFactory, str(EXAMPLES), split="train"))
 
 
+def train_two_steps(scripted_engine: ScriptedEngine, tiny_model_dir: Path, builder: Any, out: Path) -> Path:
+    """Two GRPO steps of 2 rollouts on hello-file with the ``ReActAdapter`` over ``builder``'s sessions,
+    the engine replaying what the test scripted; the run's output folder."""
+    rows = [row for row in LocalTaskSource(EXAMPLES).prompt_rows("train") if row["task_name"] == HELLO]
+    config = AsyncGRPOConfig(
+        output_dir=str(out), engine="dev", vllm_server_base_url=scripted_engine.url, num_generations=2,
+        max_concurrent_rollouts=1, max_staleness=0, max_steps=2, learning_rate=1e-4, disable_tqdm=True,
+        agent_timeout=120, token_budget=4096, seed=7, max_completion_length=128, rollout_log_steps=1,
+        drop_zero_variance_groups=False,
+    )  # fmt: skip
+    trainer = HarnessAsyncGRPOTrainer(
+        str(tiny_model_dir), builder, config, train_dataset=rows, harness_adapter=ReActAdapter(),
+        harness_limits=HarnessRunLimits(max_turns=4),
+    )  # fmt: skip
+    trainer.train()
+    return out
+
+
 def test_the_trainer_trains_two_steps_with_the_react_adapter_on_local_sessions(
     scripted_engine: ScriptedEngine, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -196,19 +214,7 @@ def test_the_trainer_trains_two_steps_with_the_react_adapter_on_local_sessions(
         LocalWhiteBoxSessionFactory, str(EXAMPLES), split="train",
         sandbox_options={"local": {"base_dir": str(sandboxes)}},
     )  # fmt: skip
-    rows = [row for row in LocalTaskSource(EXAMPLES).prompt_rows("train") if row["task_name"] == HELLO]
-    out = tmp_path / "out"
-    config = AsyncGRPOConfig(
-        output_dir=str(out), engine="dev", vllm_server_base_url=scripted_engine.url, num_generations=2,
-        max_concurrent_rollouts=1, max_staleness=0, max_steps=2, learning_rate=1e-4, disable_tqdm=True,
-        agent_timeout=120, token_budget=4096, seed=7, max_completion_length=128, rollout_log_steps=1,
-        drop_zero_variance_groups=False,
-    )  # fmt: skip
-    trainer = HarnessAsyncGRPOTrainer(
-        str(tiny_model_dir), builder, config, train_dataset=rows, harness_adapter=ReActAdapter(),
-        harness_limits=HarnessRunLimits(max_turns=4),
-    )  # fmt: skip
-    trainer.train()
+    out = train_two_steps(scripted_engine, tiny_model_dir, builder, tmp_path / "out")
 
     lines = metrics_lines(out)
     assert [line["step"] for line in lines] == [1, 2]

@@ -14,18 +14,14 @@ pytest.importorskip("openenv.core.harness")
 pytest.importorskip("trl")
 pytest.importorskip("e2b")
 
-from openenv.core.harness import HarnessRunLimits
-
-from harness_trainer import HarnessAsyncGRPOTrainer, LocalWhiteBoxSessionFactory, ReActAdapter
+from harness_trainer import LocalWhiteBoxSessionFactory
 from harness_trainer.examples import TASKS as EXAMPLES
 from harness_trainer.rollouts.errors import RolloutConfigError
-from harness_trainer.tasks.sources import LocalTaskSource
-from harness_trainer.trainer.config import AsyncGRPOConfig
 from harness_trainer.trainer.rollout_log import read_rollout_log
 from tests.hardening.faults import metrics_lines
 from tests.sandboxes.fake_e2b import FakeE2BCloud
 from tests.whitebox.conftest import ScriptedEngine
-from tests.whitebox.test_react import DONE, HELLO, SUBMIT, WRITE, loops
+from tests.whitebox.test_react import DONE, SUBMIT, WRITE, loops, train_two_steps
 
 
 def test_the_trainer_trains_white_box_rollouts_in_e2b_sandboxes(
@@ -40,19 +36,7 @@ def test_the_trainer_trains_white_box_rollouts_in_e2b_sandboxes(
     e2b = {"e2b": {"template": "fake", "sandbox_class": cloud, "kill_grace_s": 0.5, "retry_backoff_s": 0}}
     builder = partial(LocalWhiteBoxSessionFactory, str(EXAMPLES), split="train", sandbox="e2b",
                       sandbox_options=e2b)  # fmt: skip
-    rows = [row for row in LocalTaskSource(EXAMPLES).prompt_rows("train") if row["task_name"] == HELLO]
-    out = tmp_path / "out"
-    config = AsyncGRPOConfig(
-        output_dir=str(out), engine="dev", vllm_server_base_url=scripted_engine.url, num_generations=2,
-        max_concurrent_rollouts=1, max_staleness=0, max_steps=2, learning_rate=1e-4, disable_tqdm=True,
-        agent_timeout=120, token_budget=4096, seed=7, max_completion_length=128, rollout_log_steps=1,
-        drop_zero_variance_groups=False,
-    )  # fmt: skip
-    trainer = HarnessAsyncGRPOTrainer(
-        str(tiny_model_dir), builder, config, train_dataset=rows, harness_adapter=ReActAdapter(),
-        harness_limits=HarnessRunLimits(max_turns=4),
-    )  # fmt: skip
-    trainer.train()
+    out = train_two_steps(scripted_engine, tiny_model_dir, builder, tmp_path / "out")
 
     lines = metrics_lines(out)
     assert [line["step"] for line in lines] == [1, 2]
