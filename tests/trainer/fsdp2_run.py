@@ -12,11 +12,12 @@ FSDP2). Modes:
   (``full-final.safetensors``).
 - ``variants``: :func:`tests.trainer.distributed_run.run_config`'s run to its end twice, with gradient
   checkpointing into ``OUTPUT_DIR/checkpointing``, then with a KL reference (:data:`KL`) into
-  ``OUTPUT_DIR/kl``. Each rank writes ``OUTPUT_DIR/variants-rank{R}.json`` (the steps of each run, whether
-  large allocations were mapped, and for the reference: whether every parameter is a DTensor after
-  training and after a forward, a layer weight's local and full rows); rank 0 writes each run's gathered
-  final weights (``{checkpointing,kl}-final.safetensors``) and the reference's logprobs of
-  :data:`PROBE` (``kl-reference-logprobs.safetensors``).
+  ``OUTPUT_DIR/kl``: ``FIRST_STEPS`` steps, then resumed from its checkpoint to the end. Each rank writes
+  ``OUTPUT_DIR/variants-rank{R}.json`` (the steps of each run, whether large allocations were mapped, and
+  for the reference: whether every parameter is a DTensor after training and after a forward, a layer
+  weight's local and full rows); rank 0 writes each run's gathered final weights
+  (``{checkpointing,kl}-final.safetensors``) and the reference's logprobs of :data:`PROBE`
+  (``kl-reference-logprobs.safetensors``).
 - ``kill``: train up to :data:`KILL_STEPS` steps (bf16 mixed precision) into ``OUTPUT_DIR/kill``, rank 1
   killing itself with SIGKILL as it starts step :data:`KILLED_AT` (checkpoints 1 to ``KILLED_AT - 1``
   written).
@@ -129,7 +130,8 @@ def variants(model_dir: str, out: Path) -> None:
 
     checkpointing = run("checkpointing", gradient_checkpointing=True)
     checkpointing_final = gathered_state(checkpointing._trained)  # type: ignore[arg-type]
-    kl = run("kl", **KL)
+    first = run("kl", max_steps=FIRST_STEPS, **KL)
+    kl = run("kl", resume_from_checkpoint="latest", **KL)  # its reference rebuilt from the initial weights
     kl_final = gathered_state(kl._trained)  # type: ignore[arg-type]
     assert kl.reference is not None and kl.reference.copy is not None
     copy = kl.reference.copy
@@ -138,7 +140,7 @@ def variants(model_dir: str, out: Path) -> None:
     layer = dict(copy.named_parameters())[LAYER_WEIGHT]
     rank = kl.collective.rank
     summary = {
-        "steps": [checkpointing.state.step, kl.state.step],
+        "steps": [checkpointing.state.step, first.state.step, kl.state.step],
         "checkpointing": bool(getattr(checkpointing.model, "is_gradient_checkpointing", False)),
         "mapped": map_large_allocations(),
         "reference": {

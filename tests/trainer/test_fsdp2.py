@@ -290,12 +290,13 @@ def test_two_fsdp2_processes_with_gradient_checkpointing_train_like_one_process(
 
 @pytest.mark.slow
 @gloo
-def test_two_fsdp2_processes_shard_the_kl_reference_and_train_like_one_process(
+def test_two_fsdp2_processes_shard_the_kl_reference_and_train_and_resume_like_one_process(
     variants, tmp_path, tiny_model_dir
 ):
     ranks = [json.loads((variants / f"variants-rank{r}.json").read_text()) for r in range(2)]
     for summary in ranks:
-        assert summary["steps"][1] == TOTAL_STEPS and summary["mapped"]  # glibc here: large blocks mapped
+        assert summary["steps"][1:] == [FIRST_STEPS, TOTAL_STEPS]  # trained, then resumed to the end
+        assert summary["mapped"]  # glibc here: large blocks mapped
         reference = summary["reference"]
         # Sharded, frozen, and resharded after every forward (the root's weights included).
         assert reference["sharded_after_training"] and reference["sharded_after_forward"]
