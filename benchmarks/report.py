@@ -500,13 +500,32 @@ def fsdp2_section(result: dict[str, Any]) -> Section:
             Row(f"{label}, 2 ranks: step time", f"{run['step_s']:.2f} s", f"{single['step_s']:.2f} s",
                 [r["step_s"]]),
         ]  # fmt: skip
+    if "single_mapped" in runs:
+        mapped, r = runs["single_mapped"], against["single_mapped"]
+        rows.append(
+            Row("one process, large allocations mapped: peak RSS", f"{mapped['peak_rss_mb']:.0f} MB",
+                f"{single['peak_rss_mb']:.0f} MB", [r["peak_rss_mb"]])
+        )  # fmt: skip
+    if c.get("malloc_mmap_threshold_env"):
+        allocator = f"MALLOC_MMAP_THRESHOLD_={c['malloc_mmap_threshold_env']} in every run's environment"
+    elif runs["fsdp2"].get("mapped"):
+        allocator = "the FSDP2 ranks map allocations of 64 KiB or more on their own (map_large_allocations, "
+        allocator += "as the trainer does); the single process and DDP run glibc's default allocator"
+    else:
+        allocator = "glibc's default allocator" + (" in every run" if c.get("glibc_default") else "")
     notes = [
         f"{single['parameters'] / 1e6:.1f}M parameters (Qwen2 shape: hidden {c['hidden']}, {c['layers']} "
         f"layers), float32, AdamW; a step is 2 micro-batches of {c['rows']} x {c['seq']} tokens; "
         f"{c['steps']} timed steps; {c['cores']} cores split evenly between the ranks",
         "peak RSS is the whole process's high-water mark: every rank loads the full model before sharding; "
-        + ("glibc's default allocator" if c.get("glibc_default") else "MALLOC_MMAP_THRESHOLD_=65536"),
+        + allocator,
     ]
+    versus = result.get("fsdp2_vs_single_mapped")
+    if versus:
+        notes.append(
+            f"FSDP2 against one process with large allocations mapped too: peak RSS per rank "
+            f"{versus['peak_rss_mb']:.2f}x, step time {versus['step_s']:.2f}x"
+        )
     headline = (
         f"FSDP2 peak RSS per rank {against['fsdp2']['peak_rss_mb']:.2f}x, step time "
         f"{against['fsdp2']['step_s']:.2f}x one process"

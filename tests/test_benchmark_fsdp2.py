@@ -24,6 +24,31 @@ def test_ratios_put_each_two_rank_run_over_the_single_process_and_take_the_large
     assert benchmark_fsdp2.ratios(runs) == {"fsdp2": {"peak_rss_mb": 0.6, "held_mb": 0.5, "step_s": 1.25}}
 
 
+def test_the_report_section_sets_fsdp2_against_both_single_processes_and_names_the_allocator() -> None:
+    from benchmarks import report
+
+    def run(rss: float, step: float, mapped: bool) -> dict:
+        return {"peak_rss_mb": rss, "held_mb": 10.0, "step_s": step, "parameters": 5e6, "mapped": mapped}
+
+    runs = {
+        "single": run(1000.0, 10.0, False), "single_mapped": run(800.0, 10.0, True),
+        "fsdp2": run(600.0, 5.0, True), "ddp": run(1100.0, 4.0, False),
+    }  # fmt: skip
+    config = {"hidden": 64, "layers": 2, "rows": 1, "seq": 32, "steps": 2, "cores": 2, "glibc_default": False}
+    result = {
+        "runs": runs, "ratios": benchmark_fsdp2.ratios(runs), "config": config, "verdicts": [],
+        "fsdp2_vs_single_mapped": {"peak_rss_mb": 0.75, "step_s": 0.5},
+    }  # fmt: skip
+    section = report.section("fsdp2", result)
+    assert section.headline == "FSDP2 peak RSS per rank 0.60x, step time 0.50x one process"
+    mapped = section.rows[-1]
+    assert mapped.measure == "one process, large allocations mapped: peak RSS" and mapped.ratios == [0.8]
+    assert "the FSDP2 ranks map allocations of 64 KiB" in section.notes[1]
+    assert section.notes[2].endswith("peak RSS per rank 0.75x, step time 0.50x")
+    config["malloc_mmap_threshold_env"] = "65536"
+    assert "MALLOC_MMAP_THRESHOLD_=65536 in every run" in report.section("fsdp2", result).notes[1]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs torch.distributed with gloo")
 def test_quick_fsdp2_benchmark_measures_every_run_and_halves_the_state_held_per_rank(tmp_path) -> None:
@@ -31,8 +56,12 @@ def test_quick_fsdp2_benchmark_measures_every_run_and_halves_the_state_held_per_
     run = run_quick(BENCHMARKS / "fsdp2.py", out, 180, "the quick FSDP2 benchmark", stop_s=30)
     assert run.returncode == 0, run.stdout[-4000:]
     result = json.loads(out.read_text())
-    assert set(result["runs"]) == {"single", "fsdp2", "ddp"}
-    assert [len(result["runs"][name]["ranks"]) for name in ("single", "fsdp2", "ddp")] == [1, 2, 2]
+    assert set(result["runs"]) == {"single", "single_mapped", "fsdp2", "ddp"}
+    runs = [result["runs"][name] for name in ("single", "single_mapped", "fsdp2", "ddp")]
+    assert [len(run["ranks"]) for run in runs] == [1, 1, 2, 2]
+    # As the trainer runs them: FSDP2 ranks map large allocations, the unsharded baseline does not.
+    assert [run["mapped"] for run in runs] == [False, True, True, False]
+    assert set(result["fsdp2_vs_single_mapped"]) == {"peak_rss_mb", "step_s"}
     assert result["ratios"]["fsdp2"]["held_mb"] == pytest.approx(0.5, abs=0.05)  # sharded: half per rank
     assert result["ratios"]["ddp"]["held_mb"] == pytest.approx(1.0, abs=0.01)  # replicated
     assert all(r["peak_rss_mb"] > 0 and r["step_s"] > 0 for r in result["runs"].values())

@@ -23,13 +23,22 @@ Contract:
   it. LoRA is supported: the engine's merged weights are computed from the gathered state
   (:func:`merged_weights`), as :func:`harness_trainer.trainer.policy.engine_weights` computes them from
   the module.
+- **Frozen copies too.** The KL reference of a full-weights run (``beta > 0``) is sharded the same way
+  without gradients (:func:`shard_frozen`); its owner reshards it after each forward, since the root's
+  parameters stay gathered otherwise (FSDP2 keeps them for a backward that never comes).
+- **Memory given back.** glibc's heap keeps what FSDP2 frees (each layer's gathered weights, its full
+  gradients) unless large blocks are mapped on their own: :func:`map_large_allocations` lowers glibc's
+  mmap threshold before the model is loaded and sharded, so peak RSS per rank follows the memory in use.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
+import logging
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,6 +48,13 @@ from torch import nn
 from harness_trainer.trainer.policy import is_peft
 
 _TRUE = {"1", "true", "yes", "on"}
+M_MMAP_THRESHOLD = -3  # mallopt's parameter number, from glibc's malloc.h
+MMAP_THRESHOLD = 65536
+"""Bytes from which glibc maps an allocation on its own, under :func:`map_large_allocations`."""
+MMAP_THRESHOLD_ENV = "MALLOC_MMAP_THRESHOLD_"
+
+logger = logging.getLogger(__name__)
+_mapped: bool | None = None  # map_large_allocations' outcome in this process, once decided
 
 
 def wants_fsdp2() -> bool:
@@ -85,6 +101,69 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer, world_size: int) -
     for group in optimizer.param_groups:
         group["params"] = [sharded[names[id(p)]] for p in group["params"]]
     return model
+
+
+def shard_frozen(module: nn.Module, world_size: int) -> nn.Module:
+    """``module``, whose parameters are frozen, sharded in place over every rank as :func:`shard` shards
+    the trained model (each layer, then the root); the module, now an ``FSDPModule``. Its forward gathers
+    each layer's weights and frees them after it, except the root's: call ``reshard()`` after each forward.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if any(p.requires_grad for p in module.parameters()):
+        raise ValueError("shard_frozen shards frozen modules: a parameter requires grad")
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in shard_units(module):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+    return module
+
+
+def _glibc() -> Any:
+    """The C library when it is glibc on Linux (``mallopt`` means what its ``malloc.h`` says), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        if not (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc"):
+            return None
+        return ctypes.CDLL("libc.so.6")
+    except (OSError, ValueError):  # no such confstr name (another libc), or no libc.so.6 to load
+        return None
+
+
+def map_large_allocations() -> bool:
+    """Have glibc map every allocation of :data:`MMAP_THRESHOLD` bytes or more on its own and unmap it
+    when freed (``mallopt(M_MMAP_THRESHOLD, 65536)``); whether it does in this process.
+
+    Under FSDP2 each rank gathers a layer's weights and full gradients and frees them a moment later; with
+    glibc's default threshold (which grows to 32 MiB as blocks are freed) those land in its heap, which
+    keeps them, and peak RSS per rank stays near the unsharded process's. The trainer calls this on Linux
+    with glibc when it shards itself, before it loads the model. It leaves a threshold the user set
+    (``MALLOC_MMAP_THRESHOLD_`` in the environment: glibc applied it at start) and does nothing elsewhere;
+    the first call decides and logs, later calls return the same answer.
+    """
+    global _mapped
+    if _mapped is not None:
+        return _mapped
+    if MMAP_THRESHOLD_ENV in os.environ:
+        logger.info("%s is set: glibc's mmap threshold left as the environment sets it", MMAP_THRESHOLD_ENV)
+        _mapped = False
+        return _mapped
+    libc = _glibc()
+    if libc is None:
+        _mapped = False  # another allocator: it has its own ways of giving memory back
+        return _mapped
+    _mapped = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+    if _mapped:
+        logger.info(
+            "FSDP2: allocations of %d bytes or more are mapped on their own (glibc mallopt), so what "
+            "the gathered weights free goes back to the system; %s overrides it",
+            MMAP_THRESHOLD, MMAP_THRESHOLD_ENV,
+        )  # fmt: skip
+    else:
+        logger.warning("FSDP2: glibc refused mallopt(M_MMAP_THRESHOLD); freed gathers stay in its heap")
+    return _mapped
 
 
 def autocast_forward(accelerator: Any, model: nn.Module) -> None:

@@ -62,22 +62,46 @@ def vocab_size(model: nn.Module) -> int:
 
 
 class Reference:
-    """The KL reference policy: the base model with the adapter off (LoRA), else a frozen copy."""
+    """The KL reference policy: the base model with the adapter off (LoRA), else a frozen copy.
+
+    Under the trainer's own FSDP2 the copy is sharded over the ranks (:meth:`shard`) and its gathered
+    weights freed after each forward; with LoRA the base model is the policy's, sharded with it.
+    """
 
     def __init__(self, model: nn.Module) -> None:
         self._policy = model
         self._copy: nn.Module | None = None
+        self._sharded = False
         if not is_peft(model):
             self._copy = copy.deepcopy(model).eval()
             self._copy.requires_grad_(False)
 
+    @property
+    def copy(self) -> nn.Module | None:
+        """The frozen copy (sharded after :meth:`shard`); None with LoRA."""
+        return self._copy
+
+    def shard(self, world_size: int) -> None:
+        """Shard the frozen copy over ``world_size`` ranks (every rank calls it); nothing with LoRA."""
+        # Imported here: fsdp2 imports this module.
+        from harness_trainer.trainer.fsdp2 import shard_frozen
+
+        if self._copy is not None and not self._sharded:
+            shard_frozen(self._copy, world_size)
+            self._sharded = True
+
     @contextlib.contextmanager
     def model(self) -> Iterator[nn.Module]:
-        if self._copy is not None:
-            yield self._copy
+        """The reference for one forward; sharded, its gathered weights are freed when the block ends."""
+        if self._copy is None:
+            with self._policy.disable_adapter():
+                yield self._policy
             return
-        with self._policy.disable_adapter():
-            yield self._policy
+        try:
+            yield self._copy
+        finally:
+            if self._sharded:  # the root's weights stay gathered after a forward: free them
+                self._copy.reshard()  # type: ignore[operator]
 
 
 @torch.no_grad()

@@ -69,7 +69,7 @@ from harness_trainer.trainer.export import (
     upload,
     write_model_folder,
 )
-from harness_trainer.trainer.fsdp2 import clip_grad_norm, no_sync
+from harness_trainer.trainer.fsdp2 import clip_grad_norm, map_large_allocations, no_sync, shards_itself
 from harness_trainer.trainer.groups import Group, Rollout
 from harness_trainer.trainer.load_poller import ConcurrencyPoller
 from harness_trainer.trainer.logprobs import token_logprobs
@@ -233,6 +233,8 @@ class HarnessAsyncGRPOTrainer:
             self._open_hub_repo(args.hub_token, args.hub_private_repo, args.hub_revision)
         self.output_dir = Path(args.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
+        if shards_itself(self.accelerator):  # before the model is loaded: what FSDP2 frees goes back
+            map_large_allocations()
         # On this rank's device before the reference copies it, so both sit where the forwards run.
         model = load_policy(self.model_source, args, self.peft_config).to(self.accelerator.device)
         model.train()
@@ -249,6 +251,8 @@ class HarnessAsyncGRPOTrainer:
             self.accelerator, model, optimizer, self.lr_scheduler, resume
         )
         self.model = model
+        if self.reference is not None and shards_itself(self.accelerator):
+            self.reference.shard(self.accelerator.num_processes)
         if not self.collective.is_main:
             self.engine = None  # rank 0 alone talks to the engine
         elif self.engine is None and args.engine != "none":

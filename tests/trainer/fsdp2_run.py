@@ -10,6 +10,14 @@ FSDP2). Modes:
   and full rows, the bytes of parameters, gradients and optimizer state it holds); rank 0 writes the last
   weights pushed in each phase (``{full,lora}-pushed.safetensors``) and the gathered final full weights
   (``full-final.safetensors``).
+- ``variants``: :func:`tests.trainer.distributed_run.run_config`'s run to its end twice, with gradient
+  checkpointing into ``OUTPUT_DIR/checkpointing``, then with a KL reference (:data:`KL`) into
+  ``OUTPUT_DIR/kl``: ``FIRST_STEPS`` steps, then resumed from its checkpoint to the end. Each rank writes
+  ``OUTPUT_DIR/variants-rank{R}.json`` (the steps of each run, whether large allocations were mapped, and
+  for the reference: whether every parameter is a DTensor after training and after a forward, a layer
+  weight's local and full rows); rank 0 writes each run's gathered final weights
+  (``{checkpointing,kl}-final.safetensors``) and the reference's logprobs of :data:`PROBE`
+  (``kl-reference-logprobs.safetensors``).
 - ``kill``: train up to :data:`KILL_STEPS` steps (bf16 mixed precision) into ``OUTPUT_DIR/kill``, rank 1
   killing itself with SIGKILL as it starts step :data:`KILLED_AT` (checkpoints 1 to ``KILLED_AT - 1``
   written).
@@ -32,13 +40,18 @@ from safetensors.torch import save_file
 from torch import nn
 
 from harness_trainer import HarnessAsyncGRPOTrainer
-from harness_trainer.trainer.fsdp2 import gathered_state, local_bytes
+from harness_trainer.trainer.fsdp2 import gathered_state, local_bytes, map_large_allocations
 from tests.trainer.distributed_run import FIRST_STEPS, RecordingEngine, run_config
 from tests.trainer.handmade import HandmadeFactory
 
 KILL_STEPS = 4
 KILLED_AT = 3
 LAYER_WEIGHT = "model.layers.0.mlp.gate_proj.weight"
+KL = {"beta": 0.5}
+"""The KL run's overrides: a coefficient large enough for the KL term to weigh in the gradient. (A larger
+learning rate drives the KL to 3 nats in three steps, where Adam turns float rounding into 1e-4 updates.)"""
+PROBE = [[1, 2, 3, 4, 5, 6]]
+"""Tokens the reference scores after the KL run."""
 
 
 def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
@@ -93,6 +106,58 @@ def train(model_dir: str, out: Path) -> None:
         save_file(_clone(final), str(out / "full-final.safetensors"))
 
 
+def handmade(sampling: dict[str, Any] | None) -> HandmadeFactory:
+    return HandmadeFactory(sampling=sampling)
+
+
+def all_dtensors(module: nn.Module) -> bool:
+    return all(type(p).__name__ == "DTensor" for p in module.parameters())
+
+
+@torch.no_grad()
+def reference_logprobs(trainer: HarnessAsyncGRPOTrainer) -> torch.Tensor:
+    """The log-softmax of the reference's logits for :data:`PROBE` (collective under FSDP2)."""
+    assert trainer.reference is not None
+    with trainer.reference.model() as reference:
+        return torch.log_softmax(reference(torch.tensor(PROBE)).logits.float(), dim=-1)
+
+
+def variants(model_dir: str, out: Path) -> None:
+    def run(name: str, **overrides: Any) -> HarnessAsyncGRPOTrainer:
+        trainer = HarnessAsyncGRPOTrainer(model_dir, handmade, run_config(out / name, **overrides))
+        trainer.train()
+        return trainer
+
+    checkpointing = run("checkpointing", gradient_checkpointing=True)
+    checkpointing_final = gathered_state(checkpointing._trained)  # type: ignore[arg-type]
+    first = run("kl", max_steps=FIRST_STEPS, **KL)
+    kl = run("kl", resume_from_checkpoint="latest", **KL)  # its reference rebuilt from the initial weights
+    kl_final = gathered_state(kl._trained)  # type: ignore[arg-type]
+    assert kl.reference is not None and kl.reference.copy is not None
+    copy = kl.reference.copy
+    trained_sharded = all_dtensors(copy)  # after training: every forward was followed by a reshard
+    logprobs = reference_logprobs(kl)
+    layer = dict(copy.named_parameters())[LAYER_WEIGHT]
+    rank = kl.collective.rank
+    summary = {
+        "steps": [checkpointing.state.step, first.state.step, kl.state.step],
+        "checkpointing": bool(getattr(checkpointing.model, "is_gradient_checkpointing", False)),
+        "mapped": map_large_allocations(),
+        "reference": {
+            "sharded_after_training": trained_sharded,
+            "sharded_after_forward": all_dtensors(copy),
+            "requires_grad": any(p.requires_grad for p in copy.parameters()),
+            "local_rows": layer.to_local().shape[0] if hasattr(layer, "to_local") else layer.shape[0],
+            "full_rows": layer.shape[0],
+        },
+    }
+    (out / f"variants-rank{rank}.json").write_text(json.dumps(summary))
+    if rank == 0:
+        save_file(_clone(checkpointing_final), str(out / "checkpointing-final.safetensors"))
+        save_file(_clone(kl_final), str(out / "kl-final.safetensors"))
+        save_file({"logprobs": logprobs.contiguous()}, str(out / "kl-reference-logprobs.safetensors"))
+
+
 def kill(model_dir: str, out: Path, resume: bool) -> None:
     # bf16: the mixed precision the trainer's own FSDP2 applies to the forward, end to end.
     resume_from = "latest" if resume else None
@@ -123,6 +188,8 @@ def main(mode: str, model_dir: str, output_dir: str) -> None:
     out = Path(output_dir)
     if mode == "train":
         train(model_dir, out)
+    elif mode == "variants":
+        variants(model_dir, out)
     else:
         kill(model_dir, out, resume=mode == "resume")
     dist.barrier()  # gloo aborts the process if a peer destroys the group while it still talks

@@ -1,6 +1,7 @@
-"""The trainer's own FSDP2 on CPU: when it shards, the LoRA merge from a gathered state, and two real
-gloo processes (``torchrun``) sharding for real, training, resuming and pushing like one process, and
-stopping when a rank is killed."""
+"""The trainer's own FSDP2 on CPU: when it shards, the LoRA merge from a gathered state, glibc's mmap
+threshold, and two real gloo processes (``torchrun``) sharding for real, training, resuming and pushing like
+one process (with gradient checkpointing, and with a sharded KL reference too), and stopping when a rank is
+killed."""
 
 from __future__ import annotations
 
@@ -21,8 +22,12 @@ from transformers import AutoModelForCausalLM
 
 from harness_trainer import HarnessAsyncGRPOTrainer
 from harness_trainer.jobs.gpus import FSDP2_ENV
+from harness_trainer.trainer import fsdp2
 from harness_trainer.trainer.fsdp2 import (
+    M_MMAP_THRESHOLD,
+    MMAP_THRESHOLD,
     autocast_forward,
+    map_large_allocations,
     merged_weights,
     shard_units,
     shards_itself,
@@ -30,7 +35,7 @@ from harness_trainer.trainer.fsdp2 import (
 )
 from harness_trainer.trainer.policy import engine_weights
 from tests.trainer.distributed_run import FIRST_STEPS, TOTAL_STEPS, run_config, trained_alone
-from tests.trainer.fsdp2_run import KILL_STEPS, KILLED_AT, held_bytes
+from tests.trainer.fsdp2_run import KILL_STEPS, KILLED_AT, KL, PROBE, handmade, held_bytes, reference_logprobs
 from tests.trainer.handmade import HandmadeFactory
 
 REPO = Path(__file__).resolve().parents[2]
@@ -106,6 +111,49 @@ def test_the_self_sharded_forward_runs_under_the_accelerators_mixed_precision_wi
     assert plain.forward == forward  # no mixed precision: left alone
     plain(torch.ones(1, 4))
     assert plain.seen[0] is False
+
+
+class Libc:
+    def __init__(self, answer: int = 1) -> None:
+        self.answer = answer
+        self.calls: list[tuple[int, int]] = []
+
+    def mallopt(self, parameter: int, value: int) -> int:
+        self.calls.append((parameter, value))
+        return self.answer
+
+
+def test_large_allocations_are_mapped_once_and_logged_once(monkeypatch, caplog):
+    libc = Libc()
+    monkeypatch.setattr(fsdp2, "_glibc", lambda: libc)
+    monkeypatch.setattr(fsdp2, "_mapped", None)
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    with caplog.at_level("INFO", logger=fsdp2.__name__):
+        assert map_large_allocations() and map_large_allocations()
+    assert libc.calls == [(M_MMAP_THRESHOLD, MMAP_THRESHOLD)] == [(-3, 65536)]
+    assert len([r for r in caplog.records if "mapped on their own" in r.getMessage()]) == 1
+
+
+def test_a_threshold_the_user_set_is_left_alone_and_other_allocators_are_not_touched(monkeypatch):
+    libc = Libc()
+    monkeypatch.setattr(fsdp2, "_glibc", lambda: libc)
+    monkeypatch.setattr(fsdp2, "_mapped", None)
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    assert not map_large_allocations() and not map_large_allocations()
+    assert libc.calls == []
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    monkeypatch.setattr(fsdp2, "_mapped", None)
+    monkeypatch.setattr(fsdp2, "_glibc", lambda: None)  # not Linux, or not glibc
+    assert not map_large_allocations()
+    monkeypatch.setattr(fsdp2, "_mapped", None)
+    monkeypatch.setattr(fsdp2, "_glibc", lambda: Libc(answer=0))  # glibc refused
+    assert not map_large_allocations()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt is Linux's")
+def test_glibc_is_found_where_it_runs():
+    glibc = os.confstr("CS_GNU_LIBC_VERSION") if "CS_GNU_LIBC_VERSION" in os.confstr_names else None
+    assert (fsdp2._glibc() is not None) == bool(glibc and glibc.startswith("glibc"))
 
 
 # -- two real processes ---------------------------------------------------------------------------------
@@ -198,6 +246,71 @@ def test_two_fsdp2_gloo_processes_shard_train_resume_and_push_like_one_process(t
     lora_lines, lora_reference = metrics_lines(out / "lora"), metrics_lines(lora_alone)
     for line, ref in zip(lora_lines, lora_reference, strict=True):
         assert line["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4, abs=1e-7)
+
+
+@pytest.fixture(scope="module")
+def variants(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The ``variants`` runs of :mod:`tests.trainer.fsdp2_run` on two ranks (gradient checkpointing, then a
+    KL reference), run once for the tests that compare them with one process; their output folder."""
+    out = tmp_path_factory.mktemp("variants")
+    started = time.monotonic()
+    code, output = torchrun("variants", str(tiny_model_dir), str(out), timeout=240)
+    assert code == 0, output[-8000:]
+    print(f"two FSDP2 processes, two variants: {time.monotonic() - started:.1f} s")
+    return out
+
+
+def trained_once(model_dir: Path, output_dir: Path, **overrides: object) -> HarnessAsyncGRPOTrainer:
+    trainer = HarnessAsyncGRPOTrainer(str(model_dir), handmade, run_config(output_dir, **overrides))
+    trainer.train()
+    return trainer
+
+
+def assert_metrics_close(actual: list[dict], expected: list[dict], keys: tuple[str, ...]) -> None:
+    assert [line["step"] for line in actual] == [line["step"] for line in expected] == [1, 2, TOTAL_STEPS]
+    for line, ref in zip(actual, expected, strict=True):
+        for key in keys:
+            assert line[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-7), (line["step"], key)
+
+
+@pytest.mark.slow
+@gloo
+def test_two_fsdp2_processes_with_gradient_checkpointing_train_like_one_process(
+    variants, tmp_path, tiny_model_dir
+):
+    ranks = [json.loads((variants / f"variants-rank{r}.json").read_text()) for r in range(2)]
+    assert all(summary["checkpointing"] and summary["steps"][0] == TOTAL_STEPS for summary in ranks)
+    single = trained_once(tiny_model_dir, tmp_path, gradient_checkpointing=True)
+    assert single.model is not None and single.model.is_gradient_checkpointing
+    final = load_file(variants / "checkpointing-final.safetensors")
+    assert_weights_close(final, single.model.state_dict(), "gathered")
+    keys = ("loss", "entropy", "num_tokens", "grad_norm")
+    assert_metrics_close(metrics_lines(variants / "checkpointing"), metrics_lines(tmp_path), keys)
+
+
+@pytest.mark.slow
+@gloo
+def test_two_fsdp2_processes_shard_the_kl_reference_and_train_and_resume_like_one_process(
+    variants, tmp_path, tiny_model_dir
+):
+    ranks = [json.loads((variants / f"variants-rank{r}.json").read_text()) for r in range(2)]
+    for summary in ranks:
+        assert summary["steps"][1:] == [FIRST_STEPS, TOTAL_STEPS]  # trained, then resumed to the end
+        assert summary["mapped"]  # glibc here: large blocks mapped
+        reference = summary["reference"]
+        # Sharded, frozen, and resharded after every forward (the root's weights included).
+        assert reference["sharded_after_training"] and reference["sharded_after_forward"]
+        assert not reference["requires_grad"]
+        assert reference["local_rows"] * 2 == reference["full_rows"]
+    single = trained_once(tiny_model_dir, tmp_path, **KL)
+    assert single.model is not None
+    lines, expected = metrics_lines(variants / "kl"), metrics_lines(tmp_path)
+    assert expected[-1]["kl"] > 1e-5  # the policy moved from its reference: the KL term is measured
+    assert_metrics_close(lines, expected, ("loss", "kl", "entropy", "num_tokens", "grad_norm"))
+    assert_weights_close(load_file(variants / "kl-final.safetensors"), single.model.state_dict(), "gathered")
+    logprobs = load_file(variants / "kl-reference-logprobs.safetensors")["logprobs"]
+    assert logprobs.shape[:2] == torch.Size([1, len(PROBE[0])])
+    torch.testing.assert_close(logprobs, reference_logprobs(single), rtol=0, atol=1e-5)
 
 
 @pytest.mark.slow
