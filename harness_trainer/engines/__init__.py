@@ -11,7 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from harness_trainer.engines.base import EngineUnavailable, InferenceEngine, PushRefused, RetryPolicy
+from harness_trainer.engines.base import (
+    EngineUnavailable,
+    InferenceEngine,
+    MalformedReply,
+    PushRefused,
+    RetryPolicy,
+)
 from harness_trainer.engines.dev import DevEngine
 from harness_trainer.engines.nccl import NcclTransport, WeightTransport, WeightTransportError
 from harness_trainer.engines.replicas import EngineReplicas
@@ -62,6 +68,7 @@ __all__ = [
     "EngineUnavailable",
     "FileWeightSync",
     "InferenceEngine",
+    "MalformedReply",
     "NcclTransport",
     "PushRefused",
     "RetryPolicy",

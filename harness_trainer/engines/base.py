@@ -34,6 +34,11 @@ class PushRefused(EngineUnavailable):
     new version."""
 
 
+class MalformedReply(EngineUnavailable):
+    """The engine answered a control call, but not in the shape its API promises (a missing or mistyped
+    field): the client cannot tell what the engine did, so it treats the engine as unusable for now."""
+
+
 @runtime_checkable
 class InferenceEngine(Protocol):
     """What the trainer needs from an engine (vLLM on GPUs, the dev engine on CPU)."""
@@ -51,6 +56,16 @@ class InferenceEngine(Protocol):
 
     async def health(self) -> bool:
         """Whether the engine answers its health check."""
+
+    async def served_version(self) -> int | None:
+        """The weight version the engine itself says it serves now (not what the client last pushed): the
+        version of the last push it loaded, or None for the weights it started with. An engine that
+        restarted after a push answers None.
+
+        Raises:
+            EngineUnavailable: the engine cannot be reached or refused the call;
+                :class:`MalformedReply` when its answer does not say a version.
+        """
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 Weights travel in the request body as a safetensors state dict (``safetensors.torch.save``), or as a path
 when trainer and engine share a disk (``push_weights_file``). A call that cannot connect is retried per the
 client's :class:`~harness_trainer.engines.base.RetryPolicy`, then raises ``EngineUnavailable``.
+:meth:`DevEngine.served_version` reads ``GET /weight_version``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,13 @@ from pathlib import Path
 import httpx
 import torch
 
-from harness_trainer.engines.base import EngineUnavailable, RetryPolicy, answers_health, retry_unreachable
+from harness_trainer.engines.base import (
+    EngineUnavailable,
+    MalformedReply,
+    RetryPolicy,
+    answers_health,
+    retry_unreachable,
+)
 
 
 class DevEngine:
@@ -25,17 +32,25 @@ class DevEngine:
         self._retry = retry or RetryPolicy()
 
     async def _post(self, path: str, **kwargs) -> dict:
-        async def post() -> httpx.Response:
+        return await self._call("POST", path, **kwargs)
+
+    async def _call(self, method: str, path: str, **kwargs) -> dict:
+        async def send() -> httpx.Response:
             async with httpx.AsyncClient(base_url=self.base_url, timeout=self._timeout) as client:
-                return await client.post(path, **kwargs)
+                return await client.request(method, path, **kwargs)
 
         try:
-            reply = await retry_unreachable(post, self._retry, f"dev engine {self.base_url}{path}")
+            reply = await retry_unreachable(send, self._retry, f"dev engine {self.base_url}{path}")
         except httpx.TransportError as exc:
             raise EngineUnavailable(f"dev engine at {self.base_url} failed on {path}: {exc!r}") from exc
         if reply.status_code != 200:
             raise EngineUnavailable(f"dev engine refused {path} ({reply.status_code}): {reply.text}")
-        return reply.json()
+        try:
+            return reply.json()
+        except ValueError as exc:
+            raise MalformedReply(
+                f"dev engine {self.base_url}{path} answered no JSON: {reply.text[:200]!r}"
+            ) from exc
 
     async def pause(self) -> None:
         await self._post("/pause", params={"mode": "wait"})
@@ -61,6 +76,15 @@ class DevEngine:
 
     async def health(self) -> bool:
         return await answers_health(self.base_url)
+
+    async def served_version(self) -> int | None:
+        """``GET /weight_version``: the engine counts from 0 (its start-up weights, reported as None) and
+        takes only pushes that advance its version, so any other value is a pushed version."""
+        reply = await self._call("GET", "/weight_version")
+        version = reply.get("weight_version") if isinstance(reply, dict) else None
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise MalformedReply(f"dev engine {self.base_url}/weight_version answered {reply!r}: no version")
+        return version or None
 
 
 def _unshared(named_tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

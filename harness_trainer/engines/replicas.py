@@ -27,19 +27,27 @@ Rules (the contract of this module):
    after a step's resume without being reported out (:meth:`EngineReplicas.report`).
 5. *Stale at the proxy.* A replica that restarted (with its start-up weights) while the proxy had a policy
    version set is *stale* there (rule 8 of ``capture_proxy/replicas.py``): out of rotation until enabled.
-   After a step's resume, each replica that took this step's push and resumed, and that the proxy lists as
-   stale, is enabled there: it now serves the current version. One the proxy lists as drained as well was
-   drained by someone else, and is left as it is. A failure to ask is logged, as in rule 3.
+   After a step's resume, each replica that took this step's push, said it serves it (rule 7) and resumed,
+   and that the proxy lists as stale, is enabled there: it now serves the current version. One the proxy
+   lists as drained as well was drained by someone else, and is left as it is. A failure to ask is logged,
+   as in rule 3.
 6. *Failure of the whole.* ``pause`` raises :class:`EngineUnavailable` when no replica paused;
    ``push_weights`` raises when no replica took the version (:class:`PushRefused` when every push was
    refused, so every replica still serves its old weights whole, as one engine's refusal means).
+7. *Asked before it resumes.* At a step's resume, before anything is resumed or enabled, each replica that
+   took this step's push is asked which version it serves (``served_version``: the engine's own word, e.g.
+   vLLM's ``GET /weight_info``). One that serves another version (it restarted after the push, with its
+   start-up weights, or its reload did not happen) is out with the reason ``serves version X, not Y``, is
+   drained as in rule 3 and paused, and is pushed again on the next step like any out replica (rule 4); one
+   that cannot be asked is out as in rule 2. So a replica is resumed, put back (rule 4) or enabled as stale
+   (rule 5) only when it said it serves the pushed version.
 
 Limits: a push must carry every weight that differs from the base model (as the trainer's full-state push
 does), since an out replica catches up through the next push alone. A replica that dies and restarts
 *between* two steps is kept out by the proxy (stale, rule 5) from when the proxy notices, at a failed call or
-its next probe (``--probe-interval``); until then it serves its start-up weights. One that restarts between
-a step's push and its resume is enabled with its start-up weights: the set cannot tell it from one that took
-the push.
+its next probe (``--probe-interval``); until then it serves its start-up weights. One that restarts after
+the set asked it (rule 7) and before its resume is resumed with its start-up weights, until the proxy
+notices as above.
 """
 
 from __future__ import annotations
@@ -178,6 +186,7 @@ class EngineReplicas:
                 replica.engine.close()
 
     async def resume(self) -> None:
+        await self._check_served()
         current = [replica for replica in self.replicas if replica.version == self.version]
         results = await self._each(current, lambda replica: replica.engine.resume(), "resume")
         for replica, error in results:
@@ -196,6 +205,51 @@ class EngineReplicas:
     async def health(self) -> bool:
         """Whether any replica answers its health check."""
         return any(await asyncio.gather(*(replica.engine.health() for replica in self.replicas)))
+
+    async def served_version(self) -> int | None:
+        """What the replicas in rotation serve, each asked: the current version when one of them says so
+        (rules 4 and 7 keep the others out), else what the first that answered says.
+
+        Raises:
+            EngineUnavailable: no replica in rotation answered.
+        """
+        live = [replica for replica in self.replicas if not replica.out]
+        outcomes = await asyncio.gather(*(r.engine.served_version() for r in live), return_exceptions=True)
+        served = [outcome for outcome in outcomes if not isinstance(outcome, BaseException)]
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException) and not isinstance(outcome, EngineUnavailable):
+                raise outcome
+        if not served:
+            raise EngineUnavailable(
+                f"no replica in rotation told its served version: {outcomes or 'none in'}"
+            )
+        return self.version if self.version in served else served[0]
+
+    async def _check_served(self) -> None:
+        """Rule 7: ask each replica that took this step's push which version it serves; take out (and pause)
+        one that does not serve the pushed version."""
+        pushed = [replica for replica in self.replicas if replica.index in self._pushed]
+        served: dict[int, int | None] = {}
+
+        async def ask(replica: ReplicaState) -> None:
+            served[replica.index] = await replica.engine.served_version()
+
+        results = await self._each(pushed, ask, f"served_version after the push of {self.version}")
+        answered = [replica for replica, error in results if error is None]
+        wrong = [replica for replica in answered if served[replica.index] != self.version]
+        self._pushed = {replica.index for replica in answered if served[replica.index] == self.version}
+        for replica in wrong:
+            replica.version = served[replica.index]
+            shown = "none (its start-up weights)" if replica.version is None else replica.version
+            await self._take_out(replica, f"serves version {shown}, not {self.version}")
+        # Left paused, as every replica that is not current is (rule 4); one that restarted is not.
+        outcomes = await asyncio.gather(*(r.engine.pause() for r in wrong), return_exceptions=True)
+        for replica, outcome in zip(wrong, outcomes, strict=True):
+            if isinstance(outcome, EngineUnavailable):  # already out and drained: only worth the record
+                logger.warning("replica %d (%s): pause failed: %s", replica.index, replica.url, outcome)
+                replica.error = f"{replica.error}; pause failed: {outcome}"
+            elif isinstance(outcome, BaseException):
+                raise outcome
 
     async def _each(
         self, replicas: list[ReplicaState], call: Callable[[ReplicaState], Awaitable[Any]], what: str

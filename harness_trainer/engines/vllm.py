@@ -33,6 +33,11 @@ generation on the half-loaded model kills the server). When a reload fails anywa
 to reload the last version that loaded (or the served model's folder); if that works, ``PushRefused``
 is raised and the engine resumed unless the caller holds the pause; if not, it stays paused.
 
+:meth:`VLLMEngine.served_version` asks vLLM itself: ``GET /weight_info`` -> ``{"weight_version": str}``,
+the string the last ``finish_weight_update``/``update_weight_version`` set, ``"default"`` in a process that
+has had none (vLLM's start-up value; read as None, as ``null`` or a missing field are). An adapter push does
+not set it: it names the full weights' version.
+
 An adapter push (:meth:`VLLMEngine.push_adapter`): pause as in 1, ``POST /v1/load_lora_adapter
 {"lora_name": "<lora_name>-v<version>", "lora_path": <dir>}``, then ``POST /v1/unload_lora_adapter
 {"lora_name": ...}`` for adapters older than the newest ``keep_adapters``, then resume as in 6. Each
@@ -72,6 +77,7 @@ import torch
 
 from harness_trainer.engines.base import (
     EngineUnavailable,
+    MalformedReply,
     PushRefused,
     RetryPolicy,
     answers_health,
@@ -88,6 +94,8 @@ from harness_trainer.engines.weight_sync import (
 logger = logging.getLogger(__name__)
 
 _DEV_MODE_HINT = "start vLLM with VLLM_SERVER_DEV_MODE=1 (and --weight-transfer-config for weight pushes)"
+_START_UP_VERSION = "default"
+"""What vLLM 0.32's ``GET /weight_info`` reports before any version was set (its engine core's start)."""
 _LORA_HINT = "start vLLM with --enable-lora, --max-lora-rank R and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"
 
 
@@ -151,6 +159,30 @@ class VLLMEngine:
     async def health(self) -> bool:
         """Whether ``GET /health`` answers 200."""
         return await answers_health(self.base_url)
+
+    async def served_version(self) -> int | None:
+        """The full weights' version vLLM reports (``GET /weight_info``); None for its start-up weights.
+
+        Raises:
+            EngineUnavailable: vLLM cannot be reached or refused the call (404 without dev mode).
+            MalformedReply: the answer is not ``{"weight_version": <integer string, "default" or null>}``.
+        """
+        reply = await self._call("GET", "/weight_info")
+        try:
+            body = reply.json()
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            raise MalformedReply(f"vLLM {self.base_url} GET /weight_info answered {reply.text[:200]!r}")
+        version = body.get("weight_version")
+        if version is None or version == _START_UP_VERSION:
+            return None
+        if isinstance(version, str) and version.isdecimal():
+            return int(version)
+        raise MalformedReply(
+            f"vLLM {self.base_url} GET /weight_info answered weight_version {version!r}: not a version this "
+            "client sets (a decimal string)"
+        )
 
     async def pause(self) -> None:
         """Drain: stop admitting generations, return once those in flight have finished.

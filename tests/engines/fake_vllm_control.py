@@ -116,7 +116,8 @@ class FakeVLLM:
     group: FakeGroup = field(init=False)
     init_info: dict[str, Any] | None = None
     received: dict[str, torch.Tensor] = field(default_factory=dict)
-    weight_version: str = "default"
+    weight_version: Any = "default"
+    """What ``GET /weight_info`` reports: a string in vLLM; a test sets another value to play a bad answer."""
     adapters: dict[str, str] = field(default_factory=dict)
     expected_shapes: dict[str, list[int]] | None = None
     loaded: dict[str, torch.Tensor] = field(default_factory=dict)

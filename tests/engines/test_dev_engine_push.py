@@ -13,10 +13,12 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from aiohttp import web
 from transformers import AutoModelForCausalLM
 
-from harness_trainer.engines import DevEngine, EngineUnavailable, RetryPolicy
+from harness_trainer.engines import DevEngine, EngineUnavailable, MalformedReply, RetryPolicy
 from tests.conftest import EngineProcess, start_engine
+from tests.engines.conftest import bound_socket, serve
 
 TEMPERATURE = 0.7
 
@@ -93,3 +95,35 @@ async def test_a_push_to_a_stopped_engine_is_retried_then_reported(
     ):
         await engine.push_weights(weights, version=1)
     assert len([r for r in caplog.records if "/update_weights" in r.getMessage()]) == 2
+
+
+async def test_served_version_is_none_on_the_start_up_weights_then_the_version_pushed(
+    tiny_model_dir: Path,
+) -> None:
+    running = start_engine(tiny_model_dir)
+    try:
+        engine = DevEngine(running.url)
+        assert await engine.served_version() is None
+        norm = perturbed_model(tiny_model_dir).state_dict()["model.norm.weight"]
+        await engine.push_weights({"model.norm.weight": norm}, version=4)
+        assert await engine.served_version() == 4
+    finally:
+        running.stop()
+    with pytest.raises(EngineUnavailable, match="unreachable after 1 attempt"):
+        await DevEngine(running.url, retry=RetryPolicy(attempts=1)).served_version()
+
+
+@pytest.mark.parametrize("answer", [{"weight_version": "3"}, {"weight_version": None}, {}, [1]])
+async def test_a_weight_version_answer_without_a_version_is_a_malformed_reply(answer: object) -> None:
+    async def weight_version(request: web.Request) -> web.Response:
+        return web.json_response(answer)
+
+    app = web.Application()
+    app.router.add_get("/weight_version", weight_version)
+    sock = bound_socket()
+    runner = await serve(app, sock)
+    try:
+        with pytest.raises(MalformedReply, match="no version"):
+            await DevEngine(f"http://127.0.0.1:{sock.getsockname()[1]}").served_version()
+    finally:
+        await runner.cleanup()

@@ -1,6 +1,7 @@
 """EngineReplicas over real dev engines on loopback: a push reaches every replica; a replica that dies is
 reported out (and drained at a real ``capture_proxy --replicas``) while the step goes on; restarted with its
-start-up weights, it is given the current version before it is enabled again."""
+start-up weights (between two steps, or between a step's push and its resume), it is given the current
+version before it is enabled again."""
 
 from __future__ import annotations
 
@@ -133,6 +134,36 @@ async def test_a_replica_restarted_between_steps_is_enabled_once_pushed_and_samp
     assert all(record["weight_version"] == record["dispatch_version"] == 2 for record in records)
 
 
+async def test_a_replica_restarted_between_push_and_resume_is_drained_and_comes_back_at_the_next_push(
+    rig: ReplicaRig,
+) -> None:
+    await rig.step(1)
+    await rig.replicas.pause()
+    await rig.replicas.push_weights(weights(rig.model_dir, 2), 2)
+    rig.restart(1)  # took the push, then lost it: a new process with its start-up weights
+
+    await rig.replicas.resume()
+    await rig.client.set_policy(None, 2)
+
+    assert rig.replicas.out_of_rotation == [1]
+    state = rig.replicas.report()[1]
+    assert state["error"] == "serves version none (its start-up weights), not 2"
+    assert state["drained"] and state["version"] is None
+    assert [row["drained"] for row in await rig.table()] == [False, True]
+    assert [weight_version(url) for url in rig.urls] == [2, 0]
+    assert [httpx.get(url + "/is_paused").json()["is_paused"] for url in rig.urls] == [False, True]
+    record = rig.placed_on()  # only the replica at version 2 samples
+    assert record["engine"] == rig.urls[0] and record["weight_version"] == 2
+
+    await rig.step(3)
+
+    assert rig.replicas.out_of_rotation == [] and rig.replicas.report()[1]["error"] is None
+    assert [weight_version(url) for url in rig.urls] == [3, 3]
+    assert [(row["drained"], row["stale"]) for row in await rig.table()] == [(False, False), (False, False)]
+    record = rig.placed_on()  # the fewest sessions pinned: the replica back in rotation
+    assert record["engine"] == rig.urls[1] and record["weight_version"] == record["dispatch_version"] == 3
+
+
 async def test_without_a_proxy_a_dead_replica_is_only_recorded(
     two_engines: list[EngineProcess], tiny_model_dir: Path
 ) -> None:
@@ -166,6 +197,9 @@ class Refusing:
     async def health(self) -> bool:
         return True
 
+    async def served_version(self) -> int | None:
+        return None  # it never took a push: its start-up weights
+
 
 async def test_a_push_every_replica_refused_is_a_push_refused_and_every_replica_resumes() -> None:
     engines = [Refusing("http://a"), Refusing("http://b")]
@@ -187,6 +221,49 @@ async def test_a_drain_the_proxy_did_not_take_is_recorded_and_asked_again_on_res
     assert state["out"] and not state["drained"] and "drain at the proxy" in state["error"]
     await replicas.resume()  # the proxy is still down: asked again, still recorded
     assert replicas.report()[1]["error"].count("drain at the proxy") == 2
+
+
+class Forgetful(Refusing):
+    """A replica whose push answers the version but whose weights stay the start-up ones (a reload that did
+    not happen): it says so when asked."""
+
+    def __init__(self, base_url: str, served: int | None = None) -> None:
+        super().__init__(base_url)
+        self.served, self.paused = served, 0
+
+    async def pause(self) -> None:
+        self.paused += 1
+
+    async def push_weights(self, named_tensors: object, version: int) -> int:
+        return version
+
+    async def served_version(self) -> int | None:
+        return self.served
+
+
+async def test_a_replica_that_does_not_serve_the_pushed_version_is_out_paused_and_not_resumed() -> None:
+    engines = [Forgetful("http://a", served=1), Forgetful("http://b", served=None)]
+    replicas = EngineReplicas(engines)
+    await replicas.pause()
+    assert await replicas.push_weights({}, 1) == 1
+
+    await replicas.resume()
+
+    assert replicas.out_of_rotation == [1]
+    assert replicas.report()[1]["error"] == "serves version none (its start-up weights), not 1"
+    assert [engine.resumed for engine in engines] == [1, 0] and engines[1].paused == 2
+    assert await replicas.served_version() == 1  # what the replicas in rotation serve
+
+
+async def test_when_no_replica_serves_the_pushed_version_resume_fails_and_none_resumes() -> None:
+    engines = [Forgetful("http://a", served=4), Forgetful("http://b", served=4)]
+    replicas = EngineReplicas(engines)
+    await replicas.pause()
+    await replicas.push_weights({}, 5)
+    with pytest.raises(EngineUnavailable, match="no replica serving version 5 resumed"):
+        await replicas.resume()
+    assert replicas.out_of_rotation == [0, 1] and [engine.resumed for engine in engines] == [0, 0]
+    assert "serves version 4, not 5" in replicas.report()[0]["error"]
 
 
 class Staging(Refusing):

@@ -23,7 +23,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from harness_trainer.engines import VLLMEngine, gpu_check
+from harness_trainer.engines import FileWeightSync, VLLMEngine, gpu_check
+from harness_trainer.trainer.policy import engine_weights
 from tests.engines import vllm_control_routes as routes
 from tests.engines.conftest import Served
 
@@ -52,6 +53,24 @@ async def test_the_fake_answers_the_control_routes_as_vllm_does_and_as_recorded(
 
     assert routes.differences(real, fake) == [], "the fake drifted from real vLLM"
     assert routes.differences(routes.recorded(), real) == [], "vLLM's answers changed: re-record them"
+
+
+async def test_after_a_push_served_version_is_the_pushed_version_as_vllm_reports_it(
+    vllm_url: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    engine = VLLMEngine(vllm_url, weight_sync=FileWeightSync(tmp_path / "sync"))
+    # The checkpoint's own weights: the served model stays what the other vllm_cpu tests expect.
+    own = engine_weights(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32))
+    try:
+        await engine.push_weights(own, version=12)
+        assert await engine.served_version() == 12
+        async with httpx.AsyncClient(base_url=vllm_url, timeout=60) as http:
+            assert (await http.get("/weight_info")).json() == {"weight_version": "12"}
+            # vLLM's own start-up value, as a restarted server reports it
+            await http.post("/update_weight_version", json={"new_version": "default"})
+        assert await engine.served_version() is None
+    finally:
+        engine.close()
 
 
 @pytest.fixture

@@ -27,6 +27,7 @@ from harness_trainer.engines import (
     ENGINES,
     EngineUnavailable,
     InferenceEngine,
+    MalformedReply,
     NcclTransport,
     RetryPolicy,
     VLLMEngine,
@@ -112,6 +113,41 @@ async def test_a_second_push_reuses_the_transfer_group(serve_fake) -> None:
 
     assert served.fake.routes()[first:] == WEIGHT_ROUTES
     assert transport.connects == 1 and served.fake.weight_version == "2"
+
+
+async def test_served_version_is_what_vllm_reports_none_for_its_start_up_weights(serve_fake) -> None:
+    served = await serve_fake()
+    engine, _ = engine_for(served.url, served.fake)
+    assert await engine.served_version() is None  # vLLM's "default": nothing set since it started
+
+    await engine.push_weights(tensors(), version=3)
+    assert await engine.served_version() == 3
+
+    served.fake.weight_version = "7"  # vLLM's word, not the client's memory of its last push
+    assert await engine.served_version() == 7
+    served.fake.weight_version = None
+    assert await engine.served_version() is None
+
+
+@pytest.mark.parametrize("reported", ["banana", "-1", "", 4, ["3"]])
+async def test_a_weight_info_that_names_no_version_is_a_malformed_reply(serve_fake, reported: object) -> None:
+    served = await serve_fake()
+    served.fake.weight_version = reported
+    with pytest.raises(MalformedReply, match="GET /weight_info answered weight_version"):
+        await VLLMEngine(served.url).served_version()
+
+
+async def test_served_version_of_an_engine_that_is_down_or_refuses_is_engine_unavailable(serve_fake) -> None:
+    served = await serve_fake()
+    served.fake.fail["/weight_info"] = 500
+    with pytest.raises(EngineUnavailable, match=r"GET /weight_info \(500\)"):
+        await VLLMEngine(served.url).served_version()
+    sock = bound_socket()  # bound, never listening
+    try:
+        with pytest.raises(EngineUnavailable, match="unreachable after 3 attempt"):
+            await VLLMEngine(f"http://127.0.0.1:{sock.getsockname()[1]}", retry=FAST_RETRY).served_version()
+    finally:
+        sock.close()
 
 
 async def test_pause_drains_generations_in_flight_before_the_update(serve_fake) -> None:

@@ -9,6 +9,8 @@ status and the JSON *shape* of the answer (keys and value types; plain text as i
 checks the real server against it too (``HT_RECORD_VLLM_FIXTURES=1`` rewrites it from the real server).
 
 ``/server_info`` is huge (the whole config): only the parts read here are kept (:func:`project`).
+``/weight_info`` is kept whole, values too (:data:`VERBATIM`): the version string it reports is what
+``VLLMEngine.served_version`` reads, so the replay checks it is the one the last push set.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from typing import Any
 import httpx
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "vllm_cpu" / "control_routes.json"
+VERBATIM = {"/weight_info"}
+"""Routes whose answer is recorded as it is, not as its shape."""
 ADAPTER = "drift-adapter"
 
 # An init_info vLLM's worker refuses (unknown key) before any rendezvous: a 500 with its error body.
@@ -85,13 +89,15 @@ def project(path: str, body: Any) -> Any:
 
 
 async def replay(url: str, adapter_dir: Path) -> list[dict[str, Any]]:
-    """Each step's ``{"route", "status", "answer"}``: the answer's shape, or its text when not JSON."""
+    """Each step's ``{"route", "status", "answer"}``: the answer's shape (the answer itself for
+    :data:`VERBATIM` routes), or its text when not JSON."""
     answers = []
     async with httpx.AsyncClient(base_url=url, timeout=60) as http:
         for method, path, params, body in steps(adapter_dir):
             reply = await http.request(method, path, params=params, json=body)
             try:
-                answer = shape(project(path, reply.json()))
+                body = reply.json()
+                answer = body if path in VERBATIM else shape(project(path, body))
             except ValueError:
                 answer = reply.text
             answers.append({"route": f"{method} {path}", "status": reply.status_code, "answer": answer})

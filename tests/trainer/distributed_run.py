@@ -78,6 +78,9 @@ class RecordingEngine:
         self.last = {name: tensor.clone() for name, tensor in weights.items()}
         return version
 
+    async def served_version(self) -> int | None:
+        return self.versions[-1] if self.versions else None
+
 
 def main(model_dir: str, output_dir: str) -> None:
     out = Path(output_dir)
