@@ -5,7 +5,7 @@ version before it is enabled again."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -18,7 +18,7 @@ from harness_trainer.engines.replicas import EngineReplicas
 from harness_trainer.net import free_port
 from harness_trainer.rollouts.server.capture_client import CaptureClient
 from harness_trainer.rollouts.server.proxy_process import ProxyProcess
-from tests.proxy.replica_rig import ReplicaRig, replica_rig, weight_version, weights
+from tests.proxy.replica_rig import ReplicaRig, rig, weight_version, weights  # noqa: F401 - rig: a fixture
 
 NO_RETRY = RetryPolicy(attempts=1)
 
@@ -107,14 +107,8 @@ async def test_a_dead_replica_is_drained_and_enabled_only_once_it_has_the_curren
         await client.aclose()
 
 
-@pytest.fixture
-async def rig(tiny_model_dir: Path, tmp_path: Path) -> AsyncIterator[ReplicaRig]:
-    async for running in replica_rig(tiny_model_dir, tmp_path / "proxy"):
-        yield running
-
-
 async def test_a_replica_restarted_between_steps_is_enabled_once_pushed_and_samples_at_the_dispatch_version(
-    rig: ReplicaRig,
+    rig: ReplicaRig,  # noqa: F811 - the imported fixture
 ) -> None:
     await rig.step(1)
     rig.restart(1)
@@ -135,7 +129,7 @@ async def test_a_replica_restarted_between_steps_is_enabled_once_pushed_and_samp
 
 
 async def test_a_replica_restarted_between_push_and_resume_is_drained_and_comes_back_at_the_next_push(
-    rig: ReplicaRig,
+    rig: ReplicaRig,  # noqa: F811 - the imported fixture
 ) -> None:
     await rig.step(1)
     await rig.replicas.pause()

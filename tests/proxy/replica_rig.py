@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -145,3 +146,10 @@ async def replica_rig(model_dir: Path, folder: Path) -> AsyncIterator[ReplicaRig
         yield rig
     finally:
         await rig.close()
+
+
+@pytest.fixture
+async def rig(tiny_model_dir: Path, tmp_path: Path) -> AsyncIterator[ReplicaRig]:
+    """The rig on the tiny model (import this fixture where a test takes ``rig``)."""
+    async for running in replica_rig(tiny_model_dir, tmp_path / "proxy"):
+        yield running

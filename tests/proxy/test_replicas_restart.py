@@ -6,23 +6,12 @@ it; then what it samples carries that version."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
-
-import pytest
-
 from tests.engines.test_engine_replicas import weight_version
-from tests.proxy.replica_rig import ReplicaRig, replica_rig
-
-
-@pytest.fixture
-async def rig(tiny_model_dir: Path, tmp_path: Path) -> AsyncIterator[ReplicaRig]:
-    async for running in replica_rig(tiny_model_dir, tmp_path / "proxy"):
-        yield running
+from tests.proxy.replica_rig import ReplicaRig, rig  # noqa: F401 - a fixture
 
 
 async def test_an_engine_restarted_between_steps_gets_no_new_session_until_the_next_push_enables_it(
-    rig: ReplicaRig,
+    rig: ReplicaRig,  # noqa: F811 - the imported fixture
 ) -> None:
     await rig.step(1)
     first = rig.placed_on()
@@ -46,7 +35,7 @@ async def test_an_engine_restarted_between_steps_gets_no_new_session_until_the_n
     assert newcomer["weight_version"] == newcomer["dispatch_version"] == 2
 
 
-async def test_an_engine_found_down_by_a_call_comes_back_stale_when_it_restarted(rig: ReplicaRig) -> None:
+async def test_an_engine_found_down_by_a_call_comes_back_stale_when_it_restarted(rig: ReplicaRig) -> None:  # noqa: F811
     await rig.step(1)
     sessions = [rig.new_session() for _ in range(2)]
     for session in sessions:
