@@ -50,6 +50,7 @@ from urllib.parse import urlsplit
 
 from harness_trainer.sandboxes.base import SandboxStartError
 from harness_trainer.sandboxes.e2b import E2BSandboxBackend
+from harness_trainer.signals import wake_on_signals
 from harness_trainer.tasks.task import HarborTask, bare_task
 
 # The rollout's phases in the order they run, with the names printed for them.
@@ -116,7 +117,11 @@ async def smoke_rollout(
         e2b_options["sandbox_class"] = sandbox_class
     if template_class is not None:
         e2b_options["template_class"] = template_class
-    with tempfile.TemporaryDirectory(prefix="ht-e2b-smoke-") as data_dir:
+    # Ctrl-C cancels the smoke test at once, even while the loop waits on an agent asleep in its sandbox.
+    with (
+        wake_on_signals(asyncio.get_running_loop()),
+        tempfile.TemporaryDirectory(prefix="ht-e2b-smoke-") as data_dir,
+    ):
         runtime = RolloutRuntime(
             RuntimeConfig(
                 upstream=config.engine_url,

@@ -12,7 +12,6 @@ harness; mini-swe-agent itself is tested through the capture proxy in ``tests/ha
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import threading
@@ -156,7 +155,9 @@ def test_ctrl_c_during_the_agent_kills_the_sandbox_and_stops_the_proxy(
 
     def interrupt_once_the_agent_sleeps() -> None:
         wait_until_present("sleep 67", timeout_s=120)  # the toy agent's bash tool, in the fake sandbox
-        os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C: asyncio.run's handler cancels the command
+        # As Ctrl-C, delivered to this thread, not the main one: the kernel may hand a process-directed
+        # SIGINT to any thread, and the smoke test must still cancel at once (harness_trainer/signals.py).
+        signal.pthread_kill(threading.get_ident(), signal.SIGINT)
 
     interrupter = threading.Thread(target=interrupt_once_the_agent_sleeps)
     interrupter.start()
