@@ -1,55 +1,38 @@
-"""A signal wakes the event loop, whichever thread the kernel gave it to.
+"""A signal's handler runs soon, whichever thread the kernel gave the signal to.
 
-Python runs a signal's handler in the main thread, between two bytecodes. Under ``asyncio.run`` the main
-thread is mostly asleep in the selector; when the kernel hands a process-directed signal (Ctrl-C's
-SIGINT) to another thread, as it may in a process with several, nothing wakes the selector, and the
-handler (asyncio's, which cancels the main task) waits for the loop's next event: with an agent asleep in
-its sandbox, that can be its whole timeout. Python's C handler writes each caught signal's number to the
-wakeup fd when one is set (``signal.set_wakeup_fd``): :func:`wake_on_signals` sets one that the running
-loop reads, as asyncio does itself only for handlers added with ``loop.add_signal_handler``.
+Python runs a signal's handler in the main thread, when that thread next runs bytecode. Under
+``asyncio.run`` the main thread is mostly asleep in the selector; when the kernel hands a process-directed
+signal (Ctrl-C's SIGINT) to another thread, as it may in a process with several, nothing wakes the
+selector, and the handler (asyncio's, which cancels the main task) waits for the loop's next event: with an
+agent asleep in its sandbox, that can be its whole timeout. :func:`wake_on_signals` wakes the loop every
+:data:`TICK_S` seconds, so a pending handler runs within that. (A wakeup fd, ``signal.set_wakeup_fd``, would
+wake it at once, but a process has only one, which asyncio's ``add_signal_handler`` sets too; one tried
+first did not wake the loop in a CI run, most likely because another was already set.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
-import socket
-import threading
 from collections.abc import Iterator
+
+TICK_S = 0.2
+"""The longest a signal's handler waits for the loop, inside :func:`wake_on_signals`."""
 
 
 @contextlib.contextmanager
 def wake_on_signals(loop: asyncio.AbstractEventLoop) -> Iterator[None]:
-    """While inside, every signal Python catches wakes ``loop`` (running in the main thread), so its
-    handler runs at once; the previous wakeup fd is restored after. Outside the main thread, or with a
-    wakeup fd already set (asyncio's own, for ``loop.add_signal_handler``), it changes nothing."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    reader, writer = socket.socketpair()
-    reader.setblocking(False)
-    writer.setblocking(False)
-    previous = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
-    if previous != -1:  # someone wakes the loop already: leave theirs in place
-        signal.set_wakeup_fd(previous)
-        reader.close()
-        writer.close()
-        yield
-        return
+    """While inside, ``loop`` wakes every :data:`TICK_S` seconds (a no-op callback), so a signal caught on
+    any thread has its handler run within that; the ticking stops on exit."""
+    handle: asyncio.TimerHandle | None = None
 
-    def drain() -> None:
-        with contextlib.suppress(OSError):  # BlockingIOError once empty: nothing more to read
-            while reader.recv(4096):
-                pass
+    def tick() -> None:
+        nonlocal handle
+        handle = loop.call_later(TICK_S, tick)
 
-    loop.add_reader(reader.fileno(), drain)
+    tick()
     try:
         yield
     finally:
-        loop.remove_reader(reader.fileno())
-        current = signal.set_wakeup_fd(-1)  # ours, back to none (as before: previous was none)
-        if current != writer.fileno():  # replaced meanwhile (asyncio's own, say): the replacement stays
-            signal.set_wakeup_fd(current)
-        reader.close()
-        writer.close()
+        assert handle is not None
+        handle.cancel()

@@ -1,5 +1,5 @@
-"""A signal the kernel hands to another thread still wakes ``asyncio.run``'s loop under
-:func:`harness_trainer.signals.wake_on_signals`, and the wakeup fd is left as it was found."""
+"""A signal the kernel hands to another thread still reaches ``asyncio.run``'s handler under
+:func:`harness_trainer.signals.wake_on_signals`; the ticking stops once the block is left."""
 
 from __future__ import annotations
 
@@ -21,51 +21,26 @@ def interrupt_itself_once_the_loop_sleeps() -> None:
 
 
 async def wait_forever_woken_by_signals(interrupter: threading.Thread) -> None:
-    never = asyncio.Event()  # no timer, no I/O: only a wakeup can bring the loop back
+    never = asyncio.Event()  # no timer, no I/O: only the ticks bring the loop back
     with wake_on_signals(asyncio.get_running_loop()):
         interrupter.start()
         await never.wait()
 
 
-@pytest.mark.timeout(60)  # without the wakeup the loop sleeps for ever and this timeout fails the test
-def test_a_sigint_on_another_thread_cancels_asyncio_run_at_once() -> None:
+@pytest.mark.timeout(60)  # without the ticks the loop sleeps for ever and this timeout fails the test
+def test_a_sigint_on_another_thread_cancels_asyncio_run() -> None:
     interrupter = threading.Thread(target=interrupt_itself_once_the_loop_sleeps)
     with pytest.raises(KeyboardInterrupt):
         asyncio.run(wait_forever_woken_by_signals(interrupter))
     interrupter.join()
-    assert signal.set_wakeup_fd(-1) == -1  # restored: no wakeup fd left behind
 
 
-async def inside_with_a_wakeup_fd_already_set() -> tuple[int, int]:
+async def timers_after_the_block() -> int:
     loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGUSR1, lambda: None)  # asyncio sets its own wakeup fd for this
-    try:
-        theirs = signal.set_wakeup_fd(-1)
-        signal.set_wakeup_fd(theirs)
-        with wake_on_signals(loop):
-            inside = signal.set_wakeup_fd(-1)
-            signal.set_wakeup_fd(inside)
-        return theirs, inside
-    finally:
-        loop.remove_signal_handler(signal.SIGUSR1)
+    with wake_on_signals(loop):
+        await asyncio.sleep(0.5)  # a few ticks
+    return sum(not handle.cancelled() for handle in loop._scheduled)  # type: ignore[attr-defined]
 
 
-def test_a_wakeup_fd_already_set_is_left_in_place() -> None:
-    theirs, inside = asyncio.run(inside_with_a_wakeup_fd_already_set())
-    assert theirs != -1 and inside == theirs
-
-
-def test_outside_the_main_thread_it_changes_nothing() -> None:
-    seen: list[int] = []
-
-    def run() -> None:
-        async def body() -> None:
-            with wake_on_signals(asyncio.get_running_loop()):
-                seen.append(0)
-
-        asyncio.run(body())
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join()
-    assert seen == [0] and signal.set_wakeup_fd(-1) == -1
+def test_leaving_the_block_stops_the_ticks() -> None:
+    assert asyncio.run(timers_after_the_block()) == 0
