@@ -8,6 +8,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from harness_trainer.signals import run_interruptible
+
 
 def _tiny_model(args: argparse.Namespace) -> int:
     from harness_trainer.models.tiny import ensure_tiny_model
@@ -179,7 +181,6 @@ def _agent_layer(names: list[str] | None, flag: str) -> str | None:
 def _e2b_cleanup(args: argparse.Namespace, sandbox_class: object = None) -> int:
     """Kill every E2B sandbox labelled with run ``args.run``; ``sandbox_class`` is the SDK boundary
     (``e2b.AsyncSandbox`` by default; tests pass a fake)."""
-    import asyncio
     import os
 
     if not os.environ.get("E2B_API_KEY"):
@@ -188,7 +189,7 @@ def _e2b_cleanup(args: argparse.Namespace, sandbox_class: object = None) -> int:
             file=sys.stderr,
         )
         return 2
-    return asyncio.run(_e2b_cleanup_run(args.run, sandbox_class))
+    return run_interruptible(_e2b_cleanup_run(args.run, sandbox_class))
 
 
 async def _e2b_cleanup_run(run_id: str, sandbox_class: object = None) -> int:
@@ -210,7 +211,6 @@ async def _e2b_cleanup_run(run_id: str, sandbox_class: object = None) -> int:
 def _e2b_build_templates(args: argparse.Namespace, template_class: object = None) -> int:
     """Build every distinct E2B template of a dataset ahead of a run; ``template_class`` is the SDK
     boundary (``e2b.AsyncTemplate`` by default; tests pass a fake)."""
-    import asyncio
     import os
 
     if not os.environ.get("E2B_API_KEY"):
@@ -259,7 +259,9 @@ def _e2b_build_templates(args: argparse.Namespace, template_class: object = None
         tick(1)
 
     try:
-        summary = asyncio.run(build_all(tasks, builder, jobs=args.jobs, on_planned=planned, on_done=report))
+        summary = run_interruptible(
+            build_all(tasks, builder, jobs=args.jobs, on_planned=planned, on_done=report)
+        )
     finally:
         if bar is not None:
             bar.close()
@@ -273,7 +275,6 @@ def _e2b_smoke(args: argparse.Namespace, sandbox_class: object = None, template_
     """One live rollout in E2B (or, with ``--sandbox-only``, one sandbox's checks); ``sandbox_class`` and
     ``template_class`` are the SDK boundary (``e2b.AsyncSandbox`` / ``e2b.AsyncTemplate`` by default;
     tests pass the fake cloud)."""
-    import asyncio
     import os
 
     if not os.environ.get("E2B_API_KEY"):
@@ -283,7 +284,7 @@ def _e2b_smoke(args: argparse.Namespace, sandbox_class: object = None, template_
 
     if args.sandbox_only:
         try:
-            return asyncio.run(smoke(args.template, sandbox_class))
+            return run_interruptible(smoke(args.template, sandbox_class))
         except KeyboardInterrupt:
             print("interrupted: the sandbox was closed", file=sys.stderr)
             return 130
@@ -321,7 +322,7 @@ def _e2b_smoke(args: argparse.Namespace, sandbox_class: object = None, template_
     )
     run = smoke_rollout(config, sandbox_class=sandbox_class, template_class=template_class)
     try:
-        return asyncio.run(run)
+        return run_interruptible(run)
     except KeyboardInterrupt:  # asyncio.run cancelled the smoke test, whose cleanup ran first
         print("FAIL: interrupted (the sandbox was killed and the capture proxy stopped)", flush=True)
         return 130

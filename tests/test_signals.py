@@ -1,5 +1,6 @@
 """A signal the kernel hands to another thread still reaches ``asyncio.run``'s handler under
-:func:`harness_trainer.signals.wake_on_signals`; the ticking stops once the block is left."""
+:func:`harness_trainer.signals.wake_on_signals` and the entry points' ``run_interruptible``; the ticking
+stops once the block is left."""
 
 from __future__ import annotations
 
@@ -44,3 +45,16 @@ async def timers_after_the_block() -> int:
 
 def test_leaving_the_block_stops_the_ticks() -> None:
     assert asyncio.run(timers_after_the_block()) == 0
+
+
+@pytest.mark.timeout(60)  # the entry points' runner: the same, for a coroutine the caller made
+def test_run_interruptible_cancels_on_a_sigint_taken_by_another_thread() -> None:
+    from harness_trainer.signals import run_interruptible
+
+    async def wait_forever() -> None:
+        threading.Thread(target=interrupt_itself_once_the_loop_sleeps).start()
+        await asyncio.Event().wait()
+
+    with pytest.raises(KeyboardInterrupt):
+        run_interruptible(wait_forever())
+    assert run_interruptible(asyncio.sleep(0, result="done")) == "done"

@@ -13,7 +13,6 @@ that says which. ``--template`` is the warm-up sandbox's image (the backend's ``
 from __future__ import annotations
 
 import argparse
-import asyncio
 import shlex
 import sys
 import tempfile
@@ -22,6 +21,7 @@ from typing import Any
 
 from harness_trainer.sandboxes import make_backend
 from harness_trainer.sandboxes.base import SandboxError
+from harness_trainer.signals import run_interruptible
 from harness_trainer.tasks.task import bare_task
 
 _PROBE = (
@@ -70,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--template", default="base", help="the warm-up sandbox's template")
     args = parser.parse_args(argv)
     try:
-        answer = asyncio.run(warm_sandbox(args.public_url, sandbox=args.sandbox, template=args.template))
+        answer = run_interruptible(
+            warm_sandbox(args.public_url, sandbox=args.sandbox, template=args.template)
+        )
     except (WarmupError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -35,7 +35,6 @@ whole process group, and a file round trip through ``/logs``, then closes it; on
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import os
 import secrets
@@ -50,7 +49,7 @@ from urllib.parse import urlsplit
 
 from harness_trainer.sandboxes.base import SandboxStartError
 from harness_trainer.sandboxes.e2b import E2BSandboxBackend
-from harness_trainer.signals import wake_on_signals
+from harness_trainer.signals import run_interruptible
 from harness_trainer.tasks.task import HarborTask, bare_task
 
 # The rollout's phases in the order they run, with the names printed for them.
@@ -117,11 +116,7 @@ async def smoke_rollout(
         e2b_options["sandbox_class"] = sandbox_class
     if template_class is not None:
         e2b_options["template_class"] = template_class
-    # Ctrl-C cancels the smoke test at once, even while the loop waits on an agent asleep in its sandbox.
-    with (
-        wake_on_signals(asyncio.get_running_loop()),
-        tempfile.TemporaryDirectory(prefix="ht-e2b-smoke-") as data_dir,
-    ):
+    with tempfile.TemporaryDirectory(prefix="ht-e2b-smoke-") as data_dir:
         runtime = RolloutRuntime(
             RuntimeConfig(
                 upstream=config.engine_url,
@@ -248,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         print("E2B_API_KEY is not set: the smoke test needs an E2B account", file=sys.stderr)
         return 2
     with contextlib.suppress(KeyboardInterrupt):
-        return asyncio.run(smoke(args.template))
+        return run_interruptible(smoke(args.template))
     return 130
 
 
