@@ -2,23 +2,26 @@
 
 Set-up: ``harness-trainer dev`` run as real subprocesses, one after the other, each in its own output
 directory under one temporary directory (stopped with SIGTERM, then SIGKILL, on every path). For each seed
-(``--seeds``, default 0,1,2), two runs, the trained one first:
+(``--seeds``, default 0,1,2,3), two runs, the trained one first:
 
-- **trained**: the dev loop's recipe with that ``--seed``: the warm tiny model, real mini-swe-agent rollouts
-  in local sandboxes through the capture proxy, 20 GRPO steps of one task's 4 rollouts on the ``train``
-  split of ``--tasks`` (default: the bundled tasks);
-- **frozen** (the baseline): the same command with ``--learning-rate 1e-9``: the same rollouts and weight
-  pushes, but the weights do not move.
+- **trained**: the dev loop with that ``--seed`` and the benchmark's recipe (``--recipe``, default
+  :data:`RECIPE`: rows shuffled per seed, equal-reward groups dropped and refilled, 4 groups of 4 rollouts a
+  step, SGD at 0.02) for ``--max-steps`` (default 10) on the ``train`` split of ``--tasks`` (default the
+  generated toy-skills family, whose ``test`` split holds unseen pairings of the same skills' values and
+  wordings), in ``--mode`` (default ``white-box``: the built-in ``ReActAdapter`` on the sandbox's tools, the
+  trainer sampling every turn, about 3x the rollouts per minute of mini-swe-agent here), from the warm tiny
+  model;
+- **frozen** (the baseline): the same command with ``--learning-rate 1e-9`` last: the same rollouts and
+  weight pushes, but the weights do not move.
 
 **Evaluation.** Every run evaluates the held-out ``test`` split before its first step and at its last:
 ``--eval-steps`` must divide ``--max-steps`` (default: equal to it, so those two are its only evaluations),
-and a run without both is an error, not a number. An evaluation samples 4 rollouts per task at temperature
+and a run without both is an error, not a number. An evaluation samples 8 rollouts per task at temperature
 0.7 (``--eval-num-generations``, ``--eval-temperature``) rather than the dev loop's one greedy rollout:
 greedy decoding from the tiny model is one argmax path per task that flips all or nothing on a small weight
-change (on the 2 bundled test tasks pass@1 can only be 0, 0.5 or 1); 4 samples at the temperature training
-samples at estimate the success probability of the policy GRPO trains, in steps of 1/8 there. An
-evaluation's rollouts are seeded by the run's seed, so a seed's two runs sample their step-0 evaluation
-alike.
+change; 8 samples at the temperature training samples at estimate the success probability of the policy
+GRPO trains, in steps of 1/128 over toy-skills' 16 test tasks. An evaluation's rollouts are seeded by the
+run's seed, so a seed's two runs sample their step-0 evaluation alike.
 
 **Measured**, per run from its ``metrics.jsonl``: held-out pass@1 (the unbiased mean over tasks,
 :mod:`harness_trainer.trainer.evaluation`) at step 0 and at the end; the training reward (each step's mean,
@@ -51,16 +54,11 @@ intervals and difference target (``vllm: …``).
 Output: the runs' table, the held-out pass@1 intervals per arm, the first run's time, then PASS/MISS; a MISS
 exits 0 unless ``--strict``.
 
-**The mode** (``--mode``, default ``black-box``): every run of every arm in that dev-loop mode; with
-``white-box`` the runs train the built-in ``ReActAdapter`` (its own warm-up, the trainer sampling each turn),
-about 3x as many rollouts per minute as mini-swe-agent here (``benchmarks/whitebox.py``). The report says
-which.
-
-Run: ``python benchmarks/learning.py [--quick] [--seeds 0,1,2] [--tasks DIR] [--engines dev,vllm,vllm-lora]
-[--mode black-box|white-box]
-[--max-steps 20] [--eval-steps N] [--eval-num-generations 4] [--eval-temperature 0.7] [--json OUT]
-[--strict]``; ``--quick`` is the test's configuration: the toy agent, 2 steps of 2 rollouts of at most 32
-tokens, no warm-up, seeds 0,1, one greedy evaluation rollout per task at steps 0 and 2.
+Run: ``python benchmarks/learning.py [--quick] [--seeds 0,1,2,3] [--tasks DIR] [--engines dev,vllm,vllm-lora]
+[--mode black-box|white-box] [--recipe FLAGS] [--max-steps 10] [--eval-steps N] [--eval-num-generations 8]
+[--eval-temperature 0.7] [--no-first-run] [--json OUT] [--strict]``; ``--quick`` is the test's
+configuration: the toy agent on the bundled tasks, 2 steps of 2 rollouts of at most 32 tokens, no warm-up, no
+recipe, seeds 0,1, one greedy evaluation rollout per task at steps 0 and 2, and a first run of the same.
 """
 
 from __future__ import annotations
