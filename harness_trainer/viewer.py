@@ -1,12 +1,14 @@
 """A static trace viewer: one self-contained HTML file of a run's last steps, token by token.
 
-:func:`build_viewer` reads ``run_dir/rollouts.jsonl`` (and ``metrics.jsonl`` and ``eval.jsonl`` when there
-are) and writes one HTML file with inline CSS and JS, no network and no server: the evaluations (per
-evaluation its step, policy version, pass@1 and pass@k, and a table of its tasks), a metrics table per
-shown step, then each step's groups and rollouts (task, reward, advantage, verifier reward, why it did not
-train, timeout, unscorable reason, tool calls, failures, timings and their split into model calls,
-environment and other, policy versions, findings), then the rollouts no step took (errored ones included,
-with their reasons), and each rollout's turns with every token coloured by its role:
+:func:`build_viewer` reads ``run_dir/rollouts.jsonl`` (and ``metrics.jsonl``, ``eval.jsonl`` and
+``eval_rollouts.jsonl`` when there are) and writes one HTML file with inline CSS and JS, no network and no
+server: the evaluations (per evaluation its step, policy version, pass@1 and pass@k, a table of its tasks
+and, when ``eval_rollouts.jsonl`` has them, each task's samples with their reward or unscorable reason and
+their traces, shown as a training rollout's), a metrics table per shown step, then each step's groups and
+rollouts (task, reward, advantage, verifier reward, why it did not train, timeout, unscorable reason, tool
+calls, failures, timings and their split into model calls, environment and other, policy versions,
+findings), then the rollouts no step took (errored ones included, with their reasons), and each rollout's
+turns with every token coloured by its role:
 
     trained    a completion token with loss mask 1 (rows.py trains each of them exactly once)
     context    a prompt token: input only
@@ -22,8 +24,8 @@ while the proxy keeps its session: a rollout deletes its capture session when it
 A turn's prompt starts with what an earlier turn already showed (its parent's full sequence, or a
 sibling's prompt); that shared part is not repeated, so each rollout's tokens appear about once. Hovering a
 token shows its id and its behaviour logprob. Turns are collapsed; only the last ``max_steps_shown`` steps
-are included, and traces only until ``max_tokens_shown`` tokens are on the page (newest step first), so a
-long run gives a file of bounded size.
+are included, and traces only until ``max_tokens_shown`` tokens are on the page (newest step first, then the
+evaluations' samples, newest evaluation first), so a long run gives a file of bounded size.
 
 Importing this module loads no pydantic, jinja, transformers or torch (the CLI builds its parser with
 :func:`add_view_arguments`); they are imported when a viewer is built.
@@ -122,7 +124,8 @@ class StepView:
 
 @dataclass
 class EvalView:
-    """One evaluation: the ``eval.jsonl`` lines of one step and split, one per task."""
+    """One evaluation: the ``eval.jsonl`` lines of one step and split, one per task, and the samples of
+    ``eval_rollouts.jsonl`` by task (``task_name``, ``task_index``)."""
 
     step: int
     policy_version: Any
@@ -130,6 +133,12 @@ class EvalView:
     k: Any
     temperature: Any
     tasks: list[dict[str, Any]]
+    samples: dict[tuple[Any, Any], list[RolloutView]] = field(default_factory=dict)
+
+    def samples_of(self, task: dict[str, Any]) -> list[RolloutView]:
+        """The samples of one of :attr:`tasks`; [] when none were recorded (a run before
+        ``eval_rollouts.jsonl``)."""
+        return self.samples.get((task.get("task_name"), task.get("task_index")), [])
 
     @property
     def pass_at_1(self) -> float | None:
@@ -165,8 +174,9 @@ def build_viewer(
     (default: :func:`default_capture_dir`; without one the command says ``DATA_DIR``).
 
     ``tokenizer_dir`` decodes each token on its own (``transformers.AutoTokenizer``); without one, a token
-    shows as ``⟨id⟩``. Traces are rendered newest step first until ``max_tokens_shown`` tokens are on the
-    page (about 40 bytes each); the rest are left out with a note, their rollouts still in the tables.
+    shows as ``⟨id⟩``. Traces are rendered newest step first, then the evaluations' samples newest first,
+    until ``max_tokens_shown`` tokens are on the page (about 40 bytes each); the rest are left out with a
+    note, their rollouts still in the tables.
 
     Raises:
         FileNotFoundError: the run has no ``rollouts.jsonl``.
@@ -175,6 +185,7 @@ def build_viewer(
         OSError: the tokenizer cannot be loaded.
     """
     from harness_trainer.plots import read_metrics
+    from harness_trainer.trainer.evaluation import read_eval_rollouts
     from harness_trainer.trainer.rollout_log import ROLLOUTS_FILE, read_rollout_log
 
     if max_steps_shown < 1 or max_tokens_shown < 0:
@@ -189,12 +200,15 @@ def build_viewer(
     metrics = {line["step"]: line for line in read_metrics(run)} if (run / METRICS_FILE).is_file() else {}
     evaluations = read_evaluations(run / EVAL_FILE) if (run / EVAL_FILE).is_file() else []
     capture = capture_dir if capture_dir is not None else default_capture_dir(run)
-    steps = _steps(records, metrics, _TokenText(tokenizer_dir), max_tokens_shown, capture)
+    text = _TokenText(tokenizer_dir)
+    steps = _steps(records, metrics, text, max_tokens_shown, capture)
     totals: Counter[str] = Counter()
     for step in steps:
         for group in step.groups:
             for rollout in group.rollouts:
                 totals.update(rollout.roles)
+    samples = read_eval_rollouts(run, validate_traces=False) if evaluations else []
+    _attach_samples(evaluations, samples, text, max_tokens_shown - totals.total(), capture)
     page = _template().render(
         run_name=run.resolve().name,
         steps=steps,
@@ -231,15 +245,50 @@ def _steps(
         group = groups.get(record.group)
         if group is None:
             group = groups[record.group] = GroupView(record.group, record.task_name, record.task_index, [])
-        view = _rollout(record, text if budget > 0 else None)
-        if record.capture_session_id is not None:
-            view.journal = journal_command(record.capture_session_id, capture_dir)
+        view = _view(record, text if budget > 0 else None, capture_dir)
         budget -= view.roles.total()
         group.rollouts.append(view)
     return [
         StepView(step, metrics.get(step) if step is not None else None, list(groups.values()))
         for step, groups in by_step.items()
     ]
+
+
+def _attach_samples(
+    evaluations: list[EvalView],
+    records: list[RolloutRecord],
+    text: _TokenText,
+    budget: int,
+    capture_dir: str | os.PathLike[str] | None,
+) -> None:
+    """Each eval sample under its task in the evaluation of its step, in the order written; traces
+    rendered while the token ``budget`` lasts, newest evaluation first.
+
+    Samples are kept on the latest timeline, as the evaluations are: a step evaluated again (a resumed run,
+    or ``harness-trainer eval`` into the same folder) keeps its last samples, under the last evaluation of
+    that step that has their task.
+    """
+    from harness_trainer.trainer.rollout_log import latest_steps
+
+    kept = latest_steps((r.step, (r.group, r.member), r) for r in records if r.step is not None)
+    by_task: dict[tuple[int, Any, Any], list[RolloutRecord]] = {}
+    for step, step_records in kept.items():
+        for record in step_records:
+            by_task.setdefault((step, record.task_name, record.task_index), []).append(record)
+    owners: dict[tuple[int, Any, Any], EvalView] = {}
+    for evaluation in evaluations:  # the later of a step's evaluations wins
+        for task in evaluation.tasks:
+            owners[(evaluation.step, task.get("task_name"), task.get("task_index"))] = evaluation
+    for evaluation in evaluations:
+        for task in evaluation.tasks:
+            key = (evaluation.step, task.get("task_name"), task.get("task_index"))
+            if owners[key] is not evaluation or key not in by_task:
+                continue
+            views = evaluation.samples[key[1:]] = []
+            for record in by_task[key]:
+                view = _view(record, text if budget > 0 else None, capture_dir)
+                budget -= view.roles.total()
+                views.append(view)
 
 
 def read_evaluations(path: str | os.PathLike[str]) -> list[EvalView]:
@@ -289,6 +338,16 @@ def journal_command(capture_session_id: str, capture_dir: str | os.PathLike[str]
         return f"harness-trainer proxy-trace DATA_DIR/sessions/{shlex.quote(capture_session_id)}"
     journal = Path(capture_dir) / "sessions" / capture_session_id
     return f"harness-trainer proxy-trace {shlex.quote(str(journal))}"
+
+
+def _view(
+    record: RolloutRecord, text: _TokenText | None, capture_dir: str | os.PathLike[str] | None
+) -> RolloutView:
+    """:func:`_rollout`, with the command that exports its trace from its capture journal."""
+    view = _rollout(record, text)
+    if record.capture_session_id is not None:
+        view.journal = journal_command(record.capture_session_id, capture_dir)
+    return view
 
 
 def _rollout(record: RolloutRecord, text: _TokenText | None) -> RolloutView:

@@ -430,7 +430,82 @@ def test_evaluations_show_each_with_its_step_version_pass_rates_and_tasks(tmp_pa
     assert "<td>0.25</td><td>0.5</td><td>0.3333</td><td>1</td>" in summary  # step 0: one unscorable sample
     assert "SandboxStartError: &lt;b&gt;no&lt;/b&gt; sandbox" in page
     assert "<td>1 / 2</td>" in page and "hello-file (#0)" in page
+    # A run from before eval_rollouts.jsonl: the tables alone, as before.
+    assert '<details class="samples">' not in page and "samples and their traces" not in page
 
     (tmp_path / "eval.jsonl").write_text('{"step": "late"}\n')
     with pytest.raises(ValueError, match=r"eval\.jsonl:1: an evaluation line needs an integer step"):
         build_viewer(tmp_path, tokenizer_dir=None)
+
+
+def test_each_evaluated_task_shows_its_samples_and_their_traces_under_its_evaluation(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    import json
+
+    from transformers import AutoTokenizer
+
+    from harness_trainer.trainer.evaluation import EVAL_ROLLOUTS_FILE
+
+    with RolloutLog(tmp_path):
+        pass
+    rich, _ = rich_trace(AutoTokenizer.from_pretrained(str(tiny_model_dir)))
+    tasks = {"hello-file": 0, f"evil-{ATTACK}": 1}
+
+    def line(step: int, name: str, rewards: list, unscorable: list) -> str:
+        return json.dumps({
+            "step": step, "policy_version": step, "split": "test", "task_name": name,
+            "task_index": tasks[name], "k": 2, "temperature": 1.0, "rewards": rewards,
+            "unscorable": unscorable, "passed": 0, "pass@1": 0.0, "pass@k": 0.0,
+        })  # fmt: skip
+
+    def sample(step: int, name: str, member: int, trace: TrainingTrace | None, reason: str | None = None):
+        done = Rollout(
+            tasks[name], member, reward=None if reason else 0.5 * member, trace=trace, unscorable=reason,
+            capture_session_id=f"cs-{step}-{tasks[name]}-{member}", policy_version=step,
+        )  # fmt: skip
+        record = rollout_record(done, task_name=name, task_index=tasks[name], verify_metrics=None,
+                                findings=None, step=step)  # fmt: skip
+        return record.model_dump_json()
+
+    (tmp_path / "eval.jsonl").write_text("\n".join([
+        line(0, "hello-file", [0.0, 0.5], [None, None]),
+        line(0, f"evil-{ATTACK}", [0.0, 0.5], [None, None]),
+        line(4, "hello-file", [0.0, 0.5], [None, None]),
+        line(4, f"evil-{ATTACK}", [0.0, None], [None, EVIL_REASON]),
+    ]) + "\n")  # fmt: skip
+    (tmp_path / EVAL_ROLLOUTS_FILE).write_text("\n".join([
+        *(sample(0, name, m, load_trace(chain_trace(9, m))) for name in tasks for m in (0, 1)),
+        sample(4, "hello-file", 0, rich),
+        sample(4, "hello-file", 1, load_trace(chain_trace(0, 1))),
+        sample(4, f"evil-{ATTACK}", 0, load_trace(chain_trace(1, 0))),
+        sample(4, f"evil-{ATTACK}", 1, None, EVIL_REASON),
+    ]) + "\n")  # fmt: skip
+    page = build_viewer(tmp_path, tokenizer_dir=tiny_model_dir).read_text()
+    newest, oldest = page.index('id="eval-1"'), page.index('id="eval-2"')
+    step_4, step_0 = page[newest:oldest], page[oldest:]  # the run has no training steps: nothing after
+    assert "evaluation at step 4" in step_4 and "evaluation at step 0" in step_0
+    assert "samples of hello-file (#0) · 2 sample(s)" in step_4
+    assert "samples of evil-&lt;script&gt;" in step_4 and ATTACK not in page and "<b " not in page
+    # The sample's transcript, token by token, as a training rollout's: the rich trace's words are decoded.
+    hello = step_4[step_4.index("samples of hello-file") : step_4.index("samples of evil")]
+    assert "sample 0 · reward 0: 3 turn(s)" in hello and "sample 1 · reward 0.5: 2 turn(s)" in hello
+    assert ">Fix</span>" in hello and "> edit</span>" in hello and "> tests</span>" in hello
+    assert hello.count('<details class="turn">') == 3 + 2
+    assert "harness-trainer proxy-trace DATA_DIR/sessions/cs-4-0-0" in hello
+    evil = step_4[step_4.index("samples of evil") :]
+    assert 'sample 1 · <span class="badge bad">unscorable: RolloutUnscorable: &lt;b onmouseover' in evil
+    assert "(no trace captured)" in evil and evil.count('<details class="turn">') == 2
+    # Every sample of the older evaluation is under it, and only there.
+    assert step_0.count('<details class="trace">') == 4 and step_4.count('<details class="trace">') == 4
+
+    # A resumed run evaluates step 4 again: its samples replace the earlier ones, as its lines do.
+    with (tmp_path / "eval.jsonl").open("a") as handle:
+        handle.write(line(4, "hello-file", [1.0, 1.0], [None, None]) + "\n")
+    with (tmp_path / EVAL_ROLLOUTS_FILE).open("a") as handle:
+        handle.write(sample(4, "hello-file", 0, load_trace(chain_trace(0, 7))) + "\n")
+    page = build_viewer(tmp_path, tokenizer_dir=None).read_text()
+    step_4 = page[page.index('id="eval-1"') : page.index('id="eval-2"')]
+    assert "samples of hello-file (#0) · 1 sample(s)" in step_4 and "samples of evil" not in step_4
+    assert "⟨307⟩" in step_4 and "Fix" not in step_4
+    assert "samples and their traces" in page

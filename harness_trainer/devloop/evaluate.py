@@ -8,7 +8,8 @@ folder without a tokenizer takes the one of the model the run trained (recorded 
 the ``--tasks`` folder is rolled out ``-k`` times per task by the real agent in local sandboxes through the
 capture proxy: the same :class:`~harness_trainer.trainer.evaluation.Evaluator`, seeds and scoring as
 evaluation during training. It prints one line per task and the means, and appends the records to
-``OUTPUT_DIR/eval.jsonl``. Everything it starts is stopped on every path; Ctrl-C exits 130.
+``OUTPUT_DIR/eval.jsonl`` and each sample, its trace included, to ``OUTPUT_DIR/eval_rollouts.jsonl``.
+Everything it starts is stopped on every path; Ctrl-C exits 130.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--output-dir", type=Path, default=None,
-        help="where eval.jsonl and the engine log go (default: eval-<checkpoint name>)",
+        help="where eval.jsonl, eval_rollouts.jsonl and the engine log go (default: eval-<checkpoint name>)",
     )  # fmt: skip
 
 

@@ -21,8 +21,13 @@ Scoring, per task (pure: :func:`task_results`, :func:`summarize`):
 
 Metrics (the step's ``metrics.jsonl`` line; ``eval_on_start``'s at step 0): ``eval/reward`` (mean reward
 of the scored samples), ``eval/pass@1`` and ``eval/pass@k`` (means over tasks), ``eval/unscorable``,
-``eval/policy_version``, ``eval/wall_s``. ``output_dir/eval.jsonl`` gets one line per task and evaluation
-(:class:`EvalRecord`), appended and flushed when the evaluation ends.
+``eval/policy_version``, ``eval/wall_s``. When the evaluation ends, ``output_dir/eval.jsonl`` gets one line
+per task and evaluation (:class:`EvalRecord`), then ``output_dir/eval_rollouts.jsonl`` one line per sample
+(the :class:`~harness_trainer.trainer.rollout_log.RolloutRecord` of training's ``rollouts.jsonl``, with the
+evaluation's ``step`` and policy version, the task's group index and the ``trace``, null when none was
+captured; unscorable samples included, with their reason), each file appended, flushed and synced; a
+stopped evaluation writes neither. The split is in ``eval.jsonl`` only: a sample's task line there has its
+``step``, ``task_name`` and ``task_index`` (:func:`read_eval_rollouts` reads the samples).
 """
 
 from __future__ import annotations
@@ -37,14 +42,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
+import orjson
+from pydantic import BaseModel, ValidationError
 
 from harness_trainer.trainer.groups import Group
+from harness_trainer.trainer.rollout_log import RolloutRecord, read_jsonl, record_of, rollout_record
 from harness_trainer.trainer.scheduling import RewardFn, RolloutScheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
 
 EVAL_FILE = "eval.jsonl"
+EVAL_ROLLOUTS_FILE = "eval_rollouts.jsonl"
 EVAL_SEED_OFFSET = 1_000_003
 """Added to the run's seed for eval groups: apart from the training groups' seeds (seed + group index)."""
 
@@ -185,7 +193,8 @@ def overlapping_tasks(train_rows: Sequence[dict[str, Any]], eval_rows: Sequence[
 
 
 class Evaluator:
-    """Runs evaluations of the eval rows through ``factory`` and writes ``eval.jsonl``.
+    """Runs evaluations of the eval rows through ``factory`` and writes ``eval.jsonl`` and
+    ``eval_rollouts.jsonl``.
 
     Args:
         factory: the eval session factory (the trainer's builder with the eval sampling and split).
@@ -196,7 +205,7 @@ class Evaluator:
         pass_reward: the pass test.
         max_concurrent_rollouts, agent_timeout, vocab_size, max_unexpected_errors: as in training.
         reward_fn: the run's ``rollout_reward_fn``.
-        output_dir: where ``eval.jsonl`` is.
+        output_dir: where ``eval.jsonl`` and ``eval_rollouts.jsonl`` are.
         split: the eval split's name, recorded.
     """
 
@@ -230,6 +239,7 @@ class Evaluator:
         )  # fmt: skip
         self.reward_fn = reward_fn
         self.path = output_dir / EVAL_FILE
+        self.rollouts_path = output_dir / EVAL_ROLLOUTS_FILE
         self.split = split
         self.pass_reward = pass_reward
 
@@ -237,7 +247,8 @@ class Evaluator:
         self, step: int, policy_version: int, stop: threading.Event
     ) -> tuple[dict[str, float], list[EvalRecord]] | None:
         """One evaluation at ``policy_version``: its metrics and its records, once they are in
-        ``eval.jsonl``; None when ``stop`` was set first (nothing is written). Every eval session is closed
+        ``eval.jsonl`` and its samples in ``eval_rollouts.jsonl``; None when ``stop`` was set first (nothing
+        is written). Every eval session is closed
         on every path.
 
         Raises:
@@ -265,7 +276,10 @@ class Evaluator:
             results, step=step, policy_version=policy_version, split=self.split, k=k,
             temperature=temperature, pass_reward=self.pass_reward,
         )  # fmt: skip
-        _append(self.path, [record.line() for record in records])
+        _append(self.path, [orjson.dumps(record.line()) for record in records])
+        # fallback=str, as in rollouts.jsonl: a verifier's finding holding an odd object must not fail it.
+        samples = sample_records(groups, step)
+        _append(self.rollouts_path, [record.model_dump_json(fallback=str).encode() for record in samples])
         metrics = summarize(results, k=k, pass_reward=self.pass_reward)
         metrics["eval/policy_version"] = float(policy_version)
         metrics["eval/wall_s"] = time.monotonic() - started
@@ -277,21 +291,53 @@ class Evaluator:
         return metrics, records
 
 
+def sample_records(groups: Sequence[Group], step: int) -> list[RolloutRecord]:
+    """Each eval sample's record, with its trace, at the evaluation's ``step``, task by task."""
+    records = []
+    for group in groups:
+        for rollout in group.rollouts:
+            record = rollout_record(
+                rollout, task_name=group.row.get("task_name"), task_index=group.row.get("task_index"),
+                verify_metrics=rollout.verify_metrics, findings=rollout.findings, step=step,
+            )  # fmt: skip
+            records.append(record)
+    return records
+
+
 def read_eval(output_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The lines of a run's ``eval.jsonl`` (an unterminated last line skipped); [] when there is none."""
-    from harness_trainer.trainer.rollout_log import read_jsonl
-
     path = Path(output_dir) / EVAL_FILE
     if not path.exists():
         return []
     return [values for _, _, values in read_jsonl(path)]
 
 
-def _append(path: Path, lines: list[dict[str, Any]]) -> None:
-    import orjson
+def read_eval_rollouts(
+    output_dir: str | os.PathLike[str], *, validate_traces: bool = True
+) -> list[RolloutRecord]:
+    """The samples of a run's ``eval_rollouts.jsonl`` in the order written (an unterminated last line
+    skipped); [] when there is none. A resumed run that evaluates a step again appends its samples again:
+    the later ones are that step's. ``validate_traces`` as in
+    :func:`~harness_trainer.trainer.rollout_log.read_rollout_log`.
 
+    Raises:
+        ValueError: a line is not JSON or not a rollout record; the message names the file and the line.
+    """
+    path = Path(output_dir) / EVAL_ROLLOUTS_FILE
+    if not path.exists():
+        return []
+    records = []
+    for number, _, values in read_jsonl(path):
+        try:
+            records.append(record_of(values, validate_trace=validate_traces))
+        except ValidationError as exc:
+            raise ValueError(f"{path}:{number}: not a rollout record: {exc}") from exc
+    return records
+
+
+def _append(path: Path, lines: list[bytes]) -> None:
     with path.open("ab") as handle:
-        handle.write(b"".join(orjson.dumps(line) + b"\n" for line in lines))
+        handle.write(b"".join(line + b"\n" for line in lines))
         handle.flush()
         os.fsync(handle.fileno())
 

@@ -505,7 +505,19 @@ def _kind_line(file: Path, number: int, line: bytes) -> RolloutOutcome | RunStar
 def _record(file: Path, number: int, line: bytes, validate_trace: bool) -> RolloutRecord:
     if validate_trace:
         return RolloutRecord.model_validate_json(line)
-    value = _parse(file, number, line)
+    return record_of(_parse(file, number, line), validate_trace=False)
+
+
+def record_of(values: dict[str, Any], *, validate_trace: bool = True) -> RolloutRecord:
+    """A rollout line, parsed, as its record. ``validate_trace=False`` takes the trace as written (it was
+    validated when captured; checking every id of a long trace again costs far more than parsing it).
+
+    Raises:
+        pydantic.ValidationError: not a rollout record.
+    """
+    if validate_trace:
+        return RolloutRecord.model_validate(values)
+    value = dict(values)
     trace = value.pop("trace", None)
     if trace is not None:
         turns = [TrainingTurn.model_construct(**turn) for turn in trace.get("turns", [])]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from harness_trainer.trainer.evaluation import read_eval_rollouts
 from tests import ordinary_user
 from tests.hardening.faults import alive, descendants, wait_until
 from tests.rollouts.conftest import EXAMPLES
@@ -98,6 +99,12 @@ def test_the_dev_loop_evaluates_the_held_out_split_at_the_start_every_eval_steps
     assert [(e["step"], e["split"], e["task_name"], e["temperature"]) for e in evals] == [
         (step, "test", "greet-script", 0.0) for step in (0, 1, 2)
     ]
+    # Each evaluation's sample (k = 1), its real rollout's trace with it.
+    samples = read_eval_rollouts(run)
+    assert [(s.step, s.task_name, s.reward) for s in samples] == [
+        (e["step"], "greet-script", e["rewards"][0]) for e in evals
+    ]
+    assert all(s.trace is not None and s.trace.turns for s in samples if s.unscorable is None)
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines if "eval/pass@1" in line] == [0, 1, 2]
     assert "held-out pass@1" in done.stdout

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from harness_trainer.devloop.evaluate import CheckpointError, checkpoint_model, servable_folder
+from harness_trainer.trainer.evaluation import read_eval_rollouts
 from tests.rollouts.conftest import EXAMPLES, live_sandbox_processes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,6 +67,14 @@ def test_eval_rolls_each_task_of_the_split_out_k_times_and_records_the_checkpoin
         ("greet-script", 3, 3, 2, "test"), ("sum-numbers", 3, 3, 2, "test"),
     ]  # fmt: skip
     assert all(len(r["rewards"]) == 2 and r["temperature"] == 0.7 for r in records)
+    # k samples per task, each with its reward and, when it was scored, its real trace.
+    samples = read_eval_rollouts(tmp_path / "eval")
+    assert sorted((s.task_name, s.step, s.member) for s in samples) == [
+        (name, 3, member) for name in ("greet-script", "sum-numbers") for member in (0, 1)
+    ]
+    rewards = {r["task_name"]: r["rewards"] for r in records}
+    assert all(s.reward == rewards[s.task_name][s.member] for s in samples)
+    assert all(s.trace is not None and s.trace.turns for s in samples if s.unscorable is None)
     assert "greet-script: pass@1" in done.stdout and "mean over 2 tasks: pass@1" in done.stdout
     assert live_sandbox_processes() == [] and engines_serving_eval_folders(tmp_path / "tmp") == []
 

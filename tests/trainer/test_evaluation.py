@@ -5,16 +5,21 @@ from __future__ import annotations
 import json
 import logging
 import math
+import threading
 
 import pytest
 
 from harness_trainer import HarnessAsyncGRPOTrainer
+from harness_trainer.trace import TrainingTrace
 from harness_trainer.trainer.evaluation import (
+    EVAL_ROLLOUTS_FILE,
     EVAL_SEED_OFFSET,
+    Evaluator,
     TaskResult,
     overlapping_tasks,
     pass_at_k,
     read_eval,
+    read_eval_rollouts,
     summarize,
 )
 from tests.trainer.handmade import HandmadeFactory
@@ -112,6 +117,21 @@ def test_the_trainer_evaluates_on_start_and_every_eval_steps_at_the_weights_of_t
         assert lines[step]["eval/pass@1"] == 0.25 and lines[step]["eval/pass@k"] == 0.5
         assert lines[step]["eval/policy_version"] == step
     assert "eval/pass@1" not in lines[1] and "reward" in lines[2]
+    # Every sample of every evaluation, with its trace: the one its session returned, validated as read.
+    samples = read_eval_rollouts(tmp_path / "out")
+    assert [(s.step, s.task_name, s.task_index, s.group) for s in samples] == [
+        (step, f"t{task}", task, task) for step in (0, 2, 4) for task in (0, 1) for _ in range(2)
+    ]
+    for sample in samples:
+        rewards = next(
+            e["rewards"] for e in evals if (e["step"], e["task_index"]) == (sample.step, sample.task_index)
+        )
+        assert sample.reward == rewards[sample.member] and sample.unscorable is None
+        assert sample.policy_version == sample.step and sample.advantage is None
+        # The trace is the sample's own: its completion ids name the session that made it, whose reward it is.
+        assert isinstance(sample.trace, TrainingTrace) and len(sample.trace.turns) == 2
+        session_member = sample.trace.turns[0].completion_token_ids[0] - 100
+        assert sample.reward == held_out.reward(sample.task_index, session_member)
     # Every evaluation rolls each task out with the same seeds; never the training groups' seeds.
     seeds = sorted({seed for _, seed, _ in held_out.created})
     assert seeds == [args.seed + EVAL_SEED_OFFSET, args.seed + EVAL_SEED_OFFSET + 1]
@@ -147,8 +167,50 @@ def test_an_unscorable_eval_sample_is_recorded_with_its_reason(tmp_path, tiny_mo
         "RolloutUnscorable: sandbox 0 would not start"
     ]
     assert record["pass@1"] == 1.0
+    samples = read_eval_rollouts(tmp_path / "out")
+    assert [(s.step, s.task_name, s.reward, s.unscorable) for s in samples] == [
+        (0, "t0", None if reason else 1.0, reason) for reason in record["unscorable"]
+    ]
+    (failed,) = [s for s in samples if s.unscorable]
+    assert failed.trace is None
     line = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])
     assert line["eval/unscorable"] == 1
+
+
+def test_a_stopped_evaluation_writes_neither_file(tmp_path):
+    factory = HandmadeFactory(num_tasks=2, delay_s=0.2)
+    evaluator = Evaluator(
+        factory, factory.prompt_rows(), k=2, seed=0, temperature=1.0, pass_reward=1.0,
+        max_concurrent_rollouts=4, agent_timeout=None, vocab_size=None, reward_fn=None, output_dir=tmp_path,
+        split="test",
+    )  # fmt: skip
+    stop = threading.Event()
+    stop.set()
+    assert evaluator.evaluate(step=3, policy_version=3, stop=stop) is None
+    assert not (tmp_path / "eval.jsonl").exists() and not (tmp_path / EVAL_ROLLOUTS_FILE).exists()
+    assert read_eval_rollouts(tmp_path) == []
+    assert evaluator.evaluate(step=4, policy_version=4, stop=threading.Event()) is not None
+    assert [(s.step, s.task_index, s.member) for s in read_eval_rollouts(tmp_path)] == [
+        (4, task, member) for task in (0, 1) for member in (0, 1)
+    ]
+
+
+def test_eval_rollouts_skip_a_cut_short_last_line_and_name_a_bad_one(tmp_path):
+    factory = HandmadeFactory(num_tasks=1)
+    evaluator = Evaluator(
+        factory, factory.prompt_rows(), k=1, seed=0, temperature=1.0, pass_reward=1.0,
+        max_concurrent_rollouts=1, agent_timeout=None, vocab_size=None, reward_fn=None, output_dir=tmp_path,
+        split=None,
+    )  # fmt: skip
+    evaluator.evaluate(step=0, policy_version=0, stop=threading.Event())
+    path = tmp_path / EVAL_ROLLOUTS_FILE
+    with path.open("ab") as handle:
+        handle.write(b'{"step": 1, "group": 0, "mem')
+    assert [s.step for s in read_eval_rollouts(tmp_path, validate_traces=False)] == [0]
+    sample = path.read_bytes().splitlines(keepends=True)[0]
+    path.write_bytes(sample + b'{"step": 1}\n')
+    with pytest.raises(ValueError, match=r"eval_rollouts\.jsonl:2: not a rollout record"):
+        read_eval_rollouts(tmp_path)
 
 
 @pytest.mark.parametrize("settings", [{"eval_steps": 2}, {"eval_on_start": True}])
