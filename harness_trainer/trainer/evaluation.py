@@ -248,8 +248,7 @@ class Evaluator:
     ) -> tuple[dict[str, float], list[EvalRecord]] | None:
         """One evaluation at ``policy_version``: its metrics and its records, once they are in
         ``eval.jsonl`` and its samples in ``eval_rollouts.jsonl``; None when ``stop`` was set first (nothing
-        is written). Every eval session is closed
-        on every path.
+        is written). Every eval session is closed on every path.
 
         Raises:
             what :meth:`RolloutScheduler.next_group` raises (a malformed capture, a broken reward function).
