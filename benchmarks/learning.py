@@ -221,40 +221,44 @@ def fresh_cache(folder: Path) -> Path:
     return folder
 
 
-def dev_run(config: dict[str, Any], engine: str, kind: str, seed: int, tmp: Path) -> dict:
-    """One arm's ``harness-trainer dev`` to its end, in the normal cache: its held-out pass@1 at step 0 and
-    at the end, its rewards, windows, wall time and whether it built the warm-up."""
+def run_and_read(tmp: Path, name: str, flags: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
+    """``harness-trainer dev FLAGS`` as ``name`` to its end, then what its records say: its wall time, each
+    step's reward and the reward windows, its held-out pass@1 at each evaluation, whether it built the
+    warm-up."""
     from harness_trainer.plots import logged_points, read_metrics
 
-    name = f"{engine}-{kind}-seed{seed}"
-    flags = run_flags(config, engine, kind, seed)
-    seconds = run_dev_loop(tmp / name, flags, tmp / f"{name}.log", name)
+    seconds = run_dev_loop(tmp / name, flags, tmp / f"{name}.log", name, env=env)
     rewards = step_rewards(tmp / name / "metrics.jsonl")
     k, first, last = reward_windows(rewards)
     steps, passes = logged_points(read_metrics(tmp / name), "eval/pass@1")
-    start, end = start_and_end(steps, passes, config["max_steps"], name)
-    how = "built warm-up" if WARMUP_BUILT in (tmp / f"{name}.log").read_text(errors="replace") else "cached"
-    print(f"{name}: held-out pass@1 {start:.2f} -> {end:.2f}; reward {first:.2f} -> {last:.2f}; "
-          f"{seconds / 60:.1f} min ({how})", flush=True)  # fmt: skip
-    return {"engine": engine, "kind": kind, "seed": seed, "flags": flags, "eval_steps": steps,
-            "pass_at_1": passes, "start": start, "end": end, "rewards": rewards, "k": k, "first": first,
-            "last": last, "seconds": seconds, "cache": how}  # fmt: skip
+    built = WARMUP_BUILT in (tmp / f"{name}.log").read_text(errors="replace")
+    return {"flags": flags, "seconds": seconds, "rewards": rewards, "k": k, "first": first, "last": last,
+            "eval_steps": steps, "pass_at_1": passes, "built_warmup": built}  # fmt: skip
+
+
+def dev_run(config: dict[str, Any], engine: str, kind: str, seed: int, tmp: Path) -> dict:
+    """One arm's ``harness-trainer dev`` to its end, in the normal cache: :func:`run_and_read`'s record with
+    its held-out pass@1 at step 0 and at the end, and what it found in the cache."""
+    name = f"{engine}-{kind}-seed{seed}"
+    run = run_and_read(tmp, name, run_flags(config, engine, kind, seed))
+    start, end = start_and_end(run["eval_steps"], run["pass_at_1"], config["max_steps"], name)
+    how = "built warm-up" if run["built_warmup"] else "cached"
+    print(f"{name}: held-out pass@1 {start:.2f} -> {end:.2f}; reward {run['first']:.2f} -> "
+          f"{run['last']:.2f}; {run['seconds'] / 60:.1f} min ({how})", flush=True)  # fmt: skip
+    return {"engine": engine, "kind": kind, "seed": seed, **run, "start": start, "end": end, "cache": how}
 
 
 def first_run(config: dict[str, Any], tmp: Path) -> dict[str, Any]:
     """The newcomer's first run: the default ``harness-trainer dev`` (``--quick``: its quick flags) in an
-    empty cache, to its end; its wall time, its reward windows and its first and last held-out pass@1."""
-    from harness_trainer.plots import logged_points, read_metrics
-
+    empty cache, to its end (:func:`run_and_read`'s record)."""
     flags = [*QUICK_FLAGS, "--max-steps", str(config["max_steps"])] if config["quick"] else []
     env = {"HARNESS_TRAINER_CACHE": str(fresh_cache(tmp / "fresh-cache"))}
-    seconds = run_dev_loop(tmp / "first-run", flags, tmp / "first-run.log", "first run", env=env)
-    k, first, last = reward_windows(step_rewards(tmp / "first-run" / "metrics.jsonl"))
-    steps, passes = logged_points(read_metrics(tmp / "first-run"), "eval/pass@1")
-    built = WARMUP_BUILT in (tmp / "first-run.log").read_text(errors="replace")
-    print(f"first run: {seconds / 60:.1f} min; reward {first:.2f} -> {last:.2f}", flush=True)
-    return {"flags": flags, "seconds": seconds, "k": k, "first": first, "last": last, "eval_steps": steps,
-            "pass_at_1": passes, "built_warmup": built}  # fmt: skip
+    run = run_and_read(tmp, "first-run", flags, env)
+    print(
+        f"first run: {run['seconds'] / 60:.1f} min; reward {run['first']:.2f} -> {run['last']:.2f}",
+        flush=True,
+    )
+    return run
 
 
 def first_run_shows(first: dict[str, Any]) -> str:
