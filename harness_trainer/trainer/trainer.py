@@ -47,7 +47,8 @@ from harness_trainer.trainer.checkpoint import (
     save_checkpoint,
 )
 from harness_trainer.trainer.concurrency import AdaptiveConcurrency, ConcurrencyRule
-from harness_trainer.trainer.config import ADAPTER_ON_REPLICAS, AsyncGRPOConfig
+from harness_trainer.trainer.config import AsyncGRPOConfig
+from harness_trainer.trainer.config_checks import ADAPTER_ON_REPLICAS
 from harness_trainer.trainer.curriculum import PassRateCurriculum, PassRateRule
 from harness_trainer.trainer.distributed import (
     Collective,
