@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import os
 import random
 import signal
 import threading
@@ -32,12 +31,7 @@ import torch
 from torch import nn
 
 from harness_trainer.engines import (
-    ENGINES,
     EngineReplicas,
-    EngineUnavailable,
-    PushRefused,
-    detect_engine_kind,
-    make_engine,
 )
 from harness_trainer.trainer.adapter_sync import AdapterFolders
 from harness_trainer.trainer.batch import StepBatch, assemble, rollout_metrics
@@ -48,7 +42,6 @@ from harness_trainer.trainer.checkpoint import (
 )
 from harness_trainer.trainer.concurrency import AdaptiveConcurrency, ConcurrencyRule
 from harness_trainer.trainer.config import AsyncGRPOConfig
-from harness_trainer.trainer.config_checks import ADAPTER_ON_REPLICAS
 from harness_trainer.trainer.curriculum import PassRateCurriculum, PassRateRule
 from harness_trainer.trainer.distributed import (
     Collective,
@@ -60,6 +53,7 @@ from harness_trainer.trainer.distributed import (
     savable_model,
     split_step,
 )
+from harness_trainer.trainer.engine_link import engine_client, engine_kind, push_with_retries
 from harness_trainer.trainer.evaluation import Evaluator, overlapping_tasks
 from harness_trainer.trainer.export import (
     HubError,
@@ -223,7 +217,7 @@ class HarnessAsyncGRPOTrainer:
 
         args = self.args
         if args.engine == "auto":  # the kind decides the weight path: tell it before anything else
-            args.engine = _engine_kind(self.engine, args.vllm_server_base_url)
+            args.engine = engine_kind(self.engine, args.vllm_server_base_url)
         _seed_everything(args.seed)
         self.accelerator = Accelerator(mixed_precision=args.mixed_precision)
         if args.fp16 and self.accelerator.device.type == "cpu":
@@ -257,7 +251,8 @@ class HarnessAsyncGRPOTrainer:
         if not self.collective.is_main:
             self.engine = None  # rank 0 alone talks to the engine
         elif self.engine is None and args.engine != "none":
-            self.engine = self._make_engine()
+            device = str(next(self.model.parameters()).device)
+            self.engine = engine_client(args, adapter_sync=self._adapter_sync, device=device)
         self._pushes = self.collective.broadcast(self.engine is not None)
         if self._adapter_sync and self.engine is not None:
             if self.accelerator.num_processes > 1:
@@ -400,58 +395,6 @@ class HarnessAsyncGRPOTrainer:
         if self.state.step == 0:
             self.reporter.log(metrics, 0)
         return metrics
-
-    def _make_engine(self) -> Any:
-        """The engine client: one, or with ``vllm_replica_urls`` an :class:`EngineReplicas` over one client
-        per replica (each with its own weight path), draining at ``replica_proxy_url`` when given."""
-        args = self.args
-        assert args.vllm_server_base_url is not None
-        if not args.vllm_replica_urls:
-            return self._engine_at(args.vllm_server_base_url)
-        if self._adapter_sync:
-            raise ValueError(ADAPTER_ON_REPLICAS)
-        from capture_proxy.config import ADMIN_KEY_ENV
-
-        urls = [args.vllm_server_base_url, *args.vllm_replica_urls]
-        kinds = {url: detect_engine_kind(url) for url in args.vllm_replica_urls}
-        if others := {url: kind for url, kind in kinds.items() if kind != args.engine}:
-            raise ValueError(f"every replica must be a {args.engine} engine, as engine says; not: {others}")
-        return EngineReplicas(
-            [self._engine_at(url) for url in urls], proxy_url=args.replica_proxy_url,
-            admin_key=os.environ.get(ADMIN_KEY_ENV) or None, proxy_timeout_s=args.weight_sync_timeout,
-        )  # fmt: skip
-
-    def _engine_at(self, url: str) -> Any:
-        args = self.args
-        assert self.model is not None
-        if args.engine == "vllm" and self._adapter_sync:
-            # Only the adapter travels; vLLM keeps the versions a rollout may still be finishing on.
-            return make_engine(
-                "vllm", url, timeout=args.weight_sync_timeout, lora=True,
-                keep_adapters=args.max_staleness + 1, weight_sync_timeout=args.weight_sync_timeout,
-            )  # fmt: skip
-        if args.engine == "vllm":
-            # A merged LoRA (or the full model) travels whole: vLLM serves one model name throughout.
-            return make_engine(
-                "vllm", url, timeout=args.weight_sync_timeout,
-                weight_sync=self._weight_sync(url), weight_sync_timeout=args.weight_sync_timeout,
-            )  # fmt: skip
-        return make_engine(args.engine, url, timeout=args.weight_sync_timeout)
-
-    def _weight_sync(self, url: str) -> Any:
-        from harness_trainer.engines import FileWeightSync, NcclTransport, choose_weight_sync
-
-        args = self.args
-        assert self.model is not None
-        path = choose_weight_sync(args.weight_sync, url)
-        logger.warning(
-            "weight sync to vLLM at %s: %s%s", url, path,
-            " (auto: vLLM is on this host)" if args.weight_sync == "auto" and path == "file"
-            else " (auto: vLLM is on another host)" if args.weight_sync == "auto" else "",
-        )  # fmt: skip
-        if path == "file":
-            return FileWeightSync(args.weight_sync_dir)
-        return NcclTransport(str(next(self.model.parameters()).device))
 
     def _rows(self) -> list[dict[str, Any]]:
         if self.train_dataset is None:
@@ -785,7 +728,11 @@ class HarnessAsyncGRPOTrainer:
             payload: Any = self._adapter_folders.save(self.model, version)
         else:
             payload = engine_state(self.accelerator, self._trained, self.model)
-        served, error = self._push_to_engine(payload, version) if payload is not None else (None, None)
+        served, error = (
+            push_with_retries(self.engine, payload, version, self.args.weight_sync_retries)
+            if payload is not None
+            else (None, None)
+        )
         if self._adapter_folders is not None:
             if served is None:
                 self._adapter_folders.discard(payload)
@@ -828,23 +775,6 @@ class HarnessAsyncGRPOTrainer:
         rollout's start."""
         if self.factory is not None and hasattr(self.factory, "set_policy_version"):
             self.factory.set_policy_version(version)
-
-    def _push_to_engine(
-        self, weights: dict[str, torch.Tensor] | Path, version: int
-    ) -> tuple[int | None, Exception | None]:
-        """The version the engine serves after the push (``weights``: the tensors, or an adapter's folder),
-        or None and the last error."""
-        error: Exception | None = None
-        for attempt in range(self.args.weight_sync_retries):
-            try:
-                return asyncio.run(_pause_push_resume(self.engine, weights, version)), None
-            except EngineUnavailable as exc:
-                error = exc
-                logger.warning(
-                    "weight push %d/%d failed: %s", attempt + 1, self.args.weight_sync_retries, exc
-                )
-                time.sleep(min(2.0**attempt, 10.0))
-        return None, error
 
     def _save(self) -> Path | None:
         """Write ``checkpoint-{step}`` on rank 0 (every rank takes part: FSDP gathers); its path there."""
@@ -1001,27 +931,6 @@ class HarnessAsyncGRPOTrainer:
         return signal.signal(signal.SIGTERM, on_sigterm)
 
 
-async def _pause_push_resume(engine: Any, weights: dict[str, torch.Tensor] | Path, version: int) -> int:
-    # A failed push leaves the engine paused: better idle than sampling from half-updated weights; the
-    # retry (or the run's stop) follows. A push the engine refused or rolled back left the old weights
-    # whole, so it samples again meanwhile. What needs no pause (the file path's write) is done before it.
-    if isinstance(weights, Path):  # an adapter's folder
-        await engine.pause()
-        served = await engine.push_adapter(weights, version)
-        await engine.resume()
-        return served
-    if hasattr(engine, "stage_weights"):
-        await engine.stage_weights(weights, version)
-    await engine.pause()
-    try:
-        served = await engine.push_weights(weights, version)
-    except PushRefused:
-        await engine.resume()
-        raise
-    await engine.resume()
-    return served
-
-
 def completions_text(batch: StepBatch, step: int, limit: int | None) -> str:
     """What ``log_completions`` prints for a step: each trained rollout's group and member, reward, advantage
     and final reply (its last 200 characters), at most ``limit`` of them (None: all)."""
@@ -1098,11 +1007,3 @@ def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def _engine_kind(engine: Any, url: str | None) -> str:
-    """``engine='auto'`` resolved: the given client's kind, else the kind of the engine at ``url``."""
-    if engine is not None:
-        return next((kind for kind, cls in ENGINES.items() if isinstance(engine, cls)), "dev")
-    assert url is not None  # the config refuses an engine kind other than 'none' without a URL
-    return detect_engine_kind(url)

@@ -241,15 +241,13 @@ async def test_when_the_rollback_fails_too_the_engine_stays_paused(serve_fake, t
 
 
 def test_the_trainer_logs_the_weight_sync_it_chose(caplog: pytest.LogCaptureFixture, tmp_path) -> None:
-    from harness_trainer import HarnessAsyncGRPOTrainer
+    from harness_trainer.trainer.engine_link import weight_sync
 
     config = AsyncGRPOConfig(
         output_dir=str(tmp_path), vllm_server_base_url="http://127.0.0.1:9", weight_sync_dir=str(tmp_path)
     )
-    trainer = HarnessAsyncGRPOTrainer("unused", lambda **_: None, config, train_dataset=[])
-    trainer.model = torch.nn.Linear(2, 2)
     with caplog.at_level(logging.WARNING):
-        sync = trainer._weight_sync(config.vllm_server_base_url)
+        sync = weight_sync(config, config.vllm_server_base_url, "cpu")
     assert isinstance(sync, FileWeightSync)
     assert "weight sync to vLLM at http://127.0.0.1:9: file (auto: vLLM is on this host)" in caplog.text
 
