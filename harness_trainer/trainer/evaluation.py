@@ -46,7 +46,7 @@ import orjson
 from pydantic import BaseModel, ValidationError
 
 from harness_trainer.trainer.groups import Group
-from harness_trainer.trainer.rollout_log import RolloutRecord, read_jsonl, record_of, rollout_record
+from harness_trainer.trainer.rollout_log import RolloutRecord, member_record, read_jsonl, record_of
 from harness_trainer.trainer.scheduling import RewardFn, RolloutScheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
@@ -292,15 +292,7 @@ class Evaluator:
 
 def sample_records(groups: Sequence[Group], step: int) -> list[RolloutRecord]:
     """Each eval sample's record, with its trace, at the evaluation's ``step``, task by task."""
-    records = []
-    for group in groups:
-        for rollout in group.rollouts:
-            record = rollout_record(
-                rollout, task_name=group.row.get("task_name"), task_index=group.row.get("task_index"),
-                verify_metrics=rollout.verify_metrics, findings=rollout.findings, step=step,
-            )  # fmt: skip
-            records.append(record)
-    return records
+    return [member_record(group, rollout, step=step) for group in groups for rollout in group.rollouts]
 
 
 def read_eval(output_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:

@@ -220,6 +220,18 @@ def rollout_record(
     )
 
 
+def member_record(
+    group: Group, rollout: Rollout, *, step: int | None = None, with_trace: bool = True
+) -> RolloutRecord:
+    """:func:`rollout_record` of a member of ``group``: its task from the group's row, its verifier's
+    metrics and findings from the rollout (what training's ``rollouts.jsonl`` and evaluation's samples
+    record alike)."""
+    return rollout_record(
+        rollout, task_name=group.row.get("task_name"), task_index=group.row.get("task_index"),
+        verify_metrics=rollout.verify_metrics, findings=rollout.findings, step=step, with_trace=with_trace,
+    )  # fmt: skip
+
+
 def _versions(metadata: Sequence[dict[str, Any]], key: str) -> list[int]:
     return [v for meta in metadata if isinstance(v := meta.get(key), int) and not isinstance(v, bool)]
 

@@ -74,7 +74,7 @@ from harness_trainer.trainer.outcome import HarnessRolloutOutcome
 from harness_trainer.trainer.packing import MicroBatch, collate
 from harness_trainer.trainer.policy import Reference, is_peft, load_policy, vocab_size
 from harness_trainer.trainer.reporting import MetricsReporter
-from harness_trainer.trainer.rollout_log import RolloutLog, RunStart, rollout_record, step_outcomes
+from harness_trainer.trainer.rollout_log import RolloutLog, RunStart, member_record, step_outcomes
 from harness_trainer.trainer.scheduling import RolloutScheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
@@ -564,11 +564,7 @@ class HarnessAsyncGRPOTrainer:
             return
         every = self.args.rollout_log_steps
         with_trace = bool(every) and (group.index // self.args.groups_per_step + 1) % every == 0
-        record = rollout_record(
-            rollout, task_name=group.row.get("task_name"), task_index=group.row.get("task_index"),
-            verify_metrics=rollout.verify_metrics, findings=rollout.findings, with_trace=with_trace,
-        )  # fmt: skip
-        self.rollout_log.write([record])
+        self.rollout_log.write([member_record(group, rollout, with_trace=with_trace)])
 
     def _log_rollouts(self, dropped: list[Group], groups: list[Group], batch: StepBatch) -> None:
         """Rank 0: what the step did with each rollout of the groups it took (trained with an advantage, or
