@@ -276,19 +276,17 @@ def _attach_samples(
         for record in step_records:
             by_task.setdefault((step, record.task_name, record.task_index), []).append(record)
     owners: dict[tuple[int, Any, Any], EvalView] = {}
-    for evaluation in evaluations:  # the later of a step's evaluations wins
+    for evaluation in evaluations:  # the later of a step's evaluations wins; the key keeps its first place
         for task in evaluation.tasks:
             owners[(evaluation.step, task.get("task_name"), task.get("task_index"))] = evaluation
-    for evaluation in evaluations:
-        for task in evaluation.tasks:
-            key = (evaluation.step, task.get("task_name"), task.get("task_index"))
-            if owners[key] is not evaluation or key not in by_task:
-                continue
-            views = evaluation.samples[key[1:]] = []
-            for record in by_task[key]:
-                view = _view(record, text if budget > 0 else None, capture_dir)
-                budget -= view.roles.total()
-                views.append(view)
+    for key, evaluation in owners.items():  # newest evaluation first, as ``evaluations`` are
+        if key not in by_task:
+            continue
+        views = evaluation.samples[key[1:]] = []
+        for record in by_task[key]:
+            view = _view(record, text if budget > 0 else None, capture_dir)
+            budget -= view.roles.total()
+            views.append(view)
 
 
 def read_evaluations(path: str | os.PathLike[str]) -> list[EvalView]:
