@@ -96,13 +96,8 @@ def resolve_batch(c: _ConfigFields, processes: int) -> list[str]:
             f"positive multiple of num_generations ({c.num_generations}): a step trains whole groups"
         ]
     groups = rollouts // c.num_generations
-    if c.groups_per_step is not None and c.groups_per_step != groups:
-        return [
-            f"per_device_train_batch_size gives {groups} groups per step ({rollouts} rollouts) but "
-            f"groups_per_step is {c.groups_per_step}: set one of them"
-        ]
-    c.groups_per_step = groups
-    return []
+    given = f"per_device_train_batch_size gives {groups} groups per step ({rollouts} rollouts)"
+    return _set_once(c, "groups_per_step", groups, given)
 
 
 def resolve_concurrency(c: _ConfigFields, inflight: Any) -> list[str]:
@@ -119,12 +114,17 @@ def resolve_concurrency(c: _ConfigFields, inflight: Any) -> list[str]:
         value = inflight
     else:
         return [f"max_inflight_tasks must be at least 1, or -1 (auto), got {inflight!r}"]
-    if c.max_concurrent_rollouts is not None and c.max_concurrent_rollouts != value:
-        return [
-            f"max_inflight_tasks (TRL's name for max_concurrent_rollouts) gives {value} but "
-            f"max_concurrent_rollouts is {c.max_concurrent_rollouts}: set one of them"
-        ]
-    c.max_concurrent_rollouts = value
+    given = f"max_inflight_tasks (TRL's name for max_concurrent_rollouts) gives {value}"
+    return _set_once(c, "max_concurrent_rollouts", value, given)
+
+
+def _set_once(c: _ConfigFields, name: str, value: int, given: str) -> list[str]:
+    """Set field ``name`` to ``value``, what one of TRL's names ``given`` it; a problem when the field was
+    also set, to another value."""
+    current = getattr(c, name)
+    if current is not None and current != value:
+        return [f"{given} but {name} is {current}: set one of them"]
+    setattr(c, name, value)
     return []
 
 
