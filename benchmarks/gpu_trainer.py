@@ -71,7 +71,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from harness_trainer.trainer.rows import Row
+    from harness_trainer.trainer.step.rows import Row
 
 if not __package__:  # run as a script: its siblings import from the package
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -194,7 +194,7 @@ def build_model(config: dict[str, Any], device: str | None = None) -> Any:
 def step_inputs(rows: Sequence[Row], seed: int) -> dict[str, Any]:
     """Per-rollout advantages (random) and weights ``1 / (N_r · R)``, as ``benchmarks/trainer.py`` sets
     them."""
-    from harness_trainer.trainer.loss import LossConfig
+    from harness_trainer.trainer.step.loss import LossConfig
 
     rng = random.Random(seed)
     trained: dict[int, int] = defaultdict(int)
@@ -238,9 +238,9 @@ def train_step(
     """One optimizer step over every row (see the module docstring); its seconds and token counts."""
     import torch
 
-    from harness_trainer.trainer.logprobs import token_logprobs, token_logprobs_padded
-    from harness_trainer.trainer.loss import policy_loss
-    from harness_trainer.trainer.packing import collate, collate_padded, plan_micro_batches
+    from harness_trainer.trainer.step.logprobs import token_logprobs, token_logprobs_padded
+    from harness_trainer.trainer.step.loss import policy_loss
+    from harness_trainer.trainer.step.packing import collate, collate_padded, plan_micro_batches
 
     device = config["device"]
     trained = tensor_tokens = row_tokens = 0
@@ -333,8 +333,8 @@ def measure(
     """
     import torch
 
-    from harness_trainer.trainer.logprobs import use_packed_attention
     from harness_trainer.trainer.policy import engine_weights
+    from harness_trainer.trainer.step.logprobs import use_packed_attention
 
     device = config["device"]
     if setup.fsdp and not torch.distributed.is_available():

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from harness_trainer.trainer.rows import Row
+    from harness_trainer.trainer.step.rows import Row
 
 if not __package__:  # run as a script (python benchmarks/trainer.py): its siblings import from the package
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -73,7 +73,7 @@ QUICK = {"rows": 12, "rollouts": 4, "token_budget": 2048, "repeats": 1, "traces"
 
 def agent_rows(count: int, rollouts: int, seed: int) -> list[Row]:
     """Synthetic rows shaped like agent traces (see the module docstring); row ``i`` is rollout ``i % R``."""
-    from harness_trainer.trainer.rows import Row
+    from harness_trainer.trainer.step.rows import Row
 
     rng = random.Random(seed)
     rows = []
@@ -114,9 +114,9 @@ class Variant:
 
 def train_pass(variant: Variant, rows: Sequence[Row], step: dict[str, Any]) -> dict[str, float]:
     """Forward and backward over every row once; trained tokens, padded tensor tokens and seconds."""
-    from harness_trainer.trainer.logprobs import token_logprobs, token_logprobs_padded
-    from harness_trainer.trainer.loss import policy_loss
-    from harness_trainer.trainer.packing import collate, collate_padded
+    from harness_trainer.trainer.step.logprobs import token_logprobs, token_logprobs_padded
+    from harness_trainer.trainer.step.loss import policy_loss
+    from harness_trainer.trainer.step.packing import collate, collate_padded
 
     trained = tensor_tokens = 0
     start = time.perf_counter()
@@ -147,9 +147,9 @@ def run_packing(config: dict[str, Any], model_dir: str) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from harness_trainer.trainer.logprobs import use_packed_attention
-    from harness_trainer.trainer.loss import LossConfig
-    from harness_trainer.trainer.packing import plan_micro_batches
+    from harness_trainer.trainer.step.logprobs import use_packed_attention
+    from harness_trainer.trainer.step.loss import LossConfig
+    from harness_trainer.trainer.step.packing import plan_micro_batches
 
     def load() -> Any:
         sdpa = {"dtype": torch.float32, "attn_implementation": "sdpa"}
@@ -231,7 +231,7 @@ def append_only_trace(turns: int, seed: int) -> Any:
 
 
 def run_rows(config: dict[str, Any]) -> dict[str, Any]:
-    from harness_trainer.trainer.rows import build_rows, row_stats
+    from harness_trainer.trainer.step.rows import build_rows, row_stats
 
     totals = {"rows": 0, "input_tokens": 0, "unique_tokens": 0, "forwarded_tokens": 0}
     seconds = 0.0

@@ -91,7 +91,7 @@ def rollout_measures(records: Sequence[dict[str, Any]]) -> dict[str, float]:
 
 def read_run(output: Path) -> dict[str, Any]:
     """One dev-loop run's measures from its output folder."""
-    from harness_trainer.trainer.rollout_log import read_rollout_log
+    from harness_trainer.trainer.feed.rollout_log import read_rollout_log
 
     steps = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
     steps = [s for s in steps if s.get("step", 0) >= 1 and "rollout/count" in s]

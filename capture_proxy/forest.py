@@ -1,7 +1,8 @@
 """The prefix forest of a session's engine calls: which call each call continues. Pure, stdlib only.
 
 This is the one statement of the parent rule, shared by the proxy (``capture_proxy.assembly`` exports a
-TrainingTrace from it) and the trainer (``harness_trainer.trainer.rows`` builds training rows from it), so
+TrainingTrace from it) and the trainer (``harness_trainer.trainer.step.rows`` builds training rows from it),
+so
 the two can never disagree about what a conversation's history was.
 
 Contract of :func:`parents`: call ``i`` is given as its prompt ids ``prompts[i]`` and completion ids

@@ -12,9 +12,9 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "AsyncGRPOConfig": "harness_trainer.trainer.config",
+    "AsyncGRPOConfig": "harness_trainer.trainer.config.async_grpo",
     "HarnessAsyncGRPOTrainer": "harness_trainer.trainer.trainer",
-    "HarnessRolloutOutcome": "harness_trainer.trainer.outcome",
+    "HarnessRolloutOutcome": "harness_trainer.trainer.step.outcome",
     "HarborSessionFactory": "harness_trainer.rollouts.client.factory",
     "LocalSessionFactory": "harness_trainer.rollouts.client.local_factory",
     "LocalWhiteBoxSessionFactory": "harness_trainer.rollouts.client.local_whitebox",

@@ -280,7 +280,7 @@ def _e2b_smoke(args: argparse.Namespace, sandbox_class: object = None, template_
     if not os.environ.get("E2B_API_KEY"):
         print("error: E2B_API_KEY is not set: the E2B smoke test needs an E2B API key", file=sys.stderr)
         return 2
-    from harness_trainer.sandboxes.e2b_smoke import SmokeConfig, smoke, smoke_rollout
+    from harness_trainer.launch.e2b_smoke import SmokeConfig, smoke, smoke_rollout
 
     if args.sandbox_only:
         try:

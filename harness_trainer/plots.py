@@ -55,7 +55,7 @@ def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         FileNotFoundError: no such file.
         ValueError: a line is not a JSON object with an integer ``step``; the message names file and line.
     """
-    from harness_trainer.trainer.rollout_log import latest_steps, read_jsonl
+    from harness_trainer.trainer.feed.rollout_log import latest_steps, read_jsonl
 
     file = metrics_file(path)
 

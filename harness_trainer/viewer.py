@@ -56,7 +56,7 @@ from harness_trainer.trainer.reporting import METRICS_FILE
 
 if TYPE_CHECKING:
     from harness_trainer.trace import TrainingTrace, TrainingTurn
-    from harness_trainer.trainer.rollout_log import RolloutRecord
+    from harness_trainer.trainer.feed.rollout_log import RolloutRecord
 
 VIEWER_FILE = "viewer.html"
 EVAL_FILE = "eval.jsonl"
@@ -185,8 +185,8 @@ def build_viewer(
         OSError: the tokenizer cannot be loaded.
     """
     from harness_trainer.plots import read_metrics
-    from harness_trainer.trainer.evaluation import read_eval_rollouts
-    from harness_trainer.trainer.rollout_log import ROLLOUTS_FILE, read_rollout_log
+    from harness_trainer.trainer.feed.evaluation import read_eval_rollouts
+    from harness_trainer.trainer.feed.rollout_log import ROLLOUTS_FILE, read_rollout_log
 
     if max_steps_shown < 1 or max_tokens_shown < 0:
         raise ValueError(
@@ -268,7 +268,7 @@ def _attach_samples(
     or ``harness-trainer eval`` into the same folder) keeps its last samples, under the last evaluation of
     that step that has their task.
     """
-    from harness_trainer.trainer.rollout_log import latest_steps
+    from harness_trainer.trainer.feed.rollout_log import latest_steps
 
     kept = latest_steps((r.step, (r.group, r.member), r) for r in records if r.step is not None)
     by_task: dict[tuple[int, Any, Any], list[RolloutRecord]] = {}
@@ -297,7 +297,7 @@ def read_evaluations(path: str | os.PathLike[str]) -> list[EvalView]:
     Raises:
         ValueError: a line is not a JSON object, or has no integer ``step``.
     """
-    from harness_trainer.trainer.rollout_log import latest_steps, read_jsonl
+    from harness_trainer.trainer.feed.rollout_log import latest_steps, read_jsonl
 
     def entries() -> Iterator[tuple[int, Hashable, dict[str, Any]]]:
         for number, _, line in read_jsonl(path):
@@ -350,7 +350,7 @@ def _view(
 
 def _rollout(record: RolloutRecord, text: _TokenText | None) -> RolloutView:
     """The rollout's view, its turns rendered unless ``text`` is None (the budget is spent)."""
-    from harness_trainer.trainer.rows import build_rows
+    from harness_trainer.trainer.step.rows import build_rows
 
     view = RolloutView(record)
     trace = record.trace

@@ -24,7 +24,7 @@ import pytest
 from harness_trainer import AsyncGRPOConfig, HarborSessionFactory, HarnessAsyncGRPOTrainer
 from harness_trainer.net import free_port, wait_until_healthy
 from harness_trainer.tasks.sources import LocalTaskSource
-from harness_trainer.trainer.rollout_log import read_rollout_log
+from harness_trainer.trainer.feed.rollout_log import read_rollout_log
 from tests.conftest import start_engine
 from tests.harnesses.test_real_agents import call
 from tests.rollouts.conftest import EXAMPLES, live_sandbox_processes

@@ -21,11 +21,11 @@ import pytest
 
 from harness_trainer.rollouts.client.session import VerifyResult
 from harness_trainer.trace import TrainingTrace, load_trace
-from harness_trainer.trainer.groups import Rollout
-from harness_trainer.trainer.outcome import build_outcome
+from harness_trainer.trainer.feed.rollout_log import RolloutLog, rollout_record
 from harness_trainer.trainer.reporting import MetricsReporter
-from harness_trainer.trainer.rollout_log import RolloutLog, rollout_record
-from harness_trainer.trainer.rows import build_rows
+from harness_trainer.trainer.step.groups import Rollout
+from harness_trainer.trainer.step.outcome import build_outcome
+from harness_trainer.trainer.step.rows import build_rows
 from harness_trainer.viewer import (
     VIEWER_FILE,
     add_view_arguments,
@@ -363,7 +363,7 @@ def test_escaping_alone_keeps_the_attack_inert(
 
 
 def test_rollouts_that_never_trained_show_with_their_reasons_and_the_untaken_last(tmp_path: Path) -> None:
-    from harness_trainer.trainer.rollout_log import FEW_SCORED, UNSCORABLE, RolloutOutcome, RunStart
+    from harness_trainer.trainer.feed.rollout_log import FEW_SCORED, UNSCORABLE, RolloutOutcome, RunStart
 
     trained = rollout(0, 1, load_trace(chain_trace(0, 1)), 1)
     trained.seconds = 6.5
@@ -445,7 +445,7 @@ def test_each_evaluated_task_shows_its_samples_and_their_traces_under_its_evalua
 
     from transformers import AutoTokenizer
 
-    from harness_trainer.trainer.evaluation import EVAL_ROLLOUTS_FILE
+    from harness_trainer.trainer.feed.evaluation import EVAL_ROLLOUTS_FILE
 
     with RolloutLog(tmp_path):
         pass

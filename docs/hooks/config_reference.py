@@ -4,7 +4,7 @@ A page holding ``<!-- config-reference -->`` gets one table per section of ``Asy
 (name, type, default, the field's ``metadata["help"]``), read with ``dataclasses.fields()``; a field whose
 type is itself a dataclass is documented the same way under its own heading, recursively. Sections follow
 the ``# Section.`` comments of the class bodies when the source is at hand. ``<!-- trl-fields -->`` becomes
-the tables of ``harness_trainer/trainer/trl_fields.py``: TRL's names taken under another name, refused
+the tables of ``harness_trainer/trainer/config/trl_fields.py``: TRL's names taken under another name, refused
 unless their value means what the trainer does anyway, and ignored, each group with its reason.
 
 Nothing here is checked in as text, so the page cannot drift from the code.
@@ -30,8 +30,8 @@ SECTION = re.compile(r"^(\s+)# (.{1,60}?)\.?\s*$")
 def _imports() -> tuple[type, Any]:
     if str(ROOT) not in sys.path:  # `mkdocs build` from another folder still documents this checkout
         sys.path.insert(0, str(ROOT))
-    from harness_trainer.trainer import trl_fields
-    from harness_trainer.trainer.config import AsyncGRPOConfig
+    from harness_trainer.trainer.config import trl_fields
+    from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig
 
     return AsyncGRPOConfig, trl_fields
 

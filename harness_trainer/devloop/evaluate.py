@@ -6,7 +6,7 @@
 folder without a tokenizer takes the one of the model the run trained (recorded in the checkpoint), or
 ``--tokenizer``. The folder is served by the dev engine or a real vLLM (``--engine``), and ``--split`` of
 the ``--tasks`` folder is rolled out ``-k`` times per task by the real agent in local sandboxes through the
-capture proxy: the same :class:`~harness_trainer.trainer.evaluation.Evaluator`, seeds and scoring as
+capture proxy: the same :class:`~harness_trainer.trainer.feed.evaluation.Evaluator`, seeds and scoring as
 evaluation during training. It prints one line per task and the means, and appends the records to
 ``OUTPUT_DIR/eval.jsonl`` and each sample, its trace included, to ``OUTPUT_DIR/eval_rollouts.jsonl``.
 Everything it starts is stopped on every path; Ctrl-C exits 130.
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from harness_trainer.devloop.run import EXAMPLE_TASKS, HARNESS_CHOICES
 
 if TYPE_CHECKING:
-    from harness_trainer.trainer.evaluation import EvalRecord
+    from harness_trainer.trainer.feed.evaluation import EvalRecord
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 MODEL_FILES = ("config.json", "generation_config.json", "adapter_config.json")
@@ -147,7 +147,7 @@ def _run_eval(args: argparse.Namespace) -> int:
     from harness_trainer.devloop.engine import start_local_engine
     from harness_trainer.engines.vllm_process import check_vllm_python, vllm_python
     from harness_trainer.tasks.sources import LocalTaskSource
-    from harness_trainer.trainer.evaluation import Evaluator
+    from harness_trainer.trainer.feed.evaluation import Evaluator
 
     if args.k < 1:
         raise ValueError(f"-k must be at least 1, got {args.k}")

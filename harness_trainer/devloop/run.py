@@ -39,7 +39,7 @@ from harness_trainer.launch.config_file import (
     trainer_values,
     write_resolved,
 )
-from harness_trainer.trainer.config import AsyncGRPOConfig
+from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig
 
 if TYPE_CHECKING:
     from harness_trainer import HarnessAsyncGRPOTrainer

@@ -42,8 +42,8 @@ from harness_trainer.devloop.solver import WHITE_BOX, distractor_replies, solver
 from harness_trainer.rollouts.client.local_factory import LocalSessionFactory
 from harness_trainer.tasks.sources import LocalTaskSource
 from harness_trainer.trace import TrainingTrace
-from harness_trainer.trainer.rows import Row, build_rows
-from harness_trainer.trainer.shared_prefix import shared_prefix_logprobs
+from harness_trainer.trainer.step.rows import Row, build_rows
+from harness_trainer.trainer.step.shared_prefix import shared_prefix_logprobs
 
 # 4: the fine-tune forwards a shared prefix once (the same logprobs up to float rounding, not the same bytes)
 WARMUP_VERSION = 4
@@ -193,8 +193,8 @@ def _factory(
     from transformers import AutoTokenizer
 
     from harness_trainer.rollouts.client.local_whitebox import LocalWhiteBoxSessionFactory
+    from harness_trainer.trainer.feed.whitebox import white_box_factory
     from harness_trainer.whitebox.react import react_trainer_options
-    from harness_trainer.whitebox.rollout import white_box_factory
 
     adapter = react_trainer_options(max_turns=4)  # a transcript is 2 turns
     return contextlib.closing(

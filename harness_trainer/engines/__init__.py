@@ -9,22 +9,41 @@ through vLLM's in-place reload from a file (:mod:`harness_trainer.engines.weight
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from harness_trainer.engines.base import (
-    EngineUnavailable,
-    InferenceEngine,
-    MalformedReply,
-    PushRefused,
-    RetryPolicy,
-)
-from harness_trainer.engines.dev import DevEngine
-from harness_trainer.engines.nccl import NcclTransport, WeightTransport, WeightTransportError
-from harness_trainer.engines.replicas import EngineReplicas
-from harness_trainer.engines.vllm import VLLMEngine
-from harness_trainer.engines.weight_sync import WEIGHT_SYNCS, FileWeightSync, choose_weight_sync
+if TYPE_CHECKING:
+    from harness_trainer.engines.base import InferenceEngine
 
-ENGINES: dict[str, type] = {"dev": DevEngine, "vllm": VLLMEngine}
+# Names load on first use: the torch-free kinds (:mod:`.kinds`) are read by the trainer's config, and
+# importing this package must not pull torch in behind them.
+_EXPORTS = {
+    "EngineUnavailable": "harness_trainer.engines.base",
+    "InferenceEngine": "harness_trainer.engines.base",
+    "MalformedReply": "harness_trainer.engines.base",
+    "PushRefused": "harness_trainer.engines.base",
+    "RetryPolicy": "harness_trainer.engines.base",
+    "DevEngine": "harness_trainer.engines.dev",
+    "NcclTransport": "harness_trainer.engines.nccl",
+    "WeightTransport": "harness_trainer.engines.nccl",
+    "WeightTransportError": "harness_trainer.engines.nccl",
+    "EngineReplicas": "harness_trainer.engines.replicas",
+    "VLLMEngine": "harness_trainer.engines.vllm",
+    "WEIGHT_SYNCS": "harness_trainer.engines.kinds",
+    "FileWeightSync": "harness_trainer.engines.weight_sync",
+    "choose_weight_sync": "harness_trainer.engines.weight_sync",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ENGINES":
+        from harness_trainer.engines.dev import DevEngine
+        from harness_trainer.engines.vllm import VLLMEngine
+
+        return {"dev": DevEngine, "vllm": VLLMEngine}
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'harness_trainer.engines' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
 
 
 def detect_engine_kind(base_url: str, timeout_s: float = 30.0) -> str:
@@ -35,6 +54,8 @@ def detect_engine_kind(base_url: str, timeout_s: float = 30.0) -> str:
         EngineUnavailable: nothing answers at ``base_url``.
     """
     import httpx
+
+    from harness_trainer.engines.base import EngineUnavailable
 
     root = base_url.rstrip("/").removesuffix("/v1")
     try:
@@ -53,10 +74,11 @@ def make_engine(kind: str, base_url: str, **kwargs: Any) -> InferenceEngine:
     Raises:
         ValueError: ``kind`` is not a key of ``ENGINES``.
     """
+    engines = __getattr__("ENGINES")
     try:
-        engine_class = ENGINES[kind]
+        engine_class = engines[kind]
     except KeyError:
-        raise ValueError(f"unknown engine kind {kind!r}; known kinds: {', '.join(sorted(ENGINES))}") from None
+        raise ValueError(f"unknown engine kind {kind!r}; known kinds: {', '.join(sorted(engines))}") from None
     return engine_class(base_url, **kwargs)
 
 

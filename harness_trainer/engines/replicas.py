@@ -61,8 +61,8 @@ from typing import Any
 
 import torch
 
+from capture_proxy.admin_client import CaptureClient, CaptureError
 from harness_trainer.engines.base import EngineUnavailable, InferenceEngine, PushRefused
-from harness_trainer.rollouts.server.capture_client import CaptureClient, CaptureError
 
 logger = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 
 import torch
 
-from harness_trainer.trainer.config import WEIGHT_SYNCS
+from harness_trainer.engines.kinds import WEIGHT_SYNCS
 
 SHARED_MEMORY = Path("/dev/shm")
 FILE_NAME = "model.safetensors"

@@ -1,7 +1,7 @@
 """``--config run.yaml``: one YAML file for a command's options and the trainer's config, under its flags.
 
 A config file has top-level sections. ``trainer`` holds
-:class:`~harness_trainer.trainer.config.AsyncGRPOConfig` (every field; the loss's knobs under
+:class:`~harness_trainer.trainer.config.async_grpo.AsyncGRPOConfig` (every field; the loss's knobs under
 ``trainer.loss``, or flat under TRL's names); the command's own section holds its options by their flag's
 name with underscores (``run`` for ``examples/async_grpo_harbor/train.py``, ``dev`` for
 ``harness-trainer dev``, ``job`` for ``harness-trainer jobs submit``, whose file also carries the ``run``
@@ -28,8 +28,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from harness_trainer.trainer.config import LOSS_FIELDS, AsyncGRPOConfig, LossConfig
-from harness_trainer.trainer.trl_fields import TRL_ONLY
+from harness_trainer.trainer.config.async_grpo import LOSS_FIELDS, AsyncGRPOConfig, LossConfig
+from harness_trainer.trainer.config.trl_fields import TRL_ONLY
 
 TRAINER = "trainer"
 """The section of the trainer's config, in every command's file."""

@@ -46,7 +46,7 @@ from harness_trainer.launch.preflight import (
 )
 from harness_trainer.launch.rewards import correctness_with_tool_efficiency
 from harness_trainer.sandboxes import describe_backends
-from harness_trainer.trainer.config import AsyncGRPOConfig
+from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig
 
 WAIT_MARGIN_S = 600.0
 """Added to ``--agent-timeout`` for the trainer's own wait on a rollout. The server enforces the agent's

@@ -10,7 +10,7 @@ up early.
 
 from __future__ import annotations
 
-from harness_trainer.trainer.outcome import HarnessRolloutOutcome
+from harness_trainer.trainer.step.outcome import HarnessRolloutOutcome
 
 SOLVED = 1.0
 """A verifier reward at or above this means the task is solved (Harbor verifiers write 1 for a pass)."""

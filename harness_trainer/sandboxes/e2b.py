@@ -34,7 +34,7 @@ cloud only; this project has no E2B account in CI). SDK exceptions are mapped he
 Manual smoke test, for users with ``E2B_API_KEY`` (creates one sandbox from the ``base`` template, runs
 commands, a timeout and file round trips, and closes it)::
 
-    python -m harness_trainer.sandboxes.e2b --smoke [--template base]
+    python -m harness_trainer.launch.e2b_smoke --smoke [--template base]
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ import math
 import os
 import posixpath
 import shlex
-import sys
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -452,9 +451,3 @@ def _dockerfile_workdir(task: HarborTask) -> str:
         return dockerfile.plan(instructions, base_env={}, strict=False).workdir
     except (dockerfile.DockerfileError, OSError) as exc:
         raise SandboxStartError(f"{task.name}: cannot read the WORKDIR of {task.dockerfile}: {exc}") from exc
-
-
-if __name__ == "__main__":  # python -m harness_trainer.sandboxes.e2b --smoke
-    from harness_trainer.sandboxes.e2b_smoke import main
-
-    sys.exit(main())

@@ -163,7 +163,7 @@ class SandboxTools:
 
     def metrics(self) -> dict[str, Any]:
         """The counts as a rollout's ``VerifyResult.metrics`` carries them (what
-        :mod:`~harness_trainer.trainer.outcome` reads for ``tools/*``), plus per-tool failures."""
+        :mod:`~harness_trainer.trainer.step.outcome` reads for ``tools/*``), plus per-tool failures."""
         return {
             "tool_calls_by_name": dict(self.calls),
             "tool_failures_by_name": dict(self.failures),

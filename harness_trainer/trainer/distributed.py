@@ -45,7 +45,6 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from harness_trainer.trainer.batch import StepBatch
 from harness_trainer.trainer.checkpoint import TrainerState, load_checkpoint
 from harness_trainer.trainer.fsdp2 import (
     autocast_forward,
@@ -54,10 +53,11 @@ from harness_trainer.trainer.fsdp2 import (
     shard,
     shards_itself,
 )
-from harness_trainer.trainer.loss import LossStats
-from harness_trainer.trainer.packing import plan_micro_batches
 from harness_trainer.trainer.policy import engine_weights, is_peft
-from harness_trainer.trainer.rows import Row
+from harness_trainer.trainer.step.batch import StepBatch
+from harness_trainer.trainer.step.loss import LossStats
+from harness_trainer.trainer.step.packing import plan_micro_batches
+from harness_trainer.trainer.step.rows import Row
 
 T = TypeVar("T")
 

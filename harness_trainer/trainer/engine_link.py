@@ -24,8 +24,8 @@ from harness_trainer.engines import (
     detect_engine_kind,
     make_engine,
 )
-from harness_trainer.trainer.config import AsyncGRPOConfig
-from harness_trainer.trainer.config_checks import ADAPTER_ON_REPLICAS
+from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig
+from harness_trainer.trainer.config.checks import ADAPTER_ON_REPLICAS
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from harness_trainer.trainer.config import AsyncGRPOConfig
-from harness_trainer.trainer.logprobs import use_packed_attention
+from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig
+from harness_trainer.trainer.step.logprobs import use_packed_attention
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

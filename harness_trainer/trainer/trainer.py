@@ -34,15 +34,13 @@ from harness_trainer.engines import (
     EngineReplicas,
 )
 from harness_trainer.trainer.adapter_sync import AdapterFolders
-from harness_trainer.trainer.batch import StepBatch, assemble, rollout_metrics
 from harness_trainer.trainer.checkpoint import (
     TrainerState,
     resolve_resume,
     save_checkpoint,
 )
-from harness_trainer.trainer.concurrency import AdaptiveConcurrency, ConcurrencyRule
-from harness_trainer.trainer.config import AsyncGRPOConfig
-from harness_trainer.trainer.curriculum import PassRateCurriculum, PassRateRule
+from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig
+from harness_trainer.trainer.config.hub_names import repo_name
 from harness_trainer.trainer.distributed import (
     Collective,
     GatheredModel,
@@ -54,28 +52,30 @@ from harness_trainer.trainer.distributed import (
     split_step,
 )
 from harness_trainer.trainer.engine_link import engine_client, engine_kind, push_with_retries
-from harness_trainer.trainer.evaluation import Evaluator, overlapping_tasks
 from harness_trainer.trainer.export import (
     HubError,
     create_repo,
-    repo_name,
     resolve_token,
     tokenizer_source,
     upload,
     write_model_folder,
 )
+from harness_trainer.trainer.feed.concurrency import AdaptiveConcurrency, ConcurrencyRule
+from harness_trainer.trainer.feed.curriculum import PassRateCurriculum, PassRateRule
+from harness_trainer.trainer.feed.evaluation import Evaluator, overlapping_tasks
+from harness_trainer.trainer.feed.load_poller import ConcurrencyPoller
+from harness_trainer.trainer.feed.rollout_log import RolloutLog, RunStart, member_record, step_outcomes
+from harness_trainer.trainer.feed.scheduling import RolloutScheduler, SchedulerConfig
 from harness_trainer.trainer.fsdp2 import clip_grad_norm, map_large_allocations, no_sync, shards_itself
-from harness_trainer.trainer.groups import Group, Rollout
-from harness_trainer.trainer.load_poller import ConcurrencyPoller
-from harness_trainer.trainer.logprobs import token_logprobs
-from harness_trainer.trainer.loss import LossConfig, LossStats, policy_loss
 from harness_trainer.trainer.optim import build_optimizer
-from harness_trainer.trainer.outcome import HarnessRolloutOutcome
-from harness_trainer.trainer.packing import MicroBatch, collate
 from harness_trainer.trainer.policy import Reference, is_peft, load_policy, vocab_size
 from harness_trainer.trainer.reporting import MetricsReporter
-from harness_trainer.trainer.rollout_log import RolloutLog, RunStart, member_record, step_outcomes
-from harness_trainer.trainer.scheduling import RolloutScheduler, SchedulerConfig
+from harness_trainer.trainer.step.batch import StepBatch, assemble, rollout_metrics
+from harness_trainer.trainer.step.groups import Group, Rollout
+from harness_trainer.trainer.step.logprobs import token_logprobs
+from harness_trainer.trainer.step.loss import LossConfig, LossStats, policy_loss
+from harness_trainer.trainer.step.outcome import HarnessRolloutOutcome
+from harness_trainer.trainer.step.packing import MicroBatch, collate
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class HarnessAsyncGRPOTrainer:
             that runs each rollout as ``run_white_box(model_step, session, limits)``, the trainer sampling
             each turn by token ids from ``args.vllm_server_base_url``. The builder must make an OpenEnv
             ``ResourceSessionFactory`` (e.g. ``partial(WhiteBoxSessionFactory, url)``) and is called without
-            ``sampling=`` (``split=`` for eval as before); :mod:`harness_trainer.whitebox.rollout`.
+            ``sampling=`` (``split=`` for eval as before); :mod:`harness_trainer.trainer.feed.whitebox`.
         harness_limits: OpenEnv's ``HarnessRunLimits`` for each white-box episode (turns, tool calls);
             default: OpenEnv's.
 
@@ -151,7 +151,7 @@ class HarnessAsyncGRPOTrainer:
                 "eval_split (the factory's split of eval tasks) or pass eval_dataset= to the trainer"
             )
         if harness_adapter is not None:
-            from harness_trainer.whitebox.rollout import check_white_box
+            from harness_trainer.trainer.feed.whitebox import check_white_box
 
             check_white_box(harness_adapter, harness_session_factory)
             if not self.args.vllm_server_base_url:
@@ -345,7 +345,7 @@ class HarnessAsyncGRPOTrainer:
         that samples under ``sampling`` (the builder then gets no ``sampling=``)."""
         if self.harness_adapter is None:
             return self.factory_builder(sampling=sampling, **kwargs)
-        from harness_trainer.whitebox.rollout import white_box_factory
+        from harness_trainer.trainer.feed.whitebox import white_box_factory
 
         args = self.args
         assert args.vllm_server_base_url is not None  # checked at construction

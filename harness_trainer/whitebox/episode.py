@@ -11,7 +11,7 @@ The rules, in order:
    sampled (a known hazard: stripped reasoning, re-serialised tool-call arguments), so the turn starts a
    **new root** (``parent`` None, ``root`` itself, ``retemplated`` True) and ``whitebox/retemplated_turns``
    counts it. Nothing is trained on ids the engine never saw: every turn's ids are its own call's, and the
-   row builder (:mod:`harness_trainer.trainer.rows`) finds the same forest from the ids alone.
+   row builder (:mod:`harness_trainer.trainer.step.rows`) finds the same forest from the ids alone.
 3. **Metadata** per turn: ``seq``, ``parent``, ``root``, ``depth``, ``retemplated``, ``weight_version``,
    ``sampling`` (the trainer's temperature is checked against it), ``agent_params``, ``finish_reason``,
    ``parse_error``, ``tool_calls``, and when recorded ``model`` (the served model the call named) and

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from harness_trainer.trainer.evaluation import read_eval_rollouts
+from harness_trainer.trainer.feed.evaluation import read_eval_rollouts
 from tests import ordinary_user
 from tests.hardening.faults import alive, descendants, wait_until
 from tests.rollouts.conftest import EXAMPLES

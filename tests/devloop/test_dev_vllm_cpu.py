@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from harness_trainer.trainer.rollout_log import read_rollout_log
+from harness_trainer.trainer.feed.rollout_log import read_rollout_log
 from tests.devloop.test_dev_command import ROOT, dev
 from tests.hardening.faults import alive, descendants, wait_until
 from tests.rollouts.conftest import EXAMPLES

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from harness_trainer.devloop.evaluate import CheckpointError, checkpoint_model, servable_folder
-from harness_trainer.trainer.evaluation import read_eval_rollouts
+from harness_trainer.trainer.feed.evaluation import read_eval_rollouts
 from tests.rollouts.conftest import EXAMPLES, live_sandbox_processes
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from harness_trainer.trainer.config import AsyncGRPOConfig
+from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 LINK = re.compile(r"\]\(<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\)")

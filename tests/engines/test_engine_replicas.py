@@ -12,11 +12,11 @@ import httpx
 import pytest
 import torch
 
+from capture_proxy.admin_client import CaptureClient
 from harness_trainer.dev_engine.process import EngineProcess, start_engine
 from harness_trainer.engines import DevEngine, EngineUnavailable, PushRefused, RetryPolicy
 from harness_trainer.engines.replicas import EngineReplicas
 from harness_trainer.net import free_port
-from harness_trainer.rollouts.server.capture_client import CaptureClient
 from harness_trainer.rollouts.server.proxy_process import ProxyProcess
 from tests.proxy.replica_rig import ReplicaRig, rig, weight_version, weights  # noqa: F401 - rig: a fixture
 

@@ -28,7 +28,7 @@ from harness_trainer.engines.weight_sync import (
     reload_request,
     shareable_tensors,
 )
-from harness_trainer.trainer.config import AsyncGRPOConfig
+from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig
 from tests.engines.conftest import Served
 
 FAST_RETRY = RetryPolicy(attempts=2, backoff_s=0.01)

@@ -179,7 +179,7 @@ def leftover_capture_sessions(data_dir: Path) -> list[str]:
 def assert_trained_around_group_1(trainer: Any, out: Path) -> list[Any]:
     """The run trained its 2 steps on groups 0 and 2 (reward 0.5 each) while both members of group 1 were
     unscorable, counted and logged without a trace or reward; returns those two rollout log records."""
-    from harness_trainer.trainer.rollout_log import read_rollout_log
+    from harness_trainer.trainer.feed.rollout_log import read_rollout_log
 
     lines = metrics_lines(out)
     assert [line["step"] for line in lines] == [1, 2]

@@ -15,7 +15,7 @@ import pytest
 
 from harness_trainer import HarnessAsyncGRPOTrainer
 from harness_trainer.sandboxes import SANDBOXES
-from harness_trainer.trainer.rollout_log import read_rollout_log
+from harness_trainer.trainer.feed.rollout_log import read_rollout_log
 from tests.hardening.faults import (
     GIVE_UP,
     INJECTED,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from harness_trainer.launch.rewards import correctness_with_tool_efficiency
-from harness_trainer.trainer.outcome import HarnessRolloutOutcome, apply_reward_fn
+from harness_trainer.trainer.step.outcome import HarnessRolloutOutcome, apply_reward_fn
 
 
 def outcome(env_reward: float | None, tool_calls: int = 0) -> HarnessRolloutOutcome:

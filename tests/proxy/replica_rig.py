@@ -15,11 +15,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from capture_proxy.admin_client import CaptureClient
 from harness_trainer.dev_engine.process import EngineProcess, start_engine
 from harness_trainer.engines import DevEngine, RetryPolicy
 from harness_trainer.engines.replicas import EngineReplicas
 from harness_trainer.net import free_port
-from harness_trainer.rollouts.server.capture_client import CaptureClient
 from harness_trainer.rollouts.server.proxy_process import ProxyProcess
 
 ADMIN_KEY = "key"

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
+from capture_proxy.admin_client import CaptureClient, CaptureError, NothingTrainable
 from harness_trainer.net import free_port
-from harness_trainer.rollouts.server.capture_client import CaptureClient, CaptureError, NothingTrainable
 from tests.hardening.faults import ProxyProcess
 
 ADMIN_KEY = "capture-client-test-key"

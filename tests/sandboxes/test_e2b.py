@@ -22,6 +22,7 @@ from e2b.retry import resolve_idempotency_key
 from e2b.sandbox_async.commands.command import Commands
 from e2b.sandbox_async.filesystem.filesystem import Filesystem
 
+from harness_trainer.launch.e2b_smoke import main as smoke_main
 from harness_trainer.sandboxes.base import SandboxStartError
 from harness_trainer.sandboxes.e2b import E2BSandboxBackend
 from harness_trainer.sandboxes.e2b_errors import (
@@ -32,7 +33,6 @@ from harness_trainer.sandboxes.e2b_errors import (
     retry_delay_s,
     tries_allowed,
 )
-from harness_trainer.sandboxes.e2b_smoke import main as smoke_main
 from tests.sandboxes.conftest import TaskFactory
 from tests.sandboxes.fake_e2b import FakeE2BCloud, api_error
 

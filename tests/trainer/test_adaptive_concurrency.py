@@ -19,10 +19,10 @@ from harness_trainer import HarnessAsyncGRPOTrainer
 from harness_trainer.dev_engine.process import EngineProcess, start_engine
 from harness_trainer.engines.engine_metrics import EngineLoad
 from harness_trainer.net import free_port
-from harness_trainer.trainer.concurrency import GROW_WAIT, AdaptiveConcurrency, ConcurrencyRule
-from harness_trainer.trainer.config import AsyncGRPOConfig, ConfigProblems
-from harness_trainer.trainer.load_poller import ConcurrencyPoller, metrics_url
-from harness_trainer.trainer.scheduling import RolloutScheduler, SchedulerConfig
+from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig, ConfigProblems
+from harness_trainer.trainer.feed.concurrency import GROW_WAIT, AdaptiveConcurrency, ConcurrencyRule
+from harness_trainer.trainer.feed.load_poller import ConcurrencyPoller, metrics_url
+from harness_trainer.trainer.feed.scheduling import RolloutScheduler, SchedulerConfig
 from tests.trainer.handmade import HandmadeFactory
 from tests.trainer.test_trainer import builder, config, metrics_lines
 
@@ -261,7 +261,7 @@ def test_a_page_that_does_not_read_is_warned_about_once_per_failure_and_keeps_th
     target = Target()
     poller = ConcurrencyPoller(page_server["url"], controller(floor=2, ceiling=4), target, interval_s=1.0)
     try:
-        with caplog.at_level(logging.DEBUG, logger="harness_trainer.trainer.load_poller"):
+        with caplog.at_level(logging.DEBUG, logger="harness_trainer.trainer.feed.load_poller"):
             assert [poller.poll_once() for _ in range(3)] == [None, None, None]
             assert len(warnings_of(caplog)) == 1  # the first failure, not each poll
             page_server.update(status=200, page=PAGE)
@@ -286,13 +286,13 @@ def test_an_engine_that_is_not_there_stops_nothing(caplog) -> None:
     url = f"http://127.0.0.1:{free_port()}"
     target = Target()
     poller = ConcurrencyPoller(url, controller(floor=1, ceiling=4), target, interval_s=0.01)
-    with caplog.at_level(logging.WARNING, logger="harness_trainer.trainer.load_poller"):
+    with caplog.at_level(logging.WARNING, logger="harness_trainer.trainer.feed.load_poller"):
         poller.start()
         time.sleep(0.3)
         poller.stop()
     assert target.limits == []
     assert poller.metrics() == {"rollout/concurrency_limit": 1.0, "engine/replicas_read": 0.0}
-    said = [r.getMessage() for r in caplog.records if r.name == "harness_trainer.trainer.load_poller"]
+    said = [r.getMessage() for r in caplog.records if r.name == "harness_trainer.trainer.feed.load_poller"]
     assert len(said) == 1 and metrics_url(url) in said[0]
 
 
@@ -317,7 +317,7 @@ def test_the_poller_reads_every_replica_and_warns_once_about_one_that_stops(
     poller = ConcurrencyPoller([engine.url, f"{second.url}/v1"], controller(floor=1, ceiling=8), target,
                                interval_s=1.0)  # fmt: skip
     try:
-        with caplog.at_level(logging.DEBUG, logger="harness_trainer.trainer.load_poller"):
+        with caplog.at_level(logging.DEBUG, logger="harness_trainer.trainer.feed.load_poller"):
             first = poller.poll_once()
             assert first is not None and first.change == "grow"  # two idle engines, rollouts waiting
             both = poller.metrics()

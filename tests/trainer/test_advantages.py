@@ -9,7 +9,7 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from harness_trainer.trainer.advantages import group_advantages, scored
+from harness_trainer.trainer.step.advantages import group_advantages, scored
 
 
 def test_hand_computed_group() -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from harness_trainer.trace import load_trace
-from harness_trainer.trainer.batch import assemble, rollout_metrics
-from harness_trainer.trainer.groups import Group, Rollout
-from harness_trainer.trainer.rows import build_rows
+from harness_trainer.trainer.step.batch import assemble, rollout_metrics
+from harness_trainer.trainer.step.groups import Group, Rollout
+from harness_trainer.trainer.step.rows import build_rows
 from tests.test_package_boundaries import modules_after
 from tests.trainer.handmade import chain_trace
 
@@ -109,5 +109,5 @@ def test_step_normalization_weighs_every_token_alike_and_still_counts_a_split_ro
 
 
 def test_the_step_data_modules_do_not_import_the_threaded_scheduler() -> None:
-    statement = "import harness_trainer.trainer.batch, harness_trainer.trainer.rollout_log"
-    assert modules_after(statement, ["harness_trainer.trainer.scheduling", "torch"]) == []
+    statement = "import harness_trainer.trainer.step.batch, harness_trainer.trainer.feed.rollout_log"
+    assert modules_after(statement, ["harness_trainer.trainer.feed.scheduling", "torch"]) == []

@@ -7,7 +7,12 @@ import dataclasses
 import pytest
 
 from capture_proxy.sampling import SamplingPolicy
-from harness_trainer.trainer.config import AsyncGRPOConfig, ConfigProblems, LossConfig, parse_config
+from harness_trainer.trainer.config.async_grpo import (
+    AsyncGRPOConfig,
+    ConfigProblems,
+    LossConfig,
+    parse_config,
+)
 
 
 def test_defaults_are_a_valid_config_with_a_temperature_only_policy() -> None:

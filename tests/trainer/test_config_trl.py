@@ -13,13 +13,13 @@ import torch
 
 from harness_trainer import HarnessAsyncGRPOTrainer
 from harness_trainer.trainer import trainer as trainer_module
-from harness_trainer.trainer.batch import StepBatch
-from harness_trainer.trainer.config import AsyncGRPOConfig, LossConfig, parse_config
-from harness_trainer.trainer.groups import Rollout
-from harness_trainer.trainer.outcome import HarnessRolloutOutcome
-from harness_trainer.trainer.rollout_log import read_rollout_log
+from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig, LossConfig, parse_config
+from harness_trainer.trainer.config.trl_fields import TRL_IGNORED, TRL_REFUSED, TRL_SUPPORTED
+from harness_trainer.trainer.feed.rollout_log import read_rollout_log
+from harness_trainer.trainer.step.batch import StepBatch
+from harness_trainer.trainer.step.groups import Rollout
+from harness_trainer.trainer.step.outcome import HarnessRolloutOutcome
 from harness_trainer.trainer.trainer import completions_text
-from harness_trainer.trainer.trl_fields import TRL_IGNORED, TRL_REFUSED, TRL_SUPPORTED
 from tests.trainer.handmade import HandmadeFactory
 from tests.trainer.test_trainer import builder, config, metrics_lines
 

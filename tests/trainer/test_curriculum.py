@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from harness_trainer.trainer.curriculum import (
+from harness_trainer.trainer.feed.curriculum import (
     CurriculumExhausted,
     CurriculumStateError,
     GroupResult,
@@ -20,7 +20,7 @@ from harness_trainer.trainer.curriculum import (
     task_status,
     weights,
 )
-from harness_trainer.trainer.groups import Group, Rollout
+from harness_trainer.trainer.step.groups import Group, Rollout
 
 Rewards = Callable[[int, int], list[float | None]]
 """(row, group index) -> the group's member rewards (None: unscorable)."""
@@ -165,7 +165,7 @@ def test_status_reads_only_the_last_window_groups() -> None:
 
 
 def test_the_scheduler_rolls_out_the_rows_the_curriculum_chooses() -> None:
-    from harness_trainer.trainer.scheduling import RolloutScheduler, SchedulerConfig
+    from harness_trainer.trainer.feed.scheduling import RolloutScheduler, SchedulerConfig
     from tests.trainer.handmade import HandmadeFactory
 
     factory = HandmadeFactory(
@@ -201,7 +201,7 @@ def solved_task_0(task: int, member: int) -> float:
 
 
 def trained_rows(output_dir) -> dict[int, int]:
-    from harness_trainer.trainer.rollout_log import read_rollout_log
+    from harness_trainer.trainer.feed.rollout_log import read_rollout_log
 
     return {r.group: r.task_index for r in read_rollout_log(output_dir)}
 
@@ -277,14 +277,14 @@ def test_a_trainer_whose_curriculum_retires_every_task_stops_saying_so(tmp_path,
     ],
 )
 def test_a_bad_curriculum_setting_is_refused_with_a_clear_message(overrides, message) -> None:
-    from harness_trainer.trainer.config import AsyncGRPOConfig, ConfigProblems
+    from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig, ConfigProblems
 
     with pytest.raises(ConfigProblems, match=message):
         AsyncGRPOConfig(**overrides)
 
 
 def test_the_curriculum_is_off_by_default_and_its_rule_has_the_configs_defaults() -> None:
-    from harness_trainer.trainer.config import AsyncGRPOConfig
+    from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig
 
     config = AsyncGRPOConfig()
     assert config.curriculum == "none" and config.drop_zero_variance_groups

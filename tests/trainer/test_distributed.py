@@ -18,7 +18,6 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from transformers import AutoModelForCausalLM, get_scheduler
 
-from harness_trainer.trainer.batch import StepBatch
 from harness_trainer.trainer.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from harness_trainer.trainer.distributed import (
     Collective,
@@ -32,10 +31,11 @@ from harness_trainer.trainer.distributed import (
     stats_from_vector,
     stats_vector,
 )
-from harness_trainer.trainer.logprobs import token_logprobs, use_packed_attention
-from harness_trainer.trainer.loss import LossConfig, LossStats, policy_loss
-from harness_trainer.trainer.packing import collate, plan_micro_batches
-from harness_trainer.trainer.rows import Row
+from harness_trainer.trainer.step.batch import StepBatch
+from harness_trainer.trainer.step.logprobs import token_logprobs, use_packed_attention
+from harness_trainer.trainer.step.loss import LossConfig, LossStats, policy_loss
+from harness_trainer.trainer.step.packing import collate, plan_micro_batches
+from harness_trainer.trainer.step.rows import Row
 from tests.trainer.distributed_run import FIRST_STEPS, TOTAL_STEPS, trained_alone
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ import pytest
 
 from harness_trainer import HarnessAsyncGRPOTrainer
 from harness_trainer.trace import TrainingTrace
-from harness_trainer.trainer.evaluation import (
+from harness_trainer.trainer.feed.evaluation import (
     EVAL_ROLLOUTS_FILE,
     EVAL_SEED_OFFSET,
     Evaluator,

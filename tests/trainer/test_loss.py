@@ -13,10 +13,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from harness_trainer.trainer.logprobs import token_logprobs
-from harness_trainer.trainer.loss import LossConfig, LossStats, policy_loss
-from harness_trainer.trainer.packing import MicroBatch, collate, plan_micro_batches
-from harness_trainer.trainer.rows import Row
+from harness_trainer.trainer.step.logprobs import token_logprobs
+from harness_trainer.trainer.step.loss import LossConfig, LossStats, policy_loss
+from harness_trainer.trainer.step.packing import MicroBatch, collate, plan_micro_batches
+from harness_trainer.trainer.step.rows import Row
 
 # ------------------------------------------------------------------------------------ the worked example
 # Two rows of three tokens; the first token of each is context. ε = 0.2, ε_high = 0.28 (set: its default

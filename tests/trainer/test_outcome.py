@@ -14,7 +14,7 @@ import pytest
 
 from harness_trainer.rollouts.client.session import VerifyResult
 from harness_trainer.trace import TrainingTrace
-from harness_trainer.trainer.outcome import (
+from harness_trainer.trainer.step.outcome import (
     HarnessRolloutOutcome,
     RewardFunctionError,
     apply_reward_fn,

@@ -9,14 +9,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from harness_trainer.trainer.logprobs import (
+from harness_trainer.trainer.step.logprobs import (
     PACKED_ATTENTION,
     token_logprobs,
     token_logprobs_padded,
     use_packed_attention,
 )
-from harness_trainer.trainer.packing import collate, collate_padded, plan_micro_batches
-from harness_trainer.trainer.rows import Row
+from harness_trainer.trainer.step.packing import collate, collate_padded, plan_micro_batches
+from harness_trainer.trainer.step.rows import Row
 
 VOCAB = 4096
 

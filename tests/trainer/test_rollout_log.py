@@ -10,10 +10,7 @@ import pytest
 
 from harness_trainer.rollouts.client.session import VerifyResult
 from harness_trainer.trace import load_trace
-from harness_trainer.trainer.batch import assemble
-from harness_trainer.trainer.groups import Group, Rollout
-from harness_trainer.trainer.outcome import build_outcome
-from harness_trainer.trainer.rollout_log import (
+from harness_trainer.trainer.feed.rollout_log import (
     FEW_SCORED,
     NO_TOKENS,
     NOT_TAKEN,
@@ -31,8 +28,11 @@ from harness_trainer.trainer.rollout_log import (
     rollout_record,
     step_outcomes,
 )
-from harness_trainer.trainer.rows import build_rows
-from harness_trainer.trainer.scheduling import RolloutScheduler, SchedulerConfig
+from harness_trainer.trainer.feed.scheduling import RolloutScheduler, SchedulerConfig
+from harness_trainer.trainer.step.batch import assemble
+from harness_trainer.trainer.step.groups import Group, Rollout
+from harness_trainer.trainer.step.outcome import build_outcome
+from harness_trainer.trainer.step.rows import build_rows
 from tests.trainer.handmade import HandmadeFactory, chain_trace
 
 

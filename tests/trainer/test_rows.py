@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness_trainer.trace import CaptureContractError, TrainingTrace
-from harness_trainer.trainer.rows import Row, build_rows, row_stats
+from harness_trainer.trainer.step.rows import Row, build_rows, row_stats
 
 
 def make_turn(

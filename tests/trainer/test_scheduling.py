@@ -7,7 +7,7 @@ import time
 import pytest
 
 from harness_trainer.trace import CaptureContractError
-from harness_trainer.trainer.scheduling import RolloutScheduler, SchedulerConfig, row_order
+from harness_trainer.trainer.feed.scheduling import RolloutScheduler, SchedulerConfig, row_order
 from tests.trainer.handmade import HandmadeFactory
 
 
@@ -165,7 +165,7 @@ def test_each_finished_rollout_is_handed_over_failed_ones_included_before_its_gr
 
 
 def test_a_rollout_record_that_cannot_be_written_stops_the_scheduler() -> None:
-    from harness_trainer.trainer.scheduling import RolloutSchedulerError
+    from harness_trainer.trainer.feed.scheduling import RolloutSchedulerError
 
     def full_disk(group, rollout) -> None:
         raise OSError(28, "No space left on device")

@@ -13,17 +13,17 @@ from typing import Any
 
 import pytest
 
+from capture_proxy.admin_client import CaptureError
 from harness_trainer.harnesses.base import HarnessError
 from harness_trainer.rollouts.client.factory import HarborSession, RolloutServerError
 from harness_trainer.rollouts.client.local_factory import LocalSession
 from harness_trainer.rollouts.client.session import RolloutUnscorable
 from harness_trainer.rollouts.result import RolloutResult
-from harness_trainer.rollouts.server.capture_client import CaptureError
 from harness_trainer.sandboxes.base import SandboxError
-from harness_trainer.trainer import scheduling
-from harness_trainer.trainer.groups import Group
-from harness_trainer.trainer.outcome import RewardFunctionError
-from harness_trainer.trainer.scheduling import RolloutScheduler, RolloutSchedulerError, SchedulerConfig
+from harness_trainer.trainer.feed import scheduling
+from harness_trainer.trainer.feed.scheduling import RolloutScheduler, RolloutSchedulerError, SchedulerConfig
+from harness_trainer.trainer.step.groups import Group
+from harness_trainer.trainer.step.outcome import RewardFunctionError
 from tests.trainer.handmade import HandmadeFactory, chain_trace
 
 PROMPT_S = 10.0

@@ -7,10 +7,10 @@ import random
 import pytest
 import torch
 
-from harness_trainer.trainer.logprobs import token_logprobs, use_packed_attention
-from harness_trainer.trainer.packing import collate
-from harness_trainer.trainer.rows import Row
-from harness_trainer.trainer.shared_prefix import prefix_groups, shared_prefix_logprobs
+from harness_trainer.trainer.step.logprobs import token_logprobs, use_packed_attention
+from harness_trainer.trainer.step.packing import collate
+from harness_trainer.trainer.step.rows import Row
+from harness_trainer.trainer.step.shared_prefix import prefix_groups, shared_prefix_logprobs
 
 
 def row(rollout: int, ids: list[int], targets: list[int]) -> Row:

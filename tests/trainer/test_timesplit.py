@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness_trainer.trainer.timesplit import TimeSplit, time_split, union_seconds
+from harness_trainer.trainer.step.timesplit import TimeSplit, time_split, union_seconds
 
 
 def call(start: float | None, end: float | None) -> dict[str, float | None]:

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from harness_trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
 from harness_trainer.trace import CaptureContractError
-from harness_trainer.trainer.outcome import RewardFunctionError
+from harness_trainer.trainer.step.outcome import RewardFunctionError
 from harness_trainer.trainer.trainer import WeightSyncError
 from tests.trainer.handmade import HandmadeFactory, chain_trace
 
@@ -98,7 +98,7 @@ def test_resume_continues_exactly_where_a_stopped_run_left(tmp_path, tiny_model_
     assert resumed.state.step == 6
     # The run's record reads as the straight run's: what the first run rolled out past its last checkpoint
     # (groups 4 and on, admitted but never taken) is superseded by what the resumed run did with them.
-    from harness_trainer.trainer.rollout_log import read_rollout_log
+    from harness_trainer.trainer.feed.rollout_log import read_rollout_log
 
     def taken(run: Path) -> list[tuple]:
         records = read_rollout_log(run / "out")
@@ -340,7 +340,7 @@ def test_metrics_reach_tensorboard_through_report_to(tmp_path, tiny_model_dir):
 
 
 def test_every_rollout_of_every_step_goes_to_the_rollout_log(tmp_path, tiny_model_dir):
-    from harness_trainer.trainer.rollout_log import FEW_SCORED, NOT_TAKEN, UNSCORABLE, read_rollout_log
+    from harness_trainer.trainer.feed.rollout_log import FEW_SCORED, NOT_TAKEN, UNSCORABLE, read_rollout_log
 
     factory = HandmadeFactory(fail_start=lambda n: n in (0, 1, 2))  # the first group is dropped
     trainer = HarnessAsyncGRPOTrainer(str(tiny_model_dir), builder(factory), config(tmp_path, max_steps=2))
@@ -362,7 +362,7 @@ def test_every_rollout_of_every_step_goes_to_the_rollout_log(tmp_path, tiny_mode
 def test_the_run_record_has_each_rollout_as_it_finished_why_it_did_not_train_and_its_time_split(
     tmp_path, tiny_model_dir
 ):
-    from harness_trainer.trainer.rollout_log import ROLLOUTS_FILE, UNSCORABLE, read_rollout_log
+    from harness_trainer.trainer.feed.rollout_log import ROLLOUTS_FILE, UNSCORABLE, read_rollout_log
 
     def timed(task: int, member: int) -> dict:
         trace = chain_trace(task, member)

@@ -10,7 +10,7 @@ import httpx
 
 from harness_trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer, LocalSessionFactory
 from harness_trainer.tasks.sources import LocalTaskSource
-from harness_trainer.trainer.rollout_log import read_rollout_log
+from harness_trainer.trainer.feed.rollout_log import read_rollout_log
 from tests.rollouts.conftest import EXAMPLES, bash_call, live_sandbox_processes, scripted_engine  # noqa: F401
 
 SOLVE = [bash_call("printf 'Hello, Harbor!\\n' > /app/hello.txt"), {"content": "Done."}]

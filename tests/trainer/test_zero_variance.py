@@ -7,8 +7,8 @@ import logging
 import pytest
 
 from harness_trainer import HarnessAsyncGRPOTrainer
-from harness_trainer.trainer.evaluation import read_eval
-from harness_trainer.trainer.rollout_log import read_rollout_log
+from harness_trainer.trainer.feed.evaluation import read_eval
+from harness_trainer.trainer.feed.rollout_log import read_rollout_log
 from harness_trainer.trainer.trainer import NoLearningSignal
 from tests.trainer.handmade import HandmadeFactory
 from tests.trainer.test_evaluation import split_builder
@@ -132,7 +132,7 @@ def test_the_running_total_survives_a_resume(tmp_path, tiny_model_dir):
     ],
 )
 def test_a_bad_zero_variance_setting_is_refused(overrides, message) -> None:
-    from harness_trainer.trainer.config import AsyncGRPOConfig, ConfigProblems
+    from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig, ConfigProblems
 
     with pytest.raises(ConfigProblems, match=message):
         AsyncGRPOConfig(**overrides)

@@ -29,7 +29,7 @@ from capture_proxy.sampling import SamplingPolicy
 from harness_trainer.dev_engine.process import EngineProcess
 from harness_trainer.net import free_port
 from harness_trainer.trace import dump_trace, load_trace
-from harness_trainer.trainer.rows import build_rows, row_stats
+from harness_trainer.trainer.step.rows import build_rows, row_stats
 from harness_trainer.whitebox.episode import EmptyEpisode, build_trace, extends
 from harness_trainer.whitebox.model_step import (
     PARSE_ERROR_TOOL,

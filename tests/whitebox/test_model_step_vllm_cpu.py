@@ -14,7 +14,7 @@ pytest.importorskip("trl")
 
 from transformers import AutoTokenizer
 
-from harness_trainer.trainer.rows import build_rows, row_stats
+from harness_trainer.trainer.step.rows import build_rows, row_stats
 from tests.test_vllm_cpu_parity import model_dir, pytestmark, vllm_url  # noqa: F401 - fixtures and marks
 from tests.whitebox.test_model_step import direct_completion, make_step, run_episode
 

@@ -22,11 +22,11 @@ from capture_proxy.sampling import SamplingPolicy
 from harness_trainer import HarnessAsyncGRPOTrainer, LocalWhiteBoxSessionFactory, ReActAdapter
 from harness_trainer.examples import TASKS as EXAMPLES
 from harness_trainer.tasks.sources import LocalTaskSource
-from harness_trainer.trainer.config import AsyncGRPOConfig
-from harness_trainer.trainer.rollout_log import read_rollout_log
+from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig
+from harness_trainer.trainer.feed.rollout_log import read_rollout_log
+from harness_trainer.trainer.feed.whitebox import check_white_box
 from harness_trainer.whitebox.model_step import PARSE_ERROR_TOOL, TokenModelStep
 from harness_trainer.whitebox.react import DEFAULT_SYSTEM_PROMPT
-from harness_trainer.whitebox.rollout import check_white_box
 from tests.hardening.faults import metrics_lines
 from tests.whitebox.conftest import ScriptedEngine
 

@@ -17,7 +17,7 @@ pytest.importorskip("e2b")
 from harness_trainer import LocalWhiteBoxSessionFactory
 from harness_trainer.examples import TASKS as EXAMPLES
 from harness_trainer.rollouts.errors import RolloutConfigError
-from harness_trainer.trainer.rollout_log import read_rollout_log
+from harness_trainer.trainer.feed.rollout_log import read_rollout_log
 from tests.hardening.faults import metrics_lines
 from tests.sandboxes.fake_e2b import FakeE2BCloud
 from tests.whitebox.conftest import ScriptedEngine

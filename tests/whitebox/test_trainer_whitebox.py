@@ -34,17 +34,17 @@ from harness_trainer.net import free_port
 from harness_trainer.rollouts.client.local_factory import LocalSessionFactory
 from harness_trainer.rollouts.client.whitebox_session import WhiteBoxSessionFactory
 from harness_trainer.rollouts.errors import RolloutUnscorable
-from harness_trainer.trainer.config import AsyncGRPOConfig
-from harness_trainer.trainer.failures import AdapterError, FailureKind, is_infrastructure, judge
-from harness_trainer.trainer.rollout_log import read_rollout_log
-from harness_trainer.trainer.scheduling import RolloutSchedulerError
-from harness_trainer.whitebox.model_step import EngineCallError
-from harness_trainer.whitebox.rollout import (
+from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig
+from harness_trainer.trainer.feed.failures import AdapterError, FailureKind, is_infrastructure, judge
+from harness_trainer.trainer.feed.rollout_log import read_rollout_log
+from harness_trainer.trainer.feed.scheduling import RolloutSchedulerError
+from harness_trainer.trainer.feed.whitebox import (
     StepSettings,
     WhiteBoxRolloutFactory,
     check_white_box,
     white_box_factory,
 )
+from harness_trainer.whitebox.model_step import EngineCallError
 from tests.hardening.faults import metrics_lines
 from tests.rollouts.test_whitebox_server import HELLO, Server
 from tests.whitebox.conftest import ScriptedEngine

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import httpx
 
+from capture_proxy.admin_client import CaptureClient
 from capture_proxy.config import ADMIN_KEY_ENV
-from harness_trainer.rollouts.server.capture_client import CaptureClient
 
 
 class ProxyProcessError(RuntimeError):

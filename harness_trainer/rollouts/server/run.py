@@ -19,11 +19,11 @@ import time
 from collections.abc import Coroutine, Iterator
 from typing import Any
 
+from capture_proxy.admin_client import CaptureClient, CaptureError, NothingTrainable
 from harness_trainer.harnesses import make_harness
 from harness_trainer.harnesses.base import AgentEndpoint, AgentRun, Harness, HarnessError
 from harness_trainer.rollouts.errors import ErrorKind
 from harness_trainer.rollouts.result import RolloutOptions, RolloutResult
-from harness_trainer.rollouts.server.capture_client import CaptureClient, CaptureError, NothingTrainable
 from harness_trainer.rollouts.server.verifier import run_verifier, upload_tests
 from harness_trainer.sandboxes.base import Sandbox, SandboxBackend, SandboxError
 from harness_trainer.tasks.task import HarborTask

@@ -22,10 +22,10 @@ from urllib.parse import urlsplit
 import httpx
 from aiohttp import web
 
+from capture_proxy.admin_client import CaptureClient
 from capture_proxy.app import build_app
 from capture_proxy.config import ProxyConfig, engine_root
 from harness_trainer.rollouts.result import RolloutOptions, RolloutResult
-from harness_trainer.rollouts.server.capture_client import CaptureClient
 from harness_trainer.rollouts.server.proxy_process import ProxyProcess
 from harness_trainer.rollouts.server.run import run_rollout
 from harness_trainer.sandboxes import SandboxSupervisor, capabilities, make_backend, missing_credentials

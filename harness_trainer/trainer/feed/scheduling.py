@@ -60,15 +60,15 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from harness_trainer.trace import TrainingTrace, load_trace
-from harness_trainer.trainer.failures import AdapterError, FailureKind, judge, origin_of
-from harness_trainer.trainer.groups import Group, Rollout
-from harness_trainer.trainer.outcome import (
+from harness_trainer.trainer.feed.failures import AdapterError, FailureKind, judge, origin_of
+from harness_trainer.trainer.step.groups import Group, Rollout
+from harness_trainer.trainer.step.outcome import (
     HarnessRolloutOutcome,
     apply_reward_fn,
     build_outcome,
     completion_messages,
 )
-from harness_trainer.trainer.rows import build_rows
+from harness_trainer.trainer.step.rows import build_rows
 
 logger = logging.getLogger(__name__)
 

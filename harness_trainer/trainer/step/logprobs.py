@@ -32,7 +32,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from harness_trainer.trainer.packing import MicroBatch, PaddedBatch
+from harness_trainer.trainer.step.packing import MicroBatch, PaddedBatch
 
 ENTROPY_CHUNK = 4096  # positions per softmax when computing the entropy: bounds its extra memory
 PACKED_ATTENTION = "packed_sdpa"

@@ -14,10 +14,10 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from harness_trainer.trainer.advantages import group_advantages, scored
-from harness_trainer.trainer.groups import Group, Rollout
-from harness_trainer.trainer.rows import Row
-from harness_trainer.trainer.timesplit import TimeSplit, time_split
+from harness_trainer.trainer.step.advantages import group_advantages, scored
+from harness_trainer.trainer.step.groups import Group, Rollout
+from harness_trainer.trainer.step.rows import Row
+from harness_trainer.trainer.step.timesplit import TimeSplit, time_split
 
 
 @dataclass

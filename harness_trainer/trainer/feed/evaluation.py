@@ -4,7 +4,7 @@ An evaluation is one pass over the eval rows: each row rolled out ``eval_num_gen
 group, seeded as training seeds its groups, from a seed of its own so every evaluation of a run, and the
 same-seed runs of a benchmark, roll each task out with the same seeds), through a session factory of its
 own (the trainer's builder with ``sampling=`` the eval policy and ``split=`` the eval split), run by a
-:class:`~harness_trainer.trainer.scheduling.RolloutScheduler` of its own. Eval rollouts are never trained
+:class:`~harness_trainer.trainer.feed.scheduling.RolloutScheduler` of its own. Eval rollouts are never trained
 on and never enter the training scheduler, so they count toward no staleness bound; the trainer does not
 step while it evaluates, so they all run at one weight version, which is recorded.
 
@@ -23,7 +23,8 @@ Metrics (the step's ``metrics.jsonl`` line; ``eval_on_start``'s at step 0): ``ev
 of the scored samples), ``eval/pass@1`` and ``eval/pass@k`` (means over tasks), ``eval/unscorable``,
 ``eval/policy_version``, ``eval/wall_s``. When the evaluation ends, ``output_dir/eval.jsonl`` gets one line
 per task and evaluation (:class:`EvalRecord`), then ``output_dir/eval_rollouts.jsonl`` one line per sample
-(the :class:`~harness_trainer.trainer.rollout_log.RolloutRecord` of training's ``rollouts.jsonl``, with the
+(the :class:`~harness_trainer.trainer.feed.rollout_log.RolloutRecord` of training's ``rollouts.jsonl``, with
+the
 evaluation's ``step`` and policy version, the task's group index and the ``trace``, null when none was
 captured; unscorable samples included, with their reason), each file appended, flushed and synced; a
 stopped evaluation writes neither. The split is in ``eval.jsonl`` only: a sample's task line there has its
@@ -45,9 +46,9 @@ from typing import Any
 import orjson
 from pydantic import BaseModel, ValidationError
 
-from harness_trainer.trainer.groups import Group
-from harness_trainer.trainer.rollout_log import RolloutRecord, member_record, read_jsonl, record_of
-from harness_trainer.trainer.scheduling import RewardFn, RolloutScheduler, SchedulerConfig
+from harness_trainer.trainer.feed.rollout_log import RolloutRecord, member_record, read_jsonl, record_of
+from harness_trainer.trainer.feed.scheduling import RewardFn, RolloutScheduler, SchedulerConfig
+from harness_trainer.trainer.step.groups import Group
 
 logger = logging.getLogger(__name__)
 
@@ -309,7 +310,7 @@ def read_eval_rollouts(
     """The samples of a run's ``eval_rollouts.jsonl`` in the order written (an unterminated last line
     skipped); [] when there is none. A resumed run that evaluates a step again appends its samples again:
     the later ones are that step's. ``validate_traces`` as in
-    :func:`~harness_trainer.trainer.rollout_log.read_rollout_log`.
+    :func:`~harness_trainer.trainer.feed.rollout_log.read_rollout_log`.
 
     Raises:
         ValueError: a line is not JSON or not a rollout record; the message names the file and the line.

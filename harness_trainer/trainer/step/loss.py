@@ -16,7 +16,8 @@ current logprob ``l`` (with grad), ``r = exp(l - b)``:
 
 :class:`LossStats` holds sums over target tokens (and counts), so the stats of micro-batches merge by
 addition and :meth:`LossStats.metrics` gives token means over the step. The coefficients are the run's
-:class:`~harness_trainer.trainer.config.LossConfig` (``AsyncGRPOConfig.loss``), defined and checked there.
+:class:`~harness_trainer.trainer.config.async_grpo.LossConfig` (``AsyncGRPOConfig.loss``), defined and
+checked there.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from harness_trainer.trainer.config import LossConfig
-from harness_trainer.trainer.packing import MicroBatch, PaddedBatch
+from harness_trainer.trainer.config.async_grpo import LossConfig
+from harness_trainer.trainer.step.packing import MicroBatch, PaddedBatch
 
 __all__ = ["LossConfig", "LossStats", "policy_loss"]
 

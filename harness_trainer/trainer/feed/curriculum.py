@@ -34,7 +34,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness_trainer.trainer.groups import Group
+from harness_trainer.trainer.step.groups import Group
 
 STATE_VERSION = 1
 
@@ -154,7 +154,8 @@ class _State:
 
 
 class PassRateCurriculum:
-    """The row chooser of :class:`~harness_trainer.trainer.scheduling.RolloutScheduler` (module docstring).
+    """The row chooser of :class:`~harness_trainer.trainer.feed.scheduling.RolloutScheduler` (module
+    docstring).
 
     Args:
         num_rows: rows of the training dataset.

@@ -27,7 +27,7 @@ E2B sandboxes are remote: they reach the proxy at ``proxy_public_url`` (e.g. a t
 the SDK boundary; the tests pass the fake cloud, whose sandboxes share this host's network, so there a
 loopback URL is allowed.
 
-``--sandbox-only`` (:func:`smoke`, also ``python -m harness_trainer.sandboxes.e2b --smoke``): starts one
+``--sandbox-only`` (:func:`smoke`, also ``python -m harness_trainer.launch.e2b_smoke --smoke``): starts one
 sandbox from a named template (``base``), checks exec (output, env, exit code), a timeout that must kill the
 whole process group, and a file round trip through ``/logs``, then closes it; one line per check.
 """
@@ -231,7 +231,7 @@ async def smoke(template: str, sandbox_class: Any = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m harness_trainer.sandboxes.e2b --smoke``: the sandbox-only check."""
+    """``python -m harness_trainer.launch.e2b_smoke --smoke``: the sandbox-only check."""
     parser = argparse.ArgumentParser(description="E2B sandbox backend tools")
     parser.add_argument("--smoke", action="store_true", help="run the manual smoke test (needs E2B_API_KEY)")
     parser.add_argument("--template", default="base", help="E2B template for the smoke test")

@@ -33,13 +33,12 @@ from pathlib import Path
 from typing import Any
 
 from capture_proxy.sampling import SamplingPolicy
-from harness_trainer.trainer.trl_fields import TRL_ONLY, trl_flags, trl_problems
+from harness_trainer.engines.kinds import ENGINE_KINDS, WEIGHT_SYNCS
+from harness_trainer.trainer.config.trl_fields import TRL_ONLY, trl_flags, trl_problems
 
 logger = logging.getLogger(__name__)
 
 IMPORTANCE_SAMPLING_MODES = ("truncate", "mask", "none")
-ENGINE_KINDS = ("auto", "vllm", "dev", "none")
-WEIGHT_SYNCS = ("auto", "nccl", "file")
 LORA_SYNCS = ("adapter", "merged")
 LORA_SAVES = ("adapter", "merged")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -68,8 +67,9 @@ class ConfigProblems(ValueError):
 
 @dataclass(frozen=True)
 class LossConfig:
-    """The knobs of the policy loss (:func:`harness_trainer.trainer.loss.policy_loss`) and of the advantages
-    and weights it is given (:func:`harness_trainer.trainer.batch.assemble`), checked on construction.
+    """The knobs of the policy loss (:func:`harness_trainer.trainer.step.loss.policy_loss`) and of the
+    advantages
+    and weights it is given (:func:`harness_trainer.trainer.step.batch.assemble`), checked on construction.
 
     ``AsyncGRPOConfig.loss`` holds one; ``AsyncGRPOConfig`` also takes each knob flat, under the same name
     (TRL's way: ``AsyncGRPOConfig(beta=0.04)``), and puts it here.
@@ -210,8 +210,8 @@ class _ConfigFields:
             "at its checkpoint's limit, within the bounds); it grows while the KV usage is below "
             "kv_cache_low_water, nothing waits in the engines and rollouts wait for a slot, and shrinks "
             "above kv_cache_high_water or on a preemption, without cancelling rollouts (the rule: "
-            "harness_trainer/trainer/concurrency.py). Logged each step as rollout/concurrency_limit with "
-            "engine/replicas_read, engine/kv_cache_usage, engine/running, engine/waiting and "
+            "harness_trainer/trainer/feed/concurrency.py). Logged each step as rollout/concurrency_limit "
+            "with engine/replicas_read, engine/kv_cache_usage, engine/running, engine/waiting and "
             "engine/preemptions_total (since polling started). A replica whose /metrics cannot be read is "
             "warned about once until it reads again, and left out of the pool; with none read the limit "
             "stays where it is."
@@ -488,7 +488,7 @@ class _ConfigFields:
     )
     disable_tqdm: bool | None = field(default=False, metadata=_help("No progress bar."))
 
-    # Evaluation (harness_trainer.trainer.evaluation).
+    # Evaluation (harness_trainer.trainer.feed.evaluation).
     eval_strategy: str | None = field(
         default=None,
         metadata=_help(
@@ -585,7 +585,7 @@ class _ConfigFields:
     def __post_init__(self) -> None:
         # TRL's names that are not fields, set aside by AsyncGRPOConfig.__init__; dropped once checked.
         trl: dict[str, Any] = self.__dict__.pop("_trl_values", {})
-        from harness_trainer.trainer import config_checks as checks  # it reads this module's names
+        from harness_trainer.trainer.config import checks  # it reads this module's names
 
         problems = checks.resolve_loss(self, self.__dict__.pop("_loss_values", {}))
         for name in ("model_init_kwargs", "chat_template_kwargs"):

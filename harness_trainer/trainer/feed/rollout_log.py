@@ -64,8 +64,8 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from harness_trainer.trace import TrainingTrace, TrainingTurn
-from harness_trainer.trainer.groups import Group, Rollout
-from harness_trainer.trainer.timesplit import time_split
+from harness_trainer.trainer.step.groups import Group, Rollout
+from harness_trainer.trainer.step.timesplit import time_split
 
 logger = logging.getLogger(__name__)
 

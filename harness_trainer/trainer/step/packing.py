@@ -4,7 +4,8 @@ collated into one ``[1, T]`` sequence with no padding.
 Contract of a packed micro-batch (:class:`MicroBatch`): rows are concatenated in plan order; ``position_ids``
 restart at 0 at each row start, which is how the model tells rows apart (transformers 5 builds a
 block-diagonal causal mask from the position ids when no attention mask and no cache are given, see
-:mod:`harness_trainer.trainer.logprobs`). Every per-token field is aligned with ``input_ids``: ``targets[t]``
+:mod:`harness_trainer.trainer.step.logprobs`). Every per-token field is aligned with ``input_ids``:
+``targets[t]``
 marks a trained sampled token ``input_ids[t]``, predicted from position ``t - 1`` of the same row, so a row's
 first token is never a target. ``token_weights`` carry the per-rollout normalisation of the loss (the
 weight of the token's rollout at targets, 0 elsewhere), so the loss of a micro-batch is a plain weighted sum.
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from harness_trainer.trainer.rows import Row
+from harness_trainer.trainer.step.rows import Row
 
 
 @dataclass
@@ -116,7 +117,7 @@ def collate(
     """Pack ``rows`` into one padding-free micro-batch.
 
     ``advantages`` and ``rollout_weights`` map a rollout index to its advantage and its loss weight
-    (``1 / (N_r · R)``: see :func:`harness_trainer.trainer.loss.policy_loss`).
+    (``1 / (N_r · R)``: see :func:`harness_trainer.trainer.step.loss.policy_loss`).
 
     Raises:
         ValueError: no rows, a rollout missing from either mapping, or a row whose first token is a target.

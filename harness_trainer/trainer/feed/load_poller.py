@@ -4,9 +4,10 @@ A :class:`ConcurrencyPoller` thread reads the page of every engine replica every
 (the first at once; the replicas concurrently, each fetch bounded by ``timeout_s``), turns the pages into
 :class:`~harness_trainer.engines.engine_metrics.EngineLoad` readings, combines those that read into the
 pool's load (:func:`~harness_trainer.engines.engine_metrics.pool_load`: mean KV usage, summed queues,
-preemptions since polling started), lets :class:`~harness_trainer.trainer.concurrency.AdaptiveConcurrency`
+preemptions since polling started), lets
+:class:`~harness_trainer.trainer.feed.concurrency.AdaptiveConcurrency`
 decide, and hands the limit to the scheduler
-(:meth:`~harness_trainer.trainer.scheduling.RolloutScheduler.set_concurrency_limit`). The trainer logs
+(:meth:`~harness_trainer.trainer.feed.scheduling.RolloutScheduler.set_concurrency_limit`). The trainer logs
 :meth:`ConcurrencyPoller.metrics` with each step.
 
 A page that cannot be fetched or read (replica down, no such route, not vLLM's names) never stops the run:
@@ -33,7 +34,7 @@ from harness_trainer.engines.engine_metrics import (
     engine_load,
     pool_load,
 )
-from harness_trainer.trainer.concurrency import AdaptiveConcurrency, Decision
+from harness_trainer.trainer.feed.concurrency import AdaptiveConcurrency, Decision
 
 logger = logging.getLogger(__name__)
 

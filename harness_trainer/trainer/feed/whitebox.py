@@ -3,7 +3,7 @@
 :class:`WhiteBoxRolloutFactory` wraps an OpenEnv ``ResourceSessionFactory`` (e.g.
 :class:`~harness_trainer.rollouts.client.whitebox_session.WhiteBoxSessionFactory`) and a
 ``HarnessAdapter`` (e.g. OpenEnv's ``MCPHarnessAdapter``) into the loop-owning shape the
-:class:`~harness_trainer.trainer.scheduling.RolloutScheduler` already drives. Each ``create`` opens one
+:class:`~harness_trainer.trainer.feed.scheduling.RolloutScheduler` already drives. Each ``create`` opens one
 resource session, wrapped in :class:`~harness_trainer.whitebox.model_step.AnswersParseErrors`, and one fresh
 :class:`~harness_trainer.whitebox.model_step.TokenModelStep`; the rollout (:class:`WhiteBoxRollout`) then
 answers the scheduler's calls in this order:
@@ -22,11 +22,12 @@ answers the scheduler's calls in this order:
    trace) and the episode's ``whitebox/*`` counters.
 4. ``close()``: closes the session (its sandbox) and the step's HTTP client; idempotent, never raises.
 
-Failures, judged by the scheduler's usual rules (:mod:`harness_trainer.trainer.failures`): what the session
+Failures, judged by the scheduler's usual rules (:mod:`harness_trainer.trainer.feed.failures`): what the
+session
 raises (a dead sandbox's ``RolloutUnscorable``, a ``RolloutServerError``) is infrastructure; an engine that
 fails the model step (``EngineCallError``) is re-raised as ``RolloutUnscorable(kind="engine")``; an episode
 that sampled no turn as ``RolloutUnscorable(kind="harness")``; anything else an adapter raises is a bug,
-re-raised as :class:`~harness_trainer.trainer.failures.AdapterError` naming the adapter: *unexpected*
+re-raised as :class:`~harness_trainer.trainer.feed.failures.AdapterError` naming the adapter: *unexpected*
 (traceback logged once per place, counted against ``max_unexpected_errors``), and a second kind of adapter
 bug right after the first stops the run.
 
@@ -51,7 +52,7 @@ import httpx
 from capture_proxy.sampling import SamplingPolicy
 from harness_trainer.rollouts.errors import RolloutUnscorable
 from harness_trainer.trace import TrainingTrace
-from harness_trainer.trainer.failures import AdapterError, is_infrastructure
+from harness_trainer.trainer.feed.failures import AdapterError, is_infrastructure
 from harness_trainer.whitebox.episode import EmptyEpisode
 from harness_trainer.whitebox.model_step import AnswersParseErrors, EngineCallError, TokenModelStep
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from harness_trainer.trainer.rows import Row, common_prefix_length
+from harness_trainer.trainer.step.rows import Row, common_prefix_length
 
 MIN_SHARED_FRACTION = 0.5
 """Rows join a group when their common prefix is at least this fraction of the row: less is not worth a

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from harness_trainer.trace import TrainingTrace
-from harness_trainer.trainer.outcome import HarnessRolloutOutcome
-from harness_trainer.trainer.rows import Row
+from harness_trainer.trainer.step.outcome import HarnessRolloutOutcome
+from harness_trainer.trainer.step.rows import Row
 
 
 @dataclass

@@ -14,32 +14,24 @@
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import enum
 import traceback
 from dataclasses import dataclass
 
-from harness_trainer.harnesses.base import HarnessError
-from harness_trainer.rollouts.client.factory import RolloutServerError
-from harness_trainer.rollouts.errors import RolloutConfigError, RolloutUnscorable
-from harness_trainer.rollouts.server.capture_client import CaptureError
-from harness_trainer.sandboxes.base import SandboxError
+from harness_trainer.rollouts.errors import RolloutConfigError
+from harness_trainer.rollouts.infrastructure import INFRASTRUCTURE_ERRORS
 from harness_trainer.trace import CaptureContractError
-from harness_trainer.trainer.outcome import RewardFunctionError
+from harness_trainer.trainer.step.outcome import RewardFunctionError
 
-INFRASTRUCTURE_ERRORS: tuple[type[BaseException], ...] = (
-    RolloutUnscorable,  # the session's own verdict: sandbox, install, proxy or engine failure
-    RolloutServerError,  # the rollout server refused or could not be reached
-    SandboxError,
-    HarnessError,
-    CaptureError,
-    ConnectionError,
-    TimeoutError,
-    concurrent.futures.CancelledError,  # a rollout cancelled under us (its factory closing)
-    asyncio.CancelledError,  # the same, seen from the event loop
-)
-"""What makes a rollout unscorable without counting as unexpected (see the module docstring)."""
+__all__ = [
+    "INFRASTRUCTURE_ERRORS",
+    "AdapterError",
+    "FailureKind",
+    "Verdict",
+    "is_infrastructure",
+    "judge",
+    "origin_of",
+]
 
 
 class AdapterError(Exception):

@@ -1,9 +1,10 @@
-"""Resolving and checking an :class:`~harness_trainer.trainer.config.AsyncGRPOConfig`'s values at
+"""Resolving and checking an :class:`~harness_trainer.trainer.config.async_grpo.AsyncGRPOConfig`'s values at
 construction: the loss's knobs laid over ``loss``, TRL's batch and concurrency names resolved into
 ``groups_per_step`` and ``max_concurrent_rollouts``, then every rule its fields must keep together.
 
 Each function returns (or yields) the problems it found as sentences naming the fields; the config raises
-them all at once in one :class:`~harness_trainer.trainer.config.ConfigProblems`. Nothing here changes a
+them all at once in one :class:`~harness_trainer.trainer.config.async_grpo.ConfigProblems`. Nothing here
+changes a
 value it was given: it only fills ``None`` fields it resolves.
 """
 
@@ -16,13 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from harness_trainer.trainer.config import (
+from harness_trainer.engines.kinds import ENGINE_KINDS, WEIGHT_SYNCS
+from harness_trainer.trainer.config.async_grpo import (
     CURRICULA,
     DECAYING_SCHEDULERS,
     DEFAULT_GROUPS_PER_STEP,
     DEFAULT_MAX_CONCURRENT_ROLLOUTS,
     DTYPES,
-    ENGINE_KINDS,
     EVAL_STRATEGIES,
     LORA_SAVES,
     LORA_SYNCS,
@@ -30,14 +31,13 @@ from harness_trainer.trainer.config import (
     LR_SCHEDULERS,
     OPTIMIZERS,
     REPORT_TO,
-    WEIGHT_SYNCS,
     ConfigProblems,
     LossConfig,
 )
-from harness_trainer.trainer.export import repo_name_problem
+from harness_trainer.trainer.config.hub_names import repo_name_problem
 
 if TYPE_CHECKING:
-    from harness_trainer.trainer.config import _ConfigFields
+    from harness_trainer.trainer.config.async_grpo import _ConfigFields
 
 
 def resolve_loss(c: _ConfigFields, flat: dict[str, Any]) -> list[str]:
