@@ -26,13 +26,8 @@ from harness_trainer.trainer.reporting import MetricsReporter
 from harness_trainer.trainer.step.groups import Rollout
 from harness_trainer.trainer.step.outcome import build_outcome
 from harness_trainer.trainer.step.rows import build_rows
-from harness_trainer.viewer import (
-    VIEWER_FILE,
-    add_view_arguments,
-    build_viewer,
-    default_tokenizer_dir,
-    run_view,
-)
+from harness_trainer.viewer.command import add_view_arguments, default_tokenizer_dir, run_view
+from harness_trainer.viewer.page import VIEWER_FILE, build_viewer
 from tests.trainer.handmade import chain_trace
 
 ATTACK = "<script>document.body.dataset.pwned='1'</script>"
@@ -247,7 +242,7 @@ def view_args(*argv: str) -> argparse.Namespace:
 
 def test_the_cli_can_import_the_view_and_plot_commands_without_heavy_libraries() -> None:
     code = (
-        "import sys, harness_trainer.viewer, harness_trainer.plots; "
+        "import sys, harness_trainer.viewer.command, harness_trainer.plots; "
         "print(sorted({'pydantic', 'jinja2', 'transformers', 'torch', 'matplotlib'} & set(sys.modules)))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
