@@ -21,7 +21,8 @@ import pytest
 
 from harness_trainer.rollouts.client.session import VerifyResult
 from harness_trainer.trace import TrainingTrace, load_trace
-from harness_trainer.trainer.feed.rollout_log import RolloutLog, rollout_record
+from harness_trainer.trainer.feed.rollout_log import RolloutLog
+from harness_trainer.trainer.feed.rollout_records import rollout_record
 from harness_trainer.trainer.reporting import MetricsReporter
 from harness_trainer.trainer.step.groups import Rollout
 from harness_trainer.trainer.step.outcome import build_outcome
@@ -358,7 +359,7 @@ def test_escaping_alone_keeps_the_attack_inert(
 
 
 def test_rollouts_that_never_trained_show_with_their_reasons_and_the_untaken_last(tmp_path: Path) -> None:
-    from harness_trainer.trainer.feed.rollout_log import FEW_SCORED, UNSCORABLE, RolloutOutcome, RunStart
+    from harness_trainer.trainer.feed.rollout_records import FEW_SCORED, UNSCORABLE, RolloutOutcome, RunStart
 
     trained = rollout(0, 1, load_trace(chain_trace(0, 1)), 1)
     trained.seconds = 6.5

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from harness_trainer.trace import TrainingTrace, TrainingTurn
-    from harness_trainer.trainer.feed.rollout_log import RolloutRecord
+    from harness_trainer.trainer.feed.rollout_records import RolloutRecord
 
 ROLES = ("trained", "context", "auxiliary", "discarded")
 
