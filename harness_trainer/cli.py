@@ -563,7 +563,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from harness_trainer.devloop.evaluate import add_eval_arguments, run_eval
     from harness_trainer.plots import add_plot_arguments, run_plot
-    from harness_trainer.viewer import add_view_arguments, run_view
+    from harness_trainer.viewer.command import add_view_arguments, run_view
 
     evaluate = sub.add_parser(
         "eval", help="evaluate a checkpoint on a split of local tasks: k rollouts per task, pass@1 and pass@k"

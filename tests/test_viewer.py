@@ -21,18 +21,14 @@ import pytest
 
 from harness_trainer.rollouts.client.session import VerifyResult
 from harness_trainer.trace import TrainingTrace, load_trace
-from harness_trainer.trainer.feed.rollout_log import RolloutLog, rollout_record
+from harness_trainer.trainer.feed.rollout_log import RolloutLog
+from harness_trainer.trainer.feed.rollout_records import rollout_record
 from harness_trainer.trainer.reporting import MetricsReporter
 from harness_trainer.trainer.step.groups import Rollout
 from harness_trainer.trainer.step.outcome import build_outcome
 from harness_trainer.trainer.step.rows import build_rows
-from harness_trainer.viewer import (
-    VIEWER_FILE,
-    add_view_arguments,
-    build_viewer,
-    default_tokenizer_dir,
-    run_view,
-)
+from harness_trainer.viewer.command import add_view_arguments, default_tokenizer_dir, run_view
+from harness_trainer.viewer.page import VIEWER_FILE, build_viewer
 from tests.trainer.handmade import chain_trace
 
 ATTACK = "<script>document.body.dataset.pwned='1'</script>"
@@ -247,7 +243,7 @@ def view_args(*argv: str) -> argparse.Namespace:
 
 def test_the_cli_can_import_the_view_and_plot_commands_without_heavy_libraries() -> None:
     code = (
-        "import sys, harness_trainer.viewer, harness_trainer.plots; "
+        "import sys, harness_trainer.viewer.command, harness_trainer.plots; "
         "print(sorted({'pydantic', 'jinja2', 'transformers', 'torch', 'matplotlib'} & set(sys.modules)))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -363,7 +359,7 @@ def test_escaping_alone_keeps_the_attack_inert(
 
 
 def test_rollouts_that_never_trained_show_with_their_reasons_and_the_untaken_last(tmp_path: Path) -> None:
-    from harness_trainer.trainer.feed.rollout_log import FEW_SCORED, UNSCORABLE, RolloutOutcome, RunStart
+    from harness_trainer.trainer.feed.rollout_records import FEW_SCORED, UNSCORABLE, RolloutOutcome, RunStart
 
     trained = rollout(0, 1, load_trace(chain_trace(0, 1)), 1)
     trained.seconds = 6.5

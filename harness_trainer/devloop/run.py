@@ -373,7 +373,7 @@ def _finish(output: Path, model_dir: Path, seconds: float) -> None:
     """The pictures, the reward curve's first and last steps and the first and last evaluation, said
     plainly."""
     from harness_trainer.plots import logged_points, plot_metrics, read_metrics
-    from harness_trainer.viewer import build_viewer
+    from harness_trainer.viewer.page import build_viewer
 
     curves = plot_metrics(output / "metrics.jsonl")
     viewer = build_viewer(output, tokenizer_dir=model_dir)

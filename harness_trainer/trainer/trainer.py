@@ -64,7 +64,8 @@ from harness_trainer.trainer.feed.concurrency import AdaptiveConcurrency, Concur
 from harness_trainer.trainer.feed.curriculum import PassRateCurriculum, PassRateRule
 from harness_trainer.trainer.feed.evaluation import Evaluator, overlapping_tasks
 from harness_trainer.trainer.feed.load_poller import ConcurrencyPoller
-from harness_trainer.trainer.feed.rollout_log import RolloutLog, RunStart, member_record, step_outcomes
+from harness_trainer.trainer.feed.rollout_log import RolloutLog
+from harness_trainer.trainer.feed.rollout_records import RunStart, member_record, step_outcomes
 from harness_trainer.trainer.feed.scheduling import RolloutScheduler, SchedulerConfig
 from harness_trainer.trainer.fsdp2 import clip_grad_norm, map_large_allocations, no_sync, shards_itself
 from harness_trainer.trainer.optim import build_optimizer

@@ -10,21 +10,18 @@ import pytest
 
 from harness_trainer.rollouts.client.session import VerifyResult
 from harness_trainer.trace import load_trace
-from harness_trainer.trainer.feed.rollout_log import (
+from harness_trainer.trainer.feed.rollout_log import ROLLOUTS_FILE, RolloutLog, latest_steps, read_rollout_log
+from harness_trainer.trainer.feed.rollout_records import (
     FEW_SCORED,
     NO_TOKENS,
     NOT_TAKEN,
     NOT_TRAINED,
-    ROLLOUTS_FILE,
     UNGRADED,
     UNSCORABLE,
     ZERO_ADVANTAGE,
     ZERO_VARIANCE,
-    RolloutLog,
     RolloutOutcome,
     RunStart,
-    latest_steps,
-    read_rollout_log,
     rollout_record,
     step_outcomes,
 )

@@ -340,7 +340,8 @@ def test_metrics_reach_tensorboard_through_report_to(tmp_path, tiny_model_dir):
 
 
 def test_every_rollout_of_every_step_goes_to_the_rollout_log(tmp_path, tiny_model_dir):
-    from harness_trainer.trainer.feed.rollout_log import FEW_SCORED, NOT_TAKEN, UNSCORABLE, read_rollout_log
+    from harness_trainer.trainer.feed.rollout_log import read_rollout_log
+    from harness_trainer.trainer.feed.rollout_records import FEW_SCORED, NOT_TAKEN, UNSCORABLE
 
     factory = HandmadeFactory(fail_start=lambda n: n in (0, 1, 2))  # the first group is dropped
     trainer = HarnessAsyncGRPOTrainer(str(tiny_model_dir), builder(factory), config(tmp_path, max_steps=2))
@@ -362,7 +363,8 @@ def test_every_rollout_of_every_step_goes_to_the_rollout_log(tmp_path, tiny_mode
 def test_the_run_record_has_each_rollout_as_it_finished_why_it_did_not_train_and_its_time_split(
     tmp_path, tiny_model_dir
 ):
-    from harness_trainer.trainer.feed.rollout_log import ROLLOUTS_FILE, UNSCORABLE, read_rollout_log
+    from harness_trainer.trainer.feed.rollout_log import ROLLOUTS_FILE, read_rollout_log
+    from harness_trainer.trainer.feed.rollout_records import UNSCORABLE
 
     def timed(task: int, member: int) -> dict:
         trace = chain_trace(task, member)

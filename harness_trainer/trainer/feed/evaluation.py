@@ -46,7 +46,8 @@ from typing import Any
 import orjson
 from pydantic import BaseModel, ValidationError
 
-from harness_trainer.trainer.feed.rollout_log import RolloutRecord, member_record, read_jsonl, record_of
+from harness_trainer.trainer.feed.rollout_log import read_jsonl, record_of
+from harness_trainer.trainer.feed.rollout_records import RolloutRecord, member_record
 from harness_trainer.trainer.feed.scheduling import RewardFn, RolloutScheduler, SchedulerConfig
 from harness_trainer.trainer.step.groups import Group
 

@@ -1,82 +1,30 @@
-"""A static trace viewer: one self-contained HTML file of a run's last steps, token by token.
+"""The viewer's view model: a run's rollout records and evaluations as the steps, groups, rollouts, turns
+and token spans its page shows (:mod:`.page` renders them).
 
-:func:`build_viewer` reads ``run_dir/rollouts.jsonl`` (and ``metrics.jsonl``, ``eval.jsonl`` and
-``eval_rollouts.jsonl`` when there are) and writes one HTML file with inline CSS and JS, no network and no
-server: the evaluations (per evaluation its step, policy version, pass@1 and pass@k, a table of its tasks
-and, when ``eval_rollouts.jsonl`` has them, each task's samples with their reward or unscorable reason and
-their traces, shown as a training rollout's), a metrics table per shown step, then each step's groups and
-rollouts (task, reward, advantage, verifier reward, why it did not train, timeout, unscorable reason, tool
-calls, failures, timings and their split into model calls, environment and other, policy versions,
-findings), then the rollouts no step took (errored ones included, with their reasons), and each rollout's
-turns with every token coloured by its role:
-
-    trained    a completion token with loss mask 1 (rows.py trains each of them exactly once)
-    context    a prompt token: input only
-    auxiliary  a completion token of a turn whose completion is all mask 0 (title generation, side calls)
-    discarded  a completion token with mask 0 in a turn that has trained tokens
-
-Each rollout shows its ``rollout_id`` and ``capture_session_id`` and, with its trace, the
-``harness-trainer proxy-trace DATA_DIR/sessions/ID`` command that exports its trace again from its capture
-journal (``DATA_DIR`` is the capture proxy's data folder: ``capture_dir``, by default ``RUN_DIR/capture``
-when the run has one, as the dev loop's runs do; else the command says ``DATA_DIR``). A journal exists
-while the proxy keeps its session: a rollout deletes its capture session when it ends.
-
-A turn's prompt starts with what an earlier turn already showed (its parent's full sequence, or a
-sibling's prompt); that shared part is not repeated, so each rollout's tokens appear about once. Hovering a
-token shows its id and its behaviour logprob. Turns are collapsed; only the last ``max_steps_shown`` steps
-are included, and traces only until ``max_tokens_shown`` tokens are on the page (newest step first, then the
-evaluations' samples, newest evaluation first), so a long run gives a file of bounded size.
-
-Importing this module loads no pydantic, jinja, transformers or torch (the CLI builds its parser with
-:func:`add_view_arguments`); they are imported when a viewer is built.
-
-Everything from the run is untrusted text (task names, findings, token text): it is escaped, and the page
-carries a Content-Security-Policy that allows only its own inline script, as a second wall.
+Each token is a span coloured by its role (:data:`ROLES`, the package docstring says which is which), its
+text decoded by the tokenizer and escaped here. A turn's prompt starts with what an earlier turn already
+showed (its parent's full sequence, or a sibling's prompt); that shared part is not repeated. Traces are
+rendered while a token budget lasts: newest step first, then the evaluations' samples, newest evaluation
+first; a rollout past it keeps its row, its trace left out.
 """
 
 from __future__ import annotations
 
-import argparse
-import base64
-import hashlib
 import html
-import json
 import math
 import os
 import shlex
-import sys
 from collections import Counter
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harness_trainer.trainer.reporting import METRICS_FILE
-
 if TYPE_CHECKING:
     from harness_trainer.trace import TrainingTrace, TrainingTurn
-    from harness_trainer.trainer.feed.rollout_log import RolloutRecord
+    from harness_trainer.trainer.feed.rollout_records import RolloutRecord
 
-VIEWER_FILE = "viewer.html"
-EVAL_FILE = "eval.jsonl"
-"""Written by the trainer's evaluations: one line per (evaluation, task)."""
-TEMPLATE = "viewer_template.html.jinja"
 ROLES = ("trained", "context", "auxiliary", "discarded")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-STEP_METRICS = (
-    "reward", "reward_std", "rewards/env_reward", "loss", "kl", "entropy", "clip_ratio", "grad_norm",
-    "completions/mean_length", "tools/call_frequency", "tools/failure_frequency", "rollout/unscorable",
-    "rollout/timed_out_frac", "rollout/dropped_groups", "staleness/mean", "perf/step_s",
-    "perf/rollout_llm_s", "perf/rollout_env_s", "perf/rollout_other_s",
-)  # fmt: skip
-"""Metrics of ``metrics.jsonl`` shown in the per-step table, when logged."""
-_SCRIPT = (  # marks the page as scripted (CSS shows the buttons then), and wires the buttons
-    "document.body.classList.add('js');"
-    "for (const [id, open] of [['expand', true], ['collapse', false]]) {"
-    "document.getElementById(id).addEventListener('click', () => {"
-    "for (const d of document.querySelectorAll('details.turn, details.trace')) d.open = open; }); }"
-)
 
 
 @dataclass
@@ -159,80 +107,10 @@ class EvalView:
         return sum(1 for task in self.tasks for reason in task.get("unscorable") or [] if reason is not None)
 
 
-def build_viewer(
-    run_dir: str | os.PathLike[str],
-    *,
-    tokenizer_dir: str | os.PathLike[str] | None,
-    out: str | os.PathLike[str] | None = None,
-    max_steps_shown: int = 20,
-    max_tokens_shown: int = 1_000_000,
-    capture_dir: str | os.PathLike[str] | None = None,
-) -> Path:
-    """Write the viewer of ``run_dir`` (default ``run_dir/viewer.html``) and return its path.
-
-    ``capture_dir`` is the capture proxy's data folder, named in each rollout's ``proxy-trace`` command
-    (default: :func:`default_capture_dir`; without one the command says ``DATA_DIR``).
-
-    ``tokenizer_dir`` decodes each token on its own (``transformers.AutoTokenizer``); without one, a token
-    shows as ``⟨id⟩``. Traces are rendered newest step first, then the evaluations' samples newest first,
-    until ``max_tokens_shown`` tokens are on the page (about 40 bytes each); the rest are left out with a
-    note, their rollouts still in the tables.
-
-    Raises:
-        FileNotFoundError: the run has no ``rollouts.jsonl``.
-        ValueError: ``max_steps_shown`` < 1 or ``max_tokens_shown`` < 0, or a malformed line in the run's
-            files (named by file and line).
-        OSError: the tokenizer cannot be loaded.
-    """
-    from harness_trainer.plots import read_metrics
-    from harness_trainer.trainer.feed.evaluation import read_eval_rollouts
-    from harness_trainer.trainer.feed.rollout_log import ROLLOUTS_FILE, read_rollout_log
-
-    if max_steps_shown < 1 or max_tokens_shown < 0:
-        raise ValueError(
-            f"max_steps_shown must be at least 1 and max_tokens_shown at least 0, got {max_steps_shown} and "
-            f"{max_tokens_shown}"
-        )
-    run = Path(run_dir)
-    if not (run / ROLLOUTS_FILE).is_file():
-        raise FileNotFoundError(f"{run} has no {ROLLOUTS_FILE}: it is written by a training run")
-    records = read_rollout_log(run, last_steps=max_steps_shown, validate_traces=False)
-    metrics = {line["step"]: line for line in read_metrics(run)} if (run / METRICS_FILE).is_file() else {}
-    evaluations = read_evaluations(run / EVAL_FILE) if (run / EVAL_FILE).is_file() else []
-    capture = capture_dir if capture_dir is not None else default_capture_dir(run)
-    text = _TokenText(tokenizer_dir)
-    steps = _steps(records, metrics, text, max_tokens_shown, capture)
-    totals: Counter[str] = Counter()
-    for step in steps:
-        for group in step.groups:
-            for rollout in group.rollouts:
-                totals.update(rollout.roles)
-    samples = read_eval_rollouts(run, validate_traces=False) if evaluations else []
-    _attach_samples(evaluations, samples, text, max_tokens_shown - totals.total(), capture)
-    page = _template().render(
-        run_name=run.resolve().name,
-        steps=steps,
-        evaluations=evaluations,
-        metric_names=[n for n in STEP_METRICS if any(s.metrics and n in s.metrics for s in steps)],
-        totals=totals,
-        roles=ROLES,
-        tokenizer=str(tokenizer_dir) if tokenizer_dir is not None else None,
-        capture_dir=str(capture) if capture is not None else None,
-        max_steps_shown=max_steps_shown,
-        max_tokens_shown=max_tokens_shown,
-        script=_SCRIPT,
-        script_hash=base64.b64encode(hashlib.sha256(_SCRIPT.encode()).digest()).decode(),
-    )
-    target = Path(out) if out is not None else run / VIEWER_FILE
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(page, encoding="utf-8")
-    return target
-
-
-def _steps(
+def step_views(
     records: list[RolloutRecord],
     metrics: dict[int, dict[str, Any]],
-    text: _TokenText,
+    text: TokenText,
     budget: int,
     capture_dir: str | os.PathLike[str] | None,
 ) -> list[StepView]:
@@ -254,10 +132,10 @@ def _steps(
     ]
 
 
-def _attach_samples(
+def attach_samples(
     evaluations: list[EvalView],
     records: list[RolloutRecord],
-    text: _TokenText,
+    text: TokenText,
     budget: int,
     capture_dir: str | os.PathLike[str] | None,
 ) -> None:
@@ -339,7 +217,7 @@ def journal_command(capture_session_id: str, capture_dir: str | os.PathLike[str]
 
 
 def _view(
-    record: RolloutRecord, text: _TokenText | None, capture_dir: str | os.PathLike[str] | None
+    record: RolloutRecord, text: TokenText | None, capture_dir: str | os.PathLike[str] | None
 ) -> RolloutView:
     """:func:`_rollout`, with the command that exports its trace from its capture journal."""
     view = _rollout(record, text)
@@ -348,7 +226,7 @@ def _view(
     return view
 
 
-def _rollout(record: RolloutRecord, text: _TokenText | None) -> RolloutView:
+def _rollout(record: RolloutRecord, text: TokenText | None) -> RolloutView:
     """The rollout's view, its turns rendered unless ``text`` is None (the budget is spent)."""
     from harness_trainer.trainer.step.rows import build_rows
 
@@ -392,7 +270,7 @@ def _shared_prefix(trace: TrainingTrace, index: int) -> tuple[int | None, int]:
     return best
 
 
-def _tokens(turn: TrainingTurn, shared: int, text: _TokenText) -> tuple[str, Counter[str]]:
+def _tokens(turn: TrainingTurn, shared: int, text: TokenText) -> tuple[str, Counter[str]]:
     prompt, completion = turn.prompt_token_ids, turn.completion_token_ids
     mask = turn.loss_mask[len(prompt) :]
     auxiliary = bool(completion) and not any(mask)
@@ -405,7 +283,7 @@ def _tokens(turn: TrainingTurn, shared: int, text: _TokenText) -> tuple[str, Cou
     return "".join(parts), roles
 
 
-class _TokenText(dict[int, str]):
+class TokenText(dict[int, str]):
     """Escaped display text of each token id, decoded alone on first use, newlines marked; ``⟨id⟩`` without
     a tokenizer or for an id it cannot decode."""
 
@@ -428,91 +306,3 @@ class _TokenText(dict[int, str]):
         text = html.escape(piece).replace("\n", "↵\n") if piece else f"⟨{token}⟩"
         self[token] = text
         return text
-
-
-def _number(value: Any) -> str:
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return "—"
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return str(value)
-    return f"{value:.4g}"
-
-
-def _finding(value: dict[str, Any] | str) -> str:
-    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, sort_keys=True)
-
-
-def _template() -> Any:
-    import jinja2
-
-    source = resources.files("harness_trainer").joinpath(TEMPLATE).read_text(encoding="utf-8")
-    environment = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
-    environment.filters.update(num=_number, finding=_finding)
-    return environment.from_string(source)
-
-
-def default_tokenizer_dir(run_dir: str | os.PathLike[str]) -> Path | None:
-    """The newest ``checkpoint-*/model`` of the run that holds tokenizer files, or None."""
-    from harness_trainer.trainer.checkpoint import CHECKPOINT_PREFIX, MODEL_DIR  # imports torch: only here
-
-    candidates = []
-    for path in Path(run_dir).glob(f"{CHECKPOINT_PREFIX}*/{MODEL_DIR}"):
-        step = path.parent.name.removeprefix(CHECKPOINT_PREFIX)
-        if step.isdigit() and any((path / name).is_file() for name in TOKENIZER_FILES):
-            candidates.append((int(step), path))
-    return max(candidates)[1] if candidates else None
-
-
-def default_capture_dir(run_dir: str | os.PathLike[str]) -> Path | None:
-    """``run_dir/capture`` when it holds capture sessions (the dev loop's runs keep their journals there)."""
-    capture = Path(run_dir) / "capture"
-    return capture if (capture / "sessions").is_dir() else None
-
-
-def add_view_arguments(parser: argparse.ArgumentParser) -> None:
-    """The arguments of ``harness-trainer view RUN_DIR [--tokenizer DIR] [-o FILE] [--steps N]
-    [--max-tokens N] [--capture-dir DIR]``."""
-    parser.add_argument("run_dir", type=Path, help="a training run's output folder (holds rollouts.jsonl)")
-    parser.add_argument(
-        "--tokenizer",
-        type=Path,
-        default=None,
-        help="tokenizer folder to decode tokens (default: the run's newest checkpoint-*/model with tokenizer "
-        "files; without one, tokens show as ⟨id⟩)",
-    )
-    parser.add_argument(
-        "-o", "--output", type=Path, default=None, help=f"HTML file to write (default: RUN_DIR/{VIEWER_FILE})"
-    )
-    parser.add_argument("--steps", type=int, default=20, help="how many of the last steps to include")
-    parser.add_argument(
-        "--max-tokens",
-        type=int,
-        default=1_000_000,
-        help="tokens rendered at most, newest steps first; later traces are left out (about 40 bytes each)",
-    )
-    parser.add_argument(
-        "--capture-dir",
-        type=Path,
-        default=None,
-        help="the capture proxy's data folder (its --data-dir), named in each rollout's proxy-trace command "
-        "(default: RUN_DIR/capture when it holds sessions/, as the dev loop's runs do; else DATA_DIR)",
-    )
-
-
-def run_view(args: argparse.Namespace) -> int:
-    """``harness-trainer view``: print the HTML file's path; 2 with a message when the run cannot be read."""
-    tokenizer = args.tokenizer if args.tokenizer is not None else default_tokenizer_dir(args.run_dir)
-    try:
-        path = build_viewer(
-            args.run_dir,
-            tokenizer_dir=tokenizer,
-            out=args.output,
-            max_steps_shown=args.steps,
-            max_tokens_shown=args.max_tokens,
-            capture_dir=args.capture_dir,
-        )
-    except (OSError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(path)
-    return 0
