@@ -23,9 +23,8 @@ Metrics (the step's ``metrics.jsonl`` line; ``eval_on_start``'s at step 0): ``ev
 of the scored samples), ``eval/pass@1`` and ``eval/pass@k`` (means over tasks), ``eval/unscorable``,
 ``eval/policy_version``, ``eval/wall_s``. When the evaluation ends, ``output_dir/eval.jsonl`` gets one line
 per task and evaluation (:class:`EvalRecord`), then ``output_dir/eval_rollouts.jsonl`` one line per sample
-(the :class:`~harness_trainer.trainer.feed.rollout_records.RolloutRecord` of training's ``rollouts.jsonl``, with
-the
-evaluation's ``step`` and policy version, the task's group index and the ``trace``, null when none was
+(the :class:`~.rollout_records.RolloutRecord` of training's ``rollouts.jsonl``, with
+the evaluation's ``step`` and policy version, the task's group index and the ``trace``, null when none was
 captured; unscorable samples included, with their reason), each file appended, flushed and synced; a
 stopped evaluation writes neither. The split is in ``eval.jsonl`` only: a sample's task line there has its
 ``step``, ``task_name`` and ``task_index`` (:func:`read_eval_rollouts` reads the samples).

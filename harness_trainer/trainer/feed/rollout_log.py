@@ -13,7 +13,7 @@ Three kinds of line, one JSON object each, appended and synced to disk (``fsync`
   ``task_name``, ``task_index``, ``reward`` (after ``rollout_reward_fn``), ``env_reward`` (the
   verifier's), ``advantage`` and ``not_trained`` (null when written: the step's outcome line sets them),
   ``unscorable`` (the reason, or null), ``timed_out``, ``seconds`` (the scheduler's wall time), ``llm_s``,
-  ``env_s``, ``other_s`` (that time split: :mod:`~harness_trainer.trainer.step.timesplit`), ``policy_version`` (when it started),
+  ``env_s``, ``other_s`` (that time split: trainer/step/timesplit.py), ``policy_version`` (when it started),
   ``dispatch_version_min`` / ``_max`` and ``return_version_min`` / ``_max`` (over its turns: the policy
   version the capture proxy knew when it sent each call, and the version that answered; null without
   any), ``tool_call_count``, ``tool_failure_count``, ``tool_calls_by_name``, ``phase_seconds``,
