@@ -28,7 +28,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from harness_trainer.trainer.config.async_grpo import LOSS_FIELDS, AsyncGRPOConfig, LossConfig
+from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig
+from harness_trainer.trainer.config.loss import LOSS_FIELDS, LossConfig
 from harness_trainer.trainer.config.trl_fields import TRL_ONLY
 
 TRAINER = "trainer"

@@ -22,7 +22,8 @@ from harness_trainer.launch.config_file import (
     write_resolved,
 )
 from harness_trainer.launch.harbor_run import resolve
-from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig, LossConfig
+from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig
+from harness_trainer.trainer.config.loss import LossConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = sorted([*ROOT.glob("examples/**/*.yaml"), *ROOT.glob("jobs/**/*.yaml")])

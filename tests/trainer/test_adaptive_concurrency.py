@@ -19,7 +19,8 @@ from harness_trainer import HarnessAsyncGRPOTrainer
 from harness_trainer.dev_engine.process import EngineProcess, start_engine
 from harness_trainer.engines.engine_metrics import EngineLoad
 from harness_trainer.net import free_port
-from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig, ConfigProblems
+from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig
+from harness_trainer.trainer.config.problems import ConfigProblems
 from harness_trainer.trainer.feed.concurrency import GROW_WAIT, AdaptiveConcurrency, ConcurrencyRule
 from harness_trainer.trainer.feed.load_poller import ConcurrencyPoller, metrics_url
 from harness_trainer.trainer.feed.scheduling import RolloutScheduler, SchedulerConfig

@@ -7,12 +7,9 @@ import dataclasses
 import pytest
 
 from capture_proxy.sampling import SamplingPolicy
-from harness_trainer.trainer.config.async_grpo import (
-    AsyncGRPOConfig,
-    ConfigProblems,
-    LossConfig,
-    parse_config,
-)
+from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig, parse_config
+from harness_trainer.trainer.config.loss import LossConfig
+from harness_trainer.trainer.config.problems import ConfigProblems
 
 
 def test_defaults_are_a_valid_config_with_a_temperature_only_policy() -> None:

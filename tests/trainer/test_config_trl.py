@@ -13,7 +13,8 @@ import torch
 
 from harness_trainer import HarnessAsyncGRPOTrainer
 from harness_trainer.trainer import trainer as trainer_module
-from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig, LossConfig, parse_config
+from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig, parse_config
+from harness_trainer.trainer.config.loss import LossConfig
 from harness_trainer.trainer.config.trl_fields import TRL_IGNORED, TRL_REFUSED, TRL_SUPPORTED
 from harness_trainer.trainer.feed.rollout_log import read_rollout_log
 from harness_trainer.trainer.step.batch import StepBatch

@@ -277,7 +277,8 @@ def test_a_trainer_whose_curriculum_retires_every_task_stops_saying_so(tmp_path,
     ],
 )
 def test_a_bad_curriculum_setting_is_refused_with_a_clear_message(overrides, message) -> None:
-    from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig, ConfigProblems
+    from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig
+    from harness_trainer.trainer.config.problems import ConfigProblems
 
     with pytest.raises(ConfigProblems, match=message):
         AsyncGRPOConfig(**overrides)

@@ -17,7 +17,8 @@ import pytest
 from capture_proxy.config import ADMIN_KEY_ENV
 from harness_trainer import HarnessAsyncGRPOTrainer
 from harness_trainer.engines import EngineReplicas
-from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig, ConfigProblems
+from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig
+from harness_trainer.trainer.config.problems import ConfigProblems
 from tests.engines.test_engine_replicas import replica_proxy, two_engines, weight_version  # noqa: F401
 from tests.trainer.handmade import HandmadeFactory
 from tests.trainer.test_trainer import builder, config, metrics_lines

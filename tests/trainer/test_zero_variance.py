@@ -132,7 +132,8 @@ def test_the_running_total_survives_a_resume(tmp_path, tiny_model_dir):
     ],
 )
 def test_a_bad_zero_variance_setting_is_refused(overrides, message) -> None:
-    from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig, ConfigProblems
+    from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig
+    from harness_trainer.trainer.config.problems import ConfigProblems
 
     with pytest.raises(ConfigProblems, match=message):
         AsyncGRPOConfig(**overrides)

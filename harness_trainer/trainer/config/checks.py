@@ -3,9 +3,8 @@ construction: the loss's knobs laid over ``loss``, TRL's batch and concurrency n
 ``groups_per_step`` and ``max_concurrent_rollouts``, then every rule its fields must keep together.
 
 Each function returns (or yields) the problems it found as sentences naming the fields; the config raises
-them all at once in one :class:`~harness_trainer.trainer.config.async_grpo.ConfigProblems`. Nothing here
-changes a
-value it was given: it only fills ``None`` fields it resolves.
+them all at once in one :class:`~harness_trainer.trainer.config.problems.ConfigProblems`. Nothing here
+changes a value it was given: it only fills ``None`` fields it resolves.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from harness_trainer.engines.kinds import ENGINE_KINDS, WEIGHT_SYNCS
-from harness_trainer.trainer.config.async_grpo import (
+from harness_trainer.trainer.config.choices import (
     CURRICULA,
     DECAYING_SCHEDULERS,
     DEFAULT_GROUPS_PER_STEP,
@@ -27,14 +26,13 @@ from harness_trainer.trainer.config.async_grpo import (
     EVAL_STRATEGIES,
     LORA_SAVES,
     LORA_SYNCS,
-    LOSS_FIELDS,
     LR_SCHEDULERS,
     OPTIMIZERS,
     REPORT_TO,
-    ConfigProblems,
-    LossConfig,
 )
 from harness_trainer.trainer.config.hub_names import repo_name_problem
+from harness_trainer.trainer.config.loss import LOSS_FIELDS, LossConfig
+from harness_trainer.trainer.config.problems import ConfigProblems
 
 if TYPE_CHECKING:
     from harness_trainer.trainer.config.async_grpo import _ConfigFields

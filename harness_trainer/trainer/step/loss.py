@@ -16,7 +16,7 @@ current logprob ``l`` (with grad), ``r = exp(l - b)``:
 
 :class:`LossStats` holds sums over target tokens (and counts), so the stats of micro-batches merge by
 addition and :meth:`LossStats.metrics` gives token means over the step. The coefficients are the run's
-:class:`~harness_trainer.trainer.config.async_grpo.LossConfig` (``AsyncGRPOConfig.loss``), defined and
+:class:`~harness_trainer.trainer.config.loss.LossConfig` (``AsyncGRPOConfig.loss``), defined and
 checked there.
 """
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from harness_trainer.trainer.config.async_grpo import LossConfig
+from harness_trainer.trainer.config.loss import LossConfig
 from harness_trainer.trainer.step.packing import MicroBatch, PaddedBatch
 
 __all__ = ["LossConfig", "LossStats", "policy_loss"]
