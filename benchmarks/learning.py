@@ -25,9 +25,8 @@ run's seed, so a seed's two runs sample their step-0 evaluation alike.
 
 **Measured**, per run from its ``metrics.jsonl``: held-out pass@1 (the unbiased mean over tasks,
 :mod:`harness_trainer.trainer.feed.evaluation`) at step 0 and at the end; the training reward (each step's
-mean,
-and the means over the first and the last quarter of the steps, reported without a verdict: those are the
-tasks it trains on); its wall time, start to exit. Per arm, over seeds, with 95 % Student t intervals
+mean, and the means over the first and the last quarter of the steps, reported without a verdict: those are
+the tasks it trains on); its wall time, start to exit. Per arm, over seeds, with 95 % Student t intervals
 (:mod:`benchmarks.intervals`): trained's and frozen's mean pass@1 at step 0 (the same warm model: they
 should be equal, a sanity check) and at the end, and the paired difference trained - frozen (per seed, then
 its mean and interval), at step 0 and at the end.

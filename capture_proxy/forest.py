@@ -2,8 +2,7 @@
 
 This is the one statement of the parent rule, shared by the proxy (``capture_proxy.assembly`` exports a
 TrainingTrace from it) and the trainer (``harness_trainer.trainer.step.rows`` builds training rows from it),
-so
-the two can never disagree about what a conversation's history was.
+so the two can never disagree about what a conversation's history was.
 
 Contract of :func:`parents`: call ``i`` is given as its prompt ids ``prompts[i]`` and completion ids
 ``completions[i]``, in call order, either all as lists of ints or all as ``bytes`` packed at one fixed

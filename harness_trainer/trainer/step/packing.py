@@ -5,10 +5,10 @@ Contract of a packed micro-batch (:class:`MicroBatch`): rows are concatenated in
 restart at 0 at each row start, which is how the model tells rows apart (transformers 5 builds a
 block-diagonal causal mask from the position ids when no attention mask and no cache are given, see
 :mod:`harness_trainer.trainer.step.logprobs`). Every per-token field is aligned with ``input_ids``:
-``targets[t]``
-marks a trained sampled token ``input_ids[t]``, predicted from position ``t - 1`` of the same row, so a row's
-first token is never a target. ``token_weights`` carry the per-rollout normalisation of the loss (the
-weight of the token's rollout at targets, 0 elsewhere), so the loss of a micro-batch is a plain weighted sum.
+``targets[t]`` marks a trained sampled token ``input_ids[t]``, predicted from position ``t - 1`` of the same
+row, so a row's first token is never a target. ``token_weights`` carry the per-rollout normalisation of the
+loss (the weight of the token's rollout at targets, 0 elsewhere), so the loss of a micro-batch is a plain
+weighted sum.
 
 The plan is first-fit-decreasing by row length, deterministic for the same rows in the same order; a row
 longer than the budget gets a micro-batch of its own. :func:`collate_padded` is the padded ``[B, L]``
