@@ -1,8 +1,8 @@
 """The ``harness-trainer`` command: one parser over the subcommands. A command's flags and handler live in
-the module that owns it (``serve``: :mod:`harness_trainer.launch.serve`, ``e2b``:
-:mod:`harness_trainer.launch.e2b_commands`, ``dev``, ``eval``,
-``view``, ``plot``, ``jobs submit`` beside their code); the few small ones are here. Every handler imports
-the heavy libraries it needs late, so ``--help`` answers at once."""
+the module that owns it (``train``: :mod:`harness_trainer.launch.harbor_run`, ``serve``:
+:mod:`harness_trainer.launch.serve`, ``e2b``: :mod:`harness_trainer.launch.e2b_commands`; ``dev``,
+``eval``, ``view``, ``plot`` and ``jobs submit`` beside their code); the few small ones are here. Every
+handler imports the heavy libraries it needs late, so ``--help`` answers at once."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from capture_proxy.cli import add_proxy_arguments
 from harness_trainer.devloop.evaluate import add_eval_arguments, run_eval
 from harness_trainer.devloop.run import add_dev_arguments, run_dev
 from harness_trainer.jobs.submit import add_submit_arguments, run_submit
+from harness_trainer.launch import harbor_run
 from harness_trainer.launch.e2b_commands import add_e2b_arguments
 from harness_trainer.launch.serve import add_serve_arguments, run_serve
 from harness_trainer.plots import add_plot_arguments, run_plot
@@ -95,7 +96,7 @@ def _proxy_trace(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Every subcommand's flags; a parsed namespace's ``func`` runs the command."""
+    """Every subcommand's flags, ``train`` first; a parsed namespace's ``func`` runs the command."""
     parser = argparse.ArgumentParser(
         prog="harness-trainer",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -110,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
             "  harness-trainer dev            the whole loop on a CPU: tiny model, dev engine, a real agent\n"
             "                                 in local sandboxes, GRPO; leaves curves and a trace viewer\n"
             "  harness-trainer serve ...      the rollout server (with the capture proxy) for a real run\n"
+            "  harness-trainer train ...      that real run: async GRPO against vLLM and the rollout server\n"
             "  harness-trainer jobs submit    a whole training run on Hugging Face Jobs\n"
             "\n"
             "'harness-trainer COMMAND --help' for a command's options. Documentation: README.md and docs/\n"
@@ -117,6 +119,15 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser(
+        "train",
+        help="train a model by async GRPO on Harbor tasks with real agents (vLLM and `serve` up first)",
+        description=harbor_run.DESCRIPTION,
+        epilog=harbor_run.EPILOG,
+    )
+    harbor_run.add_train_arguments(train)
+    train.set_defaults(func=harbor_run.run_train)
 
     tiny = sub.add_parser("tiny-model", help="build (if needed) the tiny local model and print its directory")
     tiny.add_argument(
