@@ -15,8 +15,21 @@ if TYPE_CHECKING:
     import asyncio
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The proxy's flags, shared by both entry points."""
+def add_proxy_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    prefix: str = "",
+    data_dir: Path | None = None,
+    standalone: bool = True,
+) -> None:
+    """The capture proxy's flags, declared once for every command that starts one.
+
+    ``python -m capture_proxy`` and ``harness-trainer proxy`` take them all (``standalone``), and
+    ``--data-dir`` is then required. ``harness-trainer serve``, which starts the proxy itself (its own
+    ``--host``/``--port`` are the rollout server's), takes the engine, journal and listening flags only,
+    the listening ones named with ``prefix`` (``--capture-host``, ``--capture-port``,
+    ``--capture-admin-key``), and ``data_dir`` as ``--data-dir``'s default.
+    """
     parser.add_argument(
         "--upstream", required=True, action="append",
         help="engine base URL, e.g. http://127.0.0.1:8000; repeat it to allow sessions to name further "
@@ -29,23 +42,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "each session naming no engine is pinned to the least loaded replica, and moved off one that "
         "stops answering until a probe finds it back",
     )  # fmt: skip
+    loopback_only = " (non-loopback needs an admin key)" if standalone else ""
     parser.add_argument(
-        "--probe-interval", type=float, default=5.0, help="with --replicas: probe interval, seconds"
+        f"--{prefix}host", default="127.0.0.1", help=f"address the capture proxy binds{loopback_only}"
     )
+    parser.add_argument(f"--{prefix}port", type=int, default=8300, help="the capture proxy's port")
     parser.add_argument(
-        "--host", default="127.0.0.1", help="address to bind (non-loopback needs an admin key)"
+        "--data-dir",
+        type=Path,
+        required=data_dir is None,
+        default=data_dir,
+        help="sessions and journals, reloaded on start" + (f" (default: {data_dir})" if data_dir else ""),
     )
-    parser.add_argument("--port", type=int, default=8300)
+    # A standalone proxy keeps its key beside the journals; the one serve starts gets a new one each start.
+    stored = "one kept in DATA_DIR/admin_key" if standalone else "a new one each start"
     parser.add_argument(
-        "--data-dir", type=Path, required=True, help="sessions and journals (reloaded on start)"
-    )
-    parser.add_argument(
-        "--admin-key",
+        f"--{prefix}admin-key",
         default=None,
-        help="admin bearer key (default: $CAPTURE_PROXY_ADMIN_KEY, else one kept in DATA_DIR/admin_key)",
+        help=f"admin bearer key (default: $CAPTURE_PROXY_ADMIN_KEY, else {stored})",
     )
     parser.add_argument("--public-url", default=None, help="URL agents use to reach the proxy")
     parser.add_argument("--served-model", default=None, help="model name upstream (default: engine's first)")
+    if not standalone:
+        return
+    parser.add_argument(
+        "--probe-interval", type=float, default=5.0, help="with --replicas: probe interval, seconds"
+    )
     parser.add_argument("--upstream-api-key", default=None, help="bearer key the engine expects, if any")
     parser.add_argument("--upstream-timeout", type=float, default=600.0, help="seconds per engine attempt")
     parser.add_argument("--upstream-pool", type=int, default=512, help="connections to the engine, at most")
@@ -163,5 +185,5 @@ def serve(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="capture_proxy", description=__doc__.split("\n")[0])
-    add_arguments(parser)
+    add_proxy_arguments(parser)
     return serve(parser.parse_args(argv))

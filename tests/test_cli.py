@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -53,6 +54,14 @@ def test_help_exits_zero_for_the_command_and_each_subcommand(command: list[str])
     result = run_cli(*command, "--help", timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"usage: harness-trainer {' '.join(command)}".rstrip())
+
+
+def test_help_lists_train_first_among_the_subcommands() -> None:
+    result = run_cli("--help", timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "{train," in result.stdout
+    listed = re.findall(r"^    (\S+)", result.stdout, re.MULTILINE)  # each subcommand and its help
+    assert listed[0] == "train" and {"serve", "dev", "jobs"} <= set(listed)
 
 
 def test_tiny_model_prints_the_model_directory(tiny_model_dir: Path) -> None:

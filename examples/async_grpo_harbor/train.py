@@ -5,9 +5,10 @@
 # [tool.uv.sources]
 # harness-trainer = { path = "../..", editable = true }
 # ///
-"""Async GRPO on Harbor tasks with real agents: ``uv run train.py --model … --harness opencode`` (or plain
-``python``). Start vLLM and the rollout server first; README.md beside this file has the three commands.
-The logic lives in :mod:`harness_trainer.launch.harbor_run`."""
+"""Async GRPO on Harbor tasks with real agents: ``harness-trainer train`` as a script, for running without
+installing the project: ``uv run train.py --model … --harness opencode`` (or plain ``python`` where it is
+installed) takes ``harness-trainer train``'s flags. Start vLLM and the rollout server first; README.md
+beside this file has the three commands. The launcher is :mod:`harness_trainer.launch.harbor_run`."""
 
 from __future__ import annotations
 

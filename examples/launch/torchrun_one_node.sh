@@ -5,7 +5,7 @@
 #   MODEL=Qwen/Qwen3-8B DATASET=my-org/harbor-tasks GPUS=8 VLLM_GPUS=4 \
 #       examples/launch/torchrun_one_node.sh --harness opencode --split train --max-steps 200
 #
-# Arguments go to the trainer launcher (harness_trainer.launch.harbor_run). Settings, from the environment:
+# Arguments go to the trainer launcher (`harness-trainer train`'s flags). Settings, from the environment:
 #   MODEL, DATASET      required: the policy, and the task folder or Hub dataset for `serve`
 #   GPUS                GPUs on this node (default: nvidia-smi's count)
 #   VLLM_GPUS           K, vLLM's GPUs (default 1); the trainer gets the other GPUS - K

@@ -1,4 +1,5 @@
-"""The trainer launcher (:func:`harness_trainer.launch.harbor_run.main`) as a module that runs.
+"""The trainer launcher (``harness-trainer train``: :func:`harness_trainer.launch.harbor_run.main`) as a
+module that runs.
 
     accelerate launch --num_processes 4 --use_fsdp ... -m harness_trainer.jobs.trainer_entry TRAINER_ARGS
     torchrun --nproc_per_node 4 -m harness_trainer.jobs.trainer_entry TRAINER_ARGS

@@ -3,7 +3,7 @@
 A config file has top-level sections. ``trainer`` holds
 :class:`~harness_trainer.trainer.config.async_grpo.AsyncGRPOConfig` (every field; the loss's knobs under
 ``trainer.loss``, or flat under TRL's names); the command's own section holds its options by their flag's
-name with underscores (``run`` for ``examples/async_grpo_harbor/train.py``, ``dev`` for
+name with underscores (``run`` for ``harness-trainer train``, ``dev`` for
 ``harness-trainer dev``, ``job`` for ``harness-trainer jobs submit``, whose file also carries the ``run``
 and ``trainer`` sections of the run it submits).
 

@@ -1,7 +1,8 @@
 """A real async GRPO run on Harbor tasks: flags → preflight → factory, config, dataset → train.
 
-``examples/async_grpo_harbor/train.py`` is this module's :func:`main`. The run talks to two processes that
-are already up: the inference engine (vLLM, or the CPU dev engine) and the rollout server
+``harness-trainer train`` is this module's :func:`add_train_arguments` and :func:`run_train`;
+``examples/async_grpo_harbor/train.py`` is its :func:`main`, the same launcher. The run talks to two
+processes that are already up: the inference engine (vLLM, or the CPU dev engine) and the rollout server
 (``harness-trainer serve``), which runs the agents in sandboxes behind its capture proxy. Before anything
 is spent, :func:`~harness_trainer.launch.preflight.run_preflight` checks both and the output directory; a
 failure is one line on stderr and exit code 2. Then the launcher records ``--model`` in
@@ -63,15 +64,22 @@ what preflight measures."""
 SECTION = "run"
 WHITE_BOX_ONE_SERVER = "--mode white-box runs its sessions on one rollout server; --server gave {}"
 MODES = ("black-box", "white-box")
+DESCRIPTION = "Async GRPO on Harbor tasks: real agents in sandboxes, through a rollout server."
+EPILOG = "Start vLLM and `harness-trainer serve` first: examples/async_grpo_harbor/README.md."
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The launcher's flags (``--help`` lists them): its own, and one per trainer config field; ``--model``
-    is required, on the command line or in ``--config``. Parse with :func:`parse_args`."""
-    parser = argparse.ArgumentParser(
-        description="Async GRPO on Harbor tasks: real agents in sandboxes, through a rollout server.",
-        epilog="Start vLLM and `harness-trainer serve` first: examples/async_grpo_harbor/README.md.",
-    )
+    """The launcher's own parser (``examples/async_grpo_harbor/train.py``): :func:`add_train_arguments`.
+    Parse with :func:`parse_args`."""
+    parser = argparse.ArgumentParser(description=DESCRIPTION, epilog=EPILOG)
+    add_train_arguments(parser)
+    return parser
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """The launcher's flags on ``parser`` (``--help`` lists them): its own, ``--config``, and one per
+    trainer config field; ``--model`` is required, on the command line or in ``--config``. A namespace
+    parsed with them goes to :func:`run_train` (``harness-trainer train``) or :func:`resolve_options`."""
     where = parser.add_argument_group("where things run")
     where.add_argument(
         "--server", nargs="+", default=["http://127.0.0.1:8200"], metavar="URL",
@@ -116,7 +124,6 @@ def build_parser() -> argparse.ArgumentParser:
         extra={"resume_from_checkpoint": {"nargs": "?", "const": "latest", "metavar": "CHECKPOINT"}},
     )
     configurable(parser, SECTION)
-    return parser
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -155,7 +162,16 @@ def resolve(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, Asyn
         ValueError: a config file's problems, a value the trainer's config refuses, or several servers in
             white-box mode.
     """
-    args = parse_args(argv)
+    return resolve_options(build_parser().parse_args(argv))
+
+
+def resolve_options(namespace: argparse.Namespace) -> tuple[argparse.Namespace, AsyncGRPOConfig]:
+    """:func:`resolve` for a namespace already parsed with :func:`add_train_arguments`' flags.
+
+    Raises:
+        ValueError: as :func:`resolve`.
+    """
+    args = apply_config(namespace)
     if args.mode == "white-box" and len(servers(args)) > 1:
         raise ValueError(WHITE_BOX_ONE_SERVER.format(len(servers(args))))
     return args, build_config(args)
@@ -225,10 +241,18 @@ def preflight_options(args: argparse.Namespace, config: AsyncGRPOConfig) -> Pref
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the launcher; returns the exit code (2: bad flags, a bad config or a failed preflight, nothing
-    spent). The resolved config is written to ``OUTPUT_DIR/run_config.json`` once the run starts."""
+    """Run the launcher on ``argv`` (default: the command line); returns :func:`run_train`'s exit code
+    (bad flags exit 2, as argparse does)."""
+    return run_train(build_parser().parse_args(argv), argv)
+
+
+def run_train(namespace: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
+    """Run the launcher on parsed flags (``harness-trainer train``); returns the exit code (2: a bad config,
+    flags that do not fit or a failed preflight, nothing spent). The resolved config is written to
+    ``OUTPUT_DIR/run_config.json`` once the run starts; ``argv`` (default: the command line) is recorded
+    in ``OUTPUT_DIR/launch.json``."""
     try:
-        args, config = resolve(argv)
+        args, config = resolve_options(namespace)
     except ValueError as exc:
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2

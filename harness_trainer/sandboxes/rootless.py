@@ -224,7 +224,7 @@ def choose_mode(requested: str | None = None) -> Mode:
         reasons.append(f"{mode.name} mode: {why}")
     elsewhere = (
         "run the agents in Docker or E2B instead: `harness-trainer serve` and the training launcher "
-        "(examples/async_grpo_harbor/train.py) with `--sandbox docker`"
+        "(`harness-trainer train`) with `--sandbox docker`"
     )
     if sys.platform != "linux":
         raise LocalSandboxUnavailable(

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from e2b import AsyncSandbox, SandboxException
 
-from harness_trainer.cli import _e2b_cleanup, _e2b_cleanup_run, build_parser
+from harness_trainer.cli import build_parser
 from harness_trainer.jobs.plan import RUN_ID_ENV
+from harness_trainer.launch.e2b_commands import _e2b_cleanup, _e2b_cleanup_run
 from harness_trainer.sandboxes.e2b import E2BSandboxBackend
 from harness_trainer.sandboxes.e2b_runs import OWNER_KEY, RUN_KEY, TASK_KEY
 from tests.sandboxes.conftest import TaskFactory

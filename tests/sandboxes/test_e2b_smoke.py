@@ -22,9 +22,10 @@ from typing import Any
 
 import pytest
 
-from harness_trainer.cli import _e2b_smoke, build_parser
+from harness_trainer.cli import build_parser
 from harness_trainer.dev_engine.process import EngineProcess
 from harness_trainer.examples import TASKS as EXAMPLES
+from harness_trainer.launch.e2b_commands import _e2b_smoke
 from harness_trainer.net import free_port
 from tests.rollouts.conftest import scripted_engine  # noqa: F401 - the fixture
 from tests.sandboxes.conftest import TaskFactory, wait_until_present

@@ -1,0 +1,159 @@
+"""``harness-trainer serve``: the rollout server over HTTP, with the capture proxy it starts (or one that
+runs already), its flags and handler.
+
+aiohttp, the runtime and the tasks load only when the server starts, so ``--help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from capture_proxy.cli import add_proxy_arguments
+from harness_trainer.launch.e2b_commands import agent_layer
+from harness_trainer.launch.flag_types import non_negative_float, non_negative_int
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The rollout server's flags and those of the capture proxy it starts (:func:`add_proxy_arguments`,
+    its listening ones as ``--capture-*``); :func:`run_serve` runs a namespace parsed with them."""
+    parser.add_argument(
+        "--dataset", required=True, action="append",
+        help="a folder of task splits, or a Hugging Face dataset id (repeatable: a factory's split= names "
+        "one as given, NAME:SPLIT one of its splits; a bare split name means the first dataset's)",
+    )  # fmt: skip
+    parser.add_argument("--host", default="127.0.0.1", help="where the rollout server binds")
+    parser.add_argument("--port", type=int, default=8200, help="the rollout server's port")
+    add_proxy_arguments(parser, prefix="capture-", data_dir=Path("runs/capture"), standalone=False)
+    parser.add_argument(
+        "--capture-url", default=None,
+        help="use this running capture proxy instead of starting one (with its --capture-admin-key; it "
+        "takes its own --replicas, not serve's)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--proxy", choices=("process", "in-process"), default="process",
+        help="run the capture proxy as a child process (its own core; default) or in the server's loop",
+    )  # fmt: skip
+    parser.add_argument(
+        "--sandbox-start-rate", type=float, default=0, help="sandbox starts per second, at most"
+    )
+    parser.add_argument(
+        "--max-sandbox-starts", type=non_negative_int, default=32,
+        help="sandbox creates in flight at once; the rest queue (default 32; 0: no cap)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--sandbox-start-jitter", type=non_negative_float, default=0.0, metavar="SECONDS",
+        help="each sandbox start first waits a random 0..SECONDS (spreads a group's starts; e.g. 2 with e2b)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-concurrent-envs",
+        type=int,
+        default=0,
+        help="open sessions at most (default $MAX_CONCURRENT_ENVS or 8)",
+    )
+    parser.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=3600.0,
+        help="close a session no client asked about for this many seconds (0: never)",
+    )
+    parser.add_argument(
+        "--e2b-templates", choices=("build", "prebuilt"), default="build",
+        help="E2B tasks without a named template: build the template from the task's environment on first "
+        "use (default), or only use one built ahead (`harness-trainer e2b build-templates`)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--e2b-agent", action="append", metavar="HARNESS",
+        help="preinstall this harness's pinned agent in every E2B template built from a task (repeatable; "
+        "part of the template's name: give `e2b build-templates --agent` the same list)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--run-id", default=None,
+        help="label E2B sandboxes with this run; a server restarted with the same id first kills the ones "
+        "a dead server left (one server per id; `harness-trainer e2b cleanup --run ID` does it by hand)",
+    )  # fmt: skip
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Serve rollouts until interrupted; 2 (said on stderr) when the tasks do not load or the flags do not
+    fit together."""
+    import logging
+    import os
+
+    from aiohttp import web
+
+    from capture_proxy.app import tune_gc
+    from harness_trainer.rollouts.server.routes import RolloutServer
+    from harness_trainer.rollouts.server.runtime import RolloutRuntime, RuntimeConfig
+    from harness_trainer.tasks.catalog import TaskCatalog
+    from harness_trainer.tasks.task import TaskError
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        tasks = TaskCatalog.open(args.dataset)
+        tasks.splits()
+    except (TaskError, OSError, ValueError) as exc:
+        print(f"error: cannot load tasks from {', '.join(args.dataset)}: {exc}", file=sys.stderr)
+        return 2
+    if (layer := agent_layer(args.e2b_agent, "--e2b-agent")) is None:
+        return 2
+    limit = args.max_concurrent_envs or int(os.environ.get("MAX_CONCURRENT_ENVS", "8"))
+    admin_key = args.capture_admin_key or os.environ.get("CAPTURE_PROXY_ADMIN_KEY") or None
+    if args.capture_url and not admin_key:
+        print("error: --capture-url needs the proxy's admin key (--capture-admin-key or "
+              "$CAPTURE_PROXY_ADMIN_KEY)", file=sys.stderr)  # fmt: skip
+        return 2
+    if args.replicas and args.capture_url:
+        print("error: --replicas configures the capture proxy serve starts; start an external one "
+              "(--capture-url) with its own --replicas", file=sys.stderr)  # fmt: skip
+        return 2
+    config = RuntimeConfig(
+        upstream=args.upstream[0],
+        allowed_upstreams=tuple(args.upstream[1:]),
+        replicas=args.replicas,
+        data_dir=args.data_dir,
+        capture_url=args.capture_url,
+        admin_key=admin_key,
+        capture_host=args.capture_host,
+        capture_port=args.capture_port,
+        public_url=args.public_url,
+        served_model=args.served_model,
+        sandbox_starts_per_s=args.sandbox_start_rate or None,
+        max_sandbox_starts=args.max_sandbox_starts or None,
+        sandbox_start_jitter_s=args.sandbox_start_jitter,
+        proxy_process=args.proxy == "process",
+        sandbox_options={
+            "e2b": {"templates": args.e2b_templates, "agent_layer": layer, "run_id": args.run_id}
+        },
+    )
+    server = RolloutServer(
+        RolloutRuntime(config), tasks, max_concurrent_envs=limit, idle_timeout_s=args.idle_timeout or None
+    )
+    _watch_children_with_pidfds()
+    # With the proxy in-process, the server's hot path is the proxy's: the same collector settings pay off.
+    tune_gc()
+    print(
+        f"rollout server: http://{args.host}:{args.port} (capture proxy "
+        f"{args.capture_url or f'on port {args.capture_port}, {args.proxy}'}, "
+        f"engines {', '.join(args.upstream)}, datasets {', '.join(args.dataset)}, at most {limit} sessions)",
+        flush=True,
+    )
+    web.run_app(server.app(), host=args.host, port=args.port, access_log=None, print=None)
+    return 0
+
+
+def _watch_children_with_pidfds() -> None:
+    """On Python 3.11, watch sandbox subprocesses through pidfds instead of one waiting thread each.
+
+    The default watcher starts a thread per child: with hundreds of rollouts that is a thousand threads
+    fighting over the GIL. Python 3.12+ does this by itself.
+    """
+    import asyncio
+    import warnings
+
+    if sys.version_info >= (3, 12) or not hasattr(asyncio, "PidfdChildWatcher"):
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        asyncio.set_child_watcher(asyncio.PidfdChildWatcher())
