@@ -149,7 +149,7 @@ def measure(root: Path) -> dict:
         "modules_over_500": sorted([(n, m) for m, n in sizes.items() if n > 500], reverse=True),
         "classes_over_400": sorted([c for c in classes if c[0] > 400], reverse=True),
         "largest_folder": max(
-            (sum(1 for p in files.values() if p.parent == parent), parent.as_posix())
+            (sum(1 for p in files.values() if p.parent == parent), parent.relative_to(root).as_posix())
             for parent in {p.parent for p in files.values()}
         ),
     }
