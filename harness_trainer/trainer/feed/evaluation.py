@@ -47,7 +47,8 @@ import orjson
 from pydantic import BaseModel, ValidationError
 
 from harness_trainer.trainer.feed.rollout_log import RolloutRecord, member_record, read_jsonl, record_of
-from harness_trainer.trainer.feed.scheduling import RewardFn, RolloutScheduler, SchedulerConfig
+from harness_trainer.trainer.feed.rollout_run import RewardFn
+from harness_trainer.trainer.feed.scheduling import RolloutScheduler, SchedulerConfig
 from harness_trainer.trainer.step.groups import Group
 
 logger = logging.getLogger(__name__)
