@@ -31,6 +31,7 @@ __all__ = [
     "AsyncSession",
     "AsyncSessionFactory",
     "CapturedTrace",
+    "RolloutFactory",
     "Session",
     "SessionFactory",
     "Verification",
@@ -75,8 +76,11 @@ class Session(Protocol):
         """The rollout's captured turns."""
         ...
 
-    def verify(self, completion: list[dict[str, Any]] | None = None, final_state: Any = None) -> Verification:
-        """The task verifier's verdict on the finished rollout."""
+    def verify(
+        self, completion: list[dict[str, Any]] | None = None, /, final_state: Any = None
+    ) -> Verification:
+        """The task verifier's verdict on the finished rollout; ``completion`` (positional: implementations
+        name it as they like) is the last request's messages and its reply."""
         ...
 
     def close(self) -> None:
@@ -102,7 +106,7 @@ class AsyncSession(Protocol):
         """:meth:`Session.fetch_training_trace` without blocking the loop."""
         ...
 
-    async def averify(self, completion: list[dict[str, Any]] | None = None) -> Verification:
+    async def averify(self, completion: list[dict[str, Any]] | None = None, /) -> Verification:
         """:meth:`Session.verify` without blocking the loop."""
         ...
 
@@ -134,3 +138,7 @@ class AsyncSessionFactory(Protocol[AsyncSessionT_co]):
     ) -> AsyncSessionT_co:
         """:meth:`SessionFactory.create` without blocking the loop."""
         ...
+
+
+RolloutFactory = SessionFactory[Session] | AsyncSessionFactory[AsyncSession]
+"""What the trainer's scheduler takes: a factory of loop-owning sessions, sync or async."""

@@ -21,6 +21,7 @@ from harness_trainer.rollouts.client.contract import (
     AsyncSession,
     AsyncSessionFactory,
     CapturedTrace,
+    RolloutFactory,
     Session,
     SessionFactory,
     Verification,
@@ -30,7 +31,7 @@ T = TypeVar("T")
 
 
 def as_async(
-    factory: SessionFactory[Session] | AsyncSessionFactory[AsyncSession],
+    factory: RolloutFactory,
     executor: concurrent.futures.Executor,
     stopping: threading.Event,
 ) -> AsyncSessionFactory[AsyncSession]:
