@@ -10,10 +10,9 @@ which bounds how stale a trained rollout can be.
 The trainer takes finished groups in admission order, so the data order is reproducible and a resumed run
 starts at the first group it had not taken.
 
-Sessions follow OpenEnv's loop-owning protocol (:mod:`harness_trainer.rollouts.client.contract`): a
-factory with a coroutine ``acreate`` runs natively on the scheduler's event loop; a sync one's calls run on
-a thread pool (:mod:`.sync_adapter`), each rollout run by :mod:`.rollout_run`. Every session is closed on
-every path: done, failed, stopped.
+Sessions follow OpenEnv's loop-owning protocol (:mod:`harness_trainer.rollouts.client.contract`), each
+rollout run by :mod:`.rollout_run` on the scheduler's event loop (a sync factory's calls on a thread pool:
+:mod:`.sync_adapter`). Every session is closed on every path: done, failed, stopped.
 
 Failures, by kind (judged by :mod:`.failures`):
 
@@ -24,25 +23,21 @@ Failures, by kind (judged by :mod:`.failures`):
   infinity, is a bug: it stops the scheduler (after closing every live session) and is raised to the
   trainer.
 - Any other exception (a bug in the trainer's code, the factory's or a ``rollout_reward_fn`` that raises)
-  is *unexpected*: logged with its traceback (once per place it comes from; later ones in one line), its
-  rollout unscorable; past ``max_unexpected_errors`` of them the scheduler stops and the trainer gets a
-  :class:`RolloutSchedulerError` whose cause is the last one. A reward function that raises counts here
-  because it is user code that TRL would let raise: a broken one stops the run instead of quietly making
-  every rollout unscorable. Nothing raised after the run began stopping is counted. A white-box harness
-  adapter's bug (:class:`.failures.AdapterError`) counts the same, but when the next rollout to end fails
-  with another kind of adapter bug (another exception type or place), the scheduler stops at once, naming
-  the adapter and both bugs: two different bugs in a row are an adapter to fix, not bad luck.
+  is *unexpected* (counted and logged by :mod:`.unexpected`), its rollout unscorable; past
+  ``max_unexpected_errors`` of them, or at a white-box harness adapter's second kind of bug in a row, the
+  scheduler stops and the trainer gets a :class:`RolloutSchedulerError` whose cause is the last one. A
+  reward function that raises counts here because it is user code that TRL would let raise: a broken one
+  stops the run instead of quietly making every rollout unscorable. Nothing raised after the run began
+  stopping is counted.
 - The admission task, a group's task or the event loop's thread dying stops the scheduler too: the
-  trainer's next :meth:`RolloutScheduler.next_group` raises a :class:`RolloutSchedulerError` caused by it,
-  instead of waiting forever.
+  trainer's next :meth:`RolloutScheduler.next_group` raises a :class:`RolloutSchedulerError` caused by it.
 
 Each finished rollout, failed ones included, is handed to ``on_rollout_done(group, rollout)`` (the run's
 record, :mod:`.rollout_log`) in a worker thread, before its group can be taken.
 
 Each rollout keeps its ``rollout_id`` (the episode id the factory was given, ``group{G}-member{M}``, which
 the capture session's metadata records) and, once the session reports it, its ``capture_session_id`` (its
-journal: ``DATA_DIR/sessions/ID``, see :mod:`harness_trainer.rollouts.client.session`), unscorable ones
-included.
+journal: ``DATA_DIR/sessions/ID``, :mod:`harness_trainer.rollouts.client.session`), unscorable ones too.
 """
 
 from __future__ import annotations
@@ -53,22 +48,17 @@ import logging
 import random
 import threading
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from harness_trainer.rollouts.client.contract import (
-    AsyncSession,
-    AsyncSessionFactory,
-    Session,
-    SessionFactory,
-)
+from harness_trainer.rollouts.client.contract import RolloutFactory
 from harness_trainer.rollouts.errors import RolloutUnscorable
-from harness_trainer.trainer.feed.failures import AdapterError, FailureKind, judge, origin_of
+from harness_trainer.trainer.feed.failures import FailureKind, judge
 from harness_trainer.trainer.feed.rollout_run import LiveSessions, RewardFn, RolloutSettings, run_rollout
 from harness_trainer.trainer.feed.slots import Slots
 from harness_trainer.trainer.feed.sync_adapter import as_async
+from harness_trainer.trainer.feed.unexpected import UnexpectedErrors
 from harness_trainer.trainer.step.groups import Group, Rollout
 
 logger = logging.getLogger(__name__)
@@ -131,7 +121,7 @@ class RolloutScheduler:
 
     def __init__(
         self,
-        factory: SessionFactory[Session] | AsyncSessionFactory[AsyncSession],
+        factory: RolloutFactory,
         rows: Sequence[dict[str, Any]],
         config: SchedulerConfig,
         *,
@@ -157,10 +147,7 @@ class RolloutScheduler:
         self._fatal: BaseException | None = None
         self._stopping = threading.Event()
         self._stopped = False
-        self._unexpected_errors = 0
-        self._logged_origins: set[tuple[str, str, int]] = set()
-        self._last_adapter_bug: tuple[str, str, int] | None = None
-        """Where the last rollout to end failed in the adapter (None: it did not)."""
+        self._unexpected_errors = UnexpectedErrors(config.max_unexpected_errors)
         self._loop = asyncio.new_event_loop()
         self._pool = concurrent.futures.ThreadPoolExecutor(
             config.max_concurrent_rollouts, thread_name_prefix="rollout"
@@ -351,7 +338,7 @@ class RolloutScheduler:
                     raise
                 self._failed(rollout, exc)  # what it awaited was cancelled (its factory closing), not it
             else:
-                self._last_adapter_bug = None
+                self._unexpected_errors.rollout_succeeded()
             rollout.seconds = time.monotonic() - started
         if self.on_rollout_done is not None:
             # Off the loop (a long trace takes a while to write); a failure ends its group's task, which
@@ -371,39 +358,13 @@ class RolloutScheduler:
             self._unexpected(rollout, exc)
 
     def _unexpected(self, rollout: Rollout, exc: BaseException) -> None:
-        """Count a bug's exception, log it (with its traceback the first time it comes from its place), and
-        stop the scheduler once more than ``max_unexpected_errors`` have come."""
+        """Count a bug's exception (:mod:`.unexpected`), and stop the scheduler when that says so."""
         if self._stopping.is_set():
             return  # raised while the run stops (sessions closed under it): not counted
-        self._unexpected_errors += 1
-        count, limit = self._unexpected_errors, self.config.max_unexpected_errors
         where = f"rollout {rollout.rollout_id} (capture session {rollout.capture_session_id})"
-        origin = origin_of(exc)
-        previous, self._last_adapter_bug = self._last_adapter_bug, None
-        if isinstance(exc, AdapterError):
-            self._last_adapter_bug = origin
-            if previous is not None and previous != origin:
-                error = RolloutSchedulerError(
-                    f"harness adapter {exc.adapter} failed with a second kind of bug in a row: "
-                    f"{_place(previous)}, then {_place(origin)} ({where}: {exc}); fix the adapter"
-                )
-                error.__cause__ = exc
-                logger.error("%s:\n%s", error, "".join(traceback.format_exception(exc)))
-                self._fail(error)
-                return
-        if origin not in self._logged_origins:
-            self._logged_origins.add(origin)
-            logger.error(
-                "%s failed unexpectedly (%d of %d tolerated, max_unexpected_errors); it is unscorable:\n%s",
-                where, count, limit, "".join(traceback.format_exception(exc)),
-            )  # fmt: skip
-        else:
-            logger.error("%s failed unexpectedly again (%d of %d tolerated): %r", where, count, limit, exc)
-        if count > limit:
-            error = RolloutSchedulerError(
-                f"{count} rollouts failed with unexpected errors, more than max_unexpected_errors={limit}; "
-                f"the last, {where}: {type(exc).__name__}: {exc}"
-            )
+        reason = self._unexpected_errors.add(where, exc)
+        if reason is not None:
+            error = RolloutSchedulerError(reason)
             error.__cause__ = exc
             self._fail(error)
 
@@ -431,9 +392,3 @@ def _died(what: str, error: BaseException | None) -> RolloutSchedulerError:
     died = RolloutSchedulerError(f"the rollout scheduler's {what} died{reason}")
     died.__cause__ = error
     return died
-
-
-def _place(origin: tuple[str, str, int]) -> str:
-    """An exception's origin as ``Type at file:line``."""
-    kind, filename, line = origin
-    return f"{kind} at {filename}:{line}" if filename else kind
