@@ -48,6 +48,12 @@ class SamplingPolicy(BaseModel):
             raise ValueError("top_k must be off (-1 or 0): the sampling policy is temperature only")
         return self
 
+    def wire_json(self) -> dict[str, float | int]:
+        """This policy as the JSON a session factory sends (and :meth:`model_validate` reads back): its
+        temperature, and its seed and output cap when set. top_p and top_k are left out: this type holds
+        them at 1 and off."""
+        return self.model_dump(exclude_none=True, exclude={"top_p", "top_k"})
+
     def upstream_body(self, call: ChatCall, model: str) -> dict[str, Any]:
         """The Chat Completions body sent to the engine for ``call``."""
         body = {**call.body, "model": model, "temperature": self.temperature, "top_p": 1.0, **CAPTURE_FIELDS}

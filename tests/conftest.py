@@ -37,7 +37,15 @@ N`` (the README's test command) they all run in one worker, one after the other,
 (the session fixture below, started once per worker); two vLLMs at once would starve a small machine."""
 
 
+SLOW_BY_NATURE = ("vllm_cpu", "docker")
+"""Marks whose tests start a real vLLM or containers: slow as well, so ``-m "not slow"`` (the fast tier)
+leaves them out without each file saying so twice."""
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if any(item.get_closest_marker(name) is not None for name in SLOW_BY_NATURE):
+            item.add_marker(pytest.mark.slow)
     misplaced = [
         item.nodeid
         for item in items

@@ -20,7 +20,7 @@ from harness_trainer.rollouts.client.local_factory import LocalSession
 from harness_trainer.rollouts.client.session import RolloutUnscorable
 from harness_trainer.rollouts.result import RolloutResult
 from harness_trainer.sandboxes.base import SandboxError
-from harness_trainer.trainer.feed import scheduling
+from harness_trainer.trainer.feed import rollout_run, scheduling
 from harness_trainer.trainer.feed.scheduling import RolloutScheduler, RolloutSchedulerError, SchedulerConfig
 from harness_trainer.trainer.step.groups import Group
 from harness_trainer.trainer.step.outcome import RewardFunctionError
@@ -181,14 +181,14 @@ def test_infrastructure_failures_make_rollouts_unscorable_without_counting_as_bu
 def test_an_unexpected_error_is_logged_with_its_traceback_and_leaves_its_rollout_unscorable(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    real = scheduling.build_rows
+    real = rollout_run.build_rows
 
     def buggy(trace: Any, **kwargs: Any) -> Any:
         if trace.turns[0].completion_token_ids[0] == 101:  # member 1's trace
             raise ZeroDivisionError("a bug in row building")
         return real(trace, **kwargs)
 
-    monkeypatch.setattr(scheduling, "build_rows", buggy)
+    monkeypatch.setattr(rollout_run, "build_rows", buggy)
     factory = HandmadeFactory()
     scheduler = make(factory, max_unexpected_errors=3, max_concurrent_rollouts=1)  # session n: member n % 4
     try:

@@ -2,7 +2,8 @@
 
 Pass it as a builder, as with OpenEnv: ``partial(HarborSessionFactory, server_url, split="owner/tasks",
 harness="opencode", sandbox="local", llm_url=..., model=...)``; the trainer calls
-``builder(sampling=policy)``. ``server_url`` is one server's URL, or a list of them (below).
+``builder(sampling=policy)`` (a :class:`~capture_proxy.sampling.SamplingPolicy`, or its JSON: validated once,
+here; each rollout sends its JSON). ``server_url`` is one server's URL, or a list of them (below).
 Keywords keep OpenEnv's meanings:
 
 - ``split``: a dataset the server serves (``serve --dataset A --dataset B``), ``A:test`` for one of its
@@ -48,12 +49,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import httpx
 
 from capture_proxy.config import engine_root
+from capture_proxy.sampling import SamplingPolicy
 from harness_trainer.rollouts.client.servers import (
     POLL_S,
     Placement,
@@ -66,6 +68,7 @@ from harness_trainer.rollouts.client.session import (
     RewardKeyCheck,
     VerifyResult,
     exit_code_of,
+    sampling_policy,
     task_reference,
     trace_of,
     verify_result,
@@ -90,6 +93,9 @@ _OPENENV_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
 
 
 class HarborSessionFactory:
+    """The rollout server's rollouts as a :class:`~harness_trainer.rollouts.client.contract.SessionFactory`
+    of :class:`HarborSession` s (module docstring)."""
+
     def __init__(
         self,
         server_url: str | Sequence[str],
@@ -102,7 +108,7 @@ class HarborSessionFactory:
         model: str | None = None,
         api_key: str | None = None,
         auth_header: str | None = None,
-        sampling: dict[str, Any] | None = None,
+        sampling: SamplingPolicy | Mapping[str, Any] | None = None,
         agent_timeout_sec: float = 0,
         agent_step_limit: int = 0,
         reward_key: str = "",
@@ -134,6 +140,8 @@ class HarborSessionFactory:
             raise RolloutConfigError("indices=[] selects no task: give task indices, or None for all")
         if num_tasks is not None and num_tasks < 1:
             raise RolloutConfigError(f"num_tasks={num_tasks}: give at least 1, or None for all")
+        self.sampling = sampling_policy(sampling)
+        """The trainer's sampling policy, sent with each rollout (None: the capture proxy's default)."""
         urls = [server_url] if isinstance(server_url, str) else list(server_url)
         self.server_urls = tuple(url.rstrip("/") for url in urls)
         if not self.server_urls or len(set(self.server_urls)) < len(self.server_urls):
@@ -153,7 +161,7 @@ class HarborSessionFactory:
                 raise RolloutConfigError(str(exc)) from None
         self.split, self.harness, self.sandbox = split, harness, sandbox
         self.harness_options = dict(harness_options or {})
-        self.llm_url, self.model, self.sampling = llm_url or None, model or None, sampling
+        self.llm_url, self.model = llm_url or None, model or None
         self.api_key, self.auth_header = api_key or None, auth_header or None
         self.agent_timeout_sec, self.agent_step_limit, self.reward_key = (
             float(agent_timeout_sec),
@@ -330,9 +338,10 @@ class HarborSessionFactory:
     def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> HarborSession:
         index = self.task_index(task)
         wait_timeout_s = self.wait_timeout_s(index)  # lists tasks first: placing counts the metadata session
+        sampling = None if self.sampling is None else self.sampling.wire_json()
         body = {
             "split": self.split, "index": index, "harness": self.harness, "sandbox": self.sandbox,
-            "sampling": self.sampling, "agent_timeout_sec": self.agent_timeout_sec or None,
+            "sampling": sampling, "agent_timeout_sec": self.agent_timeout_sec or None,
             "agent_step_limit": self.agent_step_limit, "reward_key": self.reward_key, "seed": seed,
             "episode_id": episode_id,
         }  # fmt: skip
@@ -370,7 +379,11 @@ class HarborSessionFactory:
 
 
 class HarborSession:
-    """One rollout running on the server (OpenEnv's ``TrainableSession``)."""
+    """One rollout running on the server: a :class:`~harness_trainer.rollouts.client.contract.Session`
+    (OpenEnv's ``TrainableSession``)."""
+
+    session_id: str
+    """The server's session id (not the capture session's: that comes with the result)."""
 
     def __init__(
         self,

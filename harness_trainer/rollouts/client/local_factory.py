@@ -19,14 +19,17 @@ import asyncio
 import concurrent.futures
 import tempfile
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from capture_proxy.sampling import SamplingPolicy
 from harness_trainer.harnesses import make_harness
 from harness_trainer.rollouts.client.session import (
     RewardKeyCheck,
     VerifyResult,
     exit_code_of,
+    sampling_policy,
     task_reference,
     trace_of,
     verify_result,
@@ -40,6 +43,11 @@ from harness_trainer.trace import TrainingTrace
 
 
 class LocalSessionFactory:
+    """In-process rollouts (module docstring): a :class:`~harness_trainer.rollouts.client.contract.
+    SessionFactory` and an :class:`~harness_trainer.rollouts.client.contract.AsyncSessionFactory` of
+    :class:`LocalSession` s. ``sampling``: a :class:`~capture_proxy.sampling.SamplingPolicy`, or its JSON
+    (validated here, once)."""
+
     def __init__(
         self,
         tasks: TaskSource | TaskCatalog | str,
@@ -50,7 +58,7 @@ class LocalSessionFactory:
         harness_options: dict[str, Any] | None = None,
         sandbox: str = "local",
         model: str | None = None,
-        sampling: dict[str, Any] | None = None,
+        sampling: SamplingPolicy | Mapping[str, Any] | None = None,
         agent_timeout_sec: float | None = None,
         agent_step_limit: int = 0,
         reward_key: str = "",
@@ -81,9 +89,10 @@ class LocalSessionFactory:
         except ValueError as exc:
             raise RolloutConfigError(str(exc)) from None
         agent_timeout_sec = agent_timeout_sec or None
+        policy = sampling_policy(sampling)
         self.options = RolloutOptions(
-            harness=harness, harness_options=harness_options or {},
-            sandbox=sandbox, sampling=sampling, agent_timeout_sec=agent_timeout_sec,
+            harness=harness, harness_options=harness_options or {}, sandbox=sandbox,
+            sampling=None if policy is None else policy.wire_json(), agent_timeout_sec=agent_timeout_sec,
             agent_step_limit=agent_step_limit, reward_key=reward_key,
         )  # fmt: skip
         self._tmp = None if data_dir is not None else tempfile.TemporaryDirectory(prefix="capture-")
@@ -175,6 +184,9 @@ class LocalSessionFactory:
 
 
 class LocalSession:
+    """One in-process rollout: a :class:`~harness_trainer.rollouts.client.contract.Session` and an
+    :class:`~harness_trainer.rollouts.client.contract.AsyncSession`."""
+
     def __init__(
         self,
         factory: LocalSessionFactory,

@@ -77,11 +77,13 @@ CLOSE_TIMEOUT_S = 120.0
 class LocalWhiteBoxSession(ResourceSession):
     """One white-box episode in a local sandbox (module docstring); made by the factory's ``create``."""
 
+    session_id: str
+    """Names the session in logs and in ``verify``'s metrics, as a server's session id does."""
+
     def __init__(self, factory: LocalWhiteBoxSessionFactory, environment: Environment) -> None:
         self.factory = factory
         self.environment = environment
         self.session_id = f"local-{uuid.uuid4().hex}"
-        """Names the session in logs and in ``verify``'s metrics, as a server's session id does."""
         task = environment.task
         self.task: dict[str, Any] = {
             "name": task.name, "split": task.split, "index": task.index, "instruction": task.instruction,
@@ -161,7 +163,8 @@ class LocalWhiteBoxSession(ResourceSession):
 
 class LocalWhiteBoxSessionFactory(ResourceSessionFactory[LocalWhiteBoxSession]):
     """OpenEnv's session factory for white-box episodes of one split of ``tasks``, run in this process
-    (module docstring).
+    (module docstring): a :class:`~harness_trainer.rollouts.client.contract.SessionFactory` of OpenEnv
+    ``ResourceSession`` s, which :mod:`harness_trainer.trainer.feed.whitebox` turns into rollouts.
 
     Raises (on construction) :class:`RolloutConfigError` for a split ``tasks`` does not have, an unknown
     sandbox backend, one whose credentials are missing from the environment, or an ``episode_timeout_sec``

@@ -1,4 +1,5 @@
-"""One rollout as the trainer sees it: OpenEnv's loop-owning session protocol.
+"""One rollout as the trainer sees it: OpenEnv's loop-owning session protocol (its Protocols:
+:mod:`harness_trainer.rollouts.client.contract`), and the pieces the factories share.
 
 ``wait_for_completion(timeout_s)`` → the agent's exit code (raises ``TimeoutError`` on timeout: the agent
 is stopped, its captured turns stay trainable and ``timed_out`` is set; a failed rollout raises what
@@ -16,9 +17,13 @@ result: in ``VerifyResult.metrics["capture_session_id"]``, and on :class:`Rollou
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
+from capture_proxy.sampling import SamplingPolicy
 from harness_trainer.rollouts.errors import RolloutConfigError, RolloutUnscorable, error_for
 from harness_trainer.rollouts.result import RolloutResult
 from harness_trainer.tasks.reward import reward_keys
@@ -29,6 +34,7 @@ __all__ = [
     "VerifyResult",
     "check_reward_key",
     "exit_code_of",
+    "sampling_policy",
     "task_reference",
     "trace_of",
     "verify_result",
@@ -103,6 +109,20 @@ def check_reward_key(reward_key: str, result: RolloutResult) -> None:
             f"reward_key {reward_key!r} names no score the verifier of {result.task_name} wrote; "
             f"it wrote {sorted(result.rewards)}"
         )
+
+
+def sampling_policy(sampling: SamplingPolicy | Mapping[str, Any] | None) -> SamplingPolicy | None:
+    """A factory's ``sampling``, the trainer's policy or its JSON, validated once (None: the capture
+    proxy's default); :class:`RolloutConfigError` naming what the policy refuses."""
+    if sampling is None:
+        return None
+    if isinstance(sampling, SamplingPolicy):
+        return sampling
+    try:
+        return SamplingPolicy.model_validate(dict(sampling))
+    except ValidationError as exc:
+        reasons = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'policy'}: {e['msg']}" for e in exc.errors())
+        raise RolloutConfigError(f"sampling={dict(sampling)!r} is not a sampling policy: {reasons}") from None
 
 
 def task_reference(task: Any) -> int | str:

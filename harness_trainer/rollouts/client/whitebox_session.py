@@ -51,6 +51,9 @@ from harness_trainer.sandboxes.tools import ToolLimits
 class WhiteBoxSession(ResourceSession):
     """One white-box episode on a rollout server (module docstring); made by :meth:`start`."""
 
+    session_id: str
+    """The server's session id."""
+
     def __init__(self, client: httpx.Client, session_id: str, started: dict[str, Any]) -> None:
         self.client = client
         self.session_id = session_id
@@ -177,7 +180,9 @@ def verify_result(verdict: EnvironmentVerdict, session_id: str) -> VerifyResult:
 
 class WhiteBoxSessionFactory(ResourceSessionFactory[WhiteBoxSession]):
     """OpenEnv's session factory for white-box episodes of one split of a rollout server's tasks; keywords
-    as :meth:`WhiteBoxSession.start`. Holds settings only (picklable); each session its own client."""
+    as :meth:`WhiteBoxSession.start`. Holds settings only (picklable); each session its own client. A
+    :class:`~harness_trainer.rollouts.client.contract.SessionFactory` of OpenEnv ``ResourceSession`` s,
+    which :mod:`harness_trainer.trainer.feed.whitebox` turns into rollouts."""
 
     def __init__(self, server_url: str, *, split: str = "train", **options: Any) -> None:
         """Raises TypeError for a keyword :meth:`WhiteBoxSession.start` does not take (or one ``create``

@@ -45,9 +45,11 @@ from typing import Any
 import orjson
 from pydantic import BaseModel, ValidationError
 
+from harness_trainer.rollouts.client.contract import RolloutFactory
 from harness_trainer.trainer.feed.rollout_log import read_jsonl, record_of
 from harness_trainer.trainer.feed.rollout_records import RolloutRecord, member_record
-from harness_trainer.trainer.feed.scheduling import RewardFn, RolloutScheduler, SchedulerConfig
+from harness_trainer.trainer.feed.rollout_run import RewardFn
+from harness_trainer.trainer.feed.scheduling import RolloutScheduler, SchedulerConfig
 from harness_trainer.trainer.step.groups import Group
 
 logger = logging.getLogger(__name__)
@@ -212,7 +214,7 @@ class Evaluator:
 
     def __init__(
         self,
-        factory: Any,
+        factory: RolloutFactory,
         rows: Sequence[dict[str, Any]],
         *,
         k: int,

@@ -10,9 +10,9 @@ which bounds how stale a trained rollout can be.
 The trainer takes finished groups in admission order, so the data order is reproducible and a resumed run
 starts at the first group it had not taken.
 
-Sessions follow OpenEnv's loop-owning protocol: sync sessions run in a thread pool; a factory with a
-coroutine ``acreate`` and sessions with ``wait`` / ``afetch_training_trace`` / ``averify`` / ``aclose`` run
-natively on the scheduler's event loop. Every session is closed on every path: done, failed, stopped.
+Sessions follow OpenEnv's loop-owning protocol (:mod:`harness_trainer.rollouts.client.contract`), each
+rollout run by :mod:`.rollout_run` on the scheduler's event loop (a sync factory's calls on a thread pool:
+:mod:`.sync_adapter`). Every session is closed on every path: done, failed, stopped.
 
 Failures, by kind (judged by :mod:`.failures`):
 
@@ -23,56 +23,45 @@ Failures, by kind (judged by :mod:`.failures`):
   infinity, is a bug: it stops the scheduler (after closing every live session) and is raised to the
   trainer.
 - Any other exception (a bug in the trainer's code, the factory's or a ``rollout_reward_fn`` that raises)
-  is *unexpected*: logged with its traceback (once per place it comes from; later ones in one line), its
-  rollout unscorable; past ``max_unexpected_errors`` of them the scheduler stops and the trainer gets a
-  :class:`RolloutSchedulerError` whose cause is the last one. A reward function that raises counts here
-  because it is user code that TRL would let raise: a broken one stops the run instead of quietly making
-  every rollout unscorable. Nothing raised after the run began stopping is counted. A white-box harness
-  adapter's bug (:class:`.failures.AdapterError`) counts the same, but when the next rollout to end fails
-  with another kind of adapter bug (another exception type or place), the scheduler stops at once, naming
-  the adapter and both bugs: two different bugs in a row are an adapter to fix, not bad luck.
+  is *unexpected* (counted and logged by :mod:`.unexpected`), its rollout unscorable; past
+  ``max_unexpected_errors`` of them, or at a white-box harness adapter's second kind of bug in a row, the
+  scheduler stops and the trainer gets a :class:`RolloutSchedulerError` whose cause is the last one. A
+  reward function that raises counts here because it is user code that TRL would let raise: a broken one
+  stops the run instead of quietly making every rollout unscorable. Nothing raised after the run began
+  stopping is counted.
 - The admission task, a group's task or the event loop's thread dying stops the scheduler too: the
-  trainer's next :meth:`RolloutScheduler.next_group` raises a :class:`RolloutSchedulerError` caused by it,
-  instead of waiting forever.
+  trainer's next :meth:`RolloutScheduler.next_group` raises a :class:`RolloutSchedulerError` caused by it.
 
 Each finished rollout, failed ones included, is handed to ``on_rollout_done(group, rollout)`` (the run's
 record, :mod:`.rollout_log`) in a worker thread, before its group can be taken.
 
 Each rollout keeps its ``rollout_id`` (the episode id the factory was given, ``group{G}-member{M}``, which
 the capture session's metadata records) and, once the session reports it, its ``capture_session_id`` (its
-journal: ``DATA_DIR/sessions/ID``, see :mod:`harness_trainer.rollouts.client.session`), unscorable ones
-included.
+journal: ``DATA_DIR/sessions/ID``, :mod:`harness_trainer.rollouts.client.session`), unscorable ones too.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
-import inspect
 import logging
 import random
 import threading
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from harness_trainer.trace import TrainingTrace, load_trace
-from harness_trainer.trainer.feed.failures import AdapterError, FailureKind, judge, origin_of
+from harness_trainer.rollouts.client.contract import RolloutFactory
+from harness_trainer.rollouts.errors import RolloutUnscorable
+from harness_trainer.trainer.feed.failures import FailureKind, judge
+from harness_trainer.trainer.feed.rollout_run import LiveSessions, RewardFn, RolloutSettings, run_rollout
+from harness_trainer.trainer.feed.slots import Slots
+from harness_trainer.trainer.feed.sync_adapter import as_async
+from harness_trainer.trainer.feed.unexpected import UnexpectedErrors
 from harness_trainer.trainer.step.groups import Group, Rollout
-from harness_trainer.trainer.step.outcome import (
-    HarnessRolloutOutcome,
-    apply_reward_fn,
-    build_outcome,
-    completion_messages,
-)
-from harness_trainer.trainer.step.rows import build_rows
 
 logger = logging.getLogger(__name__)
-
-RewardFn = Callable[[HarnessRolloutOutcome], float | None]
 
 
 class RolloutSchedulerError(RuntimeError):
@@ -127,25 +116,12 @@ def row_order(num_rows: int, group: int, *, seed: int, shuffle: bool) -> int:
     return order[position]
 
 
-def _is_async(factory: Any) -> bool:
-    return inspect.iscoroutinefunction(getattr(factory, "acreate", None))
-
-
-def _as_trace(captured: Any, session_id: str | None) -> TrainingTrace:
-    """Our TrainingTrace from ours, OpenEnv's model, or plain JSON; malformed → CaptureContractError."""
-    if isinstance(captured, TrainingTrace):
-        return captured
-    if hasattr(captured, "model_dump_json"):
-        return load_trace(captured.model_dump_json(), session_id=session_id)
-    return load_trace(captured, session_id=session_id)
-
-
 class RolloutScheduler:
     """Runs rollout groups on a background event loop; the trainer pulls finished groups in order."""
 
     def __init__(
         self,
-        factory: Any,
+        factory: RolloutFactory,
         rows: Sequence[dict[str, Any]],
         config: SchedulerConfig,
         *,
@@ -157,10 +133,8 @@ class RolloutScheduler:
     ) -> None:
         if not rows:
             raise ValueError("the training dataset has no rows")
-        self.factory = factory
         self.rows = list(rows)
         self.config = config
-        self.reward_fn = reward_fn
         self.policy_version = policy_version
         self.row_chooser = row_chooser
         self.on_rollout_done = on_rollout_done
@@ -169,25 +143,26 @@ class RolloutScheduler:
         self._start_group_index = start_group
         self._finished: dict[int, Group] = {}
         self._cond = threading.Condition()
-        self._live: set[Any] = set()
-        self._live_lock = threading.Lock()
+        self._live = LiveSessions()
         self._fatal: BaseException | None = None
         self._stopping = threading.Event()
         self._stopped = False
-        self._unexpected_errors = 0
-        self._logged_origins: set[tuple[str, str, int]] = set()
-        self._last_adapter_bug: tuple[str, str, int] | None = None
-        """Where the last rollout to end failed in the adapter (None: it did not)."""
+        self._unexpected_errors = UnexpectedErrors(config.max_unexpected_errors)
         self._loop = asyncio.new_event_loop()
         self._pool = concurrent.futures.ThreadPoolExecutor(
             config.max_concurrent_rollouts, thread_name_prefix="rollout"
+        )
+        self.factory = as_async(factory, self._pool, self._stopping)
+        """The factory as the async contract (a sync one's calls on the pool's threads)."""
+        self._settings = RolloutSettings(
+            config.agent_timeout, config.vocab_size, config.temperature, reward_fn
         )
         self._thread = threading.Thread(target=self._run_loop, name="rollout-scheduler", daemon=True)
         self._space: asyncio.Event | None = None
         limit = (
             config.max_concurrent_rollouts if config.concurrency_limit is None else config.concurrency_limit
         )
-        self._slots = _Slots(self._check_limit(limit))
+        self._slots = Slots(self._check_limit(limit))
         self._main: concurrent.futures.Future | None = None
         self._tasks: set[asyncio.Task] = set()
 
@@ -225,8 +200,7 @@ class RolloutScheduler:
         return group
 
     def live_sessions(self) -> int:
-        with self._live_lock:
-            return len(self._live)
+        return len(self._live)
 
     def set_concurrency_limit(self, limit: int) -> None:
         """Let at most ``limit`` rollouts be in flight from now on (any thread). A higher limit starts
@@ -265,7 +239,7 @@ class RolloutScheduler:
             return
         self._stopped = True
         self._stopping.set()
-        self._close_live()
+        self._live.close_all()
         if self._thread.is_alive():
             future = asyncio.run_coroutine_threadsafe(self._drain(), self._loop)
             try:
@@ -280,7 +254,7 @@ class RolloutScheduler:
             )
             waiter.start()
             waiter.join(self.config.close_timeout_s)
-        self._close_live()
+        self._live.close_all()
         self._pool.shutdown(wait=False, cancel_futures=True)
         if not self._loop.is_running():
             self._loop.close()
@@ -355,10 +329,7 @@ class RolloutScheduler:
                 rollout.policy_version = self.policy_version()
                 if self._stopping.is_set():
                     raise RuntimeError("training stopped before this rollout started")
-                if _is_async(self.factory):
-                    await self._rollout_async(group, rollout)
-                else:
-                    await self._loop.run_in_executor(self._pool, self._rollout_sync, group, rollout)
+                await run_rollout(self.factory, group, rollout, self._settings, self._live, self._stopping)
             except Exception as exc:
                 self._failed(rollout, exc)
             except asyncio.CancelledError as exc:
@@ -367,7 +338,7 @@ class RolloutScheduler:
                     raise
                 self._failed(rollout, exc)  # what it awaited was cancelled (its factory closing), not it
             else:
-                self._last_adapter_bug = None
+                self._unexpected_errors.rollout_succeeded()
             rollout.seconds = time.monotonic() - started
         if self.on_rollout_done is not None:
             # Off the loop (a long trace takes a while to write); a failure ends its group's task, which
@@ -377,7 +348,8 @@ class RolloutScheduler:
     def _failed(self, rollout: Rollout, exc: BaseException) -> None:
         """Make ``rollout`` unscorable for ``exc``, and stop the scheduler when ``exc`` says so (module
         docstring)."""
-        rollout.capture_session_id = rollout.capture_session_id or getattr(exc, "capture_session_id", None)
+        if isinstance(exc, RolloutUnscorable):
+            rollout.capture_session_id = rollout.capture_session_id or exc.capture_session_id
         verdict = judge(exc, stopping=self._stopping.is_set())
         rollout.unscorable = verdict.reason
         if verdict.kind is FailureKind.FATAL:
@@ -386,116 +358,22 @@ class RolloutScheduler:
             self._unexpected(rollout, exc)
 
     def _unexpected(self, rollout: Rollout, exc: BaseException) -> None:
-        """Count a bug's exception, log it (with its traceback the first time it comes from its place), and
-        stop the scheduler once more than ``max_unexpected_errors`` have come."""
+        """Count a bug's exception (:mod:`.unexpected`), and stop the scheduler when that says so."""
         if self._stopping.is_set():
             return  # raised while the run stops (sessions closed under it): not counted
-        self._unexpected_errors += 1
-        count, limit = self._unexpected_errors, self.config.max_unexpected_errors
         where = f"rollout {rollout.rollout_id} (capture session {rollout.capture_session_id})"
-        origin = origin_of(exc)
-        previous, self._last_adapter_bug = self._last_adapter_bug, None
-        if isinstance(exc, AdapterError):
-            self._last_adapter_bug = origin
-            if previous is not None and previous != origin:
-                error = RolloutSchedulerError(
-                    f"harness adapter {exc.adapter} failed with a second kind of bug in a row: "
-                    f"{_place(previous)}, then {_place(origin)} ({where}: {exc}); fix the adapter"
-                )
-                error.__cause__ = exc
-                logger.error("%s:\n%s", error, "".join(traceback.format_exception(exc)))
-                self._fail(error)
-                return
-        if origin not in self._logged_origins:
-            self._logged_origins.add(origin)
-            logger.error(
-                "%s failed unexpectedly (%d of %d tolerated, max_unexpected_errors); it is unscorable:\n%s",
-                where, count, limit, "".join(traceback.format_exception(exc)),
-            )  # fmt: skip
-        else:
-            logger.error("%s failed unexpectedly again (%d of %d tolerated): %r", where, count, limit, exc)
-        if count > limit:
-            error = RolloutSchedulerError(
-                f"{count} rollouts failed with unexpected errors, more than max_unexpected_errors={limit}; "
-                f"the last, {where}: {type(exc).__name__}: {exc}"
-            )
+        reason = self._unexpected_errors.add(where, exc)
+        if reason is not None:
+            error = RolloutSchedulerError(reason)
             error.__cause__ = exc
             self._fail(error)
-
-    def _rollout_sync(self, group: Group, rollout: Rollout) -> None:
-        session = self.factory.create(group.row, seed=group.seed, episode_id=rollout.rollout_id)
-        self._track(session)
-        try:
-            try:
-                session.wait_for_completion(timeout_s=self.config.agent_timeout)
-            except TimeoutError:
-                rollout.timed_out = True
-            if self._stopping.is_set():
-                raise RuntimeError("training stopped")
-            trace = _as_trace(session.fetch_training_trace(), getattr(session, "session_id", None))
-            verify = session.verify(completion_messages(trace.to_trace_entries()))
-            self._score(rollout, trace, verify, session)
-        finally:
-            self._untrack(session)
-
-    async def _rollout_async(self, group: Group, rollout: Rollout) -> None:
-        session = await self.factory.acreate(group.row, seed=group.seed, episode_id=rollout.rollout_id)
-        self._track(session)
-        try:
-            try:
-                await session.wait(timeout_s=self.config.agent_timeout)
-            except TimeoutError:
-                rollout.timed_out = True
-            trace = _as_trace(await session.afetch_training_trace(), getattr(session, "session_id", None))
-            verify = await session.averify(completion_messages(trace.to_trace_entries()))
-            self._score(rollout, trace, verify, session)
-        finally:
-            self._untrack(session)
-            await session.aclose()
-
-    def _score(self, rollout: Rollout, trace: TrainingTrace, verify: Any, session: Any) -> None:
-        """Rows, outcome and reward of a finished rollout; a reward function's failure propagates."""
-        rollout.verify_metrics = dict(getattr(verify, "metrics", None) or {})
-        reported = rollout.verify_metrics.get("capture_session_id")
-        rollout.capture_session_id = reported if isinstance(reported, str) else rollout.capture_session_id
-        session_id = rollout.capture_session_id or getattr(session, "session_id", None)
-        rollout.trace = trace
-        rollout.rows = build_rows(
-            trace,
-            vocab_size=self.config.vocab_size,
-            temperature=self.config.temperature,
-            session_id=session_id,
-        )
-        rollout.findings = (getattr(verify, "artifacts", None) or {}).get("findings")
-        rollout.outcome = build_outcome(trace, verify, timed_out=rollout.timed_out)
-        rollout.timed_out = rollout.outcome.timed_out
-        rollout.reward = apply_reward_fn(rollout.outcome, self.reward_fn)
-
-    def _track(self, session: Any) -> None:
-        with self._live_lock:
-            self._live.add(session)
-        if self._stopping.is_set():
-            _close(session)
-
-    def _untrack(self, session: Any) -> None:
-        with self._live_lock:
-            self._live.discard(session)
-        _close(session)
-
-    def _close_live(self) -> None:
-        with self._live_lock:
-            live = list(self._live)
-        if not live:
-            return
-        with concurrent.futures.ThreadPoolExecutor(min(len(live), 16)) as closer:
-            list(closer.map(_close, live))
 
     def _fail(self, exc: BaseException) -> None:
         with self._cond:
             if self._fatal is None:
                 self._fatal = exc
         self._stopping.set()
-        threading.Thread(target=self._close_live, name="close-sessions", daemon=True).start()
+        threading.Thread(target=self._live.close_all, name="close-sessions", daemon=True).start()
         with self._cond:
             self._cond.notify_all()
 
@@ -508,71 +386,9 @@ class RolloutScheduler:
             await asyncio.wait(list(self._tasks), timeout=self.config.close_timeout_s)
 
 
-class _Slots:
-    """An async semaphore whose size (``limit``) may change while it is held: a rollout takes a slot while
-    fewer than ``limit`` are held, waiting in arrival order otherwise. Used on the scheduler's loop only
-    (``set_limit`` from elsewhere goes through ``call_soon_threadsafe``); the counts are read from any
-    thread (ints, a moment's snapshot)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.held = 0
-        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
-
-    @property
-    def waiting(self) -> int:
-        return len(self._waiters)
-
-    def set_limit(self, limit: int) -> None:
-        self.limit = limit
-        self._wake()
-
-    async def __aenter__(self) -> None:
-        if self.held < self.limit and not self._waiters:
-            self.held += 1
-            return
-        waiter = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
-        try:
-            await waiter  # resolved by _wake, which counts the slot as held
-        except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():  # given a slot and cancelled at once: give it back
-                self.held -= 1
-            elif waiter in self._waiters:
-                self._waiters.remove(waiter)
-            self._wake()  # whoever queued behind it may go now
-            raise
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.held -= 1
-        self._wake()
-
-    def _wake(self) -> None:
-        while self._waiters and self.held < self.limit:
-            waiter = self._waiters.popleft()
-            if not waiter.done():  # a cancelled one leaves in its own time
-                waiter.set_result(None)
-                self.held += 1
-
-
 def _died(what: str, error: BaseException | None) -> RolloutSchedulerError:
     """The trainer's error for a scheduler component that ended while the run was going on."""
     reason = f": {type(error).__name__}: {error}" if error is not None else " without an error"
     died = RolloutSchedulerError(f"the rollout scheduler's {what} died{reason}")
     died.__cause__ = error
     return died
-
-
-def _close(session: Any) -> None:
-    try:
-        closer = getattr(session, "close", None)
-        if closer is not None:
-            closer()
-    except Exception:
-        logger.warning("closing a rollout session failed", exc_info=True)
-
-
-def _place(origin: tuple[str, str, int]) -> str:
-    """An exception's origin as ``Type at file:line``."""
-    kind, filename, line = origin
-    return f"{kind} at {filename}:{line}" if filename else kind

@@ -128,7 +128,8 @@ class _TimedStep:
 
 
 class WhiteBoxRollout:
-    """One white-box episode in the scheduler's loop-owning shape (module docstring, steps 1-4)."""
+    """One white-box episode in the scheduler's loop-owning shape (module docstring, steps 1-4): a
+    :class:`~harness_trainer.rollouts.client.contract.Session`."""
 
     def __init__(
         self,
@@ -149,6 +150,7 @@ class WhiteBoxRollout:
     @property
     def session_id(self) -> str | None:
         """The resource session's id when it has one (a rollout server's session)."""
+        # The inner session may be any OpenEnv ResourceSession, and OpenEnv's declare no id.
         return getattr(self.session.inner, "session_id", None)
 
     def wait_for_completion(self, timeout_s: float | None = None) -> int:
@@ -210,7 +212,8 @@ class WhiteBoxRollout:
 
 
 class WhiteBoxRolloutFactory:
-    """A ``ResourceSessionFactory`` and an adapter as the scheduler's session factory (module docstring).
+    """A ``ResourceSessionFactory`` and an adapter as the scheduler's session factory (module docstring): a
+    :class:`~harness_trainer.rollouts.client.contract.SessionFactory` of :class:`WhiteBoxRollout` s.
 
     ``prompt_rows`` is the inner factory's, when it has one.
     """
@@ -285,14 +288,14 @@ def white_box_factory(
     *,
     tokenizer: Any,
     base_url: str,
-    sampling: Mapping[str, Any],
+    sampling: SamplingPolicy | Mapping[str, Any],
     max_completion_length: int | None = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
     limits: HarnessRunLimits | None = None,
     policy_version: Callable[[], int | None] | None = None,
 ) -> WhiteBoxRolloutFactory:
     """The trainer's wrapper around its builder's ``factory``: the served model and its context length
-    from ``base_url``'s ``/v1/models`` (first card), ``sampling`` the trainer's policy (its JSON).
+    from ``base_url``'s ``/v1/models`` (first card), ``sampling`` the trainer's policy (or its JSON).
 
     Raises:
         TypeError: ``factory`` is not a ``ResourceSessionFactory``.
