@@ -29,6 +29,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from harness_trainer.engines.kinds import ENGINE_KIND_FACTS, kind_of
 from harness_trainer.launch.config_file import (
     TRAINER,
     ConfigFileError,
@@ -46,7 +47,8 @@ if TYPE_CHECKING:
 
 EXAMPLE_TASKS = Path(__file__).resolve().parents[1] / "examples" / "tasks"
 HARNESS_CHOICES = ("mini-swe-agent", "opencode", "toy")
-ENGINE_CHOICES = ("dev", "vllm")
+ENGINE_CHOICES = tuple(sorted(ENGINE_KIND_FACTS))
+"""Every engine kind: the dev loop starts each on its model folder (:mod:`harness_trainer.devloop.engine`)."""
 MODE_CHOICES = ("black-box", "white-box")
 
 
@@ -275,7 +277,7 @@ def _run_dev_loop(
     if not options.tasks.is_dir():
         raise ValueError(f"no task folder at {options.tasks} (pass --tasks DIR)")
     vllm = options.vllm_python or vllm_python()
-    if options.engine == "vllm" and (problem := check_vllm_python(vllm)) is not None:
+    if kind_of(options.engine).own_python and (problem := check_vllm_python(vllm)) is not None:
         raise ValueError(problem)
     source = LocalTaskSource(options.tasks)
     # GRPO on a held-out split would train on the tasks the evaluation is for, warm-up or not.
