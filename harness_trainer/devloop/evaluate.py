@@ -23,7 +23,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harness_trainer.devloop.run import ENGINE_CHOICES, EXAMPLE_TASKS, HARNESS_CHOICES
+from harness_trainer.devloop.run import ENGINE_CHOICES, EXAMPLE_TASKS
+from harness_trainer.devloop.solver import SCRIPTED_HARNESSES
 from harness_trainer.engines.kinds import kind_of
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-k", "--num-generations", dest="k", type=int, default=1,
                         help="rollouts per task (k of pass@k)")  # fmt: skip
     parser.add_argument("--tasks", type=Path, default=EXAMPLE_TASKS, help="a folder of Harbor tasks")
-    parser.add_argument("--harness", choices=HARNESS_CHOICES, default="mini-swe-agent")
+    parser.add_argument("--harness", choices=SCRIPTED_HARNESSES, default="mini-swe-agent")
     parser.add_argument("--agent-step-limit", type=int, default=4)
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     parser.add_argument("--max-completion-length", type=int, default=256)
