@@ -7,6 +7,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from harness_trainer.engines.kinds import kind_of
+
 
 def start_local_engine(
     kind: str,
@@ -20,9 +22,15 @@ def start_local_engine(
     started: Callable[[Any], None] | None = None,
 ) -> Any:
     """Start engine ``kind`` (``dev`` or ``vllm``) serving ``model_dir`` as ``tiny``, seeded; returns once it
-    answers, as an object with ``url`` and ``stop()``. ``lora_rank``: vLLM takes adapters up to that rank
-    (``max_loras`` of them at once). ``started`` gets it as soon as its process exists."""
-    if kind == "vllm":
+    answers, as an object with ``url`` and ``stop()``. An engine on a python of its own
+    (:attr:`~harness_trainer.engines.kinds.EngineKind.own_python`: vLLM) starts from ``vllm_python``.
+    ``lora_rank``: vLLM takes adapters up to that rank (``max_loras`` of them at once). ``started`` gets it
+    as soon as its process exists.
+
+    Raises:
+        ValueError: ``kind`` is no kind of engine.
+    """
+    if kind_of(kind).own_python:
         from harness_trainer.engines.vllm_process import serve_env, serve_flags, start_vllm
 
         flags = serve_flags(served_model_name="tiny", lora_rank=lora_rank, max_loras=max_loras)

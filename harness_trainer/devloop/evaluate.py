@@ -23,7 +23,9 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harness_trainer.devloop.run import EXAMPLE_TASKS, HARNESS_CHOICES
+from harness_trainer.devloop.run import ENGINE_CHOICES, EXAMPLE_TASKS
+from harness_trainer.devloop.solver import SCRIPTED_HARNESSES
+from harness_trainer.engines.kinds import kind_of
 
 if TYPE_CHECKING:
     from harness_trainer.trainer.feed.evaluation import EvalRecord
@@ -45,7 +47,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-k", "--num-generations", dest="k", type=int, default=1,
                         help="rollouts per task (k of pass@k)")  # fmt: skip
     parser.add_argument("--tasks", type=Path, default=EXAMPLE_TASKS, help="a folder of Harbor tasks")
-    parser.add_argument("--harness", choices=HARNESS_CHOICES, default="mini-swe-agent")
+    parser.add_argument("--harness", choices=SCRIPTED_HARNESSES, default="mini-swe-agent")
     parser.add_argument("--agent-step-limit", type=int, default=4)
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     parser.add_argument("--max-completion-length", type=int, default=256)
@@ -53,7 +55,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-concurrent-rollouts", type=int, default=2)
     parser.add_argument("--agent-timeout", type=float, default=120.0)
     parser.add_argument("--seed", type=int, default=0, help="the run's seed (eval seeds follow from it)")
-    parser.add_argument("--engine", choices=("dev", "vllm"), default="dev")
+    parser.add_argument("--engine", choices=ENGINE_CHOICES, default="dev")
     parser.add_argument("--vllm-python", type=Path, default=None)
     parser.add_argument(
         "--tokenizer", type=Path, default=None,
@@ -154,7 +156,7 @@ def _run_eval(args: argparse.Namespace) -> int:
     if args.temperature < 0:
         raise ValueError(f"--temperature must be ≥ 0, got {args.temperature}")
     python = args.vllm_python or vllm_python()
-    if args.engine == "vllm" and (problem := check_vllm_python(python)) is not None:
+    if kind_of(args.engine).own_python and (problem := check_vllm_python(python)) is not None:
         raise ValueError(problem)
     source = LocalTaskSource(args.tasks)
     if args.split not in source.splits():

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from harness_trainer.devloop.solver import MINI_SUBMIT
+from harness_trainer.harnesses.mini_swe_agent import SUBMIT_COMMAND, MiniSweAgentHarness
 
 MINI_SWE_AGENT_COMPACT: dict[str, Any] = {
     "agent": {
         "system_template": "You are a helpful assistant that can interact with a computer.\n",
         "instance_template": (
             "Solve the task below with the bash tool: one command per response, each run in a new "
-            f"subshell. When it is done, submit with `{MINI_SUBMIT}` as a command of its own.\n\n"
+            f"subshell. When it is done, submit with `{SUBMIT_COMMAND}` as a command of its own.\n\n"
             "Task: {{task}}\n"
         ),
     }
@@ -30,7 +30,7 @@ MINI_SWE_AGENT_COMPACT: dict[str, Any] = {
 """mini-swe-agent's ``agent_config`` in the dev loop (see the module docstring)."""
 
 COMPACT_HARNESS_OPTIONS: dict[str, dict[str, Any]] = {
-    "mini-swe-agent": {"agent_config": MINI_SWE_AGENT_COMPACT},
+    MiniSweAgentHarness.name: {"agent_config": MINI_SWE_AGENT_COMPACT},
 }
 
 

@@ -29,6 +29,8 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from harness_trainer.devloop.solver import SCRIPTED_HARNESSES, WHITE_BOX
+from harness_trainer.engines.kinds import ENGINE_KIND_FACTS, kind_of
 from harness_trainer.launch.config_file import (
     TRAINER,
     ConfigFileError,
@@ -45,8 +47,8 @@ if TYPE_CHECKING:
     from harness_trainer import HarnessAsyncGRPOTrainer
 
 EXAMPLE_TASKS = Path(__file__).resolve().parents[1] / "examples" / "tasks"
-HARNESS_CHOICES = ("mini-swe-agent", "opencode", "toy")
-ENGINE_CHOICES = ("dev", "vllm")
+ENGINE_CHOICES = tuple(sorted(ENGINE_KIND_FACTS))
+"""Every engine kind: the dev loop starts each on its model folder (:mod:`harness_trainer.devloop.engine`)."""
 MODE_CHOICES = ("black-box", "white-box")
 
 
@@ -113,7 +115,7 @@ def add_dev_arguments(parser: argparse.ArgumentParser) -> None:
     """The dev loop's own flags, a flag per trainer config field, and ``--config`` (sections ``dev`` and
     ``trainer``); :func:`run_dev` layers them (:func:`~harness_trainer.launch.config_file.apply_config`)."""
     d = DevLoopOptions()
-    parser.add_argument("--harness", choices=HARNESS_CHOICES, default=d.harness, help="the agent to train")
+    parser.add_argument("--harness", choices=SCRIPTED_HARNESSES, default=d.harness, help="the agent to train")
     parser.add_argument(
         "--tasks", type=Path, default=d.tasks, help="a folder of Harbor tasks (splits inside)"
     )
@@ -266,7 +268,6 @@ def _run_dev_loop(
     from harness_trainer import HarnessAsyncGRPOTrainer, LocalSessionFactory
     from harness_trainer.devloop.engine import start_local_engine
     from harness_trainer.devloop.prompts import dev_harness_options
-    from harness_trainer.devloop.solver import WHITE_BOX
     from harness_trainer.devloop.warmup import WarmupRecipe, check_not_held_out, ensure_warm_model
     from harness_trainer.engines.vllm_process import check_vllm_python, vllm_python
     from harness_trainer.models.tiny import ensure_tiny_model
@@ -275,7 +276,7 @@ def _run_dev_loop(
     if not options.tasks.is_dir():
         raise ValueError(f"no task folder at {options.tasks} (pass --tasks DIR)")
     vllm = options.vllm_python or vllm_python()
-    if options.engine == "vllm" and (problem := check_vllm_python(vllm)) is not None:
+    if kind_of(options.engine).own_python and (problem := check_vllm_python(vllm)) is not None:
         raise ValueError(problem)
     source = LocalTaskSource(options.tasks)
     # GRPO on a held-out split would train on the tasks the evaluation is for, warm-up or not.

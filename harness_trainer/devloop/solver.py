@@ -2,7 +2,8 @@
 
 Each task's reference ``solution/solve.sh`` becomes one shell command (its comments, shebang and ``set``
 line dropped); the transcript is that command as the harness's own shell tool call, then the harness's way
-of finishing (in white-box mode, the sandbox's ``bash`` tool, then its ``submit`` tool). Served by the dev
+of finishing, both as its class's :class:`~harness_trainer.harnesses.base.Dialect` says (in white-box mode,
+the sandbox's ``bash`` tool, then its ``submit`` tool). Served by the dev
 engine in scripted mode, these make a real agent solve the task, and the capture proxy records them as the
 agent's own token ids (in white-box mode, the trainer's own model step does): warm-up data in exactly the
 format the agent sends and parses. A distractor transcript is the same with a harmless command that solves
@@ -14,12 +15,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from harness_trainer.harnesses import HARNESSES
 from harness_trainer.tasks.task import HarborTask
 
-MINI_SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 DISTRACTOR = "ls -la"
 WHITE_BOX = "white-box"
 """The white-box mode's transcript format: the built-in ``ReActAdapter`` over the sandbox's tools."""
+SCRIPTED_HARNESSES = tuple(sorted(name for name, harness in HARNESSES.items() if harness.dialect is not None))
+"""The harnesses whose class says how a scripted model drives them: the ones the dev loop can warm up."""
+FINISHED = {"content": "Done."}
+"""The finishing reply to an agent that has no submit command: an answer without a tool call."""
 
 
 def solve_command(task: HarborTask) -> str:
@@ -58,15 +63,14 @@ def distractor_replies(harness: str) -> list[dict[str, Any]]:
 
 def command_replies(harness: str, command: str) -> list[dict[str, Any]]:
     """``command`` as ``harness``'s shell tool call, then the harness's way of finishing."""
-    if harness == "mini-swe-agent":
-        return [_bash(command=command), _bash(command=MINI_SUBMIT)]
-    if harness == "opencode":
-        return [_bash(command=command, description="Solve the task"), {"content": "Done."}]
-    if harness == "toy":
-        return [_bash(command=command), {"content": "Done."}]
     if harness == WHITE_BOX:  # the sandbox's bash tool, then its submit tool
         return [_bash(command=command), _call("submit")]
-    raise ValueError(
-        f"no solver transcript format for harness {harness!r} (known: mini-swe-agent, opencode, toy, "
-        f"{WHITE_BOX})"
-    )
+    dialect = HARNESSES[harness].dialect if harness in HARNESSES else None
+    if dialect is None:
+        raise ValueError(
+            f"no solver transcript format for harness {harness!r} (known: {', '.join(SCRIPTED_HARNESSES)}, "
+            f"{WHITE_BOX})"
+        )
+    submit = dialect.submit_command
+    finish = dict(FINISHED) if submit is None else _bash(command=submit)
+    return [_bash(command=command, **dict(dialect.bash_arguments)), finish]

@@ -1,9 +1,11 @@
 """What the trainer needs from an inference engine, and the engines that provide it.
 
-``InferenceEngine`` is the contract (docs/design.md § Engine); ``ENGINES`` maps a kind to its client class and
-``make_engine`` builds one. ``dev`` is the CPU dev engine (weights in the HTTP body); ``vllm`` is vLLM's
-control routes with weights over a :class:`~harness_trainer.engines.nccl.WeightTransport` (NCCL) or
-through vLLM's in-place reload from a file (:mod:`harness_trainer.engines.weight_sync`).
+``InferenceEngine`` is the contract (docs/design.md § Engine); each kind's facts are an
+:class:`~harness_trainer.engines.kinds.EngineKind` in ``ENGINE_KIND_FACTS`` (:mod:`.kinds`, torch-free);
+``ENGINES`` maps a kind to its client class and ``make_engine`` builds one. ``dev`` is the CPU dev engine
+(weights in the HTTP body); ``vllm`` is vLLM's control routes with weights over a
+:class:`~harness_trainer.engines.nccl.WeightTransport` (NCCL) or through vLLM's in-place reload from a file
+(:mod:`harness_trainer.engines.weight_sync`).
 :class:`~harness_trainer.engines.replicas.EngineReplicas` is one engine over several replicas of one kind.
 """
 
@@ -37,18 +39,18 @@ _EXPORTS = {
 
 def __getattr__(name: str) -> Any:
     if name == "ENGINES":
-        from harness_trainer.engines.dev import DevEngine
-        from harness_trainer.engines.vllm import VLLMEngine
+        from harness_trainer.engines.kinds import ENGINE_KIND_FACTS
 
-        return {"dev": DevEngine, "vllm": VLLMEngine}
+        return {kind: facts.client_class() for kind, facts in ENGINE_KIND_FACTS.items()}
     if name not in _EXPORTS:
         raise AttributeError(f"module 'harness_trainer.engines' has no attribute {name!r}")
     return getattr(importlib.import_module(_EXPORTS[name]), name)
 
 
 def detect_engine_kind(base_url: str, timeout_s: float = 30.0) -> str:
-    """``dev`` when the engine at ``base_url`` answers ``GET /weight_version`` (a route only the dev engine
-    has), else ``vllm``.
+    """The kind of the engine at ``base_url``: the one that answers ``GET /weight_version`` (the dev
+    engine's route, :attr:`~harness_trainer.engines.kinds.EngineKind.answers_weight_version`) when it does,
+    else the one that does not (vLLM).
 
     Raises:
         EngineUnavailable: nothing answers at ``base_url``.
@@ -56,6 +58,7 @@ def detect_engine_kind(base_url: str, timeout_s: float = 30.0) -> str:
     import httpx
 
     from harness_trainer.engines.base import EngineUnavailable
+    from harness_trainer.engines.kinds import ENGINE_KIND_FACTS
 
     root = base_url.rstrip("/").removesuffix("/v1")
     try:
@@ -63,9 +66,10 @@ def detect_engine_kind(base_url: str, timeout_s: float = 30.0) -> str:
     except httpx.HTTPError as exc:
         raise EngineUnavailable(f"no engine answers at {root} (to tell its kind): {exc!r}") from exc
     try:
-        return "dev" if reply.status_code == 200 and "weight_version" in reply.json() else "vllm"
+        answers = reply.status_code == 200 and "weight_version" in reply.json()
     except ValueError:
-        return "vllm"
+        answers = False
+    return next(kind for kind, facts in ENGINE_KIND_FACTS.items() if facts.answers_weight_version == answers)
 
 
 def make_engine(kind: str, base_url: str, **kwargs: Any) -> InferenceEngine:
@@ -74,12 +78,9 @@ def make_engine(kind: str, base_url: str, **kwargs: Any) -> InferenceEngine:
     Raises:
         ValueError: ``kind`` is not a key of ``ENGINES``.
     """
-    engines = __getattr__("ENGINES")
-    try:
-        engine_class = engines[kind]
-    except KeyError:
-        raise ValueError(f"unknown engine kind {kind!r}; known kinds: {', '.join(sorted(engines))}") from None
-    return engine_class(base_url, **kwargs)
+    from harness_trainer.engines.kinds import kind_of
+
+    return kind_of(kind).client_class()(base_url, **kwargs)
 
 
 __all__ = [

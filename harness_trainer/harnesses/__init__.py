@@ -14,6 +14,7 @@ from typing import Any
 from harness_trainer.harnesses.base import (
     AgentEndpoint,
     AgentRun,
+    Dialect,
     Harness,
     HarnessError,
     ToolCounts,
@@ -25,7 +26,7 @@ from harness_trainer.harnesses.opencode import OpencodeHarness
 from harness_trainer.harnesses.tools import agent_layer
 from harness_trainer.harnesses.toy import ToyHarness
 
-HARNESSES: dict[str, type[Any]] = {
+HARNESSES: dict[str, type[Harness]] = {
     "opencode": OpencodeHarness,
     "mini-swe-agent": MiniSweAgentHarness,
     "claude-code": ClaudeCodeHarness,
@@ -42,7 +43,7 @@ def template_agent_layer(names: Sequence[str], home: str = "/root") -> str:
     unknown = sorted(set(names) - set(HARNESSES))
     if unknown:
         raise ValueError(f"unknown harness {', '.join(unknown)}; known: {', '.join(sorted(HARNESSES))}")
-    packages = [HARNESSES[name].package for name in sorted(set(names)) if hasattr(HARNESSES[name], "package")]
+    packages = [package for name in sorted(set(names)) if (package := HARNESSES[name].package) is not None]
     return agent_layer(packages, home)
 
 
@@ -69,6 +70,7 @@ __all__ = [
     "AgentRun",
     "ClaudeCodeHarness",
     "CodexHarness",
+    "Dialect",
     "Harness",
     "HarnessError",
     "MiniSweAgentHarness",

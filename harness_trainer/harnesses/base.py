@@ -3,7 +3,9 @@
 A harness never re-implements its agent: it writes the agent's own config so that its model provider is
 the capture proxy (the session id as API key, the engine's served model name), runs the real program
 headless on the task instruction with a step limit and a timeout, and counts tool calls from the agent's
-own log. A new harness is one module plus one entry in ``HARNESSES``.
+own log. A new harness is one module plus one entry in ``HARNESSES``; what others need to know of it (the
+package it installs, how a scripted model drives it) are attributes of its class (:class:`Harness`), so no
+module outside this package compares a harness's name to a string.
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ import json
 import shlex
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from harness_trainer.sandboxes.base import ExecResult, Sandbox
+
+if TYPE_CHECKING:
+    from harness_trainer.harnesses.tools import ToolPackage
 
 AGENT_LOG_DIR = "/logs/agent"  # Harbor's place for an agent's own logs
 
@@ -73,8 +78,23 @@ class AgentRun:
     tools: ToolCounts
 
 
+@dataclass(frozen=True)
+class Dialect:
+    """How a scripted model's replies drive a harness's agent (the dev loop's solver transcripts, its
+    warm-up): the arguments the agent's ``bash`` tool requires beside ``command`` (``(name, value)``, with a
+    value that will do), and how a reply ends the run: the shell command the agent takes as its submission
+    (``submit_command``), or, without one, a reply with no tool call."""
+
+    bash_arguments: tuple[tuple[str, str], ...] = ()
+    submit_command: str | None = None
+
+
 class Harness(Protocol):
     name: str
+    package: ToolPackage | None
+    """The pinned agent package it installs (:mod:`.tools`); None when there is none to install."""
+    dialect: Dialect | None
+    """How a scripted model drives its agent; None when no scripted transcript is written for it."""
 
     async def install(self, sandbox: Sandbox) -> None:
         """Make the agent runnable in ``sandbox`` (pinned version); raise :class:`HarnessError`."""

@@ -113,6 +113,7 @@ class ClaudeCodeHarness:
 
     name = "claude-code"
     package = PACKAGE
+    dialect = None  # no scripted transcript is written for it
 
     def __init__(
         self,

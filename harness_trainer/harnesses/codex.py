@@ -114,6 +114,7 @@ class CodexHarness:
 
     name = "codex"
     package = PACKAGE
+    dialect = None  # no scripted transcript is written for it
 
     def __init__(self, *, context_tokens: int | None = None) -> None:
         """``context_tokens``: the served model's context window as Codex should believe it."""

@@ -28,6 +28,7 @@ from harness_trainer.harnesses.base import (
     AGENT_LOG_DIR,
     AgentEndpoint,
     AgentRun,
+    Dialect,
     ToolCounts,
     run_logged,
 )
@@ -42,6 +43,8 @@ LOG_NAME = "mini-swe-agent.log"
 TRAJECTORY_NAME = "mini-swe-agent.traj.json"
 CONFIG_SECTIONS = ("agent", "model", "environment")
 """The sections of a mini config that ``agent_config`` may set."""
+SUBMIT_COMMAND = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+"""The command whose output's first line tells mini the task is done (mini.yaml's instructions)."""
 NOT_EXECUTED = "action was not executed"  # mini's stand-in observation after a submit: not a failure
 ENV = {
     "MSWEA_CONFIGURED": "true",  # skip the first-run setup wizard
@@ -158,6 +161,7 @@ class MiniSweAgentHarness:
 
     name = "mini-swe-agent"
     package = PACKAGE
+    dialect = Dialect(submit_command=SUBMIT_COMMAND)
 
     def __init__(
         self,

@@ -29,6 +29,7 @@ from harness_trainer.harnesses.base import (
     AGENT_LOG_DIR,
     AgentEndpoint,
     AgentRun,
+    Dialect,
     ToolCounts,
     json_lines,
     run_logged,
@@ -117,6 +118,7 @@ class OpencodeHarness:
 
     name = "opencode"
     package = PACKAGE
+    dialect = Dialect(bash_arguments=(("description", "Solve the task"),))  # its bash tool requires one
 
     def __init__(self, *, max_output_tokens: int = 4096, context_tokens: int = 0) -> None:
         """``max_output_tokens``: opencode's per-call ``max_tokens``; ``context_tokens``: the model's

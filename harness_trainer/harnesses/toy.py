@@ -10,7 +10,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from harness_trainer.harnesses.base import AgentEndpoint, AgentRun, ToolCounts, json_lines
+from harness_trainer.harnesses.base import AgentEndpoint, AgentRun, Dialect, ToolCounts, json_lines
 from harness_trainer.sandboxes.base import Sandbox
 
 SCRIPT = Path(__file__).with_name("toy_agent.py")
@@ -19,6 +19,8 @@ REMOTE = "/home/user/.harness/toy_agent.py"  # HOME in the local and E2B sandbox
 
 class ToyHarness:
     name = "toy"
+    package = None  # the script ships with this package
+    dialect = Dialect()
 
     async def install(self, sandbox: Sandbox) -> None:
         await sandbox.write_file(REMOTE, SCRIPT.read_bytes(), mode=0o755)

@@ -36,6 +36,8 @@ from typing import Any
 
 import httpx
 
+from harness_trainer.engines.kinds import kind_of
+
 LAUNCH_FILE = "launch.json"
 """What the launcher writes into the output directory: the ``--model`` and the run's other choices."""
 FINGERPRINT_FIELDS = ("use_peft", "lora_r", "lora_alpha", "lora_target_modules")
@@ -232,7 +234,8 @@ def detect_engine(engine_url: str, timeout_s: float) -> str:
 
 def check_engine(client: httpx.Client, engine_url: str, kind: str, *, weight_sync: str = "auto") -> list[str]:
     """The engine's served model names, after checking that it gives the capture proxy what it records
-    (and, for vLLM, takes weights by the path ``weight_sync`` resolves to)."""
+    (and, for an engine that takes weights out of band, vLLM, that it takes them by the path
+    ``weight_sync`` resolves to)."""
     models = _get(client, engine_url, "/v1/models", "engine")
     served = [str(m.get("id")) for m in _json_or_empty(models).get("data") or [] if isinstance(m, dict)]
     if models.status_code != 200 or not served:
@@ -261,7 +264,7 @@ def check_engine(client: httpx.Client, engine_url: str, kind: str, *, weight_syn
             "--tool-call-parser <parser>"
         )
     check_capture_shapes(_json_or_empty(reply), engine_url)
-    if kind == "vllm":
+    if kind_of(kind).weights_out_of_band:
         from harness_trainer.engines.weight_sync import choose_weight_sync
 
         check_vllm_config(

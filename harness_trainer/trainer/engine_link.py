@@ -17,13 +17,13 @@ from typing import Any
 import torch
 
 from harness_trainer.engines import (
-    ENGINES,
     EngineReplicas,
     EngineUnavailable,
     PushRefused,
     detect_engine_kind,
     make_engine,
 )
+from harness_trainer.engines.kinds import client_kind, kind_of
 from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig
 from harness_trainer.trainer.config.checks import ADAPTER_ON_REPLICAS
 
@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 def engine_kind(engine: Any, url: str | None) -> str:
     """``engine='auto'`` resolved: the given client's kind, else the kind of the engine at ``url``."""
     if engine is not None:
-        return next((kind for kind, cls in ENGINES.items() if isinstance(engine, cls)), "dev")
+        return client_kind(engine)
     assert url is not None  # the config refuses an engine kind other than 'none' without a URL
     return detect_engine_kind(url)
 
@@ -64,19 +64,20 @@ def engine_client(args: AsyncGRPOConfig, *, adapter_sync: bool, device: str) -> 
 
 
 def _client_at(args: AsyncGRPOConfig, url: str, adapter_sync: bool, device: str) -> Any:
-    if args.engine == "vllm" and adapter_sync:
+    kind = kind_of(args.engine)
+    if kind.adapter_sync and adapter_sync:
         # Only the adapter travels; vLLM keeps the versions a rollout may still be finishing on.
         return make_engine(
-            "vllm", url, timeout=args.weight_sync_timeout, lora=True,
+            kind.name, url, timeout=args.weight_sync_timeout, lora=True,
             keep_adapters=args.max_staleness + 1, weight_sync_timeout=args.weight_sync_timeout,
         )  # fmt: skip
-    if args.engine == "vllm":
+    if kind.weights_out_of_band:
         # A merged LoRA (or the full model) travels whole: vLLM serves one model name throughout.
         return make_engine(
-            "vllm", url, timeout=args.weight_sync_timeout,
+            kind.name, url, timeout=args.weight_sync_timeout,
             weight_sync=weight_sync(args, url, device), weight_sync_timeout=args.weight_sync_timeout,
         )  # fmt: skip
-    return make_engine(args.engine, url, timeout=args.weight_sync_timeout)
+    return make_engine(kind.name, url, timeout=args.weight_sync_timeout)
 
 
 def weight_sync(args: AsyncGRPOConfig, url: str, device: str) -> Any:

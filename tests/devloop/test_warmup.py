@@ -12,13 +12,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from harness_trainer.devloop.prompts import MINI_SWE_AGENT_COMPACT, dev_harness_options
 from harness_trainer.devloop.solver import (
     DISTRACTOR,
-    MINI_SUBMIT,
     WHITE_BOX,
     distractor_replies,
     solve_command,
     solver_replies,
 )
 from harness_trainer.devloop.warmup import DISTRACTOR_SUFFIX, WarmupRecipe, collect_transcripts, fine_tune
+from harness_trainer.harnesses.mini_swe_agent import SUBMIT_COMMAND as MINI_SUBMIT
 from harness_trainer.tasks.sources import LocalTaskSource
 from tests.rollouts.conftest import EXAMPLES, live_sandbox_processes
 
