@@ -28,6 +28,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from harness_trainer.engines.kinds import ENGINE_KIND_FACTS
 from harness_trainer.launch.config_file import (
     TRAINER,
     ConfigFileError,
@@ -88,7 +89,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--vllm-url", default="http://127.0.0.1:8000", help="inference engine URL")
     where.add_argument(
         "--engine",
-        choices=("auto", "vllm", "dev"),
+        choices=("auto", *ENGINE_KIND_FACTS),
         default="auto",
         help="engine kind (auto: the dev engine if it answers GET /weight_version, else vLLM)",
     )

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from harness_trainer.engines.kinds import ENGINE_KINDS, WEIGHT_SYNCS
+from harness_trainer.engines.kinds import ENGINE_KINDS, WEIGHT_SYNCS, syncs_adapters
 from harness_trainer.trainer.config.choices import (
     CURRICULA,
     DECAYING_SCHEDULERS,
@@ -242,7 +242,7 @@ def _replica_checks(c: _ConfigFields) -> Sequence[str]:
         yield f"vllm_replica_urls name an engine twice (vllm_server_base_url included): {twice}"
     if c.engine == "none":
         yield "vllm_replica_urls with engine='none': no weights are pushed, so no replica needs any"
-    if c.use_peft and c.lora_sync == "adapter" and c.engine == "vllm":
+    if c.use_peft and c.lora_sync == "adapter" and syncs_adapters(c.engine):
         yield ADAPTER_ON_REPLICAS
 
 
