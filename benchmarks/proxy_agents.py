@@ -60,6 +60,8 @@ TOOLS = [
 
 @dataclass(frozen=True)
 class Point:
+    """A concurrency point: agents at once, conversations in all, SSE or JSON replies, paced or not."""
+
     name: str
     agents: int
     conversations: int
@@ -69,6 +71,8 @@ class Point:
 
 @dataclass
 class Target:
+    """What the agents call: the engine directly, the pass-through or the proxy."""
+
     name: str
     url: str  # the chat completions endpoint
     server: Server | None  # the process whose CPU and memory are measured (none for direct)
@@ -76,12 +80,14 @@ class Target:
 
 
 def opening(conversation: int) -> list[dict[str, Any]]:
+    """Conversation ``conversation``'s first messages: the system prompt and its task."""
     task = f"Task {conversation}: the test suite of project-{conversation} fails in tests/test_parser.py "
     task += "with a KeyError on nested sections. Find the cause, fix it, and show that the tests pass."
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task}]
 
 
 def tool_result(conversation: int, turn: int) -> str:
+    """The ~400-character tool output an agent appends after each turn (grep-like lines)."""
     lines = [
         f"src/pkg_{conversation}/module_{turn}_{i}.py:{17 * i + turn}:    return parse_section("
         for i in range(9)

@@ -30,6 +30,8 @@ HERE = Path(__file__).resolve().parent
 
 @dataclass
 class RunResult:
+    """One timed run: every call's latency, the run's seconds and the target server's CPU seconds."""
+
     latencies: list[float] = field(default_factory=list)
     seconds: float = 0.0
     cpu_s: float = 0.0
@@ -39,6 +41,7 @@ class RunResult:
 
 
 async def wait_healthy(server: Server, timeout: float = 60.0) -> None:
+    """Wait until ``server`` answers ``/health`` with 200; RuntimeError with its output if it does not."""
     deadline = time.monotonic() + timeout
     async with aiohttp.ClientSession() as client:
         while time.monotonic() < deadline:
@@ -93,11 +96,13 @@ def memory_mb(pid: int, key: str) -> float:
 
 
 def admin_headers(target: Target) -> dict[str, str]:
+    """The proxy's admin authorization header."""
     assert target.admin is not None
     return {"Authorization": f"Bearer {target.admin[1]}"}
 
 
 async def mint_sessions(client: aiohttp.ClientSession, target: Target, count: int, turns: int) -> list[str]:
+    """Open ``count`` proxy sessions of ``turns`` model calls each; their ids."""
     assert target.admin is not None
     body = {"sampling": SAMPLING, "max_model_calls": turns}
 
@@ -111,6 +116,7 @@ async def mint_sessions(client: aiohttp.ClientSession, target: Target, count: in
 
 
 async def delete_sessions(client: aiohttp.ClientSession, target: Target, session_ids: list[str]) -> None:
+    """Delete the proxy sessions ``session_ids``, all at once."""
     assert target.admin is not None
 
     async def delete(session_id: str) -> None:

@@ -42,10 +42,12 @@ class Section:
 
 
 def spread_of(values: Sequence[float]) -> str:
+    """``median x [min-max]`` of ratios, for a headline."""
     return f"{statistics.median(values):.2f}x [{min(values):.2f}-{max(values):.2f}]"
 
 
 def cell(text: str) -> str:
+    """``text`` safe in a Markdown table cell."""
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 

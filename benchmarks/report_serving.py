@@ -11,6 +11,7 @@ from benchmarks.report_rows import Row, Section, spread_of, table
 
 
 def engine_section(result: dict[str, Any]) -> Section:
+    """The dev engine's decode tok/s against a plain ``model.generate``."""
     ratios = [r["server_tps"] / r["baseline_tps"] for r in result["repeats"]]
     b, s, c = result["baseline_tps"], result["server_tps"], result["config"]
     row = Row(
@@ -21,6 +22,7 @@ def engine_section(result: dict[str, Any]) -> Section:
 
 
 def proxy_section(result: dict[str, Any]) -> Section:
+    """The proxy's req/s against the pass-through and its p50 against the engine, per point; its memory."""
     rows, worst = [], (float("inf"), "")
     for name, point in result["points"].items():
         t = point["targets"]
@@ -46,6 +48,7 @@ def proxy_section(result: dict[str, Any]) -> Section:
 
 
 def replicas_section(result: dict[str, Any]) -> Section:
+    """The proxy's req/s over replicas against one engine of their capacity, and its routing latency."""
     t, lat = result["throughput"], result["latency"]
     pairs = list(zip(t["samples"]["baseline"], t["samples"]["replicas"], strict=True))
     ratios = [r["rps"] / b["rps"] for b, r in pairs]
@@ -73,6 +76,7 @@ def replicas_section(result: dict[str, Any]) -> Section:
 
 
 def rollouts_section(result: dict[str, Any]) -> Section:
+    """A rollout's seconds against the agent started directly, and the concurrent sessions held."""
     raw, rollout = result["raw"]["median_s"], result["rollout"]
     steps = result["config"]["steps"]
     ratios = [seconds / raw for seconds in rollout["runs_s"]]
@@ -97,6 +101,7 @@ def rollouts_section(result: dict[str, Any]) -> Section:
 
 
 def soak_section(result: dict[str, Any]) -> Section:
+    """The long-lived processes' RSS, fds and threads at the end against the start; the journal's bytes."""
     rows = []
     for name, p in result["processes"].items():
         if p["rss_mb_start"] is None or p["rss_mb_end"] is None:
@@ -165,6 +170,7 @@ def soak_waves(waves: list[dict[str, Any]]) -> str:
 
 
 def e2b_starts_section(result: dict[str, Any]) -> Section:
+    """E2B start overhead, agent in the template against installed per rollout; a burst of starts."""
     agent, runs, c = result["agent"], result["burst"], result["config"]
     install, layered = agent["install"], agent["layered"]
 

@@ -11,6 +11,7 @@ from benchmarks.report_rows import Row, Section, spread_of
 
 
 def trainer_section(result: dict[str, Any]) -> Section:
+    """Packed micro-batches' trained tok/s against padded ones, and the tokens rows forward."""
     variants, rows_part = result["packing"]["variants"], result["rows"]
     padded = variants["padded"]["tps"]["median"]
     rows = [
@@ -38,6 +39,7 @@ def trainer_section(result: dict[str, Any]) -> Section:
 
 
 def learning_section(result: dict[str, Any]) -> Section:
+    """The dev loop's held-out pass@1, trained against frozen, per arm; the first run's time."""
     from benchmarks.learning import first_run_shows
 
     config, rows, headlines, notes = result["config"], [], [], []
@@ -88,6 +90,7 @@ def learning_arm(engine: str, summary: dict[str, Any], steps: int) -> tuple[list
 
 
 def weight_sync_section(result: dict[str, Any]) -> Section:
+    """A ``file`` push into vLLM against saving a checkpoint and restarting vLLM, per model."""
     rows = [
         Row(
             f"{name} ({m['parameters'] / 1e6:.1f}M params): file push vs save + restart",
@@ -109,6 +112,7 @@ def weight_sync_section(result: dict[str, Any]) -> Section:
 
 
 def engine_idle_section(result: dict[str, Any]) -> Section:
+    """The engine's idle fraction per training step with ``max_staleness`` 1 against 0."""
     runs = result["runs"]
     ratio = result["idle_ratio_1_vs_0"]
     rows = [
@@ -138,6 +142,7 @@ WHITEBOX_MEASURES = {
 
 
 def whitebox_section(result: dict[str, Any]) -> Section:
+    """White-box against black-box on the dev loop: rollouts per minute, tokens, time per turn."""
     white, black, c = result["runs"]["white-box"], result["runs"]["black-box"], result["config"]
 
     def shown(run: dict[str, Any], name: str, form: str) -> str:
@@ -163,6 +168,7 @@ def whitebox_section(result: dict[str, Any]) -> Section:
 
 
 def fsdp2_section(result: dict[str, Any]) -> Section:
+    """FSDP2 (and DDP) at world size 2 against one process: peak RSS, state held, step time."""
     runs, against, c = result["runs"], result["ratios"], result["config"]
     single = runs["single"]
     rows = []

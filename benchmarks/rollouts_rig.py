@@ -45,6 +45,7 @@ def start_healthy(
 
 
 def start_engine(stack: contextlib.ExitStack, delay: float) -> Server:
+    """The fake vLLM (each reply a ``bash`` tool call running ``true``), holding each reply ``delay`` s."""
     port = free_port()
     command = [sys.executable, str(HERE / "fake_vllm.py"), "engine", "--port", str(port), "--command", "true"]
     tags = (f"127.0.0.1:{port}",)
@@ -79,6 +80,7 @@ def proxy_pid(server: Server) -> int | None:
 
 
 def mem_available_mb() -> float:
+    """The machine's ``MemAvailable`` in MB (``/proc/meminfo``)."""
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) / 1024
@@ -121,5 +123,6 @@ def leftovers(tags: Sequence[str], root: Path) -> list[str]:
 
 
 def task_index(server: Server) -> int:
+    """The index of the benchmark's task in its split, as ``server`` lists it."""
     with urllib.request.urlopen(f"{server.url}/splits/{SPLIT}/tasks", timeout=30) as reply:
         return next(task["index"] for task in orjson.loads(reply.read())["tasks"] if task["name"] == TASK)
