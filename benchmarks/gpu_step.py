@@ -105,7 +105,7 @@ def train_step(
     inputs: dict[str, Any],
     config: dict[str, Any],
 ) -> dict[str, float]:
-    """One optimizer step over every row (see the module docstring); its seconds and token counts."""
+    """One optimizer step over every row (see :mod:`benchmarks.gpu_trainer`); its seconds and token counts."""
     import torch
 
     from harness_trainer.trainer.step.logprobs import token_logprobs, token_logprobs_padded

@@ -30,12 +30,12 @@ and the others still run. Variants:
 
 Reported per variant: trained (target) tokens/s (median [min-max] over the timed steps), all row tokens/s,
 its ratio to **padded**, peak device memory (CUDA only) and the model FLOPs utilisation: the step's model
-FLOPs (:func:`train_flops`: 6 × non-embedding parameters × row tokens, + 6 × layers × heads·head_dim ×
-Σ row length² for causal attention, + 6 × hidden × vocabulary × projected positions for the output head,
-which sees only the targets) over the median step time and ``--peak-tflops`` (default 989: H100/H200 SXM
-dense bf16). Every row token counts, not just the trained ones: training a target needs its whole context
-forwarded and backpropagated. Padding and checkpointing's recomputation are not model FLOPs, so they show as
-a lower MFU.
+FLOPs (:func:`benchmarks.model_flops.train_flops`: 6 × non-embedding parameters × row tokens, + 6 × layers
+× heads·head_dim × Σ row length² for causal attention, + 6 × hidden × vocabulary × projected positions for
+the output head, which sees only the targets) over the median step time and ``--peak-tflops`` (default
+989: H100/H200 SXM dense bf16). Every row token counts, not just the trained ones: training a target needs
+its whole context forwarded and backpropagated. Padding and checkpointing's recomputation are not model
+FLOPs, so they show as a lower MFU.
 
 **Gathers.** The weights the engine would receive, timed (one warm-up, then ``--steps`` times, median) after
 a variant's steps: **engine_weights**, ``engine_weights(model)`` of the packed model (the path without FSDP:

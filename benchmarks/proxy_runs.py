@@ -204,7 +204,7 @@ def trace_chains(trace: dict[str, Any]) -> bool:
 
 
 async def measure_memory(stack: contextlib.ExitStack, engine_url: str, sessions: int, turns: int) -> dict:
-    """RSS per finished session and trace export time, on a fresh proxy (see the module docstring)."""
+    """RSS per finished session and trace export time, on a fresh proxy (see :mod:`benchmarks.proxy`)."""
     proxy, key = await start_proxy(stack, engine_url)
     target = Target("proxy", proxy.url + "/v1/chat/completions", proxy, (proxy.url, key))
     pid = proxy.process.pid
