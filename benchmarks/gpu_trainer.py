@@ -30,12 +30,12 @@ and the others still run. Variants:
 
 Reported per variant: trained (target) tokens/s (median [min-max] over the timed steps), all row tokens/s,
 its ratio to **padded**, peak device memory (CUDA only) and the model FLOPs utilisation: the step's model
-FLOPs (:func:`train_flops`: 6 × non-embedding parameters × row tokens, + 6 × layers × heads·head_dim ×
-Σ row length² for causal attention, + 6 × hidden × vocabulary × projected positions for the output head,
-which sees only the targets) over the median step time and ``--peak-tflops`` (default 989: H100/H200 SXM
-dense bf16). Every row token counts, not just the trained ones: training a target needs its whole context
-forwarded and backpropagated. Padding and checkpointing's recomputation are not model FLOPs, so they show as
-a lower MFU.
+FLOPs (:func:`benchmarks.model_flops.train_flops`: 6 × non-embedding parameters × row tokens, + 6 × layers
+× heads·head_dim × Σ row length² for causal attention, + 6 × hidden × vocabulary × projected positions for
+the output head, which sees only the targets) over the median step time and ``--peak-tflops`` (default
+989: H100/H200 SXM dense bf16). Every row token counts, not just the trained ones: training a target needs
+its whole context forwarded and backpropagated. Padding and checkpointing's recomputation are not model
+FLOPs, so they show as a lower MFU.
 
 **Gathers.** The weights the engine would receive, timed (one warm-up, then ``--steps`` times, median) after
 a variant's steps: **engine_weights**, ``engine_weights(model)`` of the packed model (the path without FSDP:
@@ -59,14 +59,11 @@ import argparse
 import dataclasses
 import gc
 import json
-import random
 import statistics
 import sys
 import time
 import traceback
-from collections import defaultdict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -77,40 +74,27 @@ if not __package__:  # run as a script: its siblings import from the package
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import positive, print_table, print_verdicts
-from benchmarks.trainer import MIN_SPEEDUP, VOCAB, agent_rows
+from benchmarks.gpu_step import (
+    QWEN3_1_7B,
+    TINY,
+    Setup,
+    build_model,
+    full_state_dict,
+    shard,
+    spread,
+    step_inputs,
+    timed,
+    train_step,
+)
+from benchmarks.model_flops import mfu, shape_of, train_flops
+from benchmarks.trainer import MIN_SPEEDUP, agent_rows
 
 TARGET_NAME = "packed >= 1.5x padded trained tokens/s"
 BASELINE = "padded"
 PEAK_TFLOPS = 989.0  # H100/H200 SXM, dense bf16
-MAX_GRAD_NORM = 1.0
-
-QWEN3_1_7B = {
-    "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16,
-    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": True,
-    "max_position_embeddings": 40960, "rope_theta": 1000000.0,
-}  # fmt: skip
-# The rows' token ids are below benchmarks.trainer.VOCAB, so the tiny shape's vocabulary is that.
-TINY = {
-    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 16, "vocab_size": VOCAB, "tie_word_embeddings": True,
-    "max_position_embeddings": 4096, "rope_theta": 1000000.0,
-}  # fmt: skip
 
 FULL = {"rows": 192, "rollouts": 32, "token_budget": 8192, "steps": 3}
 QUICK = {"rows": 4, "rollouts": 2, "token_budget": 1024, "steps": 2}
-
-
-@dataclass(frozen=True)
-class Setup:
-    """One measured variant: how rows are collated, whether checkpointing or FSDP2 is on, and the gather
-    timed after its steps (if any)."""
-
-    name: str
-    packed: bool
-    checkpointing: bool = False
-    fsdp: bool = False
-    gather: str | None = None
-
 
 SETUPS = (
     Setup("packed", packed=True, gather="engine_weights"),
@@ -127,199 +111,7 @@ class NotRun(Exception):
     """A variant this host cannot run (not a failure of the code measured)."""
 
 
-# ------------------------------------------------------------------------------------------------- FLOPs
-
-
-@dataclass(frozen=True)
-class Shape:
-    """What the model FLOPs of a step depend on."""
-
-    parameters: int  # every parameter, tied embeddings once
-    body: int  # non-embedding: every parameter but the input embedding and the output head
-    head: int  # hidden × vocabulary: the output projection
-    layers: int
-    attention_width: int  # query heads × head_dim
-
-
-def shape_of(model: Any) -> Shape:
-    """The :class:`Shape` of a transformers causal LM (before sharding: it counts local parameters)."""
-    config = model.config
-    embeddings = {
-        id(m.weight): m.weight.numel() for m in (model.get_input_embeddings(), model.get_output_embeddings())
-    }
-    parameters = sum(p.numel() for p in model.parameters())
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return Shape(
-        parameters=parameters,
-        body=parameters - sum(embeddings.values()),
-        head=config.hidden_size * config.vocab_size,
-        layers=config.num_hidden_layers,
-        attention_width=config.num_attention_heads * head_dim,
-    )
-
-
-def train_flops(shape: Shape, row_lengths: Sequence[int], projected: int) -> float:
-    """Model FLOPs of forward + backward (3× the forward's 2 per multiply-add) over rows of ``row_lengths``
-    with ``projected`` positions sent through the output head: ``6·body·Σn`` for the weights,
-    ``6·layers·width·Σn²`` for causal attention (``QKᵀ`` and ``AV``, half of each ``n × n`` product) and
-    ``6·head·projected``."""
-    weights = 6 * shape.body * sum(row_lengths)
-    attention = 6 * shape.layers * shape.attention_width * sum(n * n for n in row_lengths)
-    return float(weights + attention + 6 * shape.head * projected)
-
-
-def mfu(flops: float, seconds: float, peak_tflops: float) -> float:
-    """Model FLOPs utilisation: ``flops`` done in ``seconds`` as a fraction of ``peak_tflops`` × 10¹²/s."""
-    return flops / seconds / (peak_tflops * 1e12)
-
-
-# ----------------------------------------------------------------------------------------------- a step
-
-
-def build_model(config: dict[str, Any], device: str | None = None) -> Any:
-    """The random-initialised model of ``config["shape"]`` on ``device`` (default ``config["device"]``), in
-    training mode (seeded: every variant gets the same weights)."""
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    torch.manual_seed(config["seed"])
-    dtype = getattr(torch, config["dtype"])
-    with torch.device(device or config["device"]):  # initialised where it trains: no host copy of the weights
-        model = AutoModelForCausalLM.from_config(
-            Qwen3Config(**config["shape"]), dtype=dtype, attn_implementation="sdpa"
-        )
-    return model.train()
-
-
-def step_inputs(rows: Sequence[Row], seed: int) -> dict[str, Any]:
-    """Per-rollout advantages (random) and weights ``1 / (N_r · R)``, as ``benchmarks/trainer.py`` sets
-    them."""
-    from harness_trainer.trainer.step.loss import LossConfig
-
-    rng = random.Random(seed)
-    trained: dict[int, int] = defaultdict(int)
-    for row in rows:
-        trained[row.rollout] += row.n_targets
-    return {
-        "advantages": {r: rng.gauss(0.0, 1.0) for r in trained},
-        "weights": {r: 1.0 / (n * len(trained)) for r, n in trained.items()},
-        "loss": LossConfig(),
-    }
-
-
-def on_device(batch: Any, device: str) -> Any:
-    """A packed or padded micro-batch with every tensor on ``device``."""
-    import torch
-
-    moved = {
-        field.name: value.to(device)
-        for field in dataclasses.fields(batch)
-        if isinstance(value := getattr(batch, field.name), torch.Tensor)
-    }
-    return dataclasses.replace(batch, **moved)
-
-
-def synchronize(device: str) -> None:
-    """Wait for the device's queued work (CUDA runs asynchronously; on CPU there is none)."""
-    import torch
-
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
-
-
-def train_step(
-    model: Any,
-    optimizer: Any,
-    setup: Setup,
-    rows: Sequence[Row],
-    inputs: dict[str, Any],
-    config: dict[str, Any],
-) -> dict[str, float]:
-    """One optimizer step over every row (see the module docstring); its seconds and token counts."""
-    import torch
-
-    from harness_trainer.trainer.step.logprobs import token_logprobs, token_logprobs_padded
-    from harness_trainer.trainer.step.loss import policy_loss
-    from harness_trainer.trainer.step.packing import collate, collate_padded, plan_micro_batches
-
-    device = config["device"]
-    trained = tensor_tokens = row_tokens = 0
-    synchronize(device)
-    start = time.perf_counter()
-    plan = plan_micro_batches(rows, config["token_budget"])
-    for i, micro in enumerate(plan):
-        if setup.fsdp:  # the trainer's no_sync: gradients reduced at the last backward only
-            model.set_requires_gradient_sync(i == len(plan) - 1)
-        if setup.packed:
-            collated = collate(micro, inputs["advantages"], inputs["weights"])
-        else:
-            collated = collate_padded(micro, inputs["advantages"], inputs["weights"])
-        # Counted on the host copy: counting on the device would wait for it at every micro-batch.
-        trained += collated.n_targets
-        tensor_tokens += collated.input_ids.numel()
-        row_tokens += sum(collated.row_lengths)
-        logprobs_of = token_logprobs if setup.packed else token_logprobs_padded
-        batch = on_device(collated, device)
-        logps, entropy = logprobs_of(model, batch, 1.0, targets_only=True)
-        loss, _ = policy_loss(logps, batch, inputs["loss"], entropy=entropy)
-        loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    synchronize(device)
-    seconds = time.perf_counter() - start
-    return {
-        "seconds": seconds,
-        "trained_tokens": trained,
-        "row_tokens": row_tokens,
-        "tensor_tokens": tensor_tokens,
-        "batches": len(plan),
-    }
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    """Median, min and max of ``values``."""
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def timed(action: Callable[[], Any], device: str, times: int) -> tuple[list[float], Any]:
-    """Seconds of each of ``times`` calls of ``action`` after one untimed call, and the last result."""
-    result = action()
-    seconds = []
-    for _ in range(times):
-        del result  # the previous gather is freed before the next one is made
-        synchronize(device)
-        start = time.perf_counter()
-        result = action()
-        synchronize(device)
-        seconds.append(time.perf_counter() - start)
-    return seconds, result
-
-
 # --------------------------------------------------------------------------------------------- variants
-
-
-def shard(model: Any, device: str) -> None:
-    """``fully_shard`` each decoder layer, then the root, on a one-process group of this process."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    backend = "nccl" if device.startswith("cuda") else "gloo"
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    mesh = init_device_mesh(device.split(":")[0], (1,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-
-
-def full_state_dict(model: Any) -> dict[str, Any]:
-    """The sharded model's full state dict on rank 0, gathered as accelerate's ``get_state_dict`` gathers
-    an FSDP2 model for ``engine_state``."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options)
 
 
 def measure(

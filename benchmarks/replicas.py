@@ -57,17 +57,8 @@ from benchmarks.common import (
     run_with_servers,
     start_server,
 )
-from benchmarks.proxy import (
-    SAMPLING,
-    Point,
-    Target,
-    admin_headers,
-    delete_sessions,
-    drive,
-    percentile,
-    run_point,
-    wait_healthy,
-)
+from benchmarks.proxy_agents import SAMPLING, Point, Target
+from benchmarks.proxy_runs import admin_headers, delete_sessions, drive, percentile, run_point, wait_healthy
 
 HERE = Path(__file__).resolve().parent
 REPLICAS = 4
@@ -105,7 +96,8 @@ async def start_proxy(stack: contextlib.ExitStack, engines: list[Server], replic
 
 
 async def run_named(target: Target, point: Point, turns: int, engines: list[str]) -> dict[str, Any]:
-    """:func:`benchmarks.proxy.run_point`, but each session names its engine, round ``engines`` in turn."""
+    """:func:`benchmarks.proxy_runs.run_point`, but each session names its engine, round ``engines`` in
+    turn."""
     assert target.admin is not None
     async with aiohttp.ClientSession() as admin:
 

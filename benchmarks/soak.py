@@ -1,8 +1,8 @@
 """Soak: hundreds of rollouts through the whole stack, watching the long-lived processes for leaks.
 
-Set-up (the same as ``benchmarks/rollouts.py``, whose helpers it uses; real processes on loopback, free
-ports, every one stopped on every path, Ctrl-C and SIGTERM included; sandbox roots and capture journals
-in one temporary directory):
+Set-up (the same as ``benchmarks/rollouts.py``, whose rig, ``benchmarks/rollouts_rig.py``, it uses; real
+processes on loopback, free ports, every one stopped on every path, Ctrl-C and SIGTERM included; sandbox
+roots and capture journals in one temporary directory):
 
 - **engine**: ``benchmarks/fake_vllm.py engine --command true``, the instant fake vLLM (every reply one
   ``bash`` tool call running ``true``, so an agent runs until its step limit);
@@ -71,7 +71,7 @@ from benchmarks.common import (
     status_value,
     stop_process,
 )
-from benchmarks.rollouts import (
+from benchmarks.rollouts_rig import (
     CALLS_METRIC,
     SAMPLING,
     SPLIT,

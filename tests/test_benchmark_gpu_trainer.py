@@ -12,13 +12,14 @@ from typing import Any
 
 import pytest
 
+from benchmarks.model_flops import Shape
 from tests.benchmark_scripts import BENCHMARKS, load_benchmark, run_to_end
 
 benchmark_gpu_trainer = load_benchmark("gpu_trainer")
 
 
 def test_train_flops_and_mfu_match_hand_computed_numbers() -> None:
-    toy = benchmark_gpu_trainer.Shape(parameters=0, body=10, head=3, layers=2, attention_width=4)
+    toy = Shape(parameters=0, body=10, head=3, layers=2, attention_width=4)
     # Rows of 2 and 3 tokens, 4 projected: 6·10·(2+3) + 6·2·4·(2²+3²) + 6·3·4 = 300 + 624 + 72.
     assert benchmark_gpu_trainer.train_flops(toy, [2, 3], 4) == 996
 

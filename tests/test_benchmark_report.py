@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from benchmarks import report
+from benchmarks.report_rows import Row
 from tests.benchmark_scripts import ROOT, run_to_end
 
 MACHINE_KEYS = ("CPU", "cores", "RAM", "OS", "Python", "torch", "date", "git commit")
@@ -142,9 +143,9 @@ RESULTS = {
 
 
 def test_rows_give_the_median_ratio_and_the_spread_over_repeats() -> None:
-    assert report.Row("m", "9", "10", [0.9, 1.1, 1.0]).cells() == ("m", "9", "10", "1.00x", "0.90-1.10", "3")
-    assert report.Row("m", "9", "10", [0.9]).cells()[3:] == ("0.90x", "-", "1")  # one repeat: no spread
-    assert report.Row("m", "9").cells()[2:] == ("-", "-", "-", "-")  # no baseline
+    assert Row("m", "9", "10", [0.9, 1.1, 1.0]).cells() == ("m", "9", "10", "1.00x", "0.90-1.10", "3")
+    assert Row("m", "9", "10", [0.9]).cells()[3:] == ("0.90x", "-", "1")  # one repeat: no spread
+    assert Row("m", "9").cells()[2:] == ("-", "-", "-", "-")  # no baseline
 
 
 def test_each_section_has_ratio_rows_against_its_baseline_and_the_verdicts() -> None:

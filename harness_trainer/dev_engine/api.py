@@ -26,7 +26,8 @@ from typing import Any
 import pydantic
 from aiohttp import web
 
-from harness_trainer.dev_engine import chat, responses
+import harness_trainer.dev_engine.chat as chat
+import harness_trainer.dev_engine.responses as responses
 from harness_trainer.dev_engine.control import add_control_routes
 from harness_trainer.dev_engine.metrics import metrics
 from harness_trainer.dev_engine.protocol import (

@@ -19,7 +19,8 @@ from typing import Any
 
 from aiohttp import web
 
-from harness_trainer.dev_engine import chat, responses
+import harness_trainer.dev_engine.chat as chat
+import harness_trainer.dev_engine.responses as responses
 from harness_trainer.dev_engine.protocol import ChatCompletionRequest, EngineError
 from harness_trainer.dev_engine.worker import TokenEvent
 

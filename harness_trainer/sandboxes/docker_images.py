@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from harness_trainer.sandboxes import dockerfile
+import harness_trainer.sandboxes.dockerfile as dockerfile
 from harness_trainer.sandboxes.base import SandboxStartError
 from harness_trainer.sandboxes.docker_daemon import as_root, sdk
 from harness_trainer.tasks.task import HarborTask

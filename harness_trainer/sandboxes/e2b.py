@@ -51,7 +51,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from harness_trainer.sandboxes import dockerfile
+import harness_trainer.sandboxes.dockerfile as dockerfile
 from harness_trainer.sandboxes.base import (
     Capabilities,
     ExecResult,
@@ -63,6 +63,7 @@ from harness_trainer.sandboxes.base import (
 )
 from harness_trainer.sandboxes.e2b_errors import RETRIED, Kind, classify, retry_delay_s, tries_allowed
 from harness_trainer.sandboxes.e2b_runs import kill_run, new_owner, sandbox_metadata
+from harness_trainer.sandboxes.e2b_sdk import sdk
 from harness_trainer.sandboxes.e2b_templates import DEFAULT_BUILD_TIMEOUT_S, TemplateBuilder
 from harness_trainer.tasks.task import EnvironmentSpec, HarborTask
 
@@ -86,16 +87,6 @@ class SandboxClass(Protocol):
     """What the backend needs of ``e2b.AsyncSandbox``: its ``create`` classmethod."""
 
     async def create(self, template: str | None = None, timeout: int | None = None, **kwargs: Any) -> Any: ...
-
-
-def _sdk() -> Any:
-    try:
-        import e2b
-    except ImportError as exc:  # the SDK is an optional extra
-        raise SandboxStartError(
-            "the e2b backend needs the e2b SDK: pip install 'harness-trainer[e2b]'"
-        ) from exc
-    return e2b
 
 
 class E2BSandbox:
@@ -141,7 +132,7 @@ class E2BSandbox:
     ) -> ExecResult:
         if self._closed:
             raise SandboxError(f"sandbox {self.id} is closed")
-        e2b = _sdk()
+        e2b = sdk()
         pidfile = shlex.quote(f"/tmp/.ht-exec-{uuid.uuid4().hex}.pid")
         out: list[str] = []
         err: list[str] = []
@@ -174,7 +165,7 @@ class E2BSandbox:
     async def _kill_group(self, pidfile: str) -> None:
         ticks = max(1, math.ceil(self._kill_grace_s / 0.1))
         script = _KILL.format(pidfile=pidfile, ticks=ticks)
-        e2b = _sdk()
+        e2b = sdk()
         try:
             await self.sdk_sandbox.commands.run(script, user=self.user, timeout=self._kill_grace_s + 30)
         except e2b.SandboxException as exc:  # the sandbox may be dying; close() kills it all anyway
@@ -182,7 +173,7 @@ class E2BSandbox:
 
     async def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
         target = self.sandbox_path(path)
-        e2b = _sdk()
+        e2b = sdk()
         try:
             await self.sdk_sandbox.files.write(target, data, user=self.user)
         except e2b.SandboxException as exc:
@@ -192,7 +183,7 @@ class E2BSandbox:
 
     async def read_file(self, path: str) -> bytes:
         target = self.sandbox_path(path)
-        e2b = _sdk()
+        e2b = sdk()
         try:
             return bytes(await self.sdk_sandbox.files.read(target, format="bytes", user=self.user))
         except e2b.NotFoundException as exc:
@@ -213,7 +204,7 @@ class E2BSandbox:
                 entries.append({"path": inside, "data": path.read_bytes()})
                 if os.access(path, os.X_OK):
                     executables.append(inside)
-        e2b = _sdk()
+        e2b = sdk()
         try:
             if entries:
                 await self.sdk_sandbox.files.write_files(entries, user=self.user)
@@ -333,7 +324,7 @@ class E2BSandboxBackend:
 
     async def _reap(self) -> None:
         assert self.run_id is not None
-        sandbox_class = self._sandbox_class or _sdk().AsyncSandbox
+        sandbox_class = self._sandbox_class or sdk().AsyncSandbox
         try:
             killed = await kill_run(sandbox_class, self.run_id, keep_owner=self.owner, api_key=self.api_key)
         except Exception as exc:  # orphans are E2B's to reap at their timeout; the run goes on
@@ -397,7 +388,7 @@ class E2BSandboxBackend:
         return sandbox
 
     async def _create(self, task: HarborTask, template: str, timeout: int, env: dict[str, str]) -> Any:
-        create = (self._sandbox_class or _sdk().AsyncSandbox).create
+        create = (self._sandbox_class or sdk().AsyncSandbox).create
         kwargs: dict[str, Any] = {
             "metadata": sandbox_metadata(task.name, self.run_id, self.owner),
             "envs": env,

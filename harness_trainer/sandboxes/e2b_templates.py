@@ -53,8 +53,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from harness_trainer.sandboxes import dockerfile
+import harness_trainer.sandboxes.dockerfile as dockerfile
 from harness_trainer.sandboxes.base import SandboxStartError
+from harness_trainer.sandboxes.e2b_sdk import sdk
 from harness_trainer.tasks.task import HarborTask
 
 NAME_PREFIX = "ht-"
@@ -284,9 +285,7 @@ class TemplateBuilder:
     @property
     def _sdk(self) -> Any:
         if self.template_class is None:
-            from harness_trainer.sandboxes.e2b import _sdk
-
-            self.template_class = _sdk().AsyncTemplate
+            self.template_class = sdk().AsyncTemplate
         return self.template_class
 
     @property

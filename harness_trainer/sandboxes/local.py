@@ -68,7 +68,7 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from harness_trainer.sandboxes import dockerfile
+import harness_trainer.sandboxes.dockerfile as dockerfile
 from harness_trainer.sandboxes.base import (
     Capabilities,
     ExecResult,

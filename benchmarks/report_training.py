@@ -1,0 +1,215 @@
+"""The report's sections for the training side: packed micro-batches, the dev loop's learning, weight sync
+into vLLM, engine idle time, white-box against black-box and FSDP2; each a function of the benchmark's
+JSON result (see :mod:`benchmarks.report` for what each row compares)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks.intervals import Interval
+from benchmarks.report_rows import Row, Section, spread_of
+
+
+def trainer_section(result: dict[str, Any]) -> Section:
+    """Packed micro-batches' trained tok/s against padded ones, and the tokens rows forward."""
+    variants, rows_part = result["packing"]["variants"], result["rows"]
+    padded = variants["padded"]["tps"]["median"]
+    rows = [
+        Row(
+            f"{name}: trained tok/s vs padded",
+            f"{v['tps']['median']:.0f}",
+            f"{padded:.0f}",
+            [r["vs_padded"] for r in v["repeats"]],
+        )
+        for name, v in variants.items()
+    ]
+    rows.append(
+        Row(
+            "tokens forwarded vs unique",
+            str(rows_part["forwarded_tokens"]),
+            str(rows_part["unique_tokens"]),
+            [rows_part["forwarded_per_unique"]],
+        )
+    )
+    rows.append(Row("build_rows per million trace tokens", f"{rows_part['ms_per_million_input']:.1f} ms"))
+    packed = [r["vs_padded"] for r in variants["packed"]["repeats"]]
+    w = result["packing"]["workload"]
+    notes = [f"{w['rows']} rows, {w['tokens']} tokens, token budget {result['config']['token_budget']}"]
+    return Section("trainer", f"packed {spread_of(packed)} padded tok/s", rows, notes=notes)
+
+
+def learning_section(result: dict[str, Any]) -> Section:
+    """The dev loop's held-out pass@1, trained against frozen, per arm; the first run's time."""
+    from benchmarks.learning import first_run_shows
+
+    config, rows, headlines, notes = result["config"], [], [], []
+    samples = f"{config['eval_num_generations']} per task at temperature {config['eval_temperature']:g}"
+    notes.append(
+        f"seeds {','.join(map(str, config['seeds']))}; {config['max_steps']} steps a run; held-out split "
+        f"test of {config['tasks']} at step 0 and at the end ({samples}); 95 % Student t intervals over seeds"
+    )
+    for engine, arm in result["arms"].items():
+        arm_rows, headline = learning_arm(engine, arm["summary"], config["max_steps"])
+        rows += arm_rows
+        headlines.append(headline)
+        for run in arm["runs"]:
+            rewards = ", ".join(f"{r:.2f}" for r in run["rewards"])
+            notes.append(
+                f"{engine} {run['kind']} seed {run['seed']}: {run['seconds'] / 60:.1f} min ({run['cache']}); "
+                f"held-out pass@1 {run['start']:.2f} -> {run['end']:.2f}; reward per step: {rewards}"
+            )
+    if (first := result.get("first_run")) is not None:
+        minutes = first["seconds"] / 60
+        target = config["first_run_minutes"]
+        rows.append(Row("first run (fresh cache, warm-up included)", f"{minutes:.1f} min",
+                        f"{target:g} min target", [minutes / target]))  # fmt: skip
+        headlines.append(f"first run {minutes:.1f} min")
+        notes.append(f"first run: the default harness-trainer dev in an empty cache, {minutes:.1f} min "
+                     f"({first_run_shows(first)})")  # fmt: skip
+    rows.append(Row("all runs, end to end", f"{result['elapsed_s'] / 60:.1f} min"))
+    return Section("learning", "; ".join(headlines), rows, notes=notes)
+
+
+def learning_arm(engine: str, summary: dict[str, Any], steps: int) -> tuple[list[Row], str]:
+    """One arm of the learning benchmark: its held-out pass@1 rows and headline (named for it but ``dev``)."""
+    prefix = "" if engine == "dev" else f"{engine} "
+    trained, frozen, difference = (
+        Interval(**summary[kind]["end"]) for kind in ("trained", "frozen", "difference")
+    )
+    start = {kind: Interval(**summary[kind]["start"]).text() for kind in ("trained", "frozen")}
+    rows = [
+        Row(f"{prefix}held-out pass@1 at step {steps}: trained vs frozen", trained.text(), frozen.text(),
+            [trained.mean / frozen.mean] if frozen.mean else []),
+        Row(f"{prefix}held-out pass@1 at step {steps}: trained - frozen, paired by seed",
+            difference.text(signed=True), "0"),
+        Row(f"{prefix}held-out pass@1 at step 0 (the warm model): trained vs frozen", start["trained"],
+            start["frozen"]),
+    ]  # fmt: skip
+    headline = f"{prefix}held-out pass@1 trained {trained.text()} vs frozen {frozen.text()}; "
+    return rows, headline + f"diff {difference.text(signed=True)}"
+
+
+def weight_sync_section(result: dict[str, Any]) -> Section:
+    """A ``file`` push into vLLM against saving a checkpoint and restarting vLLM, per model."""
+    rows = [
+        Row(
+            f"{name} ({m['parameters'] / 1e6:.1f}M params): file push vs save + restart",
+            f"{m['file_median_s']:.2f} s",
+            f"{m['restart_median_s']:.1f} s",
+            m["speedups"],
+        )
+        for name, m in result["models"].items()
+    ]
+    notes = [
+        f"{name}: pushes {', '.join(f'{s:.2f}' for s in m['file_s'])} s; restarts "
+        f"{', '.join(f'{s:.1f}' for s in m['restart_s'])} s; first start {m['first_start_s']:.1f} s"
+        for name, m in result["models"].items()
+    ]
+    notes.append("nccl: not measured (needs two GPUs)")
+    last = list(result["models"].values())[-1]
+    headline = f"file push {last['file_median_s']:.2f} s vs restart {last['restart_median_s']:.1f} s"
+    return Section("weight_sync", headline, rows, notes=notes)
+
+
+def engine_idle_section(result: dict[str, Any]) -> Section:
+    """The engine's idle fraction per training step with ``max_staleness`` 1 against 0."""
+    runs = result["runs"]
+    ratio = result["idle_ratio_1_vs_0"]
+    rows = [
+        Row(
+            "idle fraction per step (median, steps 2+): max_staleness 1 vs 0",
+            f"{runs['1']['idle_median']:.2f}",
+            f"{runs['0']['idle_median']:.2f}",
+            [ratio] if ratio is not None else [],
+        )
+    ]
+    notes = [
+        f"max_staleness {name}: idle per step {' '.join(f'{f:.2f}' for f in run['idle'])}; "
+        f"{run['calls']} model calls; {run['seconds'] / 60:.1f} min"
+        for name, run in runs.items()
+    ]
+    c = result["config"]
+    notes.append(f"engine {c['engine']}, toy agent, {c['steps']} steps of 4 rollouts, 4 at once")
+    headline = f"idle {runs['0']['idle_median']:.2f} -> {runs['1']['idle_median']:.2f} of a step"
+    return Section("engine_idle", headline, rows, notes=notes)
+
+
+WHITEBOX_MEASURES = {
+    "rollouts_per_min": ("rollouts per minute (steps after the first)", "{:.1f}"),
+    "trained_tokens_per_rollout": ("trained tokens per rollout", "{:.0f}"),
+    "outside_engine_s_per_turn": ("seconds per turn outside the engine", "{:.2f} s"),
+}
+
+
+def whitebox_section(result: dict[str, Any]) -> Section:
+    """White-box against black-box on the dev loop: rollouts per minute, tokens, time per turn."""
+    white, black, c = result["runs"]["white-box"], result["runs"]["black-box"], result["config"]
+
+    def shown(run: dict[str, Any], name: str, form: str) -> str:
+        return form.format(run[name]) if run.get(name) is not None else "-"
+
+    rows = [
+        Row(f"white-box vs black-box: {label}", shown(white, name, form), shown(black, name, form),
+            [result["ratios"][name]] if result["ratios"].get(name) is not None else [])
+        for name, (label, form) in WHITEBOX_MEASURES.items()
+    ]  # fmt: skip
+    notes = []
+    for mode, run in result["runs"].items():
+        rewards = " ".join(f"{r:.2f}" for r in run["reward"] if r is not None)
+        notes.append(
+            f"{mode}: {run['steps']} steps in {run['seconds'] / 60:.1f} min (warm-up included when built); "
+            f"{run.get('turns_per_rollout', 0):.1f} turns per rollout, model "
+            f"{run.get('llm_s_per_turn', 0):.2f} s per turn; reward per step {rewards}"
+        )
+    notes.append(f"dev engine, seed {c['seed']}, black-box agent {c['black_box_agent']}; no target")
+    ratio = result["ratios"].get("rollouts_per_min")
+    headline = f"white-box {ratio:.2f}x black-box rollouts per minute" if ratio else "no rollout rate"
+    return Section("whitebox", headline, rows, notes=notes)
+
+
+def fsdp2_section(result: dict[str, Any]) -> Section:
+    """FSDP2 (and DDP) at world size 2 against one process: peak RSS, state held, step time."""
+    runs, against, c = result["runs"], result["ratios"], result["config"]
+    single = runs["single"]
+    rows = []
+    for name, label in (("fsdp2", "FSDP2"), ("ddp", "DDP")):
+        run, r = runs[name], against[name]
+        rows += [
+            Row(f"{label}, 2 ranks: peak RSS per rank", f"{run['peak_rss_mb']:.0f} MB",
+                f"{single['peak_rss_mb']:.0f} MB", [r["peak_rss_mb"]]),
+            Row(f"{label}, 2 ranks: params + grads + optimizer state per rank", f"{run['held_mb']:.0f} MB",
+                f"{single['held_mb']:.0f} MB", [r["held_mb"]]),
+            Row(f"{label}, 2 ranks: step time", f"{run['step_s']:.2f} s", f"{single['step_s']:.2f} s",
+                [r["step_s"]]),
+        ]  # fmt: skip
+    if "single_mapped" in runs:
+        mapped, r = runs["single_mapped"], against["single_mapped"]
+        rows.append(
+            Row("one process, large allocations mapped: peak RSS", f"{mapped['peak_rss_mb']:.0f} MB",
+                f"{single['peak_rss_mb']:.0f} MB", [r["peak_rss_mb"]])
+        )  # fmt: skip
+    if c.get("malloc_mmap_threshold_env"):
+        allocator = f"MALLOC_MMAP_THRESHOLD_={c['malloc_mmap_threshold_env']} in every run's environment"
+    elif runs["fsdp2"].get("mapped"):
+        allocator = "the FSDP2 ranks map allocations of 64 KiB or more on their own (map_large_allocations, "
+        allocator += "as the trainer does); the single process and DDP run glibc's default allocator"
+    else:
+        allocator = "glibc's default allocator" + (" in every run" if c.get("glibc_default") else "")
+    notes = [
+        f"{single['parameters'] / 1e6:.1f}M parameters (Qwen2 shape: hidden {c['hidden']}, {c['layers']} "
+        f"layers), float32, AdamW; a step is 2 micro-batches of {c['rows']} x {c['seq']} tokens; "
+        f"{c['steps']} timed steps; {c['cores']} cores split evenly between the ranks",
+        "peak RSS is the whole process's high-water mark: every rank loads the full model before sharding; "
+        + allocator,
+    ]
+    versus = result.get("fsdp2_vs_single_mapped")
+    if versus:
+        notes.append(
+            f"FSDP2 against one process with large allocations mapped too: peak RSS per rank "
+            f"{versus['peak_rss_mb']:.2f}x, step time {versus['step_s']:.2f}x"
+        )
+    headline = (
+        f"FSDP2 peak RSS per rank {against['fsdp2']['peak_rss_mb']:.2f}x, step time "
+        f"{against['fsdp2']['step_s']:.2f}x one process"
+    )
+    return Section("fsdp2", headline, rows, notes=notes)
