@@ -59,7 +59,7 @@ class PolicyPublisher:
         self.checkpoint = checkpoint
         self.policy: tuple[str, int] | None = None
         """With ``lora_sync="adapter"``, rank 0: the served model and version of the newest adapter."""
-        self.factory: Any = None
+        self.factory: Any = None  # rank 0: the factories attached, told of each version pushed
         self.eval_factory: Any = None
 
     def push(self, trained: nn.Module, model: nn.Module, version: int, step: int) -> int:
