@@ -8,11 +8,12 @@ on ``--device`` in ``--dtype`` (default ``cuda``, ``bfloat16``); nothing is down
 
 **Workload.** ``--rows`` synthetic agent rows from ``benchmarks/trainer.py`` (``agent_rows``: lognormal
 lengths, median 256, 64-2048 tokens, alternating sampled completions and tool outputs) in ``--rollouts``
-rollouts, with random advantages and weights ``1 / (N_r · R)``. One *step* is what ``Trainer._optimize``
-does on one rank: plan the rows into micro-batches of at most ``--token-budget`` tokens
-(``plan_micro_batches``), then per micro-batch collate, copy to the device, per-token logprobs at the
-targets (``token_logprobs``), the loss (``policy_loss``: truncated IS, with entropies) and backward; then
-clip the gradient norm (1.0), an AdamW step and ``zero_grad``. Each variant builds its model afresh (same
+rollouts, with random advantages and weights ``1 / (N_r · R)``. One *step* is what the trainer's
+``OptimizerStep`` (``harness_trainer/trainer/optimize.py``) does on one rank: plan the rows into
+micro-batches of at most ``--token-budget`` tokens (``plan_micro_batches``), then per micro-batch
+collate, copy to the device, per-token logprobs at the targets (``token_logprobs``), the loss
+(``policy_loss``: truncated IS, with entropies) and backward; then clip the gradient norm (1.0), an
+AdamW step and ``zero_grad``. Each variant builds its model afresh (same
 seed, same weights), runs one untimed warm-up step and ``--steps`` timed steps (the device synchronised
 before the clock stops), and is freed before the next; an out-of-memory in one variant is reported as such
 and the others still run. Variants:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from harness_trainer import HarnessAsyncGRPOTrainer
-from harness_trainer.trainer import trainer as trainer_module
+from harness_trainer.trainer import rollout_feed
 from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig, parse_config
 from harness_trainer.trainer.config.loss import LossConfig
 from harness_trainer.trainer.config.trl_fields import TRL_IGNORED, TRL_REFUSED, TRL_SUPPORTED
@@ -20,7 +20,7 @@ from harness_trainer.trainer.feed.rollout_log import read_rollout_log
 from harness_trainer.trainer.step.batch import StepBatch
 from harness_trainer.trainer.step.groups import Rollout
 from harness_trainer.trainer.step.outcome import HarnessRolloutOutcome
-from harness_trainer.trainer.trainer import completions_text
+from harness_trainer.trainer.step_groups import completions_text
 from tests.trainer.handmade import HandmadeFactory
 from tests.trainer.test_trainer import builder, config, metrics_lines
 
@@ -313,12 +313,12 @@ def test_an_epoch_bound_run_takes_trls_batch_and_logging_fields(
 ):
     reporters = []
 
-    class Recording(trainer_module.MetricsReporter):
+    class Recording(rollout_feed.MetricsReporter):
         def __init__(self, *args, **kwargs):
             reporters.append(kwargs)
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(trainer_module, "MetricsReporter", Recording)
+    monkeypatch.setattr(rollout_feed, "MetricsReporter", Recording)
     factory = HandmadeFactory(num_tasks=3)
     args = config(
         tmp_path, max_steps=-1, num_train_epochs=2, per_device_train_batch_size=4,

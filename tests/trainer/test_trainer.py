@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM
 
 from harness_trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer
 from harness_trainer.trace import CaptureContractError
+from harness_trainer.trainer.publish import WeightSyncError
 from harness_trainer.trainer.step.outcome import RewardFunctionError
-from harness_trainer.trainer.trainer import WeightSyncError
 from tests.trainer.handmade import HandmadeFactory, chain_trace
 
 

@@ -9,7 +9,7 @@ import pytest
 from harness_trainer import HarnessAsyncGRPOTrainer
 from harness_trainer.trainer.feed.evaluation import read_eval
 from harness_trainer.trainer.feed.rollout_log import read_rollout_log
-from harness_trainer.trainer.trainer import NoLearningSignal
+from harness_trainer.trainer.step_groups import NoLearningSignal
 from tests.trainer.handmade import HandmadeFactory
 from tests.trainer.test_evaluation import split_builder
 from tests.trainer.test_trainer import builder, config, metrics_lines
