@@ -27,3 +27,9 @@ def test_the_units_form_at_most_nine_layers_with_no_loop_between_folders() -> No
     assert report["unit_loops"] == []
     assert report["module_loops_across_folders"] == []
     assert report["layers"] <= 9, report["unit_layers"]
+
+
+def test_no_module_is_over_500_lines_and_no_class_over_400() -> None:
+    report = import_layers.measure(ROOT)
+    assert report["modules_over_500"] == []
+    assert report["classes_over_400"] == []
