@@ -178,3 +178,14 @@ def test_a_factorys_sampling_is_the_typed_policy_validated_once_and_sent_as_its_
     assert SamplingPolicy.model_validate(policy.wire_json()) == policy
     with pytest.raises(RolloutConfigError, match="top_p must be 1"):
         sampling_policy({"temperature": 0.7, "top_p": 0.9})
+
+
+def test_a_foreign_sync_session_without_an_id_reads_as_none_through_the_thread_adapter() -> None:
+    class ForeignSession:  # OpenEnv's loop-owning sessions declare no session_id
+        def wait_for_completion(self, timeout_s: float | None = None) -> int:
+            return 0
+
+    with concurrent.futures.ThreadPoolExecutor(1) as executor:
+        session = ThreadedSession(ForeignSession(), executor)  # type: ignore[arg-type]
+        assert session.session_id is None
+        assert asyncio.run(session.wait()) == 0

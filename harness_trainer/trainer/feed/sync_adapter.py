@@ -50,7 +50,9 @@ class ThreadedSession:
 
     @property
     def session_id(self) -> str | None:
-        return self.session.session_id
+        # The one place a foreign session's shape is tolerated: OpenEnv's loop-owning sessions declare no
+        # id (their factories are accepted as they are), so theirs reads as None, as the contract allows.
+        return getattr(self.session, "session_id", None)
 
     async def wait(self, timeout_s: float | None = None) -> int:
         return await _on(self.executor, self.session.wait_for_completion, timeout_s)
