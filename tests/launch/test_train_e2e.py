@@ -29,6 +29,23 @@ GIVE_UP = [{"content": "I cannot do this."}]
 
 
 @pytest.mark.slow
+def assert_trained_two_steps(out: Path, model_dir: Path, engine_url: str, server_url: str) -> Path:
+    """What a two-step launcher run on the toy task leaves: two solved steps, the second checkpoint, the model
+    recorded, the engine at version 2, no session or sandbox left. Returns the checkpoint."""
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == 2
+    solved = 1.0 + TOOL_BONUS * (1 - 1 / TOOL_CALL_BUDGET)  # one bash call
+    assert all(step["reward"] == pytest.approx(solved / 2) for step in steps)
+    checkpoint = latest_checkpoint(out)
+    assert checkpoint is not None and checkpoint.name == "checkpoint-2"
+    assert json.loads((out / LAUNCH_FILE).read_text())["model"] == str(model_dir)
+    assert httpx.get(f"{engine_url}/weight_version").json()["weight_version"] == 2
+    health = httpx.get(f"{server_url}/health").json()
+    assert health["sessions"] == 0 and health["capture_sessions"] == 0
+    assert live_sandbox_processes() == []
+    return checkpoint
+
+
 def test_the_launcher_trains_two_steps_through_a_real_rollout_server(
     tiny_model_dir, tmp_path, capsys
 ) -> None:
@@ -58,17 +75,7 @@ def test_the_launcher_trains_two_steps_through_a_real_rollout_server(
             assert result.returncode == 0, result.stderr[-4000:]
             assert result.stdout.startswith("preflight ok: dev engine")
 
-            steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-            assert len(steps) == 2
-            solved = 1.0 + TOOL_BONUS * (1 - 1 / TOOL_CALL_BUDGET)  # one bash call
-            assert all(step["reward"] == pytest.approx(solved / 2) for step in steps)
-            checkpoint = latest_checkpoint(out)
-            assert checkpoint is not None and checkpoint.name == "checkpoint-2"
-            assert json.loads((out / LAUNCH_FILE).read_text())["model"] == str(tiny_model_dir)
-            assert httpx.get(f"{engine.url}/weight_version").json()["weight_version"] == 2
-            health = httpx.get(f"{server.url}/health").json()
-            assert health["sessions"] == 0 and health["capture_sessions"] == 0
-            assert live_sandbox_processes() == []
+            checkpoint = assert_trained_two_steps(out, tiny_model_dir, engine.url, server.url)
 
             # The checkpoint it left is refused to another model, and accepted for the same one.
             assert main([*argv, "--output-dir", str(out), "--resume", "--model", "other"]) == 2
@@ -178,17 +185,7 @@ def test_harness_trainer_train_trains_two_steps_through_a_real_rollout_server(
             assert result.returncode == 0, result.stderr[-4000:]
             assert result.stdout.startswith("preflight ok: dev engine")
 
-            steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-            assert len(steps) == 2
-            solved = 1.0 + TOOL_BONUS * (1 - 1 / TOOL_CALL_BUDGET)  # one bash call
-            assert all(step["reward"] == pytest.approx(solved / 2) for step in steps)
-            checkpoint = latest_checkpoint(out)
-            assert checkpoint is not None and checkpoint.name == "checkpoint-2"
-            assert json.loads((out / LAUNCH_FILE).read_text())["model"] == str(tiny_model_dir)
-            assert httpx.get(f"{engine.url}/weight_version").json()["weight_version"] == 2
-            health = httpx.get(f"{server.url}/health").json()
-            assert health["sessions"] == 0 and health["capture_sessions"] == 0
-            assert live_sandbox_processes() == []
+            checkpoint = assert_trained_two_steps(out, tiny_model_dir, engine.url, server.url)
 
             # The checkpoint it left is refused to another model, and accepted for the same one.
             refused = run_console_script("train", *argv, "--resume", "--model", "other", timeout=120)
