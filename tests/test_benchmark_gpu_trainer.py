@@ -44,6 +44,7 @@ def test_qwen3_1_7b_shape_counts_its_parameters() -> None:
     assert flops == 8_456_460_288_000 + 344_064_000_000 + 933_494_784_000
 
 
+@pytest.mark.slow
 def test_a_variant_out_of_memory_or_not_runnable_leaves_the_others_and_the_report(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -83,12 +83,14 @@ def test_tiny_model_refuses_a_non_empty_foreign_out_dir(tmp_path: Path) -> None:
     assert result.stdout == ""
 
 
+@pytest.mark.slow
 def test_engine_with_a_missing_model_fails_with_a_one_line_error() -> None:
     result = run_cli("engine", "--model", "/nonexistent", "--port", str(free_port()))
     assert_one_line_error(result)
     assert "/nonexistent" in result.stderr
 
 
+@pytest.mark.slow
 def test_engine_with_a_malformed_script_fails_with_a_one_line_error(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:

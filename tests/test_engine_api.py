@@ -93,6 +93,7 @@ def test_same_seed_samples_the_same_tokens_and_another_seed_does_not(engine: Eng
     assert ids[0] != ids[2]
 
 
+@pytest.mark.slow
 def test_greedy_decoding_is_deterministic_without_a_seed(engine: EngineProcess) -> None:
     first, second = (
         chat(engine, max_tokens=12, temperature=0).choices[0].model_extra["token_ids"] for _ in range(2)
@@ -152,6 +153,7 @@ def test_scripted_reply_streams_as_content_then_ends_and_the_script_runs_out(
     assert httpx.get(f"{scripted_engine.url}/health").status_code == 200
 
 
+@pytest.mark.slow
 def test_streamed_tool_calls_accumulate_to_the_parsed_calls(tiny_model_dir: Path, tmp_path: Path) -> None:
     script = tmp_path / "script.json"
     script.write_text(json.dumps([SCRIPT[1]]))
@@ -225,6 +227,7 @@ def test_openai_client_sees_unknown_model_as_not_found(engine: EngineProcess) ->
         client(engine).chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
 
 
+@pytest.mark.slow
 def test_concurrent_requests_are_all_served_and_health_answers_during_generation(
     engine: EngineProcess,
 ) -> None:

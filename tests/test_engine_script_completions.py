@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import httpx
+import pytest
 from transformers import AutoTokenizer
 
 from harness_trainer.dev_engine.chat import render_prompt_ids
@@ -32,6 +33,7 @@ CALL = {
 ANSWER = {"content": "Done."}
 
 
+@pytest.mark.slow
 def test_a_token_id_prompt_gets_the_next_scripted_reply_as_the_chat_would_have_given_it(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:

@@ -94,6 +94,7 @@ def expected(name: str) -> Any:
     return sse_events(path.read_text()) if path.suffix == ".sse" else json.loads(path.read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name",
     [

@@ -68,6 +68,7 @@ def test_dev_engine_client_satisfies_the_engine_protocol() -> None:
     assert isinstance(DevEngine("http://127.0.0.1:1"), InferenceEngine)
 
 
+@pytest.mark.slow
 def test_pushed_weights_are_served_under_the_new_version(
     updatable: EngineProcess, tiny_model_dir: Path
 ) -> None:
@@ -82,6 +83,7 @@ def test_pushed_weights_are_served_under_the_new_version(
     assert httpx.get(f"{updatable.url}/weight_version").json() == {"weight_version": 1}
 
 
+@pytest.mark.slow
 def test_weights_load_from_a_safetensors_file(
     updatable: EngineProcess, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -93,6 +95,7 @@ def test_weights_load_from_a_safetensors_file(
     assert torch.max(torch.abs(served_logprobs(reply) - logprobs_under(state, tiny_model_dir, reply))) <= 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("tensors", "version", "status", "words"),
     [
@@ -123,6 +126,7 @@ def test_a_bad_update_is_refused_and_changes_nothing(
     assert served_logprobs(after).tolist() == served_logprobs(before).tolist()
 
 
+@pytest.mark.slow
 def test_garbage_update_bodies_get_a_400(updatable: EngineProcess) -> None:
     for kwargs in (
         {"content": b"not safetensors", "params": {"version": 1}},
@@ -134,6 +138,7 @@ def test_garbage_update_bodies_get_a_400(updatable: EngineProcess) -> None:
     assert ask(updatable)["weight_version"] == 0
 
 
+@pytest.mark.slow
 def test_pause_holds_new_generations_until_resume_and_updates_run_while_paused(
     updatable: EngineProcess, tiny_model_dir: Path
 ) -> None:

@@ -73,6 +73,7 @@ def test_model_and_tokenizer_load_with_the_hub_offline(tiny_model_dir: Path) -> 
     assert logits.shape == (1, ids.shape[1], len(tokenizer))
 
 
+@pytest.mark.slow
 def test_building_twice_gives_identical_tokenizer_and_weights(two_builds: tuple[Path, Path]) -> None:
     a, b = two_builds
     assert a != b

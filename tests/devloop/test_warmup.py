@@ -40,6 +40,7 @@ def test_solver_transcripts_use_each_harness_shell_tool_and_way_of_finishing() -
 
 
 # About 100 s alone on 2 cores; past 300 s (the suite's default) when other work shared them.
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_transcripts_solve_their_tasks_distractors_fail_them_and_the_fine_tune_reaches_its_target(
     tmp_path, tiny_model_dir
@@ -83,6 +84,7 @@ def test_the_dev_loop_runs_mini_with_its_compact_prompt_unless_told_and_warms_up
     ).fingerprint(base, tasks)
 
 
+@pytest.mark.slow
 def test_white_box_transcripts_are_the_built_in_adapters_episodes_through_the_trainers_model_step(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
@@ -108,6 +110,7 @@ def test_white_box_transcripts_are_the_built_in_adapters_episodes_through_the_tr
     assert live_sandbox_processes() == []
 
 
+@pytest.mark.slow
 def test_the_fine_tune_has_no_randomness_so_one_warm_model_serves_every_seed(tmp_path, tiny_model_dir):
     """Full-batch AdamW on fixed transcripts from a fixed base, without dropout: the global RNG's state
     changes no weight, so the warm-up's recipe holds no seed and every run seed reuses one warm model."""

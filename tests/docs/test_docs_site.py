@@ -116,6 +116,7 @@ def test_the_readme_keeps_the_commands_ci_runs() -> None:
         assert after.startswith("```bash\n"), marker
 
 
+@pytest.mark.slow
 def test_the_cli_help_describes_the_tool_to_a_user() -> None:
     script = shutil.which("harness-trainer") or str(Path(sys.executable).parent / "harness-trainer")
     result = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=120)

@@ -46,6 +46,7 @@ def trainer_logprobs(model: torch.nn.Module, prompt: list[int], completion: list
     return logprobs.gather(-1, torch.tensor(completion)[:, None])[:, 0]
 
 
+@pytest.mark.slow
 async def test_after_a_push_the_engine_samples_from_the_pushed_weights(
     dev_engine: EngineProcess, tiny_model_dir: Path
 ) -> None:
@@ -82,6 +83,7 @@ async def test_after_a_push_the_engine_samples_from_the_pushed_weights(
     assert torch.max(torch.abs(served - trainer_logprobs(original, prompt, sampled))) > 1e-3
 
 
+@pytest.mark.slow
 async def test_a_push_to_a_stopped_engine_is_retried_then_reported(
     tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -97,6 +99,7 @@ async def test_a_push_to_a_stopped_engine_is_retried_then_reported(
     assert len([r for r in caplog.records if "/update_weights" in r.getMessage()]) == 2
 
 
+@pytest.mark.slow
 async def test_served_version_is_none_on_the_start_up_weights_then_the_version_pushed(
     tiny_model_dir: Path,
 ) -> None:

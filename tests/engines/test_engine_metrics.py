@@ -103,6 +103,7 @@ def dev_metrics(engine: EngineProcess) -> tuple[httpx.Response, EngineLoad]:
     return reply, engine_load(reply.text)
 
 
+@pytest.mark.slow
 def test_the_dev_engine_serves_its_queue_and_context_under_vllms_names(engine: EngineProcess) -> None:
     reply, idle = dev_metrics(engine)
     assert reply.headers["content-type"].startswith("text/plain; version=0.0.4")

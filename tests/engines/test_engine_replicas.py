@@ -58,6 +58,7 @@ async def step(replicas: EngineReplicas, named: dict[str, torch.Tensor], version
     return served
 
 
+@pytest.mark.slow
 async def test_a_push_reaches_every_replica_and_they_then_sample_alike(
     two_engines: list[EngineProcess], tiny_model_dir: Path
 ) -> None:
@@ -69,6 +70,7 @@ async def test_a_push_reaches_every_replica_and_they_then_sample_alike(
     assert replicas.out_of_rotation == [] and [r["version"] for r in replicas.report()] == [1, 1]
 
 
+@pytest.mark.slow
 async def test_a_dead_replica_is_drained_and_enabled_only_once_it_has_the_current_version(
     two_engines: list[EngineProcess], tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -107,6 +109,7 @@ async def test_a_dead_replica_is_drained_and_enabled_only_once_it_has_the_curren
         await client.aclose()
 
 
+@pytest.mark.slow
 async def test_a_replica_restarted_between_steps_is_enabled_once_pushed_and_samples_at_the_dispatch_version(
     rig: ReplicaRig,  # noqa: F811 - the imported fixture
 ) -> None:
@@ -128,6 +131,7 @@ async def test_a_replica_restarted_between_steps_is_enabled_once_pushed_and_samp
     assert all(record["weight_version"] == record["dispatch_version"] == 2 for record in records)
 
 
+@pytest.mark.slow
 async def test_a_replica_restarted_between_push_and_resume_is_drained_and_comes_back_at_the_next_push(
     rig: ReplicaRig,  # noqa: F811 - the imported fixture
 ) -> None:
@@ -158,6 +162,7 @@ async def test_a_replica_restarted_between_push_and_resume_is_drained_and_comes_
     assert record["engine"] == rig.urls[1] and record["weight_version"] == record["dispatch_version"] == 3
 
 
+@pytest.mark.slow
 async def test_without_a_proxy_a_dead_replica_is_only_recorded(
     two_engines: list[EngineProcess], tiny_model_dir: Path
 ) -> None:

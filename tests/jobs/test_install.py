@@ -23,6 +23,7 @@ from tests.jobs.conftest import ROOT
 GIT_URL = "git+https://github.com/org/harness-trainer@v0.2"
 
 
+@pytest.mark.slow
 def test_the_session_wheel_is_this_checkouts_package(project_wheel: Path) -> None:
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     assert project_wheel.name == f"harness_trainer-{version}-py3-none-any.whl"

@@ -35,6 +35,7 @@ def order(running: Launch) -> list[str]:
     return [f"{e['name']}:{e['event']}" for e in sorted(running.events(), key=lambda e: e["t"])]
 
 
+@pytest.mark.slow
 def test_each_step_starts_only_after_the_one_before_is_healthy(launch: Launcher) -> None:
     running = launch(vllm=["--listen-after", "1.5"], serve=["--listen-after", "0.5"])
     assert running.finish() == 0, running.stderr()
@@ -99,6 +100,7 @@ def test_a_service_that_never_answers_health_times_out_naming_it_and_its_url(lau
     assert_all_gone(running)
 
 
+@pytest.mark.slow
 def test_a_service_dying_during_training_stops_the_trainer_and_everything_else(launch: Launcher) -> None:
     running = launch(serve=["--die-after", "2", "--exit", "9"], trainer=["--hang"])
     assert running.finish() == 1
@@ -107,6 +109,7 @@ def test_a_service_dying_during_training_stops_the_trainer_and_everything_else(l
     assert_all_gone(running)
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_launcher_stops_every_child_and_what_they_spawned(launch: Launcher) -> None:
     running = launch(vllm=["--grandchild"], serve=["--grandchild"], trainer=["--hang", "--grandchild"])
     running.wait_for("trainer", "grandchild")

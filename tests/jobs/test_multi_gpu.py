@@ -490,6 +490,7 @@ def fake_bin(folder: Path, **scripts: str) -> str:
     return f"{folder}:{os.environ['PATH']}"
 
 
+@pytest.mark.slow
 def test_the_one_node_example_runs_the_trainer_in_the_foreground_and_stops_the_services_after(
     tmp_path: Path,
 ) -> None:

@@ -50,6 +50,7 @@ def test_the_readme_has_only_commands_this_test_runs() -> None:
     assert all(command[:3] == SUBMIT or command[:3] == LAUNCHER for command in commands)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "command", [c for c in readme_commands() if c[:3] == SUBMIT], ids=["dry-run", "submit", "several-gpus"]
 )

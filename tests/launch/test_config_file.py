@@ -246,6 +246,7 @@ def test_the_resolved_config_is_written_as_json_a_config_file_reads_back(tmp_pat
     assert again.loss == config.loss and again.to_dict() == {**config.to_dict(), "hub_token": None}
 
 
+@pytest.mark.slow
 def test_the_dev_loop_writes_the_resolved_config_once_its_engine_is_up(tmp_path: Path, monkeypatch) -> None:
     import harness_trainer.devloop.run as run
 

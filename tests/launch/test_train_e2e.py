@@ -46,6 +46,7 @@ def assert_trained_two_steps(out: Path, model_dir: Path, engine_url: str, server
     return checkpoint
 
 
+@pytest.mark.slow
 def test_the_launcher_trains_two_steps_through_a_real_rollout_server(
     tiny_model_dir, tmp_path, capsys
 ) -> None:

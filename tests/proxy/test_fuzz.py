@@ -87,6 +87,7 @@ def check(response: httpx.Response) -> None:
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
+@pytest.mark.slow
 @FUZZ
 @given(body=chat_like, route=st.sampled_from(ROUTES), authorized=st.booleans())
 def test_structured_nonsense_never_gets_a_5xx(
@@ -97,6 +98,7 @@ def test_structured_nonsense_never_gets_a_5xx(
     check(httpx.post(stack.url + route, json=body, headers=headers, timeout=30))
 
 
+@pytest.mark.slow
 @FUZZ
 @given(raw=st.binary(max_size=300) | json_values.map(lambda v: httpx.Request("POST", "/", json=v).read()))
 def test_raw_bytes_never_get_a_5xx(fuzz_stack: tuple[Stack, dict[str, Any]], raw: bytes) -> None:
@@ -106,6 +108,7 @@ def test_raw_bytes_never_get_a_5xx(fuzz_stack: tuple[Stack, dict[str, Any]], raw
         check(httpx.post(stack.url + route, content=raw, headers=headers, timeout=30))
 
 
+@pytest.mark.slow
 @FUZZ
 @given(
     path=st.text(

@@ -110,6 +110,7 @@ def export_trace(session_dir: Path, out: Path | None = None) -> Any:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loop", ["auto", "asyncio"])
 def test_a_killed_proxy_restarts_with_every_call_and_the_same_trace(
     scripted_engine: EngineProcess, tmp_path: Path, loop: str

@@ -6,10 +6,13 @@ it; then what it samples carries that version."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.engines.test_engine_replicas import weight_version
 from tests.proxy.replica_rig import ReplicaRig, rig  # noqa: F401 - a fixture
 
 
+@pytest.mark.slow
 async def test_an_engine_restarted_between_steps_gets_no_new_session_until_the_next_push_enables_it(
     rig: ReplicaRig,  # noqa: F811 - the imported fixture
 ) -> None:
@@ -35,6 +38,7 @@ async def test_an_engine_restarted_between_steps_gets_no_new_session_until_the_n
     assert newcomer["weight_version"] == newcomer["dispatch_version"] == 2
 
 
+@pytest.mark.slow
 async def test_an_engine_found_down_by_a_call_comes_back_stale_when_it_restarted(rig: ReplicaRig) -> None:  # noqa: F811
     await rig.step(1)
     sessions = [rig.new_session() for _ in range(2)]

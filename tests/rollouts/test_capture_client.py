@@ -17,6 +17,7 @@ from tests.hardening.faults import ProxyProcess
 ADMIN_KEY = "capture-client-test-key"
 
 
+@pytest.mark.slow
 def test_finishing_calls_wait_longer_for_a_restarting_proxy_than_calls_that_start_work(tmp_path) -> None:
     # No engine: nothing here makes a model call, and the proxy does not need one to manage sessions.
     proxy = ProxyProcess("http://127.0.0.1:9", tmp_path / "capture", free_port(), ADMIN_KEY, tmp_path / "log")

@@ -70,6 +70,7 @@ def factory(stack: Stack, **options: object) -> HarborSessionFactory:
     return HarborSessionFactory(stack.url, harness="toy", sandbox="local", **{"split": "train", **options})
 
 
+@pytest.mark.slow
 def test_splits_name_datasets_and_their_sub_folder_splits(stack: Stack) -> None:
     listed = httpx.get(stack.url + "/splits").json()
     assert listed["splits"] == [f"{EXAMPLES}:test", f"{EXAMPLES}:train", f"{stack.extra}:train"]
@@ -96,6 +97,7 @@ def test_an_unreachable_server_fails_at_construction() -> None:
         HarborSessionFactory(f"http://127.0.0.1:{free_port()}", split="train")
 
 
+@pytest.mark.slow
 def test_llm_url_and_model_pick_the_engine_of_each_rollout(stack: Stack) -> None:
     with factory(stack, llm_url=stack.engine_b.url + "/", model="tiny-b") as on_b:
         session = on_b.create({"task_index": 3})  # hello-file

@@ -183,6 +183,7 @@ def finish(session: HarborSession) -> float | None:
     return reward
 
 
+@pytest.mark.slow
 def test_groups_stay_whole_and_spread_by_each_servers_free_capacity(scripted_engine, serve) -> None:
     engine = scripted_engine([SOLVE] * 12)
     a, b = serve(engine.url, 3, 3)  # a: 2 rollouts + the metadata session; b: 3 rollouts
@@ -222,6 +223,7 @@ def test_groups_stay_whole_and_spread_by_each_servers_free_capacity(scripted_eng
     assert live_sandbox_processes() == []
 
 
+@pytest.mark.slow
 def test_servers_that_list_different_tasks_are_refused_naming_both(
     scripted_engine, serve, tmp_path: Path
 ) -> None:
@@ -247,6 +249,7 @@ def _gone() -> Serve:
     return ghost
 
 
+@pytest.mark.slow
 def test_a_killed_server_loses_only_its_rollouts_and_comes_back_only_with_the_last_policy(
     scripted_engine, serve, monkeypatch: pytest.MonkeyPatch
 ) -> None:

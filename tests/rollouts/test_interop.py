@@ -20,6 +20,7 @@ from tests.rollouts.conftest import EXAMPLES, bash_call
 HELLO = [bash_call("printf 'Hello, Harbor!\\n' > /app/hello.txt"), {"content": "Done."}]
 
 
+@pytest.mark.slow
 def test_a_local_session_is_an_openenv_trainable_session(scripted_engine):
     harness = pytest.importorskip("openenv.core.harness")
     engine = scripted_engine(HELLO)
@@ -31,6 +32,7 @@ def test_a_local_session_is_an_openenv_trainable_session(scripted_engine):
         session.close()
 
 
+@pytest.mark.slow
 def test_trls_harness_rollout_loop_trains_on_our_session(scripted_engine):
     worker = pytest.importorskip("trl.experimental.async_grpo.openenv_harness")
     engine = scripted_engine(HELLO)

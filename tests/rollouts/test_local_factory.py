@@ -22,6 +22,7 @@ def hello_row(factory: LocalSessionFactory) -> dict:
     return next(row for row in factory.prompt_rows() if row["task_name"] == "hello-file")
 
 
+@pytest.mark.slow
 def test_the_toy_agent_solves_a_task_and_its_trace_is_exactly_the_scripted_replies(
     scripted_engine, tiny_model_dir
 ):
@@ -43,6 +44,7 @@ def test_the_toy_agent_solves_a_task_and_its_trace_is_exactly_the_scripted_repli
     assert live_sandbox_processes() == []
 
 
+@pytest.mark.slow
 def test_an_agent_that_hangs_is_stopped_and_its_turns_stay_trainable(scripted_engine):
     engine = scripted_engine([bash_call("sleep 60"), {"content": "never"}])
     with factory_for(engine.url, agent_timeout_sec=3) as factory:
@@ -55,6 +57,7 @@ def test_an_agent_that_hangs_is_stopped_and_its_turns_stay_trainable(scripted_en
     assert live_sandbox_processes() == []
 
 
+@pytest.mark.slow
 def test_a_client_side_timeout_stops_the_agent_and_keeps_the_turns(scripted_engine):
     engine = scripted_engine([bash_call("sleep 60"), {"content": "never"}])
     with factory_for(engine.url) as factory:
@@ -66,6 +69,7 @@ def test_a_client_side_timeout_stops_the_agent_and_keeps_the_turns(scripted_engi
     assert live_sandbox_processes() == []
 
 
+@pytest.mark.slow
 def test_a_task_whose_environment_cannot_be_built_is_unscorable(scripted_engine, tmp_path):
     import shutil
 
@@ -81,6 +85,7 @@ def test_a_task_whose_environment_cannot_be_built_is_unscorable(scripted_engine,
         session.close()
 
 
+@pytest.mark.slow
 def test_an_agent_that_crashes_is_a_result_with_the_turns_it_made(scripted_engine):
     engine = scripted_engine([bash_call("echo hi")])  # the second model call fails: script exhausted
     with factory_for(engine.url) as factory:
@@ -94,6 +99,7 @@ def test_an_agent_that_crashes_is_a_result_with_the_turns_it_made(scripted_engin
     assert live_sandbox_processes() == []
 
 
+@pytest.mark.slow
 def test_closing_a_running_session_cleans_up(scripted_engine):
     engine = scripted_engine([bash_call("sleep 60"), {"content": "never"}])
     with factory_for(engine.url) as factory:
@@ -106,6 +112,7 @@ def test_closing_a_running_session_cleans_up(scripted_engine):
     assert live_sandbox_processes() == []
 
 
+@pytest.mark.slow
 def test_the_factory_rolls_out_through_an_external_capture_proxy_and_leaves_it_running(
     scripted_engine, tmp_path
 ):

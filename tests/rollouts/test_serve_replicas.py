@@ -40,6 +40,7 @@ def test_the_proxy_child_is_started_with_replicas_only_when_asked(tmp_path: Path
     assert "--replicas" in routed.argv()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("proxy", ["process", "in-process"])
 def test_serve_with_replicas_reports_each_replica_in_health(
     engine: EngineProcess, second_engine: EngineProcess, tmp_path: Path, proxy: str

@@ -64,6 +64,7 @@ def builder(server: Server, **options: object) -> HarborSessionFactory:
     return HarborSessionFactory(server.url, split="train", harness="toy", sandbox="local", **options)
 
 
+@pytest.mark.slow
 def test_a_factory_in_another_process_runs_a_rollout_through_the_server(server: Server) -> None:
     factory = pickle.loads(
         pickle.dumps(builder(server, sampling={"temperature": 1.0}, agent_timeout_sec=120))
@@ -83,6 +84,7 @@ def test_a_factory_in_another_process_runs_a_rollout_through_the_server(server: 
     assert live_sandbox_processes() == []
 
 
+@pytest.mark.slow
 def test_a_full_server_answers_429_and_says_how_to_size_it(server: Server) -> None:
     factory = builder(server)
     factory.tasks()  # the metadata session takes one of the three slots
@@ -94,6 +96,7 @@ def test_a_full_server_answers_429_and_says_how_to_size_it(server: Server) -> No
     factory.close()
 
 
+@pytest.mark.slow
 def test_bad_requests_get_clear_errors(server: Server) -> None:
     session_id = httpx.post(server.url + "/sessions").json()["session_id"]
     missing = httpx.post(f"{server.url}/sessions/{session_id}/rollout", json={"split": "train", "index": 99})
@@ -122,6 +125,7 @@ def test_bad_requests_get_clear_errors(server: Server) -> None:
     assert httpx.get(f"{server.url}/sessions/{session_id}").status_code == 404
 
 
+@pytest.mark.slow
 def test_a_server_restart_gives_open_sessions_a_clear_error_not_a_hang(
     scripted_engine, tmp_path: Path
 ) -> None:
@@ -142,6 +146,7 @@ def test_a_server_restart_gives_open_sessions_a_clear_error_not_a_hang(
     assert live_sandbox_processes() == []
 
 
+@pytest.mark.slow
 def test_a_policy_set_through_the_factory_reaches_the_capture_proxy(server: Server) -> None:
     factory = builder(server, agent_timeout_sec=120)
     factory.set_policy("tiny", 4)  # the name the dev engine serves; each later call goes there

@@ -105,6 +105,7 @@ def wait_for(condition, timeout_s: float = 15.0) -> bool:
     return condition()
 
 
+@pytest.mark.slow
 def test_a_solution_written_through_the_tools_is_verified_with_reward_1(
     factory: WhiteBoxSessionFactory, server: Server
 ) -> None:
@@ -135,6 +136,7 @@ def test_a_solution_written_through_the_tools_is_verified_with_reward_1(
             session.call_tool("bash", {"command": "true"})
 
 
+@pytest.mark.slow
 def test_an_untouched_sandbox_is_verified_with_reward_0(factory: WhiteBoxSessionFactory) -> None:
     session = factory.create(HELLO_INSTRUCTION)
     try:
@@ -297,6 +299,7 @@ def test_a_refused_start_leaves_no_session_open(factory: WhiteBoxSessionFactory,
     assert server.open_sessions() == 0
 
 
+@pytest.mark.slow
 def test_server_shutdown_closes_open_environments(tmp_path: Path) -> None:
     running = Server(tmp_path)
     try:

@@ -310,6 +310,7 @@ def test_urls_that_name_one_metrics_page_are_read_once() -> None:
         ConcurrencyPoller([], controller(), Target(), interval_s=1.0)
 
 
+@pytest.mark.slow
 def test_the_poller_reads_every_replica_and_warns_once_about_one_that_stops(
     engine: EngineProcess, tiny_model_dir: Path, caplog
 ) -> None:

@@ -206,6 +206,7 @@ def trained_rows(output_dir) -> dict[int, int]:
     return {r.group: r.task_index for r in read_rollout_log(output_dir)}
 
 
+@pytest.mark.slow
 def test_a_trainer_with_the_curriculum_stops_rolling_out_a_solved_task_and_resumes_to_the_same_rows(
     tmp_path, tiny_model_dir
 ):

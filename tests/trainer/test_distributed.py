@@ -131,6 +131,7 @@ def collectives_worker(rank: int, store: str, out: str) -> None:
     torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs torch.distributed with gloo")
 def test_two_processes_deal_broadcast_sum_and_stop_together_when_rank_0_fails(tmp_path):
     torch.multiprocessing.spawn(collectives_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
@@ -222,6 +223,7 @@ def test_optimizer_state_by_name_converts_to_the_index_form_a_single_process_sav
     assert by_index(by_name(expected, names))["param_groups"] == expected["param_groups"]
 
 
+@pytest.mark.slow
 def test_an_fsdp_checkpoint_has_the_single_process_format_and_resumes_weights_and_optimizer(
     tiny_model_dir, tmp_path
 ):

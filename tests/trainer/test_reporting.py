@@ -115,6 +115,7 @@ def test_run_name_defaults_to_the_output_folder_name(tmp_path):
     assert (output_dir / "runs" / "my-run").is_dir()
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_records_history_and_config(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):

@@ -186,6 +186,7 @@ def test_a_malformed_capture_stops_training_after_closing_every_session(tmp_path
     assert not factory.live and factory.closed == len(factory.created)
 
 
+@pytest.mark.slow
 def test_an_engine_that_is_down_at_a_weight_push_stops_the_run_with_a_checkpoint(tmp_path, tiny_model_dir):
     from harness_trainer.net import free_port
 
@@ -253,6 +254,7 @@ def test_partial_factory_builders_get_the_trainers_sampling_policy(tmp_path, tin
     assert made == {"label": "x", "sampling": {"temperature": 0.9}}
 
 
+@pytest.mark.slow
 def test_sigterm_writes_a_checkpoint_and_closes_every_session_then_resume_continues(tmp_path, tiny_model_dir):
     import os
     import signal

@@ -7,6 +7,7 @@ import json
 from functools import partial
 
 import httpx
+import pytest
 
 from harness_trainer import AsyncGRPOConfig, HarnessAsyncGRPOTrainer, LocalSessionFactory
 from harness_trainer.tasks.sources import LocalTaskSource
@@ -17,6 +18,7 @@ SOLVE = [bash_call("printf 'Hello, Harbor!\\n' > /app/hello.txt"), {"content": "
 GIVE_UP = [{"content": "I cannot do this."}]
 
 
+@pytest.mark.slow
 def test_training_on_real_rollouts_pushes_weights_to_the_engine(scripted_engine, tiny_model_dir, tmp_path):  # noqa: F811
     engine = scripted_engine((SOLVE + GIVE_UP) * 6)
     rows = [r for r in LocalTaskSource(EXAMPLES).prompt_rows("train") if r["task_name"] == "hello-file"]

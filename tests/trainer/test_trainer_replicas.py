@@ -33,6 +33,7 @@ def greedy_logprobs(url: str) -> list[float]:
     return [round(entry["logprob"], 4) for entry in reply.json()["choices"][0]["logprobs"]["content"]]
 
 
+@pytest.mark.slow
 def test_every_step_reaches_every_replica(two_engines, tiny_model_dir, tmp_path) -> None:  # noqa: F811
     first, second = two_engines
     before = greedy_logprobs(second.url)
@@ -54,6 +55,7 @@ def test_every_step_reaches_every_replica(two_engines, tiny_model_dir, tmp_path)
     assert not factory.live and factory.factory_closed
 
 
+@pytest.mark.slow
 def test_a_replica_killed_mid_run_is_drained_and_the_run_goes_on(
     two_engines,  # noqa: F811
     tiny_model_dir,
@@ -95,6 +97,7 @@ def test_a_replica_killed_mid_run_is_drained_and_the_run_goes_on(
         loop.close()
 
 
+@pytest.mark.slow
 def test_a_replica_of_another_kind_is_refused_naming_it(two_engines, tiny_model_dir, tmp_path) -> None:  # noqa: F811
     # It answers, but not GET /weight_version (a route only the dev engine has): taken for a vLLM.
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)

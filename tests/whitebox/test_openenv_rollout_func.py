@@ -31,6 +31,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     running.stop()
 
 
+@pytest.mark.slow
 def test_openenvs_rollout_function_drives_our_sessions_and_returns_the_engines_ids(
     server: Server, scripted_engine: ScriptedEngine, tiny_model_dir: Any
 ) -> None:

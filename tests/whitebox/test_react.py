@@ -201,6 +201,7 @@ def train_two_steps(scripted_engine: ScriptedEngine, tiny_model_dir: Path, build
     return out
 
 
+@pytest.mark.slow
 def test_the_trainer_trains_two_steps_with_the_react_adapter_on_local_sessions(
     scripted_engine: ScriptedEngine, tiny_model_dir: Path, tmp_path: Path
 ) -> None:

@@ -24,6 +24,7 @@ from tests.whitebox.conftest import ScriptedEngine
 from tests.whitebox.test_react import DONE, SUBMIT, WRITE, loops, train_two_steps
 
 
+@pytest.mark.slow
 def test_the_trainer_trains_white_box_rollouts_in_e2b_sandboxes(
     scripted_engine: ScriptedEngine, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

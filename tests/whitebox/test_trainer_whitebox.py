@@ -86,6 +86,7 @@ def config(out: Path, engine_url: str, **overrides: Any) -> AsyncGRPOConfig:
     return AsyncGRPOConfig(**{**settings, **overrides})
 
 
+@pytest.mark.slow
 def test_the_trainer_trains_white_box_rollouts_on_the_engines_ids_and_leaks_nothing(
     scripted_engine: ScriptedEngine, builder: Any, server: Server, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -179,6 +180,7 @@ def test_an_adapter_that_raises_makes_its_rollouts_unscorable_and_stops_past_max
     assert sum("harness adapter RaisingAdapter raised KeyError" in str(r.unscorable) for r in failed) == 3
 
 
+@pytest.mark.slow
 def test_a_second_kind_of_adapter_bug_in_a_row_stops_the_run_naming_the_adapter(
     scripted_engine: ScriptedEngine, builder: Any, server: Server, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
