@@ -29,6 +29,16 @@ GIVE_UP = [{"content": "I cannot do this."}]
 
 
 @pytest.mark.slow
+def two_step_argv(server_url: str, engine_url: str, model_dir: Path, task_index: int) -> list[str]:
+    """The launcher's flags for a two-step run of the toy harness on one task, shared by both launch paths."""
+    return [
+        *("--server", server_url, "--vllm-url", engine_url, "--model", str(model_dir)),
+        *("--harness", "toy", "--sandbox", "local", "--engine", "dev", "--task-indices", str(task_index)),
+        *("--num-generations", "2", "--max-concurrent-rollouts", "1", "--max-steps", "2"),
+        *("--max-staleness", "0", "--learning-rate", "1e-4", "--agent-timeout", "120"),
+    ]
+
+
 def assert_trained_two_steps(out: Path, model_dir: Path, engine_url: str, server_url: str) -> Path:
     """What a two-step launcher run on the toy task leaves: two solved steps, the second checkpoint, the model
     recorded, the engine at version 2, no session or sandbox left. Returns the checkpoint."""
@@ -60,12 +70,7 @@ def test_the_launcher_trains_two_steps_through_a_real_rollout_server(
             tasks = httpx.get(f"{server.url}/splits/train/tasks").json()["tasks"]
             hello = next(t["index"] for t in tasks if t["name"] == "hello-file")
             out = tmp_path / "out"
-            argv = [
-                *("--server", server.url, "--vllm-url", engine.url, "--model", str(tiny_model_dir)),
-                *("--harness", "toy", "--sandbox", "local", "--engine", "dev", "--task-indices", str(hello)),
-                *("--num-generations", "2", "--max-concurrent-rollouts", "1", "--max-steps", "2"),
-                *("--max-staleness", "0", "--learning-rate", "1e-4", "--agent-timeout", "120"),
-            ]
+            argv = two_step_argv(server.url, engine.url, tiny_model_dir, hello)
             result = subprocess.run(
                 [sys.executable, str(TRAIN), *argv, "--output-dir", str(out)],
                 capture_output=True,
@@ -175,13 +180,7 @@ def test_harness_trainer_train_trains_two_steps_through_a_real_rollout_server(
             tasks = httpx.get(f"{server.url}/splits/train/tasks").json()["tasks"]
             hello = next(t["index"] for t in tasks if t["name"] == "hello-file")
             out = tmp_path / "out"
-            argv = [
-                *("--server", server.url, "--vllm-url", engine.url, "--model", str(tiny_model_dir)),
-                *("--harness", "toy", "--sandbox", "local", "--engine", "dev", "--task-indices", str(hello)),
-                *("--num-generations", "2", "--max-concurrent-rollouts", "1", "--max-steps", "2"),
-                *("--max-staleness", "0", "--learning-rate", "1e-4", "--agent-timeout", "120"),
-                *("--output-dir", str(out)),
-            ]
+            argv = [*two_step_argv(server.url, engine.url, tiny_model_dir, hello), "--output-dir", str(out)]
             result = run_console_script("train", *argv, timeout=240)
             assert result.returncode == 0, result.stderr[-4000:]
             assert result.stdout.startswith("preflight ok: dev engine")
