@@ -288,6 +288,7 @@ class LocalSandboxBackend:
             namespace = await Namespace.create(binds, base_env, mode=mode, new_root=root / "mnt")
         except BaseException as exc:
             shutil.rmtree(root, ignore_errors=True)
+            shutil.rmtree(root.with_name(f".{root.name}.new"), ignore_errors=True)
             if lock_fd >= 0:
                 os.close(lock_fd)
             if isinstance(exc, OSError):
@@ -356,9 +357,13 @@ class LocalSandboxBackend:
     def _make_root(self, root: Path, mounts: tuple[str, ...], mode: Mode) -> int:
         """Creates the root and its mount points (on the host in root mode; the rootless mode mounts its
         new root on ``mnt``); returns the fd holding the root's lock."""
-        root.mkdir(parents=True)
-        lock_fd = os.open(root / ".lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        # Locked before it takes its name: a sweep (this process's or another's) deletes any ``ht-*`` root
+        # whose lock it can take, so a root must never be visible under that name unlocked.
+        unnamed = root.with_name(f".{root.name}.new")
+        unnamed.mkdir(parents=True)
+        lock_fd = os.open(unnamed / ".lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
         fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(unnamed, root)
         if mode.private_root:
             (root / "mnt").mkdir()
         for mount in mounts:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from harness_trainer.sandboxes.base import SandboxError, SandboxStartError
+import harness_trainer.sandboxes.local as local
 from harness_trainer.sandboxes.local import LocalSandboxBackend
 from tests.sandboxes.conftest import TaskFactory, live_processes, wait_until_gone, wait_until_present
 
@@ -210,6 +211,36 @@ async def test_roots_left_by_a_dead_owner_are_swept_but_live_ones_kept(
         assert alive.root.exists() and (base / "ht-unrelated").exists()
     finally:
         await asyncio.gather(alive.close(), other.close())
+
+
+async def test_a_sweep_that_runs_while_a_root_is_being_made_leaves_it_alone(
+    tmp_path: Path, make_task: TaskFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another start's (or another process's) sweep may run at any moment of a start: here it runs at the
+    worst one, just before the new root is locked. It must not see that root as dead (CI once lost a
+    root that way when three sandboxes started at once)."""
+    base = tmp_path / "sandboxes"
+    base.mkdir()
+    real_flock = local.fcntl.flock
+    swept: list[list[Path]] = []
+
+    def flock_after_a_sweep(fd: int, operation: int) -> None:
+        if not swept:
+            swept.append([])  # the sweep takes locks too: sweep once, before the first lock only
+            swept[0] = local.sweep_stale_roots(base)
+        real_flock(fd, operation)
+
+    backend = LocalSandboxBackend(base)
+    backend._swept = True  # the first start's own sweep is not the one under test
+    monkeypatch.setattr(local.fcntl, "flock", flock_after_a_sweep)
+    sandbox = await backend.start(make_task(), lifetime_s=60)
+    monkeypatch.undo()
+    try:
+        assert swept == [[]], "the sweep took a root that was being made for a dead one"
+        assert (sandbox.root / ".lock").exists() and local.sweep_stale_roots(base) == []
+        assert sorted(p.name for p in base.iterdir()) == [sandbox.root.name]
+    finally:
+        await sandbox.close()
 
 
 async def test_file_methods_refuse_paths_outside_the_sandbox(
