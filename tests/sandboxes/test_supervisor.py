@@ -194,10 +194,12 @@ async def test_the_supervisor_is_a_backend_over_real_local_sandboxes(
     make_task: TaskFactory, tmp_path: Path
 ) -> None:
     supervisor = SandboxSupervisor(LocalSandboxBackend(tmp_path / "sandboxes"), max_starts_per_s=50, burst=4)
-    sandboxes = await asyncio.gather(*(supervisor.start(make_task(), lifetime_s=60) for _ in range(3)))
-    await sandboxes[1].exec("nohup sleep 616161 >/dev/null 2>&1 &")
-    assert supervisor.name == "local" and len(supervisor.live) == 3
-    await supervisor.aclose()
+    try:  # closed on every path: a failed start must not leave the others running into later tests
+        sandboxes = await asyncio.gather(*(supervisor.start(make_task(), lifetime_s=60) for _ in range(3)))
+        await sandboxes[1].exec("nohup sleep 616161 >/dev/null 2>&1 &")
+        assert supervisor.name == "local" and len(supervisor.live) == 3
+    finally:
+        await supervisor.aclose()
     assert not wait_until_gone("sleep 616161")
 
 
