@@ -80,8 +80,9 @@ if not __package__:  # run as a script (python benchmarks/learning.py): its sibl
 
 from benchmarks.common import finish, print_table, print_verdicts, run_dev_loop
 from benchmarks.intervals import Interval, mean_interval, paired_difference
-from harness_trainer.devloop.run import EXAMPLE_TASKS, MODE_CHOICES, reward_windows, step_rewards
+from harness_trainer.devloop.run import EXAMPLE_TASKS, reward_windows, step_rewards
 from harness_trainer.examples import TOY_SKILLS
+from harness_trainer.rollouts.run_options import MODES
 
 FROZEN_LR = 1e-9
 FIRST_RUN_MINUTES = 12.0
@@ -126,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--engines", default="dev", help=f"comma-separated, from {','.join(ENGINE_ARMS)}")
     parser.add_argument(
-        "--mode", choices=MODE_CHOICES, default=None,
+        "--mode", choices=MODES, default=None,
         help="each run's dev-loop mode (white-box: the built-in ReActAdapter; the trainer samples each turn)",
     )  # fmt: skip
     parser.add_argument(

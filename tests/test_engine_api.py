@@ -134,23 +134,32 @@ def test_tool_call_round_trips_through_the_openai_client(scripted_engine: Engine
     assert second.choices[0].message.content == "Let me look."
 
 
+@pytest.mark.slow
 def test_scripted_reply_streams_as_content_then_ends_and_the_script_runs_out(
-    scripted_engine: EngineProcess,
+    tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    openai = client(scripted_engine)
-    stream = openai.chat.completions.create(
-        model="tiny",
-        messages=[{"role": "user", "content": "hi"}],
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    chunks = list(stream)
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == "Done: a.txt has 3 lines."
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
-    with pytest.raises(BadRequestError, match="script exhausted"):
-        openai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "more"}])
-    assert httpx.get(f"{scripted_engine.url}/health").status_code == 200
+    # Its own engine and script: the module's scripted engine is the round-trip test's, whose replies it
+    # consumes in order (sharing it made this test depend on which ran first).
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps([SCRIPT[2]]))
+    running = start_engine(tiny_model_dir, "--script", str(script))
+    try:
+        openai = client(running)
+        stream = openai.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "hi"}],
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = list(stream)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == "Done: a.txt has 3 lines."
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+        with pytest.raises(BadRequestError, match="script exhausted"):
+            openai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "more"}])
+        assert httpx.get(f"{running.url}/health").status_code == 200
+    finally:
+        running.stop()
 
 
 @pytest.mark.slow

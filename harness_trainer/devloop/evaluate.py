@@ -23,9 +23,10 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harness_trainer.devloop.run import ENGINE_CHOICES, EXAMPLE_TASKS
+from harness_trainer.devloop.run import ENGINE_CHOICES, EXAMPLE_TASKS, RUN_DEFAULTS, RUN_EXCLUDED, RUN_FIXED
 from harness_trainer.devloop.solver import SCRIPTED_HARNESSES
 from harness_trainer.engines.kinds import kind_of
+from harness_trainer.launch.config_file import add_run_arguments, run_options_from
 
 if TYPE_CHECKING:
     from harness_trainer.trainer.feed.evaluation import EvalRecord
@@ -43,17 +44,19 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     """``harness-trainer eval``'s flags."""
     parser.add_argument("--checkpoint", type=Path, required=True,
                         help="a run's checkpoint-N folder, or a folder save_model wrote")  # fmt: skip
-    parser.add_argument("--split", default="test", help="the split of --tasks to evaluate on")
+    add_run_arguments(
+        parser,
+        defaults={**RUN_DEFAULTS, "split": "test"},
+        exclude=(*RUN_EXCLUDED, "mode"),  # the real agent's evaluation: black-box
+        choices={"harness": SCRIPTED_HARNESSES},
+    )
     parser.add_argument("-k", "--num-generations", dest="k", type=int, default=1,
                         help="rollouts per task (k of pass@k)")  # fmt: skip
     parser.add_argument("--tasks", type=Path, default=EXAMPLE_TASKS, help="a folder of Harbor tasks")
-    parser.add_argument("--harness", choices=SCRIPTED_HARNESSES, default="mini-swe-agent")
-    parser.add_argument("--agent-step-limit", type=int, default=4)
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     parser.add_argument("--max-completion-length", type=int, default=256)
     parser.add_argument("--pass-reward", type=float, default=1.0, help="a sample passes at this reward")
     parser.add_argument("--max-concurrent-rollouts", type=int, default=2)
-    parser.add_argument("--agent-timeout", type=float, default=120.0)
     parser.add_argument("--seed", type=int, default=0, help="the run's seed (eval seeds follow from it)")
     parser.add_argument("--engine", choices=ENGINE_CHOICES, default="dev")
     parser.add_argument("--vllm-python", type=Path, default=None)
@@ -151,6 +154,7 @@ def _run_eval(args: argparse.Namespace) -> int:
     from harness_trainer.tasks.sources import LocalTaskSource
     from harness_trainer.trainer.feed.evaluation import Evaluator
 
+    run = run_options_from(args, **RUN_FIXED)
     if args.k < 1:
         raise ValueError(f"-k must be at least 1, got {args.k}")
     if args.temperature < 0:
@@ -159,10 +163,10 @@ def _run_eval(args: argparse.Namespace) -> int:
     if kind_of(args.engine).own_python and (problem := check_vllm_python(python)) is not None:
         raise ValueError(problem)
     source = LocalTaskSource(args.tasks)
-    if args.split not in source.splits():
+    if run.split not in source.splits():
         known = ", ".join(source.splits()) or "none"
-        raise ValueError(f"no split {args.split!r} in {args.tasks} (it has {known})")
-    rows = source.prompt_rows(args.split)
+        raise ValueError(f"no split {run.split!r} in {args.tasks} (it has {known})")
+    rows = source.prompt_rows(run.split)
     model, state = checkpoint_model(args.checkpoint)
     step, version = int(state.get("step", 0)), int(state.get("policy_version", 0))
     output = args.output_dir or Path(f"eval-{args.checkpoint.resolve().name}")
@@ -176,15 +180,16 @@ def _run_eval(args: argparse.Namespace) -> int:
             engine = start_local_engine(args.engine, served, seed=args.seed, output=log, vllm_python=python)
         try:
             factory = LocalSessionFactory(
-                source, upstream=engine.url, split=args.split, harness=args.harness, sampling=sampling,
-                agent_step_limit=args.agent_step_limit, data_dir=output / "capture",
+                source, upstream=engine.url, split=run.split, harness=run.harness, sampling=sampling,
+                agent_step_limit=run.agent_step_limit, agent_timeout_sec=run.agent_timeout_sec,
+                data_dir=output / "capture",
             )  # fmt: skip
             try:
                 evaluator = Evaluator(
                     factory, rows, k=args.k, seed=args.seed, temperature=args.temperature,
                     pass_reward=args.pass_reward, max_concurrent_rollouts=args.max_concurrent_rollouts,
-                    agent_timeout=args.agent_timeout, vocab_size=vocab, reward_fn=None, output_dir=output,
-                    split=args.split,
+                    rollout_timeout=run.rollout_wait_s, vocab_size=vocab, reward_fn=None, output_dir=output,
+                    split=run.split,
                 )  # fmt: skip
                 evaluated = evaluator.evaluate(step, version, threading.Event())
             finally:

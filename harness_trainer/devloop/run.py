@@ -24,7 +24,7 @@ import signal
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,13 +34,16 @@ from harness_trainer.engines.kinds import ENGINE_KIND_FACTS, kind_of
 from harness_trainer.launch.config_file import (
     TRAINER,
     ConfigFileError,
+    add_run_arguments,
     add_trainer_arguments,
     apply_config,
     configurable,
     given_trainer_flags,
+    run_options_from,
     trainer_values,
     write_resolved,
 )
+from harness_trainer.rollouts.run_options import RunOptions
 from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig
 
 if TYPE_CHECKING:
@@ -49,7 +52,6 @@ if TYPE_CHECKING:
 EXAMPLE_TASKS = Path(__file__).resolve().parents[1] / "examples" / "tasks"
 ENGINE_CHOICES = tuple(sorted(ENGINE_KIND_FACTS))
 """Every engine kind: the dev loop starts each on its model folder (:mod:`harness_trainer.devloop.engine`)."""
-MODE_CHOICES = ("black-box", "white-box")
 
 
 SECTION = "dev"
@@ -67,7 +69,6 @@ TRAINER_DEFAULTS: dict[str, Any] = {
     "temperature": 0.7,
     "max_completion_length": 256,
     "loss": {"loss_normalization": "step"},
-    "agent_timeout": 120.0,
     "seed": 0,
     "lora_r": 8,
     # Equal-reward groups are kept, as in the recipe the README measured: the warm model solves the 5 tasks
@@ -80,23 +81,41 @@ TRAINER_DEFAULTS: dict[str, Any] = {
     "eval_steps": 5,
     "eval_on_start": True,
 }
-OWNED = ("engine", "vllm_server_base_url", "vllm_replica_urls", "replica_proxy_url")
-"""Trainer fields the dev loop sets itself: the one engine it starts, and its URL."""
+OWNED = ("engine", "vllm_server_base_url", "vllm_replica_urls", "replica_proxy_url", "rollout_timeout")
+"""Trainer fields the dev loop sets itself: the one engine it starts, its URL, and the wait on a rollout
+(derived from ``--agent-timeout-sec``)."""
 _ENGINE_URL_UNTIL_STARTED = "http://127.0.0.1:1"
+
+
+RUN_DEFAULTS: dict[str, Any] = {
+    "harness": "mini-swe-agent",
+    "agent_timeout_sec": 120.0,
+    "agent_step_limit": 4,
+}
+"""The dev loop's :class:`RunOptions` defaults where they differ from the launcher's: a scripted harness, a
+short bound (the toy tasks take seconds)."""
+RUN_FIXED: dict[str, Any] = {"sandbox": "local"}
+""":class:`RunOptions` fields the dev loop sets itself: its sandboxes are local ones."""
+RUN_EXCLUDED = ("sandbox", "reward_key", "harness_options", "num_tasks", "task_indices")
+""":class:`RunOptions` fields the dev loop has no flag for: its sandbox, and what its toy tasks and
+scripted prompts decide (the harness's options are
+:func:`~harness_trainer.devloop.prompts.dev_harness_options`)."""
+
+
+def _dev_run() -> RunOptions:
+    return RunOptions(**RUN_DEFAULTS, **RUN_FIXED)
 
 
 @dataclass
 class DevLoopOptions:
-    """The dev loop's own options; the trainer's knobs are :func:`build_dev_config`'s."""
+    """The dev loop's own options; the rollouts' knobs are ``run``'s, the trainer's
+    :func:`build_dev_config`'s."""
 
-    harness: str = "mini-swe-agent"
+    run: RunOptions = field(default_factory=_dev_run)
     tasks: Path = EXAMPLE_TASKS
-    split: str = "train"
     warmup: bool = True
     target_probability: float = 0.3
-    agent_step_limit: int = 4
     stock_prompt: bool = False
-    mode: str = "black-box"
     engine: str = "dev"
     vllm_python: Path | None = None
 
@@ -115,23 +134,17 @@ def add_dev_arguments(parser: argparse.ArgumentParser) -> None:
     """The dev loop's own flags, a flag per trainer config field, and ``--config`` (sections ``dev`` and
     ``trainer``); :func:`run_dev` layers them (:func:`~harness_trainer.launch.config_file.apply_config`)."""
     d = DevLoopOptions()
-    parser.add_argument("--harness", choices=SCRIPTED_HARNESSES, default=d.harness, help="the agent to train")
+    add_run_arguments(
+        parser, defaults=RUN_DEFAULTS, exclude=RUN_EXCLUDED, choices={"harness": SCRIPTED_HARNESSES}
+    )
     parser.add_argument(
         "--tasks", type=Path, default=d.tasks, help="a folder of Harbor tasks (splits inside)"
     )
-    parser.add_argument("--split", default=d.split)
     parser.add_argument(
         "--no-warmup", dest="warmup", action="store_false", help="train the random tiny model"
     )
     parser.add_argument("--target-probability", type=float, default=d.target_probability,
                         help="warm-up stops when each of its transcripts has this probability")  # fmt: skip
-    parser.add_argument("--agent-step-limit", type=int, default=d.agent_step_limit,
-                        help="the agent's steps (white-box: the adapter's turns)")  # fmt: skip
-    parser.add_argument(
-        "--mode", choices=MODE_CHOICES, default=d.mode,
-        help="black-box: the real agent (--harness) owns its loop; white-box: the trainer samples every turn "
-        "and the built-in ReActAdapter runs the sandbox's tools (--harness does not apply)",
-    )  # fmt: skip
     parser.add_argument(
         "--stock-prompt", action="store_true",
         help="run mini-swe-agent with mini.yaml's own prompts, not the dev loop's compact one (about 1,000 "
@@ -161,8 +174,13 @@ def add_dev_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def options_from(args: argparse.Namespace) -> DevLoopOptions:
-    """The dev loop's own options, from a namespace :func:`apply_config` layered."""
-    return DevLoopOptions(**{name: getattr(args, name) for name in DevLoopOptions.__dataclass_fields__})
+    """The dev loop's own options, from a namespace :func:`apply_config` layered.
+
+    Raises:
+        ValueError: what :class:`RunOptions` refuses.
+    """
+    own = {name: getattr(args, name) for name in DevLoopOptions.__dataclass_fields__ if name != "run"}
+    return DevLoopOptions(run=run_options_from(args, **RUN_FIXED), **own)
 
 
 def build_dev_config(args: argparse.Namespace) -> AsyncGRPOConfig:
@@ -175,13 +193,16 @@ def build_dev_config(args: argparse.Namespace) -> AsyncGRPOConfig:
         ValueError: a value ``AsyncGRPOConfig`` refuses, or a trainer field of :data:`OWNED` in the file.
     """
     from_file = args.config_sections.get(TRAINER, {})
-    clash = [f"{TRAINER}.{name}: set by the dev loop (--engine)" for name in OWNED if name in from_file]
+    clash = [f"{TRAINER}.{name}: set by the dev loop" for name in OWNED if name in from_file]
     if clash:
         raise ConfigFileError(args.config, clash)
     values = trainer_values(TRAINER_DEFAULTS, from_file, given_trainer_flags(args))
     values.setdefault("learning_rate", LORA_LEARNING_RATE if values.get("use_peft") else FULL_LEARNING_RATE)
     values.setdefault("lora_alpha", 2 * values["lora_r"])
-    return AsyncGRPOConfig(**values, engine=args.engine, vllm_server_base_url=_ENGINE_URL_UNTIL_STARTED)
+    owned = {"engine": args.engine, "vllm_server_base_url": _ENGINE_URL_UNTIL_STARTED}
+    return AsyncGRPOConfig(
+        **values, **owned, rollout_timeout=run_options_from(args, **RUN_FIXED).rollout_wait_s
+    )
 
 
 class Stopped(KeyboardInterrupt):
@@ -280,8 +301,8 @@ def _run_dev_loop(
         raise ValueError(problem)
     source = LocalTaskSource(options.tasks)
     # GRPO on a held-out split would train on the tasks the evaluation is for, warm-up or not.
-    check_not_held_out(source, options.split)
-    rows = source.prompt_rows(options.split)
+    check_not_held_out(source, options.run.split)
+    rows = source.prompt_rows(options.run.split)
     if config.eval_split is not None and config.eval_split not in source.splits():
         _say(f"no split {config.eval_split!r} in {options.tasks} to evaluate on: evaluation is off")
         config = dataclasses.replace(config, eval_split=None, eval_strategy="no", eval_steps=None,
@@ -293,11 +314,11 @@ def _run_dev_loop(
             "another --output-dir"
         )
     output.mkdir(parents=True, exist_ok=True)
-    white_box = options.mode == "white-box"
+    white_box = options.run.white_box
     # In white-box mode the transcripts and rollouts are the built-in adapter's, whatever --harness says.
-    agent = WHITE_BOX if white_box else options.harness
+    agent = WHITE_BOX if white_box else options.run.harness
     harness_options = (
-        {} if white_box else dev_harness_options(options.harness, stock_prompt=options.stock_prompt)
+        {} if white_box else dev_harness_options(options.run.harness, stock_prompt=options.stock_prompt)
     )
     started = time.monotonic()
     base = ensure_tiny_model()
@@ -305,7 +326,7 @@ def _run_dev_loop(
     model_dir = base
     if options.warmup:
         recipe = WarmupRecipe(agent, harness_options, target_probability=options.target_probability)
-        model_dir = ensure_warm_model(source, options.split, base, recipe, log=_say)
+        model_dir = ensure_warm_model(source, options.run.split, base, recipe, log=_say)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     engines: list[Any] = []  # the engine, from the moment its process exists: stopped below on every path
     try:
@@ -323,16 +344,21 @@ def _run_dev_loop(
             from harness_trainer.rollouts.client.local_whitebox import LocalWhiteBoxSessionFactory
             from harness_trainer.whitebox.react import react_trainer_options
 
-            builder = partial(LocalWhiteBoxSessionFactory, source, split=options.split)
-            white = react_trainer_options(options.agent_step_limit)
+            builder = partial(
+                LocalWhiteBoxSessionFactory, source, split=options.run.split,
+                episode_timeout_sec=options.run.agent_timeout_sec,
+            )  # fmt: skip
+            white = react_trainer_options(options.run.agent_step_limit)
         else:
             builder = partial(
-                LocalSessionFactory, source, upstream=engine.url, split=options.split,
-                harness=options.harness, harness_options=harness_options,
-                agent_step_limit=options.agent_step_limit, data_dir=output / "capture",
+                LocalSessionFactory, source, upstream=engine.url, split=options.run.split,
+                harness=options.run.harness, harness_options=harness_options,
+                agent_step_limit=options.run.agent_step_limit,
+                agent_timeout_sec=options.run.agent_timeout_sec, data_dir=output / "capture",
             )  # fmt: skip
+        what = "the white-box ReActAdapter" if white_box else options.run.harness
         _say(
-            f"training {'the white-box ReActAdapter' if white_box else options.harness} on {len(rows)} toy "
+            f"training {what} on {len(rows)} toy "
             f"tasks: {config.max_steps} steps, {config.num_generations} rollouts per group, "
             f"{config.max_concurrent_rollouts} at once"
         )

@@ -129,7 +129,7 @@ def collect_transcripts(
     work_dir: Path,
     *,
     distractors: bool = False,
-    agent_timeout: float = 180.0,
+    rollout_timeout: float = 180.0,
     harness_options: dict[str, Any] | None = None,
 ) -> dict[str, TrainingTrace]:
     """One captured solver transcript per task of ``split``, through the real ``harness`` (built with
@@ -157,7 +157,7 @@ def collect_transcripts(
             for row, name, _ in plan:
                 session = factory.create(row, seed=0)
                 try:
-                    session.wait_for_completion(timeout_s=agent_timeout)
+                    session.wait_for_completion(timeout_s=rollout_timeout)
                     reward = session.verify([]).env_reward
                     expected = 0.0 if name.endswith(DISTRACTOR_SUFFIX) else 1.0
                     if reward != expected:

@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from harness_trainer.rollouts.run_options import DEFAULT_RUN
 from harness_trainer.sandboxes import make_backend
 from harness_trainer.sandboxes.base import SandboxError
 from harness_trainer.signals import run_interruptible
@@ -35,7 +36,7 @@ class WarmupError(Exception):
 
 
 async def warm_sandbox(
-    public_url: str, *, sandbox: str = "e2b", template: str = "base", **options: Any
+    public_url: str, *, sandbox: str = DEFAULT_RUN.sandbox, template: str = "base", **options: Any
 ) -> str:
     """Start one ``sandbox`` sandbox from ``template``, fetch ``public_url``/health inside it, close it.
 
@@ -66,7 +67,7 @@ async def warm_sandbox(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--public-url", required=True, help="the capture proxy as sandboxes see it")
-    parser.add_argument("--sandbox", default="e2b", help="the run's (remote) sandbox backend")
+    parser.add_argument("--sandbox", default=DEFAULT_RUN.sandbox, help="the run's (remote) sandbox backend")
     parser.add_argument("--template", default="base", help="the warm-up sandbox's template")
     args = parser.parse_args(argv)
     try:

@@ -1,6 +1,6 @@
 """``--config run.yaml``: one YAML file for a command's options and the trainer's config, under its flags.
 
-A config file has top-level sections. ``trainer`` holds
+A config file has top-level sections (``serve``'s has only its own, ``serve``). ``trainer`` holds
 :class:`~harness_trainer.trainer.config.async_grpo.AsyncGRPOConfig` (every field; the loss's knobs under
 ``trainer.loss``, or flat under TRL's names); the command's own section holds its options by their flag's
 name with underscores (``run`` for ``harness-trainer train``, ``dev`` for
@@ -24,10 +24,15 @@ import json
 import os
 import types
 import typing
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from harness_trainer.harnesses import HARNESSES
+from harness_trainer.launch.dataclass_flags import CommaList, add_dataclass_arguments, describe, json_object
+from harness_trainer.rollouts.run_options import CHOICES as RUN_CHOICES
+from harness_trainer.rollouts.run_options import DEFAULT_RUN, RunOptions
+from harness_trainer.sandboxes import describe_backends
 from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig
 from harness_trainer.trainer.config.loss import LOSS_FIELDS, LossConfig
 from harness_trainer.trainer.config.trl_fields import TRL_ONLY
@@ -86,7 +91,7 @@ def _fields_problems(section: Any, hints: Mapping[str, Any], key: str, what: str
 def _value_problems(value: Any, hint: Any, key: str) -> list[str]:
     if _matches(value, hint):
         return []
-    return [f"{key}: expected {_describe(hint)}, got {_shown(value)}"]
+    return [f"{key}: expected {describe(hint)}, got {_shown(value)}"]
 
 
 def _hints(cls: type) -> dict[str, Any]:
@@ -114,18 +119,6 @@ def _matches(value: Any, hint: Any) -> bool:
     if origin is dict or dataclasses.is_dataclass(hint):
         return isinstance(value, dict)
     return isinstance(value, hint)
-
-
-def _describe(hint: Any) -> str:
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        return " or ".join(_describe(arm) for arm in typing.get_args(hint))
-    if hint is type(None):
-        return "null"
-    if typing.get_origin(hint) is list:
-        return f"a list of {_describe(typing.get_args(hint)[0])}"
-    if typing.get_origin(hint) is dict:
-        return "a mapping"
-    return getattr(hint, "__name__", str(hint))
 
 
 def _shown(value: Any) -> str:
@@ -167,57 +160,9 @@ def add_trainer_arguments(
     group = parser.add_argument_group(
         "trainer", "AsyncGRPOConfig's fields (the trainer section of --config); the loss's knobs flat"
     )
-    skipped = set(exclude)
-    hints = {**_hints(AsyncGRPOConfig), **_hints(LossConfig)}
-    for f in [*dataclasses.fields(AsyncGRPOConfig), *dataclasses.fields(LossConfig)]:
-        if f.name in skipped or f.name == "loss":
-            continue
-        hint = hints[f.name]
-        default = defaults.get(f.name, _field_default(f))
-        help_text = f"{f.metadata.get('help', '')} (default: {default})".replace("%", "%%")
-        options = [f"--{f.name.replace('_', '-')}", *aliases.get(f.name, ())]
-        kwargs: dict[str, Any] = {"dest": _TRAINER_DEST + f.name, "default": argparse.SUPPRESS}
-        kwargs["help"] = help_text
-        if hint is bool or hint == bool | None:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        elif typing.get_origin(hint) is list:
-            kwargs.update(nargs="+", action=_CommaList, metavar=f.name.upper())
-        else:
-            kwargs.update(type=_scalar(hint), metavar=f.name.upper())
-        group.add_argument(*options, **{**kwargs, **extra.get(f.name, {})})
-
-
-def _field_default(f: dataclasses.Field[Any]) -> Any:
-    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-
-
-class _CommaList(argparse.Action):
-    """``--report-to a b`` and ``--report-to a,b`` both give ``["a", "b"]``."""
-
-    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
-        setattr(namespace, self.dest, [part for value in values for part in value.split(",") if part])
-
-
-def _scalar(hint: Any) -> Callable[[str], Any]:
-    """A flag's text as the field's type: ``none`` or ``null`` for None where the field takes it."""
-    arms = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
-
-    def convert(text: str) -> Any:
-        if type(None) in arms and text.lower() in ("none", "null"):
-            return None
-        for arm in arms:
-            try:
-                if arm is int:
-                    return int(text)
-                if arm is float:
-                    return float(text)
-            except ValueError:
-                continue
-            if arm is str or typing.get_origin(arm) is dict:  # a dict field takes JSON text
-                return text
-        raise argparse.ArgumentTypeError(f"expected {_describe(hint)}, got {text!r}")
-
-    return convert
+    shared = {"defaults": defaults, "aliases": aliases, "extra": extra, "dest_prefix": _TRAINER_DEST}
+    add_dataclass_arguments(group, AsyncGRPOConfig, exclude=[*exclude, "loss"], suppress=True, **shared)
+    add_dataclass_arguments(group, LossConfig, exclude=exclude, suppress=True, **shared)
 
 
 def given_trainer_flags(namespace: argparse.Namespace) -> dict[str, Any]:
@@ -227,6 +172,52 @@ def given_trainer_flags(namespace: argparse.Namespace) -> dict[str, Any]:
         for dest, value in vars(namespace).items()
         if dest.startswith(_TRAINER_DEST)
     }
+
+
+# -- the run's options (RunOptions), in a command's own section ----------------------------------------
+
+
+def add_run_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    defaults: Mapping[str, Any] = {},
+    exclude: Iterable[str] = (),
+    choices: Mapping[str, Sequence[Any]] = {},
+) -> None:
+    """A flag for each :class:`~harness_trainer.rollouts.run_options.RunOptions` field the command takes
+    (``exclude``: those it does not), with the command's own ``defaults`` and narrowed ``choices``; they are
+    the command's own options, so its config section holds them by field name. :func:`run_options_from`
+    reads them back."""
+    group = parser.add_argument_group("tasks and agents", "RunOptions: the rollouts' knobs")
+    sandbox, harness = (defaults.get(name, getattr(DEFAULT_RUN, name)) for name in ("sandbox", "harness"))
+    # The registries' own words: the rollout client, where RunOptions lives, imports neither registry.
+    described = {
+        "sandbox": {"help": f"where agents run: {describe_backends()} (default: {sandbox})"},
+        "harness": {
+            "help": f"the agent (black-box mode): {', '.join(choices.get('harness', HARNESSES))} "
+            f"(default: {harness})"
+        },
+    }
+    add_dataclass_arguments(
+        group,
+        RunOptions,
+        defaults=defaults,
+        exclude=exclude,
+        choices={**RUN_CHOICES, **choices},
+        extra=described,
+    )
+
+
+def run_options_from(namespace: argparse.Namespace, **fixed: Any) -> RunOptions:
+    """The run's options from a namespace :func:`apply_config` layered (``fixed``: fields the command does
+    not take a flag for).
+
+    Raises:
+        ValueError: what :class:`RunOptions` refuses.
+    """
+    names = [f.name for f in dataclasses.fields(RunOptions)]
+    given = {name: getattr(namespace, name) for name in names if hasattr(namespace, name)}
+    return RunOptions(**{**given, **fixed})
 
 
 # -- a command's own options --------------------------------------------------------------------------
@@ -245,14 +236,20 @@ class _Layers:
 
 
 def configurable(
-    parser: argparse.ArgumentParser, section: str, others: Mapping[str, argparse.ArgumentParser] = {}
+    parser: argparse.ArgumentParser,
+    section: str,
+    others: Mapping[str, argparse.ArgumentParser] = {},
+    *,
+    trainer: bool = True,
 ) -> None:
     """Add ``--config`` to ``parser`` and make its options (not the trainer flags, nor positionals) default to
     ``SUPPRESS``; :func:`apply_config` layers them after parsing. A file holds the ``section`` of these
-    options, ``trainer``, and ``others`` (checked against their parsers' options)."""
+    options, ``trainer`` (unless ``trainer`` is false: a command that trains nothing), and ``others``
+    (checked against their parsers' options)."""
+    sections = f"the {section} and trainer sections" if trainer else f"the {section} section"
     parser.add_argument(
         "--config", type=Path, default=None, metavar="FILE",
-        help=f"a YAML config file: the {section} and trainer sections; flags given win over it",
+        help=f"a YAML config file: {sections}; flags given win over it",
     )  # fmt: skip
     actions = {
         a.dest: a
@@ -263,7 +260,8 @@ def configurable(
     required = tuple(dest for dest, a in actions.items() if a.required)
     for a in actions.values():
         a.default, a.required = argparse.SUPPRESS, False
-    parser.set_defaults(**{_LAYERS: _Layers(section, defaults, actions, required, {TRAINER: None, **others})})
+    known = {TRAINER: None, **others} if trainer else dict(others)
+    parser.set_defaults(**{_LAYERS: _Layers(section, defaults, actions, required, known)})
 
 
 def apply_config(namespace: argparse.Namespace) -> argparse.Namespace:
@@ -355,6 +353,10 @@ def _option_value(action: argparse.Action, value: Any) -> Any:
     if action.nargs == 0:  # store_true and its kin: the key is the destination, the value its value
         if not isinstance(value, bool):
             raise TypeError(f"expected true or false, got {_shown(value)}")
+        return value
+    if isinstance(action, CommaList):
+        return action.items(value if isinstance(value, list) else [value])
+    if action.type is json_object and isinstance(value, dict):
         return value
     if isinstance(action, argparse._AppendAction) or action.nargs in ("+", "*"):
         # One value where a list goes is that list of one, as one word after the flag would be.

@@ -59,7 +59,7 @@ def add_e2b_arguments(parser: argparse.ArgumentParser) -> None:
     smoke.add_argument("--proxy-port", type=int, default=8300, help="the capture proxy's port")
     smoke.add_argument("--harness", default="mini-swe-agent", help="the agent (default mini-swe-agent)")
     smoke.add_argument(
-        "--agent-timeout", type=float, default=None, help="seconds for the agent (default: the task's)"
+        "--agent-timeout-sec", type=float, default=None, help="seconds for the agent (default: the task's)"
     )
     smoke.add_argument(
         "--step-limit", type=non_negative_int, default=20, help="agent steps (default 20; 0: the agent's)"
@@ -226,7 +226,7 @@ def _e2b_smoke(args: argparse.Namespace, sandbox_class: object = None, template_
         proxy_host=args.proxy_host,
         proxy_port=args.proxy_port,
         harness=args.harness,
-        agent_timeout_s=args.agent_timeout,
+        agent_timeout_sec=args.agent_timeout_sec,
         step_limit=args.step_limit,
         agent_layer=layer,
     )

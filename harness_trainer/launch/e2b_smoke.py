@@ -86,7 +86,7 @@ class SmokeConfig:
     proxy_host: str = "127.0.0.1"
     proxy_port: int = 8300
     harness: str = "mini-swe-agent"
-    agent_timeout_s: float | None = None
+    agent_timeout_sec: float | None = None
     """None: the task's ``[agent] timeout_sec``."""
     step_limit: int = 20
     agent_layer: str = ""
@@ -158,7 +158,7 @@ async def _run(runtime: Any, config: SmokeConfig, run_id: str, say: Callable[[st
     options = RolloutOptions(
         harness=config.harness,
         sandbox="e2b",
-        agent_timeout_sec=config.agent_timeout_s,
+        agent_timeout_sec=config.agent_timeout_sec,
         agent_step_limit=config.step_limit,
     )
     result = await runtime.rollout(config.task, options)

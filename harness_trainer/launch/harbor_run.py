@@ -32,10 +32,12 @@ from harness_trainer.engines.kinds import ENGINE_KIND_FACTS
 from harness_trainer.launch.config_file import (
     TRAINER,
     ConfigFileError,
+    add_run_arguments,
     add_trainer_arguments,
     apply_config,
     configurable,
     given_trainer_flags,
+    run_options_from,
     trainer_values,
     write_resolved,
 )
@@ -47,24 +49,16 @@ from harness_trainer.launch.preflight import (
     run_preflight,
 )
 from harness_trainer.launch.rewards import correctness_with_tool_efficiency
-from harness_trainer.sandboxes import describe_backends
 from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig
-
-WAIT_MARGIN_S = 600.0
-"""Added to ``--agent-timeout`` for the trainer's own wait on a rollout. The server enforces the agent's
-timeout; the trainer's wait also covers the sandbox start, the agent's install and the verifier, and is
-only a backstop for a server that stopped answering."""
-
 
 TRAINER_DEFAULTS: dict[str, Any] = {"max_steps": 100, "output_dir": "outputs/async_grpo_harbor"}
 """This launcher's defaults where they differ from ``AsyncGRPOConfig``'s: a bounded run, its own folder."""
-OWNED = {"engine": "engine", "vllm_server_base_url": "vllm_url", "agent_timeout": "agent_timeout"}
-"""Trainer fields this launcher sets from its own options (the trainer's wait is the agent's timeout plus
-:data:`WAIT_MARGIN_S`), so its config file's trainer section may not set them; ``server_capacity`` is
-what preflight measures."""
+OWNED = {"engine": "engine", "vllm_server_base_url": "vllm_url", "rollout_timeout": "agent_timeout_sec"}
+"""Trainer fields this launcher sets from its own options (the trainer's wait is derived from the agent's
+timeout: :attr:`~harness_trainer.rollouts.run_options.RunOptions.rollout_wait_s`), so its config file's
+trainer section may not set them; ``server_capacity`` is what preflight measures."""
 SECTION = "run"
 WHITE_BOX_ONE_SERVER = "--mode white-box runs its sessions on one rollout server; --server gave {}"
-MODES = ("black-box", "white-box")
 DESCRIPTION = "Async GRPO on Harbor tasks: real agents in sandboxes, through a rollout server."
 EPILOG = "Start vLLM and `harness-trainer serve` first: examples/async_grpo_harbor/README.md."
 
@@ -95,26 +89,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     )
     where.add_argument("--model", required=True, help="the policy to train: a model directory or hub id")
 
-    tasks = parser.add_argument_group("tasks and agents")
-    tasks.add_argument("--split", default="train", help="task split on the rollout server")
-    tasks.add_argument(
-        "--harness", default="opencode", help="opencode, mini-swe-agent, claude-code, codex (toy: tests)"
-    )
-    tasks.add_argument(
-        "--mode", choices=MODES, default="black-box",
-        help="black-box: the agent (--harness) owns its loop behind the capture proxy; white-box: the "
-        "trainer samples every turn and the built-in ReActAdapter runs the session's tools (--harness "
-        "does not apply; --agent-step-limit bounds its turns, --agent-timeout its episode)",
-    )  # fmt: skip
-    tasks.add_argument("--sandbox", default="e2b", help=f"where agents run: {describe_backends()}")
-    tasks.add_argument("--reward-key", default="", help="named score of reward.json to train on")
-    tasks.add_argument("--num-tasks", type=_positive_int, default=None, help="use the first N tasks")
-    tasks.add_argument(
-        "--task-indices", type=_indices, default=None, help="use these task indices (comma-separated)"
-    )
-    tasks.add_argument("--agent-timeout", type=float, default=600.0, help="seconds an agent may run")
-    tasks.add_argument("--agent-step-limit", type=int, default=30, help="agent steps (0: harness default)")
-    tasks.add_argument(
+    add_run_arguments(parser)
+    parser.add_argument(
         "--preflight-only", action="store_true", help="run the checks, print what they found, and exit"
     )
     add_trainer_arguments(
@@ -148,7 +124,7 @@ def build_config(args: argparse.Namespace, **overrides: Any) -> AsyncGRPOConfig:
     if clash:
         raise ConfigFileError(args.config, clash)
     owned = {
-        "agent_timeout": args.agent_timeout + WAIT_MARGIN_S,
+        "rollout_timeout": run_options_from(args).rollout_wait_s,
         "vllm_server_base_url": args.vllm_url,
         "engine": "vllm" if args.engine == "auto" else args.engine,
     }
@@ -173,7 +149,7 @@ def resolve_options(namespace: argparse.Namespace) -> tuple[argparse.Namespace, 
         ValueError: as :func:`resolve`.
     """
     args = apply_config(namespace)
-    if args.mode == "white-box" and len(servers(args)) > 1:
+    if run_options_from(args).white_box and len(servers(args)) > 1:
         raise ValueError(WHITE_BOX_ONE_SERVER.format(len(servers(args))))
     return args, build_config(args)
 
@@ -192,49 +168,50 @@ def session_builder(args: argparse.Namespace) -> partial[Any]:
     Raises:
         ValueError: several servers in white-box mode (its sessions run on one server).
     """
-    urls = servers(args)
-    if args.mode == "white-box":
+    urls, run = servers(args), run_options_from(args)
+    if run.white_box:
         from harness_trainer.rollouts.client.whitebox_session import WhiteBoxSessionFactory
 
         if len(urls) > 1:
             raise ValueError(WHITE_BOX_ONE_SERVER.format(len(urls)))
         return partial(
-            WhiteBoxSessionFactory, urls[0], split=args.split, sandbox=args.sandbox,
-            episode_timeout_sec=args.agent_timeout, reward_key=args.reward_key,
+            WhiteBoxSessionFactory, urls[0], split=run.split, sandbox=run.sandbox,
+            episode_timeout_sec=run.agent_timeout_sec, reward_key=run.reward_key,
         )  # fmt: skip
     from harness_trainer.rollouts.client.factory import HarborSessionFactory
 
     return partial(
         HarborSessionFactory,
         urls[0] if len(urls) == 1 else urls,
-        split=args.split,
-        harness=args.harness,
-        sandbox=args.sandbox,
+        split=run.split,
+        harness=run.harness,
+        harness_options=run.harness_options,
+        sandbox=run.sandbox,
         llm_url=args.vllm_url,
-        agent_timeout_sec=args.agent_timeout,
-        agent_step_limit=args.agent_step_limit,
-        reward_key=args.reward_key,
-        num_tasks=args.num_tasks,
-        indices=args.task_indices,
+        agent_timeout_sec=run.agent_timeout_sec,
+        agent_step_limit=run.agent_step_limit,
+        reward_key=run.reward_key,
+        num_tasks=run.num_tasks,
+        indices=run.task_indices,
     )
 
 
 def preflight_options(args: argparse.Namespace, config: AsyncGRPOConfig) -> PreflightOptions:
     """What preflight checks for these flags; the checkpoint fingerprint comes from ``config``."""
-    settings = config.to_dict()
+    settings, run = config.to_dict(), run_options_from(args)
     return PreflightOptions(
         engine_url=args.vllm_url,
         server_url=servers(args)[0],
         more_servers=tuple(servers(args)[1:]),
         model=args.model,
-        harness=args.harness,
-        sandbox=args.sandbox,
+        harness=run.harness,
+        sandbox=run.sandbox,
         output_dir=Path(config.output_dir),
         engine=args.engine,
-        split=args.split,
+        split=run.split,
         max_concurrent_rollouts=config.max_concurrent_rollouts,
-        task_indices=args.task_indices,
-        num_tasks=args.num_tasks,
+        task_indices=run.task_indices,
+        num_tasks=run.num_tasks,
         resume=config.resume_from_checkpoint,
         fingerprint={key: settings[key] for key in FINGERPRINT_FIELDS},
         weight_sync=config.weight_sync,
@@ -292,11 +269,12 @@ def white_box_options(args: argparse.Namespace) -> dict[str, Any]:
     """The trainer's ``harness_adapter`` and ``harness_limits`` in white-box mode (none in black-box): the
     built-in :class:`~harness_trainer.whitebox.react.ReActAdapter`, its turns bounded by
     ``--agent-step-limit`` (0: OpenEnv's default)."""
-    if args.mode != "white-box":
+    run = run_options_from(args)
+    if not run.white_box:
         return {}
     from harness_trainer.whitebox.react import react_trainer_options
 
-    return react_trainer_options(args.agent_step_limit)
+    return react_trainer_options(run.agent_step_limit)
 
 
 def _task_rows(
@@ -304,11 +282,12 @@ def _task_rows(
 ) -> list[dict[str, Any]]:
     """The dataset: one row per chosen task of the split, as the server lists them (a white-box factory
     lists every task: ``--task-indices`` and ``--num-tasks`` choose here)."""
-    if args.mode == "white-box":
+    run = run_options_from(args)
+    if run.white_box:
         rows = builder().prompt_rows()  # holds no server session
-        if args.task_indices is not None:
-            rows = [row for row in rows if row["task_index"] in set(args.task_indices)]
-        return rows[: args.num_tasks] if args.num_tasks is not None else rows
+        if run.task_indices is not None:
+            rows = [row for row in rows if row["task_index"] in set(run.task_indices)]
+        return rows[: run.num_tasks] if run.num_tasks is not None else rows
     factory = builder(sampling=config.sampling)
     try:
         return factory.prompt_rows()
@@ -339,20 +318,3 @@ def _write_launch_record(
 
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _indices(text: str) -> list[int]:
-    try:
-        indices = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated task indices, got {text!r}") from None
-    if not indices or min(indices) < 0:
-        raise argparse.ArgumentTypeError(f"expected comma-separated task indices ≥ 0, got {text!r}")
-    return indices

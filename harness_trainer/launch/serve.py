@@ -1,7 +1,9 @@
 """``harness-trainer serve``: the rollout server over HTTP, with the capture proxy it starts (or one that
 runs already), its flags and handler.
 
-aiohttp, the runtime and the tasks load only when the server starts, so ``--help`` stays instant.
+Every option can come from ``--config FILE``'s ``serve`` section instead
+(:mod:`harness_trainer.launch.config_file`; a flag given wins). aiohttp, the runtime and the tasks load
+only when the server starts, so ``--help`` stays instant.
 """
 
 from __future__ import annotations
@@ -11,13 +13,18 @@ import sys
 from pathlib import Path
 
 from capture_proxy.cli import add_proxy_arguments
+from harness_trainer.launch.config_file import apply_config, configurable
 from harness_trainer.launch.e2b_commands import agent_layer
 from harness_trainer.launch.flag_types import non_negative_float, non_negative_int
+
+SECTION = "serve"
+"""``serve``'s section of a ``--config`` file: its options by their flag's name with underscores."""
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The rollout server's flags and those of the capture proxy it starts (:func:`add_proxy_arguments`,
-    its listening ones as ``--capture-*``); :func:`run_serve` runs a namespace parsed with them."""
+    its listening ones as ``--capture-*``), and ``--config`` (a file's ``serve`` section holds them all);
+    :func:`run_serve` runs a namespace parsed with them."""
     parser.add_argument(
         "--dataset", required=True, action="append",
         help="a folder of task splits, or a Hugging Face dataset id (repeatable: a factory's split= names "
@@ -73,6 +80,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="label E2B sandboxes with this run; a server restarted with the same id first kills the ones "
         "a dead server left (one server per id; `harness-trainer e2b cleanup --run ID` does it by hand)",
     )  # fmt: skip
+    configurable(parser, SECTION, trainer=False)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -89,6 +97,11 @@ def run_serve(args: argparse.Namespace) -> int:
     from harness_trainer.tasks.catalog import TaskCatalog
     from harness_trainer.tasks.task import TaskError
 
+    try:
+        args = apply_config(args)
+    except ValueError as exc:
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         tasks = TaskCatalog.open(args.dataset)

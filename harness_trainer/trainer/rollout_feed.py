@@ -299,7 +299,7 @@ def make_evaluator(
     return Evaluator(
         eval_factory, rows, k=args.eval_num_generations, seed=args.seed,
         temperature=args.eval_temperature, pass_reward=args.pass_reward,
-        max_concurrent_rollouts=args.max_concurrent_rollouts, agent_timeout=args.agent_timeout,
+        max_concurrent_rollouts=args.max_concurrent_rollouts, rollout_timeout=args.rollout_timeout,
         vocab_size=vocab_size, max_unexpected_errors=args.max_unexpected_errors,
         reward_fn=reward_fn, output_dir=output_dir, split=args.eval_split,
     )  # fmt: skip
@@ -343,7 +343,7 @@ def scheduler_config(
         num_generations=args.num_generations,
         max_concurrent_rollouts=args.max_concurrent_rollouts,
         admission_limit=args.admission_limit,
-        agent_timeout=args.agent_timeout,
+        rollout_timeout=args.rollout_timeout,
         seed=args.seed,
         shuffle=args.dataset_shuffle,
         vocab_size=vocab_size,

@@ -79,7 +79,7 @@ def test_an_unknown_key_and_a_wrong_type_are_one_error_naming_the_file_and_each_
     path = write(
         tmp_path,
         {
-            "run": {"model": "m", "agent_timeout": "soon", "sandboxes": "e2b"},
+            "run": {"model": "m", "agent_timeout_sec": "soon", "sandboxes": "e2b"},
             "trainer": {"num_generation": 4, "temperature": "hot", "loss": {"beta": [1], "is_mode": "mask"}},
             "serve": {},
         },
@@ -87,7 +87,7 @@ def test_an_unknown_key_and_a_wrong_type_are_one_error_naming_the_file_and_each_
     with pytest.raises(ConfigFileError) as raised:
         resolve(["--config", str(path)])
     problems = raised.value.problems
-    keys = ["run.agent_timeout", "run.sandboxes", "trainer.num_generation", "trainer.temperature",
+    keys = ["run.agent_timeout_sec", "run.sandboxes", "trainer.num_generation", "trainer.temperature",
             "trainer.loss.beta", "trainer.loss.is_mode", "serve"]  # fmt: skip
     assert len(problems) == len(keys)
     for key in keys:
@@ -152,7 +152,7 @@ def other_value(f: dataclasses.Field[Any], default: Any) -> Any:
 
 
 def test_every_trainer_field_and_loss_knob_is_reachable_from_the_file(tmp_path: Path) -> None:
-    owned = {"engine", "vllm_server_base_url", "agent_timeout"}  # set through the run section
+    owned = {"engine", "vllm_server_base_url", "rollout_timeout"}  # set through the run section
     trainer: dict[str, Any] = {"loss": {}}
     for f in dataclasses.fields(LossConfig):
         trainer["loss"][f.name] = other_value(f, getattr(LossConfig(), f.name))

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from harness_trainer.launch.harbor_run import (
-    WAIT_MARGIN_S,
     build_config,
     main,
     parse_args,
@@ -21,12 +20,14 @@ from harness_trainer.launch.harbor_run import (
 )
 from harness_trainer.net import free_port
 from harness_trainer.rollouts.client.factory import HarborSessionFactory
+from harness_trainer.rollouts.run_options import WAIT_MARGIN_S
 
 TRAIN = Path(__file__).resolve().parents[2] / "examples" / "async_grpo_harbor" / "train.py"
 BRIEF_FLAGS = (
     "--server --vllm-url --model --split --harness --sandbox --reward-key --num-tasks --task-indices "
     "--num-generations --max-concurrent-rollouts --max-steps --learning-rate --temperature --max-staleness "
-    "--agent-timeout --agent-step-limit --lora --output-dir --report-to --resume --engine --preflight-only"
+    "--agent-timeout-sec --agent-step-limit --lora --output-dir --report-to --resume --engine "
+    "--preflight-only"
 ).split()
 
 
@@ -38,14 +39,14 @@ def test_flags_become_the_trainer_config() -> None:
     args = parse(
         *("--num-generations", "4", "--max-concurrent-rollouts", "3", "--max-steps", "7"),
         *("--learning-rate", "2e-5", "--temperature", "0.7", "--max-staleness", "2", "--lora"),
-        *("--agent-timeout", "300", "--output-dir", "/tmp/run", "--report-to", "tensorboard,trackio"),
+        *("--agent-timeout-sec", "300", "--output-dir", "/tmp/run", "--report-to", "tensorboard,trackio"),
         *("--vllm-url", "http://gpu:8000", "--engine", "dev", "--dtype", "bfloat16", "--save-steps", "5"),
     )
     config = build_config(args)
     assert (config.num_generations, config.max_concurrent_rollouts, config.max_steps) == (4, 3, 7)
     assert (config.learning_rate, config.temperature, config.max_staleness) == (2e-5, 0.7, 2)
     assert config.use_peft and config.dtype == "bfloat16" and config.save_steps == 5
-    assert config.agent_timeout == 300 + WAIT_MARGIN_S
+    assert config.rollout_timeout == 300 + WAIT_MARGIN_S
     assert config.output_dir == "/tmp/run" and config.report_to == ["tensorboard", "trackio"]
     assert (config.engine, config.vllm_server_base_url) == ("dev", "http://gpu:8000")
     assert config.resume_from_checkpoint is None
@@ -62,13 +63,15 @@ def test_resume_takes_the_latest_checkpoint_or_the_one_named(argv: list[str], ex
 def test_flags_become_the_session_factory_builder() -> None:
     args = parse(
         *("--server", "http://rollouts:8200", "--split", "test", "--harness", "codex", "--sandbox", "local"),
-        *("--agent-timeout", "90", "--agent-step-limit", "12", "--reward-key", "pass"),
+        *("--agent-timeout-sec", "90", "--agent-step-limit", "12", "--reward-key", "pass"),
         *("--task-indices", "3,1", "--num-tasks", "1", "--vllm-url", "http://gpu:8000"),
+        *("--harness-options", '{"config": "mini.yaml"}'),
     )
     builder = session_builder(args)  # built by the trainer, which adds its sampling policy
     assert builder.func is HarborSessionFactory and builder.args == ("http://rollouts:8200",)
     assert builder.keywords == {
-        "split": "test", "harness": "codex", "sandbox": "local", "llm_url": "http://gpu:8000",
+        "split": "test", "harness": "codex", "harness_options": {"config": "mini.yaml"}, "sandbox": "local",
+        "llm_url": "http://gpu:8000",
         "agent_timeout_sec": 90, "agent_step_limit": 12, "reward_key": "pass", "num_tasks": 1,
         "indices": [3, 1],
     }  # fmt: skip

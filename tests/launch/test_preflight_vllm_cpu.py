@@ -75,7 +75,7 @@ def test_the_launcher_trains_against_a_vllm_you_started_and_pushes_each_step(
                 *(sys.executable, str(TRAIN), "--server", server.url, "--vllm-url", vllm_url),
                 *("--model", str(tiny_model_dir), "--harness", "toy", "--sandbox", "local"),
                 *("--max-steps", "2", "--num-generations", "2", "--max-concurrent-rollouts", "2"),
-                *("--agent-timeout", "120"),
+                *("--agent-timeout-sec", "120"),
                 *("--output-dir", str(tmp_path / "out")),
                 "--no-drop-zero-variance-groups",  # the random tiny model: every reward is 0
             ],

@@ -35,7 +35,7 @@ def two_step_argv(server_url: str, engine_url: str, model_dir: Path, task_index:
         *("--server", server_url, "--vllm-url", engine_url, "--model", str(model_dir)),
         *("--harness", "toy", "--sandbox", "local", "--engine", "dev", "--task-indices", str(task_index)),
         *("--num-generations", "2", "--max-concurrent-rollouts", "1", "--max-steps", "2"),
-        *("--max-staleness", "0", "--learning-rate", "1e-4", "--agent-timeout", "120"),
+        *("--max-staleness", "0", "--learning-rate", "1e-4", "--agent-timeout-sec", "120"),
     ]
 
 
@@ -131,7 +131,7 @@ def test_the_launcher_in_white_box_mode_trains_the_built_in_adapter_through_the_
                     str(hello),
                 ),
                 *("--num-generations", "2", "--max-concurrent-rollouts", "1", "--max-steps", "2"),
-                *("--max-staleness", "0", "--learning-rate", "1e-4", "--agent-timeout", "120"),
+                *("--max-staleness", "0", "--learning-rate", "1e-4", "--agent-timeout-sec", "120"),
                 *("--agent-step-limit", "4", "--output-dir", str(out)),
             ]
             result = subprocess.run(

@@ -4,6 +4,7 @@ that cannot start is a clear error with its log, leaving nothing behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -129,10 +130,18 @@ def test_serve_runs_its_proxy_as_asked_and_stops_it_on_sigterm(tmp_path: Path, m
     from tests.rollouts.conftest import EXAMPLES
 
     port, capture = free_port(), free_port()
+    options = [
+        "--dataset", str(EXAMPLES), "--upstream", "http://127.0.0.1:9", "--served-model", "m", "--port",
+        str(port), "--capture-port", str(capture), "--data-dir", str(tmp_path / "capture"), "--proxy", mode,
+    ]  # fmt: skip
+    if mode == "in-process":  # the same options from a --config file's serve section
+        config = {"dataset": [str(EXAMPLES)], "upstream": "http://127.0.0.1:9", "served_model": "m",
+                  "port": port, "capture_port": capture, "proxy": mode}  # fmt: skip
+        config["data_dir"] = str(tmp_path / "capture")
+        (tmp_path / "serve.yaml").write_text(json.dumps({"serve": config}))  # JSON is YAML
+        options = ["--config", str(tmp_path / "serve.yaml")]
     serve = subprocess.Popen(
-        [sys.executable, "-m", "harness_trainer.cli", "serve", "--dataset", str(EXAMPLES), "--upstream",
-         "http://127.0.0.1:9", "--served-model", "m", "--port", str(port), "--capture-port", str(capture),
-         "--data-dir", str(tmp_path / "capture"), "--proxy", mode],
+        [sys.executable, "-m", "harness_trainer.cli", "serve", *options],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:

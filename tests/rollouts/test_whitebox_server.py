@@ -172,7 +172,9 @@ def test_the_models_mistakes_come_back_as_error_results_and_are_counted(
 
 def test_tool_limits_reach_the_sandbox_tools(factory: WhiteBoxSessionFactory, server: Server) -> None:
     limits = ToolLimits(default_timeout_s=1.0, max_timeout_s=2.0, max_output_chars=100)
-    session = WhiteBoxSession.start(server.url, index=hello_row(factory)["task_index"], tool_limits=limits)
+    session = WhiteBoxSession.start(
+        server.url, index=hello_row(factory)["task_index"], sandbox="local", tool_limits=limits
+    )
     with session:
         assert session.list_tools()[0].input_schema["properties"]["timeout"]["maximum"] == 2.0
         slow = session.call_tool("bash", {"command": "sleep 5"})
@@ -293,9 +295,9 @@ def test_an_openenv_harness_adapter_drives_an_episode_through_the_server(
 
 def test_a_refused_start_leaves_no_session_open(factory: WhiteBoxSessionFactory, server: Server) -> None:
     with pytest.raises(RolloutServerError, match=r"404.*no such task"):
-        WhiteBoxSession.start(server.url, index=99)
+        WhiteBoxSession.start(server.url, index=99, sandbox="local")
     with pytest.raises(RolloutServerError, match=r"400.*episode_timeout_sec"):
-        WhiteBoxSession.start(server.url, index=0, episode_timeout_sec=-1)
+        WhiteBoxSession.start(server.url, index=0, sandbox="local", episode_timeout_sec=-1)
     assert server.open_sessions() == 0
 
 
@@ -303,7 +305,7 @@ def test_a_refused_start_leaves_no_session_open(factory: WhiteBoxSessionFactory,
 def test_server_shutdown_closes_open_environments(tmp_path: Path) -> None:
     running = Server(tmp_path)
     try:
-        session = WhiteBoxSession.start(running.url, index=0)
+        session = WhiteBoxSession.start(running.url, index=0, sandbox="local")
         assert len(running.sandbox_roots()) == 1
     finally:
         running.stop()

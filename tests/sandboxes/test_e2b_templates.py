@@ -20,6 +20,7 @@ from e2b.template.types import BuildInfo
 
 from harness_trainer.cli import build_parser
 from harness_trainer.harnesses.tools import agent_layer, install_tool
+from harness_trainer.launch.config_file import apply_config
 from harness_trainer.sandboxes.base import SandboxStartError
 from harness_trainer.sandboxes.e2b import E2BSandbox, E2BSandboxBackend
 from harness_trainer.sandboxes.e2b_templates import (
@@ -373,9 +374,10 @@ def test_serve_takes_the_template_mode_and_the_agents_to_preinstall() -> None:
         "--e2b-agent",
         "codex",
     ]
-    args = build_parser().parse_args(argv)
+    args = apply_config(build_parser().parse_args(argv))  # serve's options, layered as run_serve does
     assert args.e2b_templates == "prebuilt" and args.e2b_agent == ["codex"]
-    assert build_parser().parse_args(["serve", "--dataset", "d", "--upstream", "u"]).e2b_templates == "build"
+    default = apply_config(build_parser().parse_args(["serve", "--dataset", "d", "--upstream", "u"]))
+    assert default.e2b_templates == "build"
 
 
 def agent_task(make_task: TaskFactory, calls: Path) -> HarborTask:

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from harness_trainer.sandboxes.base import SandboxError, SandboxStartError
 import harness_trainer.sandboxes.local as local
+from harness_trainer.sandboxes.base import SandboxError, SandboxStartError
 from harness_trainer.sandboxes.local import LocalSandboxBackend
-from tests.sandboxes.conftest import TaskFactory, live_processes, wait_until_gone, wait_until_present
+from tests.sandboxes.conftest import TaskFactory, wait_until_gone, wait_until_present
 
 
 @pytest.fixture
@@ -316,7 +316,7 @@ def test_a_hard_killed_owner_takes_its_sandboxes_with_it(make_task: TaskFactory,
     owner = subprocess.Popen([sys.executable, tmp_path / "owner.py"], stdout=subprocess.PIPE, cwd=Path.cwd())
     try:
         assert owner.stdout is not None and owner.stdout.readline() == b"ready\n"
-        assert live_processes("sleep 535353")
+        assert wait_until_present("sleep 535353")
         owner.send_signal(signal.SIGKILL)
         owner.wait(timeout=10)
         assert not wait_until_gone("sleep 535353"), "the sandbox outlived its owner"

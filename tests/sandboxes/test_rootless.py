@@ -22,7 +22,7 @@ from harness_trainer.sandboxes.base import SandboxStartError
 from harness_trainer.sandboxes.local import LocalSandboxBackend
 from harness_trainer.sandboxes.rootless import ROOTLESS, new_root_ops, probe
 from tests import ordinary_user
-from tests.sandboxes.conftest import TaskFactory, live_processes, wait_until_gone
+from tests.sandboxes.conftest import TaskFactory, wait_until_gone, wait_until_present
 
 rootless_works = pytest.mark.skipif(
     probe(ROOTLESS) is not None, reason=f"no rootless namespaces here: {probe(ROOTLESS)}"
@@ -141,7 +141,7 @@ def test_nothing_a_sandbox_started_outlives_its_owner(tmp_path: Path, mode: str,
     try:
         assert owner.stdout is not None
         root = Path(owner.stdout.readline().decode().strip())
-        assert root.is_dir() and live_processes(f"sleep {tag}")
+        assert root.is_dir() and wait_until_present(f"sleep {tag}")  # the nohup child may not have exec'd yet
         owner.send_signal(how)
         assert owner.wait(timeout=20) == -how
         assert not wait_until_gone(f"sleep {tag}"), f"the sandbox outlived its owner's {how.name}"

@@ -18,7 +18,7 @@ def main(model_dir: str, output_dir: str) -> None:
     factory = HandmadeFactory(hang=lambda n: n >= 8)
     config = AsyncGRPOConfig(
         output_dir=output_dir, engine="none", num_generations=4, max_concurrent_rollouts=4, max_steps=100,
-        learning_rate=1e-4, disable_tqdm=True, token_budget=64, agent_timeout=600,
+        learning_rate=1e-4, disable_tqdm=True, token_budget=64, rollout_timeout=600,
     )  # fmt: skip
     trainer = HarnessAsyncGRPOTrainer(model_dir, lambda sampling: factory, config)
     try:

@@ -155,7 +155,7 @@ def test_the_limit_grows_at_once_and_shrinks_without_cancelling_rollouts_in_flig
     factory = GatedFactory(num_tasks=1)
     scheduler = RolloutScheduler(
         factory, factory.prompt_rows(),
-        SchedulerConfig(num_generations=4, max_concurrent_rollouts=4, admission_limit=1, agent_timeout=30.0,
+        SchedulerConfig(num_generations=4, max_concurrent_rollouts=4, admission_limit=1, rollout_timeout=30.0,
                         seed=0, close_timeout_s=10.0, concurrency_limit=1),
     )  # fmt: skip
     scheduler.start()

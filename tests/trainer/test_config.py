@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from transformers import HfArgumentParser
 
 from capture_proxy.sampling import SamplingPolicy
-from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig, parse_config
+from harness_trainer.launch.harbor_run import resolve
+from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig
 from harness_trainer.trainer.config.loss import LossConfig
 from harness_trainer.trainer.config.problems import ConfigProblems
 
@@ -53,7 +55,8 @@ def test_every_problem_is_reported_at_once() -> None:
 def test_cli_flags_give_the_same_fields() -> None:
     flags = "--num_generations 4 --max_concurrent_rollouts 4 --report_to tensorboard --use_peft"
     flags += " --lora_target_modules q_proj v_proj --engine dev --vllm_server_base_url http://127.0.0.1:8000"
-    config = parse_config([*flags.split(), "--model_init_kwargs", '{"attn_implementation": "eager"}'])
+    argv = [*flags.split(), "--model_init_kwargs", '{"attn_implementation": "eager"}']
+    (config,) = HfArgumentParser(AsyncGRPOConfig).parse_args_into_dataclasses(args=argv)  # as TRL's configs
     assert config.num_generations == 4 and config.use_peft
     assert config.report_to == ["tensorboard"]
     assert config.model_init_kwargs == {"attn_implementation": "eager"}
@@ -62,17 +65,18 @@ def test_cli_flags_give_the_same_fields() -> None:
 
 def test_yaml_gives_the_same_fields(tmp_path) -> None:
     path = tmp_path / "run.yaml"
-    path.write_text("num_generations: 6\nmax_steps: 3\nreport_to: [tensorboard, wandb]\nbeta: 0.05\n")
-    config = parse_config(yaml_file=str(path))
+    trainer = "{num_generations: 6, max_steps: 3, report_to: [tensorboard, wandb], beta: 0.05}"
+    path.write_text(f"run: {{model: m}}\ntrainer: {trainer}\n")
+    config = resolve(["--config", str(path)])[1]  # a config file's trainer section
     assert (config.num_generations, config.max_steps, config.loss.beta) == (6, 3, 0.05)
     assert config.report_to == ["tensorboard", "wandb"]
 
 
 def test_yaml_with_a_bad_combination_is_refused(tmp_path) -> None:
     path = tmp_path / "run.yaml"
-    path.write_text("num_generations: 1\n")
+    path.write_text("run: {model: m}\ntrainer: {num_generations: 1}\n")
     with pytest.raises(ValueError, match="num_generations"):
-        parse_config(yaml_file=str(path))
+        resolve(["--config", str(path)])
 
 
 def test_the_loss_knobs_live_in_the_nested_loss_and_are_taken_flat_too() -> None:

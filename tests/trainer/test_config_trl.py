@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from harness_trainer import HarnessAsyncGRPOTrainer
+from harness_trainer.launch.config_file import ConfigFileError
+from harness_trainer.launch.harbor_run import resolve
 from harness_trainer.trainer import rollout_feed
-from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig, parse_config
+from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig
 from harness_trainer.trainer.config.loss import LossConfig
 from harness_trainer.trainer.config.trl_fields import TRL_IGNORED, TRL_REFUSED, TRL_SUPPORTED
 from harness_trainer.trainer.feed.rollout_log import read_rollout_log
@@ -270,23 +272,28 @@ def test_report_to_takes_trls_forms(report_to, expected):
     assert AsyncGRPOConfig(report_to=report_to).report_to == expected
 
 
-def test_trl_names_reach_the_config_from_cli_flags_and_yaml(tmp_path, caplog):
-    flags = "--num_generations 4 --per_device_train_batch_size 8 --max_inflight_tasks 12 --top_p 1.0"
-    flags += " --dataloader_num_workers=2 --bf16 --chat_template_kwargs {}"
-    c = parse_config(flags.split())
+def test_trl_names_reach_the_config_from_python_and_a_config_files_trainer_section(tmp_path, caplog):
+    c = AsyncGRPOConfig(
+        num_generations=4, per_device_train_batch_size=8, max_inflight_tasks=12, top_p=1.0,
+        dataloader_num_workers=2, bf16=True, chat_template_kwargs={},
+    )  # fmt: skip
     assert (c.groups_per_step, c.max_concurrent_rollouts, c.bf16) == (2, 12, True)
     assert "dataloader_num_workers accepted and ignored" in caplog.text
     with pytest.raises(ValueError, match="top_k=40 not supported"):
-        parse_config(["--top_k", "40"])
-    with pytest.raises(ValueError, match="not AsyncGRPOConfig fields, nor TRL's: \\['no_such_flag'\\]"):
-        parse_config(["--no_such_flag", "1"])
+        AsyncGRPOConfig(top_k=40)
     path = tmp_path / "run.yaml"
-    path.write_text("max_inflight_tasks: 6\ntop_k: 0\nnum_train_epochs: 2\nlogging_steps: 5\n")
-    c = parse_config(yaml_file=str(path))
+    path.write_text("run: {model: m}\ntrainer:\n  no_such_flag: 1\n")
+    unknown = r"trainer\.no_such_flag: unknown key \(not an AsyncGRPOConfig field, nor TRL's\)"
+    with pytest.raises(ConfigFileError, match=unknown):
+        resolve(["--config", str(path)])
+    path.write_text(
+        "run: {model: m}\ntrainer: {max_inflight_tasks: 6, top_k: 0, num_train_epochs: 2, logging_steps: 5}\n"
+    )
+    c = resolve(["--config", str(path)])[1]
     assert (c.max_concurrent_rollouts, c.num_train_epochs, c.logging_steps) == (6, 2, 5)
-    path.write_text("learning_rate: 1.0e-5\nnot_a_field: 1\n")
+    path.write_text("run: {model: m}\ntrainer: {learning_rate: 1.0e-5, not_a_field: 1}\n")
     with pytest.raises(ValueError, match="not_a_field"):
-        parse_config(yaml_file=str(path))
+        resolve(["--config", str(path)])
 
 
 def test_log_completions_text_shows_each_trained_rollout_up_to_the_limit():

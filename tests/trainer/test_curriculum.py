@@ -173,7 +173,7 @@ def test_the_scheduler_rolls_out_the_rows_the_curriculum_chooses() -> None:
     )
     curriculum = PassRateCurriculum(3, PassRateRule(window=1), seed=4, lag=2)
     settings = SchedulerConfig(
-        num_generations=2, max_concurrent_rollouts=4, admission_limit=2, agent_timeout=30.0, seed=4
+        num_generations=2, max_concurrent_rollouts=4, admission_limit=2, rollout_timeout=30.0, seed=4
     )
     scheduler = RolloutScheduler(factory, factory.prompt_rows(), settings, row_chooser=curriculum)
     scheduler.start()

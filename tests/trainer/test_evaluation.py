@@ -181,7 +181,7 @@ def test_a_stopped_evaluation_writes_neither_file(tmp_path):
     factory = HandmadeFactory(num_tasks=2, delay_s=0.2)
     evaluator = Evaluator(
         factory, factory.prompt_rows(), k=2, seed=0, temperature=1.0, pass_reward=1.0,
-        max_concurrent_rollouts=4, agent_timeout=None, vocab_size=None, reward_fn=None, output_dir=tmp_path,
+        max_concurrent_rollouts=4, rollout_timeout=None, vocab_size=None, reward_fn=None, output_dir=tmp_path,
         split="test",
     )  # fmt: skip
     stop = threading.Event()
@@ -199,7 +199,7 @@ def test_eval_rollouts_skip_a_cut_short_last_line_and_name_a_bad_one(tmp_path):
     factory = HandmadeFactory(num_tasks=1)
     evaluator = Evaluator(
         factory, factory.prompt_rows(), k=1, seed=0, temperature=1.0, pass_reward=1.0,
-        max_concurrent_rollouts=1, agent_timeout=None, vocab_size=None, reward_fn=None, output_dir=tmp_path,
+        max_concurrent_rollouts=1, rollout_timeout=None, vocab_size=None, reward_fn=None, output_dir=tmp_path,
         split=None,
     )  # fmt: skip
     evaluator.evaluate(step=0, policy_version=0, stop=threading.Event())

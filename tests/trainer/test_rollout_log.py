@@ -102,7 +102,7 @@ def test_rollout_and_capture_session_ids_travel_into_the_log_unscorable_rollouts
         fail_start=lambda n: n == 2,
     )
     config = SchedulerConfig(num_generations=4, max_concurrent_rollouts=1, admission_limit=1,
-                             agent_timeout=30.0, seed=0, close_timeout_s=10.0)  # fmt: skip
+                             rollout_timeout=30.0, seed=0, close_timeout_s=10.0)  # fmt: skip
     scheduler = RolloutScheduler(factory, factory.prompt_rows(), config)
     scheduler.start()
     try:
@@ -224,7 +224,7 @@ def test_a_scheduled_step_logs_every_rollout_with_its_trained_advantage(tmp_path
 
     factory = HandmadeFactory(num_tasks=2, reward=reward)
     config = SchedulerConfig(num_generations=3, max_concurrent_rollouts=3, admission_limit=2,
-                             agent_timeout=30.0, seed=0, close_timeout_s=10.0)  # fmt: skip
+                             rollout_timeout=30.0, seed=0, close_timeout_s=10.0)  # fmt: skip
     scheduler = RolloutScheduler(factory, factory.prompt_rows(), config)
     scheduler.start()
     try:

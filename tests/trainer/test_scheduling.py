@@ -13,7 +13,7 @@ from tests.trainer.handmade import HandmadeFactory
 
 def make(factory: HandmadeFactory, **overrides) -> RolloutScheduler:
     settings = dict(
-        num_generations=4, max_concurrent_rollouts=3, admission_limit=2, agent_timeout=30.0, seed=7,
+        num_generations=4, max_concurrent_rollouts=3, admission_limit=2, rollout_timeout=30.0, seed=7,
         close_timeout_s=10.0,
     )  # fmt: skip
     settings.update(overrides)
@@ -131,7 +131,7 @@ def test_a_raising_reward_function_makes_the_rollout_unscorable() -> None:
         factory,
         factory.prompt_rows(),
         SchedulerConfig(
-            num_generations=4, max_concurrent_rollouts=4, admission_limit=1, agent_timeout=None, seed=0
+            num_generations=4, max_concurrent_rollouts=4, admission_limit=1, rollout_timeout=None, seed=0
         ),
         reward_fn=picky,
     )
@@ -148,7 +148,7 @@ def test_each_finished_rollout_is_handed_over_failed_ones_included_before_its_gr
     factory = HandmadeFactory(num_tasks=2, fail_start=lambda n: n == 1)
     seen: list[tuple[int, int, str | None]] = []
     config = SchedulerConfig(num_generations=2, max_concurrent_rollouts=2, admission_limit=1,
-                             agent_timeout=30.0, seed=0, close_timeout_s=10.0)  # fmt: skip
+                             rollout_timeout=30.0, seed=0, close_timeout_s=10.0)  # fmt: skip
     scheduler = RolloutScheduler(
         factory, factory.prompt_rows(), config,
         on_rollout_done=lambda group, rollout: seen.append((group.index, rollout.member, rollout.unscorable)),
@@ -172,7 +172,7 @@ def test_a_rollout_record_that_cannot_be_written_stops_the_scheduler() -> None:
 
     factory = HandmadeFactory(num_tasks=1)
     config = SchedulerConfig(num_generations=2, max_concurrent_rollouts=2, admission_limit=1,
-                             agent_timeout=30.0, seed=0, close_timeout_s=10.0)  # fmt: skip
+                             rollout_timeout=30.0, seed=0, close_timeout_s=10.0)  # fmt: skip
     scheduler = RolloutScheduler(factory, factory.prompt_rows(), config, on_rollout_done=full_disk)
     scheduler.start()
     try:

@@ -32,7 +32,7 @@ PROMPT_S = 10.0
 
 def make(factory: Any, *, reward_fn: Any = None, **overrides: Any) -> RolloutScheduler:
     settings = dict(
-        num_generations=4, max_concurrent_rollouts=4, admission_limit=1, agent_timeout=30.0, seed=0,
+        num_generations=4, max_concurrent_rollouts=4, admission_limit=1, rollout_timeout=30.0, seed=0,
         close_timeout_s=10.0,
     )  # fmt: skip
     settings.update(overrides)
@@ -287,7 +287,7 @@ def test_a_group_task_that_dies_is_raised_from_next_group(monkeypatch: pytest.Mo
     factory = HandmadeFactory()
     scheduler = RolloutScheduler(
         factory, factory.prompt_rows(),
-        SchedulerConfig(num_generations=2, max_concurrent_rollouts=2, admission_limit=1, agent_timeout=None,
+        SchedulerConfig(num_generations=2, max_concurrent_rollouts=2, admission_limit=1, rollout_timeout=None,
                         seed=0, close_timeout_s=10.0),
     )  # fmt: skip
 

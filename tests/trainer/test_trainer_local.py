@@ -25,7 +25,7 @@ def test_training_on_real_rollouts_pushes_weights_to_the_engine(scripted_engine,
     config = AsyncGRPOConfig(
         output_dir=str(tmp_path / "out"), engine="dev", vllm_server_base_url=engine.url, num_generations=2,
         max_concurrent_rollouts=1, max_staleness=0, max_steps=2, learning_rate=1e-4, disable_tqdm=True,
-        agent_timeout=120, token_budget=4096,
+        rollout_timeout=120, token_budget=4096,
     )  # fmt: skip
     builder = partial(LocalSessionFactory, str(EXAMPLES), upstream=engine.url, split="train", harness="toy")
     trainer = HarnessAsyncGRPOTrainer(str(tiny_model_dir), builder, config, train_dataset=rows)

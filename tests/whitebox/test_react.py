@@ -190,7 +190,7 @@ def train_two_steps(scripted_engine: ScriptedEngine, tiny_model_dir: Path, build
     config = AsyncGRPOConfig(
         output_dir=str(out), engine="dev", vllm_server_base_url=scripted_engine.url, num_generations=2,
         max_concurrent_rollouts=1, max_staleness=0, max_steps=2, learning_rate=1e-4, disable_tqdm=True,
-        agent_timeout=120, token_budget=4096, seed=7, max_completion_length=128, rollout_log_steps=1,
+        rollout_timeout=120, token_budget=4096, seed=7, max_completion_length=128, rollout_log_steps=1,
         drop_zero_variance_groups=False,
     )  # fmt: skip
     trainer = HarnessAsyncGRPOTrainer(

@@ -80,7 +80,7 @@ def config(out: Path, engine_url: str, **overrides: Any) -> AsyncGRPOConfig:
     settings: dict[str, Any] = dict(
         output_dir=str(out), engine="dev", vllm_server_base_url=engine_url, num_generations=2,
         max_concurrent_rollouts=1, max_staleness=0, max_steps=2, learning_rate=1e-4, disable_tqdm=True,
-        agent_timeout=120, token_budget=4096, seed=7, max_completion_length=128, rollout_log_steps=1,
+        rollout_timeout=120, token_budget=4096, seed=7, max_completion_length=128, rollout_log_steps=1,
         drop_zero_variance_groups=False,
     )  # fmt: skip
     return AsyncGRPOConfig(**{**settings, **overrides})

@@ -75,6 +75,7 @@ from harness_trainer.rollouts.client.session import (
 )
 from harness_trainer.rollouts.errors import RolloutConfigError, error_for
 from harness_trainer.rollouts.result import RolloutResult
+from harness_trainer.rollouts.run_options import DEFAULT_RUN
 from harness_trainer.trace import TrainingTrace
 
 __all__ = ["HarborSession", "HarborSessionFactory", "RolloutServerError"]
@@ -100,10 +101,10 @@ class HarborSessionFactory:
         self,
         server_url: str | Sequence[str],
         *,
-        split: str = "train",
-        harness: str = "opencode",
+        split: str = DEFAULT_RUN.split,
+        harness: str = DEFAULT_RUN.harness,
         harness_options: dict[str, Any] | None = None,
-        sandbox: str = "e2b",
+        sandbox: str = DEFAULT_RUN.sandbox,
         llm_url: str | None = None,
         model: str | None = None,
         api_key: str | None = None,

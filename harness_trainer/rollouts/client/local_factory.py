@@ -36,6 +36,7 @@ from harness_trainer.rollouts.client.session import (
 )
 from harness_trainer.rollouts.errors import RolloutConfigError
 from harness_trainer.rollouts.result import RolloutOptions, RolloutResult
+from harness_trainer.rollouts.run_options import DEFAULT_RUN
 from harness_trainer.rollouts.server.runtime import RolloutRuntime, RuntimeConfig
 from harness_trainer.tasks.catalog import TaskCatalog, as_catalog
 from harness_trainer.tasks.sources import TaskSource
@@ -53,8 +54,8 @@ class LocalSessionFactory:
         tasks: TaskSource | TaskCatalog | str,
         *,
         upstream: str,
-        split: str = "train",
-        harness: str = "opencode",
+        split: str = DEFAULT_RUN.split,
+        harness: str = DEFAULT_RUN.harness,
         harness_options: dict[str, Any] | None = None,
         sandbox: str = "local",
         model: str | None = None,

@@ -64,6 +64,7 @@ except ImportError as exc:  # an optional extra: only white-box sessions need it
     ) from exc
 
 from harness_trainer.rollouts.client.whitebox_session import verify_result
+from harness_trainer.rollouts.run_options import DEFAULT_RUN
 from harness_trainer.sandboxes.tools import ToolLimits
 
 log = logging.getLogger(__name__)
@@ -175,7 +176,7 @@ class LocalWhiteBoxSessionFactory(ResourceSessionFactory[LocalWhiteBoxSession]):
         self,
         tasks: TaskSource | TaskCatalog | str,
         *,
-        split: str = "train",
+        split: str = DEFAULT_RUN.split,
         sandbox: str = "local",
         episode_timeout_sec: float | None = None,
         reward_key: str = "",

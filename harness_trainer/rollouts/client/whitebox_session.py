@@ -45,6 +45,7 @@ except ImportError as exc:  # an optional extra: only white-box sessions need it
         "white-box sessions need the `openenv` extra: pip install 'harness-trainer[openenv]'"
     ) from exc
 
+from harness_trainer.rollouts.run_options import DEFAULT_RUN
 from harness_trainer.sandboxes.tools import ToolLimits
 
 
@@ -68,10 +69,10 @@ class WhiteBoxSession(ResourceSession):
         cls,
         server_url: str,
         *,
-        split: str = "train",
+        split: str = DEFAULT_RUN.split,
         index: int | None = None,
         instruction: str | None = None,
-        sandbox: str = "local",
+        sandbox: str = DEFAULT_RUN.sandbox,
         episode_timeout_sec: float | None = None,
         reward_key: str = "",
         tool_limits: ToolLimits | None = None,
@@ -184,7 +185,7 @@ class WhiteBoxSessionFactory(ResourceSessionFactory[WhiteBoxSession]):
     :class:`~harness_trainer.rollouts.client.contract.SessionFactory` of OpenEnv ``ResourceSession`` s,
     which :mod:`harness_trainer.trainer.feed.whitebox` turns into rollouts."""
 
-    def __init__(self, server_url: str, *, split: str = "train", **options: Any) -> None:
+    def __init__(self, server_url: str, *, split: str = DEFAULT_RUN.split, **options: Any) -> None:
         """Raises TypeError for a keyword :meth:`WhiteBoxSession.start` does not take (or one ``create``
         sets: ``index``, ``instruction``, ``seed``, ``episode_id``), :class:`RolloutConfigError` for a split
         the server does not serve, :class:`RolloutServerError` for a server out of reach."""

@@ -17,8 +17,9 @@ Invalid combinations are rejected at construction (the rules: :mod:`.checks`), e
 one :class:`~.problems.ConfigProblems` (a ``ValueError``), so a run never starts on settings that cannot work;
 validation never rewrites a value it was given (``None`` fields are resolved: ``loss.epsilon_high``,
 ``groups_per_step``, ``max_concurrent_rollouts``, ``output_dir``).
-:func:`parse_config` reads CLI flags (``HfArgumentParser``) or a YAML file of the same names, TRL's
-included.
+Commands read it from a config file's ``trainer`` section and a flag per field
+(:mod:`harness_trainer.launch.config_file`); ``HfArgumentParser(AsyncGRPOConfig)`` parses its fields as
+it does TRL's configs.
 """
 
 from __future__ import annotations
@@ -27,9 +28,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
-from pathlib import Path
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from capture_proxy.sampling import SamplingPolicy
@@ -42,7 +41,7 @@ from harness_trainer.trainer.config.fields_rollouts import RolloutFields
 from harness_trainer.trainer.config.fields_run import RunFields
 from harness_trainer.trainer.config.loss import LOSS_FIELDS
 from harness_trainer.trainer.config.problems import ConfigProblems
-from harness_trainer.trainer.config.trl_fields import TRL_ONLY, trl_flags, trl_problems
+from harness_trainer.trainer.config.trl_fields import TRL_ONLY, trl_problems
 
 logger = logging.getLogger(__name__)
 
@@ -223,32 +222,3 @@ def _step_count(value: float, max_steps: int) -> int:
     if 0 < value < 1:
         return max(1, math.ceil(value * max_steps))
     return int(value)
-
-
-def parse_config(args: Sequence[str] | None = None, *, yaml_file: str | None = None) -> AsyncGRPOConfig:
-    """Build a config from CLI flags (``--num_generations 4`` …) or a YAML file of the same names; TRL's
-    other names are taken too (``--max_inflight_tasks 16``, ``top_p: 1.0``).
-
-    Raises:
-        ValueError: a name that is neither a field nor TRL's, or what :class:`AsyncGRPOConfig` refuses.
-    """
-    if yaml_file is not None:
-        import yaml
-
-        values = yaml.safe_load(Path(yaml_file).read_text()) or {}
-        _check_names(values)
-        return AsyncGRPOConfig(**values)
-    from transformers import HfArgumentParser
-
-    parser = HfArgumentParser(AsyncGRPOConfig)
-    namespace, rest = parser.parse_known_args(args=list(args) if args is not None else None)
-    trl = trl_flags(rest)
-    _check_names(trl)
-    return AsyncGRPOConfig(**vars(namespace), **trl)
-
-
-def _check_names(values: dict[str, Any]) -> None:
-    known = {f.name for f in fields(_ConfigFields)} | LOSS_FIELDS | TRL_ONLY
-    unknown = sorted(name for name in values if name not in known)
-    if unknown:
-        raise ValueError(f"not AsyncGRPOConfig fields, nor TRL's: {unknown}")

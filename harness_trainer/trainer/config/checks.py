@@ -148,8 +148,8 @@ def _checks(c: _ConfigFields) -> Sequence[str]:
         yield "max_staleness must be ≥ 0"
     if c.groups_per_step is not None and c.groups_per_step < 1:
         yield "groups_per_step must be at least 1"
-    if c.agent_timeout is not None and c.agent_timeout <= 0:
-        yield "agent_timeout must be positive (or None for each session's own bound)"
+    if c.rollout_timeout is not None and c.rollout_timeout <= 0:
+        yield "rollout_timeout must be positive (or None for each session's own bound)"
     if c.max_unexpected_errors < 0:
         yield "max_unexpected_errors must be ≥ 0 (0 stops the run at the first)"
     yield from _curriculum_checks(c)

@@ -109,13 +109,14 @@ class RolloutFields:
             "The rollout server's MAX_CONCURRENT_ENVS, when known: must be ≥ concurrency + 1."
         ),
     )
-    agent_timeout: float | None = field(
+    rollout_timeout: float | None = field(
         default=None,
         metadata=field_help(
             "Seconds the trainer waits for a rollout before it stops the agent (its captured turns stay "
             "trainable). None: each session's own bound, which for HarborSessionFactory and "
             "LocalSessionFactory covers sandbox start, install, agent and verifier (the factory's timeouts "
-            "plus setup_timeout_sec), so a slow start never cuts an agent short."
+            "plus setup_timeout_sec), so a slow start never cuts an agent short. The commands derive it "
+            "from the agent's timeout (RunOptions.agent_timeout_sec plus 600 s)."
         ),
     )
     max_unexpected_errors: int = field(

@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -140,8 +139,8 @@ TRL_REFUSED: tuple[tuple[str, dict[str, tuple[Any, ...]]], ...] = (
         {"log_completions_hub_repo": (None,)},
     ),
     (
-        "the agent harness decides its own turns: bound a rollout with agent_timeout (and the harness's own "
-        "step limit)",
+        "the agent harness decides its own turns: bound a rollout with rollout_timeout (and the harness's "
+        "own step limit)",
         {"max_tool_calling_iterations": (None,)},
     ),
     (
@@ -192,9 +191,9 @@ TRL_IGNORED: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     (
         "settings of TRL's in-process rollout worker and generation: here rollouts are agent sessions run by "
-        "the scheduler (bounded by max_concurrent_rollouts, the admission limit and agent_timeout; a failure "
-        "reaches the trainer) against the engine server at vllm_server_base_url, and rows are the captured "
-        "token ids, never re-tokenized, so nothing drifts",
+        "the scheduler (bounded by max_concurrent_rollouts, the admission limit and rollout_timeout; a "
+        "failure reaches the trainer) against the engine server at vllm_server_base_url, and rows are the "
+        "captured token ids, never re-tokenized, so nothing drifts",
         tuple(
             "vllm_server_timeout request_timeout queue_maxsize heartbeat_stale_after_s fork_threshold_tokens "
             "use_vllm vllm_mode vllm_model_impl vllm_enable_sleep_mode vllm_group_port "
@@ -239,21 +238,3 @@ def trl_problems(values: dict[str, Any]) -> list[str]:
         if given:
             logger.warning("TRL's %s accepted and ignored: %s", ", ".join(given), reason)
     return problems
-
-
-def trl_flags(rest: Sequence[str]) -> dict[str, Any]:
-    """``--name value`` / ``--name=value`` / ``--name`` (true) pairs, values read as YAML scalars."""
-    import yaml
-
-    values: dict[str, Any] = {}
-    tokens = list(rest)
-    while tokens:
-        token = tokens.pop(0)
-        if not token.startswith("--"):
-            raise ValueError(f"unexpected argument {token!r}")
-        name, equals, text = token[2:].partition("=")
-        if not equals and tokens and not tokens[0].startswith("--"):
-            text = tokens.pop(0)
-            equals = "="
-        values[name] = yaml.safe_load(text) if equals else True
-    return values

@@ -206,7 +206,7 @@ class Evaluator:
         seed: the run's seed; eval groups are seeded from it plus :data:`EVAL_SEED_OFFSET`.
         temperature: the eval sampling temperature, checked on every captured turn and recorded.
         pass_reward: the pass test.
-        max_concurrent_rollouts, agent_timeout, vocab_size, max_unexpected_errors: as in training.
+        max_concurrent_rollouts, rollout_timeout, vocab_size, max_unexpected_errors: as in training.
         reward_fn: the run's ``rollout_reward_fn``.
         output_dir: where ``eval.jsonl`` and ``eval_rollouts.jsonl`` are.
         split: the eval split's name, recorded.
@@ -222,7 +222,7 @@ class Evaluator:
         temperature: float,
         pass_reward: float,
         max_concurrent_rollouts: int,
-        agent_timeout: float | None,
+        rollout_timeout: float | None,
         vocab_size: int | None,
         max_unexpected_errors: int = 3,
         reward_fn: RewardFn | None,
@@ -236,7 +236,7 @@ class Evaluator:
         # One pass over the rows, all admitted at once, each evaluation with the same seeds.
         self.config = SchedulerConfig(
             num_generations=k, max_concurrent_rollouts=max_concurrent_rollouts,
-            admission_limit=len(self.rows), max_groups=len(self.rows), agent_timeout=agent_timeout,
+            admission_limit=len(self.rows), max_groups=len(self.rows), rollout_timeout=rollout_timeout,
             seed=seed + EVAL_SEED_OFFSET, vocab_size=vocab_size, temperature=temperature,
             max_unexpected_errors=max_unexpected_errors,
         )  # fmt: skip

@@ -42,7 +42,7 @@ RewardFn = Callable[[HarnessRolloutOutcome], float | None]
 class RolloutSettings:
     """What every rollout of a scheduler shares."""
 
-    agent_timeout: float | None
+    rollout_timeout: float | None
     vocab_size: int | None
     temperature: float | None
     """The temperature the trainer computes logprobs at; every captured turn must have sampled at it."""
@@ -96,7 +96,7 @@ async def run_rollout(
         if stopping.is_set():  # the stop closed the live sessions before this one joined them
             raise RuntimeError("training stopped")
         try:
-            await session.wait(timeout_s=settings.agent_timeout)
+            await session.wait(timeout_s=settings.rollout_timeout)
         except TimeoutError:
             rollout.timed_out = True
         if stopping.is_set():

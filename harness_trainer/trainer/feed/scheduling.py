@@ -91,7 +91,7 @@ class SchedulerConfig:
     num_generations: int
     max_concurrent_rollouts: int
     admission_limit: int
-    agent_timeout: float | None
+    rollout_timeout: float | None
     seed: int
     shuffle: bool = False
     vocab_size: int | None = None
@@ -155,7 +155,7 @@ class RolloutScheduler:
         self.factory = as_async(factory, self._pool, self._stopping)
         """The factory as the async contract (a sync one's calls on the pool's threads)."""
         self._settings = RolloutSettings(
-            config.agent_timeout, config.vocab_size, config.temperature, reward_fn
+            config.rollout_timeout, config.vocab_size, config.temperature, reward_fn
         )
         self._thread = threading.Thread(target=self._run_loop, name="rollout-scheduler", daemon=True)
         self._space: asyncio.Event | None = None
