@@ -63,13 +63,16 @@ class DockerImages:
         text = await self._map_from(task, task.dockerfile.read_text())
         digest = await self._call(_digest, text, task.environment_dir)
         tag = f"ht-env:{digest[:16]}"
-        if tag not in self._builds:
-            self._builds[tag] = asyncio.ensure_future(self._build(task, text, tag))
+        build = self._builds.get(tag)
+        if build is None:
+            build = self._builds[tag] = asyncio.ensure_future(self._build(task, text, tag))
         try:
-            return await asyncio.shield(self._builds[tag])
+            return await asyncio.shield(build)
         except BaseException:
-            if self._builds[tag].done():
-                self._builds.pop(tag, None)  # a failed build is retried by the next start
+            # A failed build is retried by the next start; every start that waited on it gets its error
+            # (the log's tail), whichever of them drops it first.
+            if build.done() and self._builds.get(tag) is build:
+                del self._builds[tag]
             raise
 
     async def _present(self, image: str) -> str | None:

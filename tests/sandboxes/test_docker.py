@@ -76,6 +76,18 @@ async def test_a_missing_image_can_be_refused_and_a_failed_build_names_its_step(
     assert not strict.live
 
 
+async def test_every_start_waiting_on_one_failed_build_gets_its_log(make_task: TaskFactory) -> None:
+    backend = DockerSandboxBackend()
+    broken = make_task("FROM ht-debian:bookworm\nRUN sleep 1; echo shared-$((40 + 2)); exit 5\n")
+    results = await asyncio.gather(
+        *(backend.start(broken, lifetime_s=60) for _ in range(3)), return_exceptions=True
+    )
+    for result in results:  # one build, three waiters: each gets the build's log, none a KeyError
+        assert isinstance(result, SandboxStartError), result
+        assert re.search(r"(?s)image build failed.*shared-42.*code: 5", str(result)), str(result)
+    assert not backend.live
+
+
 async def test_limits_apply_and_without_internet_only_the_capture_proxy_is_reachable(
     make_task: TaskFactory,
 ) -> None:
