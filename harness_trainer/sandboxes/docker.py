@@ -4,7 +4,8 @@ Needs a Docker daemon on **this** machine (``DOCKER_HOST`` or the default socket
 (``pip install 'harness-trainer[docker]'``); the backend runs as root (see the proxy relay below).
 
 Images: built from the task's environment once per content, never pulled; a base image missing on the
-daemon maps to the local ``ht-debian:bookworm`` (:mod:`.docker_images`).
+daemon maps to the local ``ht-debian:bookworm`` (:mod:`.docker_images`). Builds and containers carry the
+host's CA bundle and proxy variables (:mod:`.host_trust`; ``inherit_host_trust=False`` opts out).
 
 Containers. Each sandbox is a container of that image kept alive by ``sleep infinity`` under Docker's init
 (which reaps orphans), labelled with this process (:mod:`.docker_daemon`) so that the leftovers of a process
@@ -72,6 +73,7 @@ from harness_trainer.sandboxes.docker_daemon import (
     unavailable,
 )
 from harness_trainer.sandboxes.docker_images import DockerImages
+from harness_trainer.sandboxes.host_trust import NO_TRUST, HostTrust
 from harness_trainer.sandboxes.netns_relay import NetnsRelay
 from harness_trainer.tasks.task import HarborTask
 
@@ -291,6 +293,7 @@ class DockerSandboxBackend:
         lifetime_margin_s: float = 60.0,
         home: str = "/home/user",
         client: Any = None,
+        inherit_host_trust: bool = True,
     ) -> None:
         self.network = network
         self.proxy_url = proxy_url
@@ -305,6 +308,7 @@ class DockerSandboxBackend:
         self.images = DockerImages(
             lambda: self.client, self.call, base_image=base_image, map_missing_images=map_missing_images,
             build_network=build_network, build_timeout_s=build_timeout_s,
+            trust=HostTrust.from_host() if inherit_host_trust else NO_TRUST,
         )  # fmt: skip
 
     @property
@@ -391,8 +395,8 @@ class DockerSandboxBackend:
             workdir = config.get("WorkingDir") or "/app"
             created = await self.call(
                 api.create_container, image, entrypoint=["sleep", "infinity"], command=[],
-                environment={"HOME": self.home, **env}, working_dir=workdir, labels={LABEL: RUN_ID},
-                host_config=host_config, stop_signal="SIGKILL",
+                environment={"HOME": self.home, **self.images.trust.proxy, **env}, working_dir=workdir,
+                labels={LABEL: RUN_ID}, host_config=host_config, stop_signal="SIGKILL",
             )  # fmt: skip
             inspected = await self.call(api.inspect_container, created["Id"])
         except Exception as exc:

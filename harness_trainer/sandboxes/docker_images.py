@@ -8,9 +8,11 @@ It never pulls: a ``FROM`` image that is not on the daemon is **mapped to the lo
 (``base_image``, default ``ht-debian:bookworm``, made by ``scripts/setup_docker.sh``) with a warning
 naming both images, because the machines this runs on reach no registry; ``map_missing_images=False``
 refuses instead, with an error naming the image. A task without a Dockerfile runs its ``docker_image``
-(mapped the same way), else the base image. Builds are bounded by ``build_timeout_sec`` (else
-``build_timeout_s``); a failed build is a :class:`SandboxStartError` with the build log's tail, which names
-the failing step.
+(mapped the same way), else the base image. Every build carries the host's CA bundle and proxy settings
+(:mod:`.host_trust`), so ``pip`` and ``npm`` in a ``RUN`` step work wherever they work on the host; an
+image used without a Dockerfile is then built once too (``FROM`` it), to carry them. Builds are bounded by
+``build_timeout_sec`` (else ``build_timeout_s``); a failed build is a :class:`SandboxStartError` with the
+build log's tail, which names the failing step.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 import harness_trainer.sandboxes.dockerfile as dockerfile
 from harness_trainer.sandboxes.base import SandboxStartError
 from harness_trainer.sandboxes.docker_daemon import as_root, sdk
+from harness_trainer.sandboxes.host_trust import CA_FILE_NAME, NO_TRUST, HostTrust
 from harness_trainer.tasks.task import HarborTask
 
 log = logging.getLogger(__name__)
@@ -46,6 +49,7 @@ class DockerImages:
         map_missing_images: bool,
         build_network: str | None,
         build_timeout_s: float,
+        trust: HostTrust = NO_TRUST,
     ) -> None:
         self._client = client
         self._call = call
@@ -53,15 +57,21 @@ class DockerImages:
         self.map_missing_images = map_missing_images
         self.build_network = build_network
         self.build_timeout_s = build_timeout_s
+        self.trust = trust
         self._builds: dict[str, asyncio.Future[str]] = {}
         self._mapped: set[str] = set()
 
     async def resolve(self, task: HarborTask) -> str:
         """The image ``task`` runs in: built (once per content) from its Dockerfile, or its base."""
         if task.dockerfile is None:
-            return await self._base(task, task.environment.docker_image or self.base_image, "docker_image")
-        text = await self._map_from(task, task.dockerfile.read_text())
-        digest = await self._call(_digest, text, task.environment_dir)
+            image = await self._base(task, task.environment.docker_image or self.base_image, "docker_image")
+            if self.trust.ca_bundle is None:
+                return image
+            text = f"FROM {image}\n"  # built once, to carry the host's trust store
+        else:
+            text = await self._map_from(task, task.dockerfile.read_text())
+        text = self.trust.dockerfile(text)
+        digest = await self._call(_digest, text, task.environment_dir, self.trust.ca_bundle)
         tag = f"ht-env:{digest[:16]}"
         build = self._builds.get(tag)
         if build is None:
@@ -137,7 +147,7 @@ class DockerImages:
         if await self._present(tag):
             return tag
         timeout = task.environment.build_timeout_sec or self.build_timeout_s
-        context = await self._call(_context_tar, text, task.environment_dir)
+        context = await self._call(_context_tar, text, task.environment_dir, self.trust.ca_bundle)
         began = time.monotonic()
         try:
             output = await asyncio.wait_for(
@@ -159,7 +169,7 @@ class DockerImages:
             events = self._client().api.build(
                 fileobj=io.BytesIO(context), custom_context=True, tag=tag, rm=True, forcerm=True,
                 decode=True, pull=False, timeout=timeout, network_mode=self.build_network,
-                labels={"harness-trainer": "env"},
+                labels={"harness-trainer": "env"}, buildargs=dict(self.trust.proxy),
             )  # fmt: skip
             for event in events:
                 lines += str(event.get("stream", "")).splitlines()
@@ -171,27 +181,36 @@ class DockerImages:
 
 
 def _context_files(context: Path) -> list[Path]:
+    if not context.is_dir():  # a task without an environment folder: its build carries only the trust
+        return []
     return sorted(
         p for p in context.rglob("*") if p.is_file() and p.relative_to(context).as_posix() != "Dockerfile"
     )
 
 
-def _digest(text: str, context: Path) -> str:
-    """sha256 of the Dockerfile as built and every file of the build context (names, modes, contents)."""
+def _digest(text: str, context: Path, ca_bundle: Path | None) -> str:
+    """sha256 of the Dockerfile as built, every file of the build context (names, modes, contents) and the
+    host's CA bundle the build carries."""
     digest = hashlib.sha256(text.encode())
     for path in _context_files(context):
         executable = bool(path.stat().st_mode & 0o111)  # as git keeps modes: other umasks hash the same
         digest.update(f"\0{path.relative_to(context).as_posix()}\0{executable}\0".encode())
         digest.update(path.read_bytes())
+    if ca_bundle is not None:
+        digest.update(b"\0" + CA_FILE_NAME.encode() + b"\0" + ca_bundle.read_bytes())
     return digest.hexdigest()
 
 
-def _context_tar(text: str, context: Path) -> bytes:
+def _context_tar(text: str, context: Path, ca_bundle: Path | None) -> bytes:
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w") as archive:
         for path in _context_files(context):
             archive.add(path, arcname=path.relative_to(context).as_posix(), filter=as_root)
-        info = as_root(tarfile.TarInfo("Dockerfile"))
-        info.size = len(text.encode())
-        archive.addfile(info, io.BytesIO(text.encode()))
+        generated = {"Dockerfile": text.encode()}
+        if ca_bundle is not None:
+            generated[CA_FILE_NAME] = ca_bundle.read_bytes()
+        for name, data in generated.items():
+            info = as_root(tarfile.TarInfo(name))
+            info.size, info.mode = len(data), 0o644
+            archive.addfile(info, io.BytesIO(data))
     return buffer.getvalue()

@@ -36,9 +36,10 @@ cancellation) the group gets SIGTERM, then SIGKILL after ``kill_grace_s``. ``clo
 the namespace's init, and with it every process of the sandbox, then deletes the root. A sandbox also
 closes itself when its lifetime runs out; a root left by a process that died hard (its processes die
 with it) is deleted by the next backend's first start (each live root is ``flock``-ed by its owner). The
-environment is scrubbed: a command sees only ``PATH`` (the
-host's, after ``~/.local/bin``), ``HOME``, ``LANG``, ``LC_ALL`` and ``TERM`` (from the host when set),
-the names in ``passthrough_env``, the Dockerfile's ``ENV``, what ``start(env=…)`` gave, and its own
+environment is scrubbed: a command sees only ``PATH`` (the host's, after ``~/.local/bin``), ``HOME``,
+``LANG``, ``LC_ALL`` and ``TERM`` (from the host when set), the variables that point TLS clients at the
+host's CA bundle and the host's proxy variables (:mod:`.host_trust`; ``inherit_host_trust=False`` leaves
+them out), the names in ``passthrough_env``, the Dockerfile's ``ENV``, what ``start(env=…)`` gave, and its own
 ``env``. The login shell's ``/etc/profile`` would reset ``PATH``; a ``~/.bash_profile`` restores it.
 
 Threat model: this is **not** a security boundary. It gives private task paths, a private process view,
@@ -79,6 +80,7 @@ from harness_trainer.sandboxes.base import (
     resolve_path,
     sandbox_lifetime,
 )
+from harness_trainer.sandboxes.host_trust import NO_TRUST, HostTrust
 from harness_trainer.sandboxes.processes import Namespace, run_captured
 from harness_trainer.sandboxes.rootless import MODES, Mode, choose_mode
 from harness_trainer.tasks.task import HarborTask
@@ -251,6 +253,7 @@ class LocalSandboxBackend:
         home: str = "/home/user",
         passthrough_env: Sequence[str] = (),
         mode: str | None = None,
+        inherit_host_trust: bool = True,
     ) -> None:
         self.base_dir = Path(base_dir or tempfile.gettempdir()).resolve()
         self.build_timeout_s = build_timeout_s
@@ -259,6 +262,7 @@ class LocalSandboxBackend:
         self.home = home
         self.passthrough_env = tuple(passthrough_env)
         self.requested_mode = mode
+        self.trust = HostTrust.from_host() if inherit_host_trust else NO_TRUST
         self._live: set[LocalSandbox] = set()
         self._swept = False
 
@@ -327,6 +331,8 @@ class LocalSandboxBackend:
             "LANG": os.environ.get("LANG", "C.UTF-8"),
             "TERM": os.environ.get("TERM", "dumb"),
         }
+        # The sandbox shares the host's filesystem, CA bundle included: point TLS clients (npm's too) at it.
+        env.update(self.trust.env(str(self.trust.ca_bundle)))
         for name in ("LC_ALL", *self.passthrough_env):
             if name in os.environ:
                 env[name] = os.environ[name]

@@ -155,6 +155,7 @@ async def test_the_environment_is_scrubbed(
             "GIVEN",
             "PER_COMMAND",
             "HF_TOKEN",
+            *backend.trust.env("-"),  # the host's CA bundle and proxies (test_host_trust.py)
         } | {"PWD", "SHLVL", "_", "OLDPWD"}  # fmt: skip (the last ones are bash's own)
         path = (await sandbox.exec('echo "$PATH"')).stdout.strip()
         assert path.startswith("/home/user/.local/bin:"), "the login shell's /etc/profile must not reset PATH"
