@@ -80,6 +80,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="label E2B sandboxes with this run; a server restarted with the same id first kills the ones "
         "a dead server left (one server per id; `harness-trainer e2b cleanup --run ID` does it by hand)",
     )  # fmt: skip
+    parser.add_argument(
+        "--no-host-trust", dest="host_trust", action="store_false",
+        help="do not carry this machine's CA bundle and proxy variables into image builds and sandboxes on "
+        "this machine (by default they are, so HTTPS works there wherever it works here)",
+    )  # fmt: skip
     configurable(parser, SECTION, trainer=False)
 
 
@@ -136,6 +141,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_sandbox_starts=args.max_sandbox_starts or None,
         sandbox_start_jitter_s=args.sandbox_start_jitter,
         proxy_process=args.proxy == "process",
+        inherit_host_trust=args.host_trust,
         sandbox_options={
             "e2b": {"templates": args.e2b_templates, "agent_layer": layer, "run_id": args.run_id}
         },

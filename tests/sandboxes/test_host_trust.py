@@ -103,3 +103,23 @@ async def test_a_docker_build_and_its_sandbox_reach_https_as_the_host_does(make_
         assert "CERTIFICATE_VERIFY_FAILED" in str(exc), str(exc)
     finally:
         await plain.aclose()
+
+
+def test_serve_carries_the_host_trust_to_backends_on_this_machine_unless_told_not_to(tmp_path: Path) -> None:
+    import argparse
+
+    from harness_trainer.launch.config_file import apply_config
+    from harness_trainer.launch.serve import add_serve_arguments
+    from harness_trainer.rollouts.server.runtime import RolloutRuntime, RuntimeConfig
+    from harness_trainer.sandboxes.host_trust import NO_TRUST
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    base = ["--dataset", "d", "--upstream", "http://e:8000"]
+    assert apply_config(parser.parse_args(base)).host_trust is True
+    assert apply_config(parser.parse_args([*base, "--no-host-trust"])).host_trust is False
+    for inherit in (True, False):
+        runtime = RolloutRuntime(RuntimeConfig("http://e:8000", tmp_path, inherit_host_trust=inherit))
+        local = runtime.backend("local").backend
+        assert local.trust == (HostTrust.from_host() if inherit else NO_TRUST)
+        runtime.backend("e2b")  # remote: the option is not its (it would refuse an unknown keyword)

@@ -57,6 +57,9 @@ class RuntimeConfig:
     with ``capture_url``."""
     sandbox_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Constructor options per sandbox backend name, e.g. ``{"e2b": {"template": "..."}}``."""
+    inherit_host_trust: bool = True
+    """Backends on this machine (not ``remote`` ones) carry its CA bundle and proxy variables into image
+    builds and sandboxes (:mod:`~harness_trainer.sandboxes.host_trust`); False: they get none."""
     sandbox_starts_per_s: float | None = None
     """Start-rate limit per backend (sandbox providers throttle bursts); None = unlimited."""
     max_sandbox_starts: int | None = None
@@ -246,6 +249,8 @@ class RolloutRuntime:
             options = dict(self.config.sandbox_options.get(name, {}))
             if capabilities(name).wants_proxy_url and self.capture is not None:
                 options.setdefault("proxy_url", self.capture.public_url)
+            if not capabilities(name).remote:  # the host's network is not a remote sandbox's
+                options.setdefault("inherit_host_trust", self.config.inherit_host_trust)
             backend = make_backend(name, **options)
             self._backends[name] = SandboxSupervisor(
                 backend,
