@@ -5,7 +5,8 @@ Contract:
 - ``task.toml`` is read with :mod:`tomllib` (schema 1.x). Known keys are type-checked: ``[agent]
   timeout_sec`` (default 600 s) and ``[verifier] timeout_sec`` (default 120 s) are positive numbers,
   ``[verifier] env`` a table of strings, ``[environment]`` holds ``docker_image`` (string), ``cpus``,
-  ``build_timeout_sec`` (numbers), ``memory_mb``, ``storage_mb`` (integers), ``allow_internet`` (bool).
+  ``build_timeout_sec`` (numbers), ``memory_mb``, ``storage_mb`` (integers; or the older ``memory =
+  "2G"``, ``storage = "10G"``, read in megabytes), ``allow_internet`` (bool).
   Unknown keys are never fatal: the whole file stays in ``HarborTask.config`` and unknown
   ``[environment]`` keys in ``EnvironmentSpec.extra``.
 - The name is ``[task].name``, else ``[metadata].name``, else the folder's name.
@@ -30,9 +31,13 @@ _ENVIRONMENT_KEYS = {
     "cpus",
     "memory_mb",
     "storage_mb",
+    "memory",
+    "storage",
     "allow_internet",
     "build_timeout_sec",
 }
+_SIZE_UNITS_MB = {"K": 1 / 1024, "M": 1, "G": 1024, "T": 1024 * 1024}
+"""Docker's size suffixes (powers of 1024, as ``docker run --memory 2g``), in megabytes."""
 
 
 def load_task(path: str | Path, *, split: str = "", index: int = 0) -> HarborTask:
@@ -138,6 +143,26 @@ def _integer(table: dict[str, Any], key: str, where: str) -> int | None:
     return value
 
 
+def _megabytes(table: dict[str, Any], name: str, where: str) -> int | None:
+    """``NAME_mb`` (an integer), or the older ``NAME = "2G"`` form (Docker's suffixes: K, M, G, T, with an
+    optional ``i`` or ``B``), in megabytes; both at once is refused."""
+    given = _integer(table, f"{name}_mb", where)
+    text = table.get(name)
+    if text is None:
+        return given
+    if given is not None:
+        raise TaskError(f"{where} {name} and {name}_mb: give one of them, not both")
+    size = str(text).strip().upper().removesuffix("B").removesuffix("I")
+    number, unit = (size[:-1], size[-1]) if size[-1:] in _SIZE_UNITS_MB else (size, "")
+    try:
+        value = float(number) * _SIZE_UNITS_MB.get(unit, 1 / (1024 * 1024))  # no suffix: bytes
+    except ValueError:
+        value = float("nan")
+    if isinstance(text, bool) or not value > 0 or (not unit and not isinstance(text, int)):
+        raise TaskError(f'{where} {name}: expected a size such as "2G" or "512M", got {text!r}')
+    return max(1, round(value))
+
+
 def _string_table(table: dict[str, Any], key: str, where: str) -> dict[str, str]:
     value = table.get(key, {})
     if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
@@ -155,8 +180,8 @@ def _environment(table: dict[str, Any], where: str) -> EnvironmentSpec:
     return EnvironmentSpec(
         docker_image=image or None,
         cpus=_number(table, "cpus", where),
-        memory_mb=_integer(table, "memory_mb", where),
-        storage_mb=_integer(table, "storage_mb", where),
+        memory_mb=_megabytes(table, "memory", where),
+        storage_mb=_megabytes(table, "storage", where),
         allow_internet=allow_internet,
         build_timeout_sec=_number(table, "build_timeout_sec", where),
         extra={k: v for k, v in table.items() if k not in _ENVIRONMENT_KEYS},

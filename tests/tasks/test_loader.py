@@ -147,6 +147,11 @@ def test_a_missing_verifier_script_is_a_task_error(task_writer: TaskWriter) -> N
         ("[environment]\ndocker_image = 3\n", r"docker_image: expected a string"),
         ("[verifier]\nenv = { N = 1 }\n", r"\[verifier\] env: expected a table of strings"),
         ("[task]\nname = 7\n", r"\[task\] name: expected a non-empty string"),
+        ("[environment]\nmemory = 'lots'\n", r"memory: expected a size such as \"2G\""),
+        ("[environment]\nmemory = '2X'\n", r"memory: expected a size"),
+        ("[environment]\nstorage = '-1G'\n", r"storage: expected a size"),
+        ("[environment]\nmemory = true\n", r"memory: expected a size"),
+        ("[environment]\nmemory = '2G'\nmemory_mb = 2048\n", r"memory and memory_mb: give one of them"),
     ],
 )
 def test_a_value_of_the_wrong_type_is_a_task_error_naming_the_key(
@@ -154,3 +159,21 @@ def test_a_value_of_the_wrong_type_is_a_task_error_naming_the_key(
 ) -> None:
     with pytest.raises(TaskError, match=message):
         load_task(task_writer("t", toml=toml))
+
+
+@pytest.mark.parametrize(
+    ("toml", "memory_mb", "storage_mb"),
+    [
+        ("memory = '2G'\nstorage = '10G'\n", 2048, 10240),
+        ("memory = '512M'\nstorage = '1.5GiB'\n", 512, 1536),
+        ("memory = '4gb'\n", 4096, None),
+        ("memory = 1073741824\n", 1024, None),  # a bare number is bytes, as Docker reads it
+        ("memory_mb = 3000\nstorage_mb = 20000\n", 3000, 20000),
+    ],
+)
+def test_the_older_size_form_reads_as_megabytes(
+    task_writer: TaskWriter, toml: str, memory_mb: int, storage_mb: int | None
+) -> None:
+    environment = load_task(task_writer("t", toml="[environment]\n" + toml)).environment
+    assert (environment.memory_mb, environment.storage_mb) == (memory_mb, storage_mb)
+    assert "memory" not in environment.extra and "storage" not in environment.extra
