@@ -350,6 +350,7 @@ def scheduler_config(
         temperature=args.temperature,
         max_unexpected_errors=args.max_unexpected_errors,
         concurrency_limit=adaptive.limit if adaptive is not None else None,
+        fail_fast_rollouts=args.fail_fast_rollouts,
     )
 
 

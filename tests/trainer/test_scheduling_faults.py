@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import re
 import threading
 import time
 from pathlib import Path
@@ -176,6 +177,51 @@ def test_infrastructure_failures_make_rollouts_unscorable_without_counting_as_bu
         assert [r.unscorable is None for r in group.rollouts].count(True) == 1
         assert all(r.unscorable.startswith(type(error).__name__) for r in group.rollouts if r.unscorable)
     assert not factory.live
+
+
+def test_the_first_rollouts_all_failing_one_infrastructure_way_stop_the_run_at_once() -> None:
+    """Every start refused the same way (an image the agent cannot install in): the 8th failure stops the
+    run, naming the kind and the rollouts, instead of dropping group after group."""
+    error = RolloutUnscorable(
+        "rollout of t0 is unscorable: installing the agent exited with 127", kind="harness"
+    )
+    factory = HandmadeFactory(fail_wait=lambda n: error)
+    scheduler = make(factory, fail_fast_rollouts=8, admission_limit=4)
+    began = time.monotonic()
+    try:
+        with pytest.raises(
+            RolloutSchedulerError, match=r"first 8 rollouts all failed the same way"
+        ) as raised:
+            take(scheduler, 10)
+    finally:
+        scheduler.stop()
+    assert time.monotonic() - began < PROMPT_S
+    message = str(raised.value)
+    assert "RolloutUnscorable, kind harness" in message and "agent exited with 127" in message
+    assert re.search(r"The first: rollout group\d+-member\d+ of task t\d", message)  # in order of ending
+    assert raised.value.__cause__ is error
+    assert len(factory.created) < 8 + 4 * 4  # stopped at the 8th failure: nothing near 32 groups
+    assert not factory.live
+
+
+@pytest.mark.parametrize(
+    "fail",
+    [
+        lambda n: RolloutUnscorable("sandbox", kind="sandbox" if n % 2 else "harness"),  # two kinds
+        lambda n: (
+            None if n == 5 else RolloutUnscorable("sandbox would not start", kind="sandbox")
+        ),  # a success
+    ],
+    ids=["two-kinds", "one-success"],
+)
+def test_a_run_whose_first_rollouts_fail_in_more_than_one_way_or_once_succeed_goes_on(fail: Any) -> None:
+    factory = HandmadeFactory(fail_wait=fail)
+    scheduler = make(factory, fail_fast_rollouts=8, max_concurrent_rollouts=1)
+    try:
+        groups = take(scheduler, 4)  # 16 rollouts, past the first 8: no stop
+    finally:
+        scheduler.stop()
+    assert sum(r.unscorable is not None for g in groups for r in g.rollouts) >= 15
 
 
 def test_an_unexpected_error_is_logged_with_its_traceback_and_leaves_its_rollout_unscorable(

@@ -152,6 +152,8 @@ def _checks(c: _ConfigFields) -> Sequence[str]:
         yield "rollout_timeout must be positive (or None for each session's own bound)"
     if c.max_unexpected_errors < 0:
         yield "max_unexpected_errors must be ≥ 0 (0 stops the run at the first)"
+    if c.fail_fast_rollouts < 0:
+        yield "fail_fast_rollouts must be ≥ 0 (0: off)"
     yield from _curriculum_checks(c)
     if not c.learning_rate > 0:
         yield "learning_rate must be positive"

@@ -128,6 +128,15 @@ class RolloutFields:
             "stops at the first."
         ),
     )
+    fail_fast_rollouts: int = field(
+        default=8,
+        metadata=field_help(
+            "When the run's first this many rollouts all fail one infrastructure way (one exception type "
+            "and kind: every sandbox refusing to start, every agent failing to install), the run stops at "
+            "once with that error instead of dropping group after group; one success or one other kind "
+            "among them, and the check is over. 0: off."
+        ),
+    )
     dataset_shuffle: bool = field(default=False, metadata=field_help("Shuffle rows each pass (seeded)."))
     drop_zero_variance_groups: bool = field(
         default=True,

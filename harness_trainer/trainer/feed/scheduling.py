@@ -22,6 +22,10 @@ Failures, by kind (judged by :mod:`.failures`):
 - A :class:`CaptureContractError`, or a ``rollout_reward_fn`` returning a bool, a non-number, NaN or
   infinity, is a bug: it stops the scheduler (after closing every live session) and is raised to the
   trainer.
+- The run's first ``fail_fast_rollouts`` rollouts all failing one infrastructure way (one exception type
+  and kind) stop the scheduler at once with a :class:`RolloutSchedulerError` naming it
+  (:mod:`.first_rollouts`): an environment that cannot work fails every rollout, and finding out should
+  cost seconds.
 - Any other exception (a bug in the trainer's code, the factory's or a ``rollout_reward_fn`` that raises)
   is *unexpected* (counted and logged by :mod:`.unexpected`), its rollout unscorable; past
   ``max_unexpected_errors`` of them, or at a white-box harness adapter's second kind of bug in a row, the
@@ -55,6 +59,7 @@ from typing import Any, Protocol
 from harness_trainer.rollouts.client.contract import RolloutFactory
 from harness_trainer.rollouts.errors import RolloutUnscorable
 from harness_trainer.trainer.feed.failures import FailureKind, judge
+from harness_trainer.trainer.feed.first_rollouts import FirstRollouts
 from harness_trainer.trainer.feed.rollout_run import LiveSessions, RewardFn, RolloutSettings, run_rollout
 from harness_trainer.trainer.feed.slots import Slots
 from harness_trainer.trainer.feed.sync_adapter import as_async
@@ -104,6 +109,8 @@ class SchedulerConfig:
     """Groups admitted in all, then none (an evaluation's one pass over its tasks); None: without end."""
     concurrency_limit: int | None = None
     """Sessions live at once at the start, in [1, max_concurrent_rollouts]; None: max_concurrent_rollouts."""
+    fail_fast_rollouts: int = 0
+    """When the first this many rollouts all fail one infrastructure way, stop (:mod:`.first_rollouts`)."""
 
 
 def row_order(num_rows: int, group: int, *, seed: int, shuffle: bool) -> int:
@@ -148,6 +155,7 @@ class RolloutScheduler:
         self._stopping = threading.Event()
         self._stopped = False
         self._unexpected_errors = UnexpectedErrors(config.max_unexpected_errors)
+        self._first_rollouts = FirstRollouts(config.fail_fast_rollouts)
         self._loop = asyncio.new_event_loop()
         self._pool = concurrent.futures.ThreadPoolExecutor(
             config.max_concurrent_rollouts, thread_name_prefix="rollout"
@@ -331,21 +339,24 @@ class RolloutScheduler:
                     raise RuntimeError("training stopped before this rollout started")
                 await run_rollout(self.factory, group, rollout, self._settings, self._live, self._stopping)
             except Exception as exc:
-                self._failed(rollout, exc)
+                self._failed(group, rollout, exc)
             except asyncio.CancelledError as exc:
                 task = asyncio.current_task()
                 if task is None or task.cancelling():
                     raise
-                self._failed(rollout, exc)  # what it awaited was cancelled (its factory closing), not it
+                self._failed(
+                    group, rollout, exc
+                )  # what it awaited was cancelled (its factory closing), not it
             else:
                 self._unexpected_errors.rollout_succeeded()
+                self._first_rollouts.succeeded()
             rollout.seconds = time.monotonic() - started
         if self.on_rollout_done is not None:
             # Off the loop (a long trace takes a while to write); a failure ends its group's task, which
             # stops the scheduler: a run that cannot keep its record does not go on.
             await self._loop.run_in_executor(None, self.on_rollout_done, group, rollout)
 
-    def _failed(self, rollout: Rollout, exc: BaseException) -> None:
+    def _failed(self, group: Group, rollout: Rollout, exc: BaseException) -> None:
         """Make ``rollout`` unscorable for ``exc``, and stop the scheduler when ``exc`` says so (module
         docstring)."""
         if isinstance(exc, RolloutUnscorable):
@@ -355,7 +366,14 @@ class RolloutScheduler:
         if verdict.kind is FailureKind.FATAL:
             self._fail(exc)
         elif verdict.kind is FailureKind.UNEXPECTED:
+            self._first_rollouts.succeeded()  # a bug is not the environment failing: judged apart
             self._unexpected(rollout, exc)
+        elif not self._stopping.is_set():
+            where = f"rollout {rollout.rollout_id} of task {group.row.get('task_name', '?')}"
+            if (reason := self._first_rollouts.failed(where, exc)) is not None:
+                error = RolloutSchedulerError(reason)
+                error.__cause__ = exc
+                self._fail(error)
 
     def _unexpected(self, rollout: Rollout, exc: BaseException) -> None:
         """Count a bug's exception (:mod:`.unexpected`), and stop the scheduler when that says so."""
