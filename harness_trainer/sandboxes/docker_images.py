@@ -5,8 +5,8 @@ tagged ``ht-env:<16 hex>``, a sha256 of the Dockerfile as built, every file of t
 each base image, so tasks with identical environments share one image and a changed base rebuilds.
 Concurrent starts of one environment wait for one build, and an image already on the daemon is reused.
 It never pulls: a ``FROM`` image that is not on the daemon is **mapped to the local base image**
-(``base_image``, default ``ht-debian:bookworm``, made by ``scripts/setup_docker.sh``) with a warning
-naming both images, because the machines this runs on reach no registry; ``map_missing_images=False``
+(``base_image``, default ``ht-debian:bookworm``, made by ``scripts/setup_docker.sh``; a ``python:X``
+image to :data:`PYTHON_STAND_IN`, built once from it) with a warning naming both images, because the machines this runs on reach no registry; ``map_missing_images=False``
 refuses instead, with an error naming the image. A task without a Dockerfile runs its ``docker_image``
 (mapped the same way), else the base image. Every build carries the host's CA bundle and proxy settings
 (:mod:`.host_trust`), so ``pip`` and ``npm`` in a ``RUN`` step work wherever they work on the host; an
@@ -34,6 +34,15 @@ from harness_trainer.sandboxes.host_trust import CA_FILE_NAME, NO_TRUST, HostTru
 from harness_trainer.tasks.task import HarborTask
 
 log = logging.getLogger(__name__)
+
+PYTHON_STAND_IN = """FROM {base}
+RUN apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \\
+    python3-pip python-is-python3 >/dev/null && rm -rf /var/lib/apt/lists/*
+ENV PIP_BREAK_SYSTEM_PACKAGES=1 PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
+"""
+"""What stands in for a ``python:X`` image that is not on the daemon: the base image with what that image
+promises, ``python``, ``python3`` and ``pip`` installing into the system Python (Debian's would refuse:
+PEP 668). Built once per machine, over the build network (Debian's mirror)."""
 
 
 class DockerImages:
@@ -70,12 +79,16 @@ class DockerImages:
             text = f"FROM {image}\n"  # built once, to carry the host's trust store
         else:
             text = await self._map_from(task, task.dockerfile.read_text())
-        text = self.trust.dockerfile(text)
-        digest = await self._call(_digest, text, task.environment_dir, self.trust.ca_bundle)
+        return await self._built(task, self.trust.dockerfile(text), task.environment_dir)
+
+    async def _built(self, task: HarborTask, text: str, context: Path | None) -> str:
+        """The tag of the image ``text`` builds in ``context``, built once per content however many starts
+        ask at once."""
+        digest = await self._call(_digest, text, context, self.trust.ca_bundle)
         tag = f"ht-env:{digest[:16]}"
         build = self._builds.get(tag)
         if build is None:
-            build = self._builds[tag] = asyncio.ensure_future(self._build(task, text, tag))
+            build = self._builds[tag] = asyncio.ensure_future(self._build(task, text, tag, context))
         try:
             return await asyncio.shield(build)
         except BaseException:
@@ -106,11 +119,15 @@ class DockerImages:
                 f"{task.name}: {where} image {image} is missing, and so is the base image {self.base_image} "
                 "it would be mapped to: build it with scripts/setup_docker.sh"
             )
+        stand_in, what = self.base_image, self.base_image
+        if _repository(image) == "python":  # python:X promises python, python3 and pip
+            text = self.trust.dockerfile(PYTHON_STAND_IN.format(base=self.base_image))
+            stand_in, what = await self._built(task, text, None), f"{self.base_image} with python and pip"
         if image not in self._mapped:  # once per image and backend: every start of its tasks maps it
             self._mapped.add(image)
-            log.warning("%s: %s image %s is not on this Docker daemon: using %s instead", task.name, where,
-                        image, self.base_image)  # fmt: skip
-        return self.base_image
+            log.warning("%s: %s image %s is not on this Docker daemon: using %s instead (%s)", task.name,
+                        where, image, what, stand_in)  # fmt: skip
+        return stand_in
 
     async def _map_from(self, task: HarborTask, text: str) -> str:
         """``text`` with each ``FROM`` image that is not on the daemon replaced by the base image (or an
@@ -143,11 +160,11 @@ class DockerImages:
                 lines[ins.line - 1] = f"FROM {flags + ' ' if flags else ''}{chosen}{alias}"
         return "\n".join([*lines, f"# harness-trainer base images: {' '.join(used)}", ""])
 
-    async def _build(self, task: HarborTask, text: str, tag: str) -> str:
+    async def _build(self, task: HarborTask, text: str, tag: str, context_dir: Path | None) -> str:
         if await self._present(tag):
             return tag
         timeout = task.environment.build_timeout_sec or self.build_timeout_s
-        context = await self._call(_context_tar, text, task.environment_dir, self.trust.ca_bundle)
+        context = await self._call(_context_tar, text, context_dir, self.trust.ca_bundle)
         began = time.monotonic()
         try:
             output = await asyncio.wait_for(
@@ -180,19 +197,27 @@ class DockerImages:
         return None
 
 
-def _context_files(context: Path) -> list[Path]:
-    if not context.is_dir():  # a task without an environment folder: its build carries only the trust
+def _repository(image: str) -> str:
+    """``python`` for ``python:3.12-slim``, ``docker.io/library/python@sha256:…`` and the like."""
+    name = image.split("@", 1)[0]
+    last = name.rsplit("/", 1)[-1]
+    return last.split(":", 1)[0]
+
+
+def _context_files(context: Path | None) -> list[Path]:
+    if context is None or not context.is_dir():  # a stand-in, or a task with no environment folder
         return []
     return sorted(
         p for p in context.rglob("*") if p.is_file() and p.relative_to(context).as_posix() != "Dockerfile"
     )
 
 
-def _digest(text: str, context: Path, ca_bundle: Path | None) -> str:
+def _digest(text: str, context: Path | None, ca_bundle: Path | None) -> str:
     """sha256 of the Dockerfile as built, every file of the build context (names, modes, contents) and the
     host's CA bundle the build carries."""
     digest = hashlib.sha256(text.encode())
     for path in _context_files(context):
+        assert context is not None
         executable = bool(path.stat().st_mode & 0o111)  # as git keeps modes: other umasks hash the same
         digest.update(f"\0{path.relative_to(context).as_posix()}\0{executable}\0".encode())
         digest.update(path.read_bytes())
@@ -201,10 +226,11 @@ def _digest(text: str, context: Path, ca_bundle: Path | None) -> str:
     return digest.hexdigest()
 
 
-def _context_tar(text: str, context: Path, ca_bundle: Path | None) -> bytes:
+def _context_tar(text: str, context: Path | None, ca_bundle: Path | None) -> bytes:
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w") as archive:
         for path in _context_files(context):
+            assert context is not None
             archive.add(path, arcname=path.relative_to(context).as_posix(), filter=as_root)
         generated = {"Dockerfile": text.encode()}
         if ca_bundle is not None:

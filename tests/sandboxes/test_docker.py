@@ -62,6 +62,41 @@ async def test_the_image_is_built_once_per_content_from_the_dockerfile_with_a_mi
     assert await resolve(twin) == await resolve(task) != await resolve(changed)
 
 
+async def test_a_python_image_is_stood_in_for_by_one_with_python_and_pip(
+    backend: DockerSandboxBackend, make_task: TaskFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What a real Harbor task's Dockerfile does with a ``python:*-slim`` base (digest-pinned, as they are):
+    ``python``, ``pip install`` into the system Python. The stand-in gives both; the pip install reaches
+    PyPI through the host's trust (test_host_trust.py)."""
+    caplog.set_level(logging.WARNING)
+    pinned = "python:3.12-slim@sha256:" + "ab" * 32
+    task = make_task(
+        f"FROM {pinned}\nRUN python --version && pip --version\n"
+        "RUN pip install --no-deps --quiet six==1.16.0\n"
+        "RUN python -c 'import six; print(six.__version__)' > /v\n"
+    )
+    sandbox = await backend.start(task, lifetime_s=120)
+    try:
+        assert (await sandbox.exec("cat /v; command -v python python3 pip")).stdout.split() == [
+            "1.16.0",
+            "/usr/bin/python",
+            "/usr/bin/python3",
+            "/usr/bin/pip",
+        ]
+    finally:
+        await sandbox.close()
+    assert (
+        f"FROM image {pinned} is not on this Docker daemon: using ht-debian:bookworm with python and pip"
+        in (caplog.text)
+    )
+    ubuntu = make_task("FROM ubuntu:24.04\nRUN true\n")  # not a python image: the plain base, no pip
+    sandbox = await backend.start(ubuntu, lifetime_s=60)
+    try:
+        assert (await sandbox.exec("command -v pip || echo none")).stdout == "none\n"
+    finally:
+        await sandbox.close()
+
+
 async def test_a_missing_image_can_be_refused_and_a_failed_build_names_its_step(
     make_task: TaskFactory,
 ) -> None:
