@@ -4,9 +4,9 @@ The task's ``environment/Dockerfile`` (its folder is the build context) is built
 ``ht-env:<16 hex>``, a sha256 of the Dockerfile as built, every file of the context and the id of each base
 image, so tasks with identical environments share one image and a changed base rebuilds. Concurrent starts of
 one environment wait for one build, and an image already on the daemon is reused. It never pulls: a ``FROM``
-image that is not on the daemon is **mapped to the local base image** (``base_image``, default ``ht-
-debian:bookworm``, made by ``scripts/setup_docker.sh``; a ``python:X`` image to :data:`PYTHON_STAND_IN`, built
-once from it) with a warning naming both images, because the machines this runs on reach no registry;
+image that is not on the daemon is **mapped to the local base image** (``base_image``, default
+``ht-debian:bookworm``, made by ``scripts/setup_docker.sh``; a ``python:X`` image to :data:`PYTHON_STAND_IN`,
+built once from it) with a warning naming both images, because the machines this runs on reach no registry;
 ``map_missing_images=False`` refuses instead, with an error naming the image. A task without a Dockerfile runs
 its ``docker_image`` (mapped the same way), else the base image. Every build carries the host's CA bundle and
 proxy settings (:mod:`.host_trust`), so ``pip`` and ``npm`` in a ``RUN`` step work wherever they work on the
