@@ -7,9 +7,11 @@ exception only through :func:`error_for`, so the same fault behaves the same thr
 
 - ``capture_contract``: a malformed capture, a bug in the capture path →
   :class:`~harness_trainer.trace.CaptureContractError`, which stops training;
-- ``sandbox``, ``harness``, ``capture``, ``engine``, ``cancelled``, ``unexpected`` (an exception in the
-  rollout code itself, logged with its traceback where it ran) → :class:`RolloutUnscorable` with that
-  ``kind``: the rollout is left out of its group, the run goes on.
+- ``sandbox``, ``harness``, ``capture``, ``engine``, ``cancelled`` → :class:`RolloutUnscorable` with that
+  ``kind``: the rollout is left out of its group, the run goes on;
+- ``unexpected`` (an exception in the rollout code itself, logged with its traceback where it ran) →
+  :class:`RolloutServerBug`, a :class:`RolloutUnscorable` the trainer counts as a bug
+  (``max_unexpected_errors``).
 
 :class:`RolloutConfigError` is the other side's mistake, known before or at the first rollout (an unknown
 split, an engine the server was not allowed, a reward key no verifier writes): it stops the run.
@@ -43,6 +45,12 @@ class RolloutUnscorable(RuntimeError):
         self.capture_session_id = capture_session_id
 
 
+class RolloutServerBug(RolloutUnscorable):
+    """The rollout code itself raised where the rollout ran (the rollout server, or the in-process runtime
+    of ``LocalSessionFactory``): ``error_kind="unexpected"``, logged with its traceback there. Unscorable
+    like the others, but a bug: the trainer counts it against ``max_unexpected_errors``."""
+
+
 class RolloutConfigError(ValueError):
     """A session factory's setting that cannot work (the message names the value and the allowed ones)."""
 
@@ -56,6 +64,5 @@ def error_for(result: RolloutResult) -> Exception:
             rules=list(result.error_rules) or ["capture_contract"],
             session_id=result.capture_session_id,
         )
-    return RolloutUnscorable(
-        message, kind=result.error_kind or "unexpected", capture_session_id=result.capture_session_id
-    )
+    kind = RolloutServerBug if result.error_kind == "unexpected" else RolloutUnscorable
+    return kind(message, kind=result.error_kind or "unexpected", capture_session_id=result.capture_session_id)

@@ -19,6 +19,7 @@ from harness_trainer.harnesses.base import HarnessError
 from harness_trainer.rollouts.client.factory import HarborSession, RolloutServerError
 from harness_trainer.rollouts.client.local_factory import LocalSession
 from harness_trainer.rollouts.client.session import RolloutUnscorable
+from harness_trainer.rollouts.errors import RolloutServerBug, error_for
 from harness_trainer.rollouts.result import RolloutResult
 from harness_trainer.sandboxes.base import SandboxError
 from harness_trainer.trainer.feed import rollout_run, scheduling
@@ -222,6 +223,29 @@ def test_a_run_whose_first_rollouts_fail_in_more_than_one_way_or_once_succeed_go
     finally:
         scheduler.stop()
     assert sum(r.unscorable is not None for g in groups for r in g.rollouts) >= 15
+
+
+@pytest.mark.parametrize(("kind", "counted"), [("unexpected", True), ("sandbox", False), ("harness", False)])
+def test_a_bug_where_the_rollout_ran_counts_against_max_unexpected_errors(kind: str, counted: bool) -> None:
+    """The rollout server (or the in-process runtime) reports its own bug as ``error_kind="unexpected"``:
+    the trainer counts it as a bug, not as the infrastructure failing."""
+    failed = RolloutResult(
+        task_name="t1", harness="toy", sandbox="local", error="KeyError: 'x'", error_kind=kind
+    )
+    error = error_for(failed)
+    assert isinstance(error, RolloutServerBug) is counted and error.kind == kind
+    factory = HandmadeFactory(fail_wait=lambda n: error if n % 4 == 1 else None)
+    scheduler = make(factory, max_unexpected_errors=0)
+    try:
+        if counted:
+            with pytest.raises(RolloutSchedulerError, match=r"max_unexpected_errors=0") as raised:
+                take(scheduler, 2)
+            assert raised.value.__cause__ is error
+        else:
+            assert all(g.rollouts[1].unscorable for g in take(scheduler, 2))
+    finally:
+        scheduler.stop()
+    assert not factory.live
 
 
 def test_an_unexpected_error_is_logged_with_its_traceback_and_leaves_its_rollout_unscorable(

@@ -6,6 +6,8 @@
 - a :class:`CaptureContractError`, a :class:`RolloutConfigError` (a factory setting that cannot work, e.g.
   a reward key no verifier writes), or a ``rollout_reward_fn`` that returned a bool, a non-number, NaN or
   infinity: fatal, the run stops naming it;
+- a :class:`RolloutServerBug` (the rollout code raised where the rollout ran: the rollout server, or the
+  in-process runtime): unscorable, and a bug, counted as the next;
 - anything else, a raising ``rollout_reward_fn`` included: unexpected (a bug), counted against
   ``max_unexpected_errors``; a white-box harness adapter's own bug comes as an :class:`AdapterError`
   (the scheduler stops at once when a second kind of adapter bug follows the first);
@@ -18,7 +20,7 @@ import enum
 import traceback
 from dataclasses import dataclass
 
-from harness_trainer.rollouts.errors import RolloutConfigError
+from harness_trainer.rollouts.errors import RolloutConfigError, RolloutServerBug
 from harness_trainer.rollouts.infrastructure import INFRASTRUCTURE_ERRORS
 from harness_trainer.trace import CaptureContractError
 from harness_trainer.trainer.step.outcome import RewardFunctionError
@@ -63,6 +65,8 @@ def judge(exc: BaseException, *, stopping: bool) -> Verdict:
         return Verdict(FailureKind.FATAL, f"fatal: {exc}")
     if isinstance(exc, RewardFunctionError):
         return Verdict(FailureKind.UNEXPECTED, f"reward function failed: {exc}")
+    if isinstance(exc, RolloutServerBug) and not stopping:
+        return Verdict(FailureKind.UNEXPECTED, f"unexpected error where the rollout ran: {exc}")
     if isinstance(exc, INFRASTRUCTURE_ERRORS) or stopping:
         return Verdict(FailureKind.INFRASTRUCTURE, f"{type(exc).__name__}: {exc}")
     if isinstance(exc, AdapterError):
