@@ -33,7 +33,7 @@ from harness_trainer import HarnessAsyncGRPOTrainer
 from harness_trainer.net import free_port
 from harness_trainer.rollouts.client.local_factory import LocalSessionFactory
 from harness_trainer.rollouts.client.whitebox_session import WhiteBoxSessionFactory
-from harness_trainer.rollouts.errors import RolloutUnscorable
+from harness_trainer.rollouts.errors import RolloutServerBug, RolloutUnscorable
 from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig
 from harness_trainer.trainer.feed.failures import AdapterError, FailureKind, is_infrastructure, judge
 from harness_trainer.trainer.feed.rollout_log import read_rollout_log
@@ -201,6 +201,7 @@ def test_a_second_kind_of_adapter_bug_in_a_row_stops_the_run_naming_the_adapter(
 
 def test_what_an_adapter_passes_on_from_its_session_or_engine_is_not_an_adapter_bug() -> None:
     assert is_infrastructure(RolloutUnscorable("sandbox died", kind="sandbox"))
+    assert is_infrastructure(RolloutServerBug("the server's bug", kind="unexpected"))  # counted, as its own
     assert not is_infrastructure(KeyError("x"))
     bug = AdapterError("MyAdapter", KeyError("x"))
     assert judge(bug, stopping=False).kind is FailureKind.UNEXPECTED and "MyAdapter" in str(bug)

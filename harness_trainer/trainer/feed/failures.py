@@ -75,9 +75,10 @@ def judge(exc: BaseException, *, stopping: bool) -> Verdict:
 
 
 def is_infrastructure(exc: BaseException) -> bool:
-    """Whether :func:`judge` calls ``exc`` something other than a bug (infrastructure, or fatal): what a
-    white-box adapter passes on from its session or the engine stays that, not an adapter bug."""
-    return judge(exc, stopping=False).kind is not FailureKind.UNEXPECTED
+    """Whether ``exc`` is not the white-box adapter's own bug: infrastructure, fatal, or a bug where the
+    rollout ran (:class:`RolloutServerBug`, counted as itself). What an adapter passes on from its session or
+    the engine stays that, never an adapter bug."""
+    return isinstance(exc, RolloutServerBug) or judge(exc, stopping=False).kind is not FailureKind.UNEXPECTED
 
 
 def origin_of(exc: BaseException) -> tuple[str, str, int]:
