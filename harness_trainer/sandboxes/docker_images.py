@@ -21,6 +21,7 @@ import asyncio
 import hashlib
 import io
 import logging
+import re
 import tarfile
 import time
 from collections.abc import Awaitable, Callable
@@ -34,6 +35,7 @@ from harness_trainer.sandboxes.host_trust import CA_FILE_NAME, NO_TRUST, HostTru
 from harness_trainer.tasks.task import HarborTask
 
 log = logging.getLogger(__name__)
+_STAND_INS = "# harness-trainer stand-ins:"
 
 PYTHON_STAND_IN = """FROM {base}
 RUN apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \\
@@ -136,6 +138,7 @@ class DockerImages:
         stages: set[str] = set()
         args: dict[str, str] = {}
         used: list[str] = []
+        stood_in: list[str] = []
         try:
             instructions = dockerfile.parse(text)
         except dockerfile.DockerfileError as exc:
@@ -158,7 +161,11 @@ class DockerImages:
                 flags = " ".join(w for w in ins.args.split() if w.startswith("--"))
                 alias = f" AS {words[2]}" if len(words) >= 3 and words[1].lower() == "as" else ""
                 lines[ins.line - 1] = f"FROM {flags + ' ' if flags else ''}{chosen}{alias}"
-        return "\n".join([*lines, f"# harness-trainer base images: {' '.join(used)}", ""])
+                stood_in.append(f"{image}={chosen}")
+        notes = [f"# harness-trainer base images: {' '.join(used)}"]
+        if stood_in:
+            notes.append(f"{_STAND_INS} {' '.join(stood_in)}")
+        return "\n".join([*lines, *notes, ""])
 
     async def _build(self, task: HarborTask, text: str, tag: str, context_dir: Path | None) -> str:
         if await self._present(tag):
@@ -175,7 +182,8 @@ class DockerImages:
                 f"{task.name}: the image build ran past its {timeout:.0f} s timeout"
             ) from None
         if isinstance(output, str):
-            raise SandboxStartError(f"{task.name}: the image build failed; its log's tail:\n{output}")
+            hint = _missing_command_hint(text, output)
+            raise SandboxStartError(f"{task.name}: the image build failed; its log's tail:\n{output}{hint}")
         log.info("docker: built %s for %s in %.1f s", tag, task.name, time.monotonic() - began)
         return tag
 
@@ -195,6 +203,21 @@ class DockerImages:
         except Exception as exc:
             return "\n".join([*lines[-40:], f"{type(exc).__name__}: {exc}"])
         return None
+
+
+def _missing_command_hint(text: str, log_tail: str) -> str:
+    """Where a build on a stand-in failed for a command it lacks (``/bin/sh: 1: file: not found``): a line
+    saying so, naming the images stood in for; else nothing."""
+    missing = re.search(r": ([\w.+-]+): (?:command )?not found", log_tail)
+    stand_ins = [line for line in text.splitlines() if line.startswith(_STAND_INS)]
+    if missing is None or not stand_ins:
+        return ""
+    which = ", ".join(pair.replace("=", " stood in for by ") for pair in stand_ins[0].split()[3:])
+    return (
+        f"\n`{missing.group(1)}` is not in the stand-in this build ran on ({which}: no registry here, so "
+        f"the base image is a minimal Debian 12 with bash, python3 and CA certificates): install it in the "
+        f"Dockerfile (apt-get install -y ...), or load the real image into the daemon"
+    )
 
 
 def _repository(image: str) -> str:

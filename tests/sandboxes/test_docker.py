@@ -111,6 +111,25 @@ async def test_a_missing_image_can_be_refused_and_a_failed_build_names_its_step(
     assert not strict.live
 
 
+async def test_a_command_the_stand_in_lacks_fails_the_build_naming_it_and_the_stand_in(
+    backend: DockerSandboxBackend, make_task: TaskFactory
+) -> None:
+    """ubuntu's minimal image has no ``file`` either, but a build that needs it should say why it failed
+    here: the image it asked for was stood in for."""
+    task = make_task("FROM ubuntu:24.04\nWORKDIR /app\nRUN file --version\n")
+    with pytest.raises(SandboxStartError) as raised:
+        await backend.start(task, lifetime_s=60)
+    message = str(raised.value)
+    assert "image build failed" in message and "file: not found" in message
+    assert (
+        "`file` is not in the stand-in this build ran on (ubuntu:24.04 stood in for by ht-debian:bookworm"
+        in (message)
+    )
+    with pytest.raises(SandboxStartError) as plain:  # a failure of another kind gets no such line
+        await backend.start(make_task("FROM ubuntu:24.04\nRUN exit 4\n"), lifetime_s=60)
+    assert "stand-in" not in str(plain.value)
+
+
 async def test_every_start_waiting_on_one_failed_build_gets_its_log(make_task: TaskFactory) -> None:
     backend = DockerSandboxBackend()
     broken = make_task("FROM ht-debian:bookworm\nRUN sleep 1; echo shared-$((40 + 2)); exit 5\n")
