@@ -11,11 +11,13 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from capture_proxy.cli import add_proxy_arguments
 from harness_trainer.launch.config_file import apply_config, configurable
 from harness_trainer.launch.e2b_commands import agent_layer
 from harness_trainer.launch.flag_types import non_negative_float, non_negative_int
+from harness_trainer.rollouts.run_options import DEFAULT_RUN
 
 SECTION = "serve"
 """``serve``'s section of a ``--config`` file: its options by their flag's name with underscores."""
@@ -85,6 +87,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="do not carry this machine's CA bundle and proxy variables into image builds and sandboxes on "
         "this machine (by default they are, so HTTPS works there wherever it works here)",
     )  # fmt: skip
+    parser.add_argument(
+        "--prepare", action="append", metavar="SPLIT",
+        help="before serving, build the environment of every task of this split on --prepare-sandbox (an "
+        "image, a template; repeatable): a broken one stops serve at start, naming it (default: none)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prepare-sandbox", default=DEFAULT_RUN.sandbox, metavar="NAME",
+        help=f"the sandbox backend --prepare builds for (default: {DEFAULT_RUN.sandbox})",
+    )  # fmt: skip
     configurable(parser, SECTION, trainer=False)
 
 
@@ -99,6 +110,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from capture_proxy.app import tune_gc
     from harness_trainer.rollouts.server.routes import RolloutServer
     from harness_trainer.rollouts.server.runtime import RolloutRuntime, RuntimeConfig
+    from harness_trainer.sandboxes.base import SandboxStartError
     from harness_trainer.tasks.catalog import TaskCatalog
     from harness_trainer.tasks.task import TaskError
 
@@ -113,6 +125,11 @@ def run_serve(args: argparse.Namespace) -> int:
         tasks.splits()
     except (TaskError, OSError, ValueError) as exc:
         print(f"error: cannot load tasks from {', '.join(args.dataset)}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        chosen = [task for split in args.prepare or () for task in tasks.tasks(split)]
+    except KeyError as exc:
+        print(f"error: --prepare: {exc.args[0]}", file=sys.stderr)
         return 2
     if (layer := agent_layer(args.e2b_agent, "--e2b-agent")) is None:
         return 2
@@ -158,8 +175,32 @@ def run_serve(args: argparse.Namespace) -> int:
         f"engines {', '.join(args.upstream)}, datasets {', '.join(args.dataset)}, at most {limit} sessions)",
         flush=True,
     )
-    web.run_app(server.app(), host=args.host, port=args.port, access_log=None, print=None)
+    app = server.app()
+    if args.prepare:
+        app.on_startup.append(_preparation(server.runtime, chosen, args.prepare, args.prepare_sandbox))
+    try:
+        web.run_app(app, host=args.host, port=args.port, access_log=None, print=None)
+    except SandboxStartError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
+
+
+def _preparation(runtime: Any, chosen: list[Any], splits: list[str], sandbox: str) -> Any:
+    """An aiohttp startup hook (it runs after the runtime starts): each task of ``splits`` prepared."""
+
+    async def prepare(app: Any) -> None:
+        import logging
+        import time
+
+        began = time.monotonic()
+        prepared = await runtime.prepare(chosen, sandbox)
+        logging.getLogger(__name__).info(
+            "prepared %d environments of %s on %s in %.1f s", prepared, ", ".join(splits), sandbox,
+            time.monotonic() - began,
+        )  # fmt: skip
+
+    return prepare
 
 
 def _watch_children_with_pidfds() -> None:

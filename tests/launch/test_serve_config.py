@@ -58,3 +58,12 @@ def test_serve_says_a_bad_file_in_one_line_and_starts_nothing(tmp_path: Path, ca
     assert run_serve(parsed("--config", str(path))) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "serve.port" in err[0]
+
+
+def test_serve_refuses_a_split_to_prepare_that_no_dataset_has(capsys) -> None:
+    from tests.rollouts.conftest import EXAMPLES
+
+    args = parsed("--dataset", str(EXAMPLES), "--upstream", "http://127.0.0.1:9", "--prepare", "nope")
+    assert run_serve(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --prepare: no split 'nope'")

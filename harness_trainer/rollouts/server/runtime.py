@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from harness_trainer.rollouts.result import RolloutOptions, RolloutResult
 from harness_trainer.rollouts.server.proxy_process import ProxyProcess
 from harness_trainer.rollouts.server.run import run_rollout
 from harness_trainer.sandboxes import SandboxSupervisor, capabilities, make_backend, missing_credentials
-from harness_trainer.sandboxes.base import SandboxBackend
+from harness_trainer.sandboxes.base import SandboxBackend, SandboxStartError
 from harness_trainer.tasks.task import HarborTask
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
@@ -295,6 +295,34 @@ class RolloutRuntime:
             return await running
         finally:
             self._running.discard(running)
+
+    async def prepare(self, tasks: Sequence[HarborTask], sandbox: str, *, at_once: int = 4) -> int:
+        """Build or look up the environment of each of ``tasks`` on the ``sandbox`` backend (an image, a
+        template: what it makes once per content), ``at_once`` at a time, before any rollout asks: a run
+        whose environment cannot be built then fails at start, in seconds, not at its first group. Returns
+        how many tasks were prepared.
+
+        Raises:
+            SandboxStartError: every task that failed, each with its error (the build log's tail).
+        """
+        backend = self.backend(sandbox)
+        gate = asyncio.Semaphore(at_once)
+
+        async def one(task: HarborTask) -> str | None:
+            async with gate:
+                try:
+                    await backend.prepare(task)
+                except SandboxStartError as exc:
+                    return f"{task.name}: {exc}"
+                return None
+
+        failures = [f for f in await asyncio.gather(*(one(task) for task in tasks)) if f is not None]
+        if failures:
+            raise SandboxStartError(
+                f"{len(failures)} of {len(tasks)} environments could not be prepared on {sandbox}:\n"
+                + "\n".join(failures)
+            )
+        return len(tasks)
 
     async def aclose(self) -> None:
         """Cancel running rollouts (they clean up after themselves), then close backends and the proxy."""
