@@ -16,6 +16,7 @@ from harness_trainer.devloop.evaluate import add_eval_arguments, run_eval
 from harness_trainer.devloop.run import add_dev_arguments, run_dev
 from harness_trainer.jobs.submit import add_submit_arguments, run_submit
 from harness_trainer.launch import harbor_run
+from harness_trainer.launch.config_file import apply_config, configurable
 from harness_trainer.launch.e2b_commands import add_e2b_arguments
 from harness_trainer.launch.serve import add_serve_arguments, run_serve
 from harness_trainer.plots import add_plot_arguments, run_plot
@@ -72,6 +73,11 @@ def _demo(args: argparse.Namespace) -> int:
 def _proxy(args: argparse.Namespace) -> int:
     from capture_proxy.cli import serve
 
+    try:
+        args = apply_config(args)
+    except ValueError as exc:
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
     return serve(args)
 
 
@@ -163,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
         "proxy", help="serve the capture proxy in front of an engine (vLLM or the dev engine)"
     )
     add_proxy_arguments(proxy)
+    configurable(proxy, "proxy", trainer=False)  # `python -m capture_proxy` stands alone: flags only
     proxy.set_defaults(func=_proxy)
 
     export = sub.add_parser("proxy-trace", help="export a session's TrainingTrace from its journal (offline)")

@@ -67,3 +67,21 @@ def test_serve_refuses_a_split_to_prepare_that_no_dataset_has(capsys) -> None:
     assert run_serve(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --prepare: no split 'nope'")
+
+
+def test_the_proxy_command_takes_a_proxy_section_too(tmp_path: Path, capsys) -> None:
+    from harness_trainer.cli import build_parser, main
+
+    path = write(tmp_path, {"proxy": {"upstream": "http://e:8000", "data_dir": str(tmp_path), "port": 9301}})
+    args = apply_config(build_parser().parse_args(["proxy", "--config", str(path), "--replicas"]))
+    assert (args.upstream, args.data_dir, args.port, args.replicas) == (
+        ["http://e:8000"],
+        tmp_path,
+        9301,
+        True,
+    )
+    assert args.upstream_attempts == 3  # the default, where neither says
+    path = write(tmp_path, {"proxy": {"upstream": "http://e:8000", "data_dir": str(tmp_path), "prot": 1}})
+    assert main(["proxy", "--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "proxy.prot: unknown key" in err[0]
