@@ -242,6 +242,8 @@ def run_dev_loop(
     ``resolved``: the command's own section of the resolved config, written with the trainer's to
     ``OUTPUT_DIR/run_config.json`` once the engine is up."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # Each evaluation's line is news, not a warning: let it through at INFO.
+    logging.getLogger("harness_trainer.trainer.feed.evaluation").setLevel(logging.INFO)
     stopped_by: list[int] = []  # the stop signals received, first first
     training: list[HarnessAsyncGRPOTrainer] = []  # the trainer while it trains
 

@@ -234,3 +234,20 @@ def test_eval_settings_are_checked_and_take_trls_names(tmp_path):
     fraction = config(tmp_path, eval_steps=0.5, max_steps=6)
     assert [s for s in range(1, 7) if fraction.should_evaluate(s)] == [3, 6]
     assert not config(tmp_path).evaluates
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_each_evaluation_is_one_info_line_naming_pass_at_1_and_pass_at_k(tmp_path, caplog, k):
+    caplog.set_level(logging.INFO, logger="harness_trainer.trainer.feed.evaluation")
+    factory = HandmadeFactory(num_tasks=2)
+    evaluator = Evaluator(
+        factory, factory.prompt_rows(), k=k, seed=0, temperature=1.0, pass_reward=1.0,
+        max_concurrent_rollouts=2, rollout_timeout=None, vocab_size=None, reward_fn=None, output_dir=tmp_path,
+        split="test",
+    )  # fmt: skip
+    evaluator.evaluate(step=5, policy_version=5, stop=threading.Event())
+    (record,) = [r for r in caplog.records if r.message.startswith("eval at step 5")]
+    assert record.levelno == logging.INFO
+    assert record.message.count("pass@") == (2 if k > 1 else 1)  # with k = 1, pass@k is pass@1: said once
+    assert record.message.count("pass@1 ") == 1 and f"pass@{k} " in record.message
+    assert f"over 2 tasks of split 'test', {k} sample" in record.message

@@ -285,11 +285,7 @@ class Evaluator:
         metrics = summarize(results, k=k, pass_reward=self.pass_reward)
         metrics["eval/policy_version"] = float(policy_version)
         metrics["eval/wall_s"] = time.monotonic() - started
-        logger.warning(
-            "eval at step %d (weights v%d): pass@1 %.3f, pass@%d %.3f over %d tasks in %.0f s", step,
-            policy_version, metrics["eval/pass@1"], k, metrics["eval/pass@k"], len(results),
-            metrics["eval/wall_s"],
-        )  # fmt: skip
+        logger.info(eval_line(step, policy_version, metrics, k, len(results), self.split))
         return metrics, records
 
 
@@ -327,6 +323,20 @@ def read_eval_rollouts(
         except ValidationError as exc:
             raise ValueError(f"{path}:{number}: not a rollout record: {exc}") from exc
     return records
+
+
+def eval_line(
+    step: int, policy_version: int, metrics: dict[str, float], k: int, tasks: int, split: str | None
+) -> str:
+    """One evaluation as a line: pass@1, and pass@k when k > 1 (with k = 1 they are one number)."""
+    passes = f"pass@1 {metrics['eval/pass@1']:.3f}"
+    if k > 1:
+        passes += f", pass@{k} {metrics['eval/pass@k']:.3f}"
+    where = f" of split {split!r}" if split else ""
+    return (
+        f"eval at step {step} (weights v{policy_version}): {passes} over {tasks} tasks{where}, {k} "
+        f"sample{'s' if k > 1 else ''} each, in {metrics['eval/wall_s']:.0f} s"
+    )
 
 
 def _append(path: Path, lines: list[bytes]) -> None:
