@@ -35,7 +35,6 @@ from harness_trainer.sandboxes.host_trust import CA_FILE_NAME, NO_TRUST, HostTru
 from harness_trainer.tasks.task import HarborTask
 
 log = logging.getLogger(__name__)
-_STAND_INS = "# harness-trainer stand-ins:"
 
 PYTHON_STAND_IN = """FROM {base}
 RUN apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \\
@@ -78,19 +77,21 @@ class DockerImages:
             image = await self._base(task, task.environment.docker_image or self.base_image, "docker_image")
             if self.trust.ca_bundle is None:
                 return image
-            text = f"FROM {image}\n"  # built once, to carry the host's trust store
+            text, stood_in = f"FROM {image}\n", ()  # built once, to carry the host's trust store
         else:
-            text = await self._map_from(task, task.dockerfile.read_text())
-        return await self._built(task, self.trust.dockerfile(text), task.environment_dir)
+            text, stood_in = await self._map_from(task, task.dockerfile.read_text())
+        return await self._built(task, self.trust.dockerfile(text), task.environment_dir, stood_in)
 
-    async def _built(self, task: HarborTask, text: str, context: Path | None) -> str:
+    async def _built(
+        self, task: HarborTask, text: str, context: Path | None, stood_in: tuple[str, ...] = ()
+    ) -> str:
         """The tag of the image ``text`` builds in ``context``, built once per content however many starts
         ask at once."""
         digest = await self._call(_digest, text, context, self.trust.ca_bundle)
         tag = f"ht-env:{digest[:16]}"
         build = self._builds.get(tag)
         if build is None:
-            build = self._builds[tag] = asyncio.ensure_future(self._build(task, text, tag, context))
+            build = self._builds[tag] = asyncio.ensure_future(self._build(task, text, tag, context, stood_in))
         try:
             return await asyncio.shield(build)
         except BaseException:
@@ -131,7 +132,7 @@ class DockerImages:
                         where, image, what, stand_in)  # fmt: skip
         return stand_in
 
-    async def _map_from(self, task: HarborTask, text: str) -> str:
+    async def _map_from(self, task: HarborTask, text: str) -> tuple[str, tuple[str, ...]]:
         """``text`` with each ``FROM`` image that is not on the daemon replaced by the base image (or an
         error naming it); the ids of the images used are appended as a comment (they key the cache)."""
         lines = text.splitlines()
@@ -161,13 +162,12 @@ class DockerImages:
                 flags = " ".join(w for w in ins.args.split() if w.startswith("--"))
                 alias = f" AS {words[2]}" if len(words) >= 3 and words[1].lower() == "as" else ""
                 lines[ins.line - 1] = f"FROM {flags + ' ' if flags else ''}{chosen}{alias}"
-                stood_in.append(f"{image}={chosen}")
-        notes = [f"# harness-trainer base images: {' '.join(used)}"]
-        if stood_in:
-            notes.append(f"{_STAND_INS} {' '.join(stood_in)}")
-        return "\n".join([*lines, *notes, ""])
+                stood_in.append(f"{image} stood in for by {chosen}")
+        return "\n".join([*lines, f"# harness-trainer base images: {' '.join(used)}", ""]), tuple(stood_in)
 
-    async def _build(self, task: HarborTask, text: str, tag: str, context_dir: Path | None) -> str:
+    async def _build(
+        self, task: HarborTask, text: str, tag: str, context_dir: Path | None, stood_in: tuple[str, ...]
+    ) -> str:
         if await self._present(tag):
             return tag
         timeout = task.environment.build_timeout_sec or self.build_timeout_s
@@ -182,7 +182,7 @@ class DockerImages:
                 f"{task.name}: the image build ran past its {timeout:.0f} s timeout"
             ) from None
         if isinstance(output, str):
-            hint = _missing_command_hint(text, output)
+            hint = _missing_command_hint(stood_in, output)
             raise SandboxStartError(f"{task.name}: the image build failed; its log's tail:\n{output}{hint}")
         log.info("docker: built %s for %s in %.1f s", tag, task.name, time.monotonic() - began)
         return tag
@@ -205,14 +205,13 @@ class DockerImages:
         return None
 
 
-def _missing_command_hint(text: str, log_tail: str) -> str:
+def _missing_command_hint(stood_in: tuple[str, ...], log_tail: str) -> str:
     """Where a build on a stand-in failed for a command it lacks (``/bin/sh: 1: file: not found``): a line
     saying so, naming the images stood in for; else nothing."""
     missing = re.search(r": ([\w.+-]+): (?:command )?not found", log_tail)
-    stand_ins = [line for line in text.splitlines() if line.startswith(_STAND_INS)]
-    if missing is None or not stand_ins:
+    if missing is None or not stood_in:
         return ""
-    which = ", ".join(pair.replace("=", " stood in for by ") for pair in stand_ins[0].split()[3:])
+    which = ", ".join(stood_in)
     return (
         f"\n`{missing.group(1)}` is not in the stand-in this build ran on ({which}: no registry here, so "
         f"the base image is a minimal Debian 12 with bash, python3 and CA certificates): install it in the "
