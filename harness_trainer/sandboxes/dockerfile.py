@@ -51,6 +51,7 @@ class Instruction:
     keyword: str  # upper case
     args: str
     line: int  # 1-based line the instruction starts on
+    end_line: int = 0  # 1-based line it ends on (its last continued line)
 
 
 @dataclass(frozen=True)
@@ -96,16 +97,16 @@ def parse(text: str) -> list[Instruction]:
             pending.append(raw.rstrip()[:-1])
             continue
         pending.append(raw)
-        instructions.append(_instruction("".join(pending), start))
+        instructions.append(_instruction("".join(pending), start, number))
         pending = []
     if pending:
-        instructions.append(_instruction("".join(pending), start))
+        instructions.append(_instruction("".join(pending), start, number))
     return instructions
 
 
-def _instruction(logical: str, line: int) -> Instruction:
+def _instruction(logical: str, line: int, end_line: int) -> Instruction:
     keyword, _, args = logical.strip().partition(" ")
-    return Instruction(keyword=keyword.upper(), args=args.strip(), line=line)
+    return Instruction(keyword=keyword.upper(), args=args.strip(), line=line, end_line=end_line)
 
 
 def expand(value: str, variables: Mapping[str, str]) -> str:

@@ -25,6 +25,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import harness_trainer.sandboxes.dockerfile as dockerfile
+
 CA_PATH = "/etc/harness-trainer/host-ca.crt"
 """Where an image build puts the host's CA bundle."""
 CA_FILE_NAME = "harness-trainer-host-ca.crt"
@@ -69,16 +71,12 @@ class HostTrust:
             return text
         env = " ".join(f"{name}={CA_PATH}" for name in CA_ENV)
         layer = [f"COPY {CA_FILE_NAME} {CA_PATH}", f"ENV {env}"]
+        ends = {ins.end_line for ins in dockerfile.parse(text) if ins.keyword == "FROM"}
         out: list[str] = []
-        continuing = in_from = False
-        for line in text.splitlines():
-            starts_from = not continuing and line.strip().upper().startswith("FROM ")
-            in_from = starts_from or (continuing and in_from)
-            continuing = line.rstrip().endswith("\\")
+        for number, line in enumerate(text.splitlines(), start=1):
             out.append(line)
-            if in_from and not continuing:
+            if number in ends:
                 out += layer
-                in_from = False
         return "\n".join(out) + "\n"
 
 
