@@ -32,10 +32,14 @@ from harness_trainer.harnesses.base import (
     json_lines,
     run_logged,
 )
-from harness_trainer.harnesses.tools import ToolPackage, install_tool, tool_path
+from harness_trainer.harnesses.bundles import agent_path, install_agent
+from harness_trainer.harnesses.tools import NativeBinary, ToolPackage
 from harness_trainer.sandboxes.base import Sandbox
 
-PACKAGE = ToolPackage("npm", "@anthropic-ai/claude-code", "2.1.332", "node_modules/.bin/claude")
+PACKAGE = ToolPackage(
+    "npm", "@anthropic-ai/claude-code", "2.1.332", "node_modules/.bin/claude",
+    native=NativeBinary("@anthropic-ai/claude-code-linux-x64", "2.1.332", "claude"),
+)  # fmt: skip
 DEFAULT_TOOLS = ("Bash", "Read", "Edit", "Write")
 LOG_NAME = "claude-code.jsonl"
 MODEL_VARIABLES = (
@@ -130,7 +134,7 @@ class ClaudeCodeHarness:
         self.tools = tuple(tools)
 
     async def install(self, sandbox: Sandbox) -> None:
-        await install_tool(sandbox, PACKAGE)
+        await install_agent(sandbox, PACKAGE)
 
     async def run(
         self,
@@ -142,7 +146,7 @@ class ClaudeCodeHarness:
         timeout_s: float,
     ) -> AgentRun:
         command = build_command(
-            tool_path(sandbox, PACKAGE), instruction, step_limit=step_limit, tools=self.tools
+            agent_path(sandbox, PACKAGE), instruction, step_limit=step_limit, tools=self.tools
         )
         result, log = await run_logged(
             sandbox,

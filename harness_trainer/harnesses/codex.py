@@ -30,10 +30,14 @@ from harness_trainer.harnesses.base import (
     json_lines,
     run_logged,
 )
-from harness_trainer.harnesses.tools import ToolPackage, install_tool, tool_path
+from harness_trainer.harnesses.bundles import agent_path, install_agent
+from harness_trainer.harnesses.tools import NativeBinary, ToolPackage
 from harness_trainer.sandboxes.base import Sandbox
 
-PACKAGE = ToolPackage("npm", "@openai/codex", "0.171.0", "node_modules/.bin/codex")
+PACKAGE = ToolPackage(
+    "npm", "@openai/codex", "0.171.0", "node_modules/.bin/codex",
+    native=NativeBinary("@openai/codex", "0.171.0-linux-x64", "vendor/x86_64-unknown-linux-musl/bin/codex"),
+)  # fmt: skip
 PROVIDER_ID = "harness"
 API_KEY_VARIABLE = "HARNESS_TRAINER_API_KEY"
 LOG_NAME = "codex.jsonl"
@@ -121,7 +125,7 @@ class CodexHarness:
         self.context_tokens = context_tokens
 
     async def install(self, sandbox: Sandbox) -> None:
-        await install_tool(sandbox, PACKAGE)
+        await install_agent(sandbox, PACKAGE)
 
     async def run(
         self,
@@ -138,7 +142,7 @@ class CodexHarness:
         await sandbox.write_file(f"{codex_home}/config.toml", config, mode=0o600)
         result, log = await run_logged(
             sandbox,
-            build_command(tool_path(sandbox, PACKAGE), instruction, sandbox.workdir),
+            build_command(agent_path(sandbox, PACKAGE), instruction, sandbox.workdir),
             env={"CODEX_HOME": codex_home, API_KEY_VARIABLE: endpoint.session_id},
             log_path=f"{AGENT_LOG_DIR}/{LOG_NAME}",
             timeout_s=timeout_s,

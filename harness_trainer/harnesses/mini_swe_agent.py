@@ -32,13 +32,16 @@ from harness_trainer.harnesses.base import (
     ToolCounts,
     run_logged,
 )
-from harness_trainer.harnesses.tools import ToolPackage, install_tool, tool_path
+from harness_trainer.harnesses.bundles import agent_path, install_agent
+from harness_trainer.harnesses.tools import ToolPackage
 from harness_trainer.sandboxes.base import Sandbox
 
 # litellm pinned: mini's range (>=1.75.5) floats to each new release, and importing litellm is most of an
 # agent start (mini's imports with 1.76.0: about 3.0 s of CPU here, against 4.4 s with 1.110.2, 2026-12;
 # a first dev run starts the agent about 100 times).
-PACKAGE = ToolPackage("pip", "mini-swe-agent", "2.4.6", "venv/bin/mini", pins=(("litellm", "1.76.0"),))
+PACKAGE = ToolPackage(
+    "pip", "mini-swe-agent", "2.4.6", "venv/bin/mini", pins=(("litellm", "1.76.0"),), requires_python="3.10"
+)
 LOG_NAME = "mini-swe-agent.log"
 TRAJECTORY_NAME = "mini-swe-agent.traj.json"
 CONFIG_SECTIONS = ("agent", "model", "environment")
@@ -183,7 +186,7 @@ class MiniSweAgentHarness:
         self.agent_config = None if agent_config is None else check_agent_config(agent_config)
 
     async def install(self, sandbox: Sandbox) -> None:
-        await install_tool(sandbox, PACKAGE)
+        await install_agent(sandbox, PACKAGE)
 
     async def run(
         self,
@@ -207,7 +210,7 @@ class MiniSweAgentHarness:
         trajectory_path = f"{AGENT_LOG_DIR}/{TRAJECTORY_NAME}"
         await sandbox.write_file(trajectory_path, b"")  # no stale trajectory survives
         env = {**ENV, "OPENAI_API_KEY": endpoint.session_id, "MSWEA_GLOBAL_CONFIG_DIR": private}
-        command = build_command(tool_path(sandbox, PACKAGE), instruction, overlay_path, trajectory_path)
+        command = build_command(agent_path(sandbox, PACKAGE), instruction, overlay_path, trajectory_path)
         result, log = await run_logged(
             sandbox, command, env=env, log_path=f"{AGENT_LOG_DIR}/{LOG_NAME}", timeout_s=timeout_s
         )

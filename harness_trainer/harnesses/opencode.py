@@ -34,10 +34,14 @@ from harness_trainer.harnesses.base import (
     json_lines,
     run_logged,
 )
-from harness_trainer.harnesses.tools import ToolPackage, install_tool, tool_path
+from harness_trainer.harnesses.bundles import agent_path, install_agent
+from harness_trainer.harnesses.tools import NativeBinary, ToolPackage
 from harness_trainer.sandboxes.base import Sandbox
 
-PACKAGE = ToolPackage("npm", "opencode-ai", "1.18.33", "node_modules/.bin/opencode")
+PACKAGE = ToolPackage(
+    "npm", "opencode-ai", "1.18.33", "node_modules/.bin/opencode",
+    native=NativeBinary("opencode-linux-x64", "1.18.33", "bin/opencode"),
+)  # fmt: skip
 PROVIDER_ID = "harness"
 TITLE = "harness-trainer rollout"
 NO_TRAINING_TOOLS = ("task", "webfetch", "websearch", "codesearch")
@@ -127,7 +131,7 @@ class OpencodeHarness:
         self.context_tokens = context_tokens
 
     async def install(self, sandbox: Sandbox) -> None:
-        await install_tool(sandbox, PACKAGE)
+        await install_agent(sandbox, PACKAGE)
 
     async def run(
         self,
@@ -152,7 +156,7 @@ class OpencodeHarness:
         await sandbox.write_file(f"{home}/.config/opencode/node_modules/.keep", b"")
         result, log = await run_logged(
             sandbox,
-            build_command(tool_path(sandbox, PACKAGE), instruction),
+            build_command(agent_path(sandbox, PACKAGE), instruction),
             env={**ENV, "OPENCODE_CONFIG": config_path},
             log_path=f"{AGENT_LOG_DIR}/{LOG_NAME}",
             timeout_s=timeout_s,

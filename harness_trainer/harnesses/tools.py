@@ -46,6 +46,16 @@ _host_ready: set[Path] = set()  # install folders this process has already seen 
 
 
 @dataclass(frozen=True)
+class NativeBinary:
+    """The platform build an npm agent ships as a package of its own (``opencode-linux-x64``), whose
+    executable runs without Node: ``name@version`` on the npm registry, the executable at ``path`` in it."""
+
+    name: str
+    version: str
+    path: str
+
+
+@dataclass(frozen=True)
 class ToolPackage:
     """One pinned agent package; ``entrypoint`` is the executable's path inside the install folder."""
 
@@ -56,6 +66,10 @@ class ToolPackage:
     pins: tuple[tuple[str, str], ...] = ()
     """Dependencies pinned to an exact version, ``(name, version)``, installed with the package: where its
     own range would float (a start's cost, and what the agent runs, would change with each release)."""
+    native: NativeBinary | None = None
+    """An npm agent's linux-x64 native executable: its bundle is that alone, no Node (:mod:`.bundles`)."""
+    requires_python: str = ""
+    """A pip agent's minimum Python (``3.10``), checked where its venv is made for an image's Python."""
 
     @property
     def spec(self) -> str:
@@ -175,17 +189,17 @@ async def ensure_host_install(
         _host_ready.add(folder)
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
-    async with _file_lock(folder.with_name(folder.name + ".lock"), timeout_s):
+    async with file_lock(folder.with_name(folder.name + ".lock"), timeout_s):
         if not (folder / MARKER).is_file():
             await asyncio.to_thread(shutil.rmtree, folder, True)
-            await _run_installer(package.install_command(str(folder), python=sys.executable), timeout_s)
+            await run_installer(package.install_command(str(folder), python=sys.executable), timeout_s)
             (folder / MARKER).write_text(" ".join(package.specs) + "\n")
     _host_ready.add(folder)
     return folder
 
 
 @contextlib.asynccontextmanager
-async def _file_lock(path: Path, timeout_s: float) -> AsyncIterator[None]:
+async def file_lock(path: Path, timeout_s: float) -> AsyncIterator[None]:
     """An exclusive ``flock`` on ``path``, polled so that waiting stays cancellable."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     deadline = time.monotonic() + timeout_s
@@ -203,7 +217,7 @@ async def _file_lock(path: Path, timeout_s: float) -> AsyncIterator[None]:
         os.close(fd)  # closing the descriptor releases the lock
 
 
-async def _run_installer(command: str, timeout_s: float) -> None:
+async def run_installer(command: str, timeout_s: float) -> None:
     process = await asyncio.create_subprocess_exec(
         "bash",
         "-c",

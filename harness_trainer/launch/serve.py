@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from capture_proxy.cli import add_proxy_arguments
+from harness_trainer.harnesses import HARNESSES
 from harness_trainer.launch.config_file import apply_config, configurable
 from harness_trainer.launch.e2b_commands import agent_layer
 from harness_trainer.launch.flag_types import non_negative_float, non_negative_int
@@ -96,6 +97,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--prepare-sandbox", default=DEFAULT_RUN.sandbox, metavar="NAME",
         help=f"the sandbox backend --prepare builds for (default: {DEFAULT_RUN.sandbox})",
     )  # fmt: skip
+    parser.add_argument(
+        "--prepare-harness", action="append", metavar="NAME", choices=sorted(HARNESSES),
+        help="with --prepare, also build this harness's agent bundle and set it up in every environment "
+        "(repeatable; a pip agent's venv is made for each image's Python): an agent that cannot run there "
+        "stops serve at start (default: none; rollouts provision their agent at their first start)",
+    )  # fmt: skip
     configurable(parser, SECTION, trainer=False)
 
 
@@ -177,7 +184,9 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     app = server.app()
     if args.prepare:
-        app.on_startup.append(_preparation(server.runtime, chosen, args.prepare, args.prepare_sandbox))
+        harnesses = args.prepare_harness or []
+        hook = _preparation(server.runtime, chosen, args.prepare, args.prepare_sandbox, harnesses)
+        app.on_startup.append(hook)
     try:
         web.run_app(app, host=args.host, port=args.port, access_log=None, print=None)
     except SandboxStartError as exc:
@@ -186,7 +195,9 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _preparation(runtime: Any, chosen: list[Any], splits: list[str], sandbox: str) -> Any:
+def _preparation(
+    runtime: Any, chosen: list[Any], splits: list[str], sandbox: str, harnesses: list[str]
+) -> Any:
     """An aiohttp startup hook (it runs after the runtime starts): each task of ``splits`` prepared."""
 
     async def prepare(app: Any) -> None:
@@ -194,7 +205,7 @@ def _preparation(runtime: Any, chosen: list[Any], splits: list[str], sandbox: st
         import time
 
         began = time.monotonic()
-        prepared = await runtime.prepare(chosen, sandbox)
+        prepared = await runtime.prepare(chosen, sandbox, harnesses=harnesses)
         logging.getLogger(__name__).info(
             "prepared %d environments of %s on %s in %.1f s", prepared, ", ".join(splits), sandbox,
             time.monotonic() - began,

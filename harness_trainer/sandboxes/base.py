@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import posixpath
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -108,6 +108,30 @@ def sandbox_lifetime(task: HarborTask, lifetime_s: float, margin_s: float) -> fl
     return max(lifetime_s, task.agent_timeout_sec + task.verifier_timeout_sec) + margin_s
 
 
+AGENT_ROOT = "/opt/harness-trainer/agents"
+"""Where a sandbox sees the agents provisioned into it (:class:`AgentProvision`), one folder each."""
+
+
+@dataclass(frozen=True)
+class AgentProvision:
+    """An agent a backend puts into every sandbox before any rollout asks, so that no rollout installs
+    anything over the network (its image may have neither Node nor the network).
+
+    ``host_dir``, a folder on this machine (the agent's bundle), is seen at ``AGENT_ROOT/<name>`` in each
+    sandbox; ``setup``, when set, is a shell command run once per environment as root with the network,
+    inside that environment and with the folder writable, that completes it for what the environment has
+    (a pip agent's venv for the image's Python); it is idempotent, and its failure is the environment's."""
+
+    name: str
+    host_dir: Path
+    setup: str = ""
+
+    @property
+    def path(self) -> str:
+        """The folder as a sandbox sees it."""
+        return f"{AGENT_ROOT}/{self.name}"
+
+
 @dataclass(frozen=True)
 class Isolation:
     """What a backend's sandbox keeps from its agent; True is enforced, False is not."""
@@ -145,6 +169,11 @@ class Capabilities:
 class SandboxBackend(Protocol):
     name: str
     capabilities: Capabilities
+
+    def provide(self, agents: Sequence[AgentProvision]) -> None:
+        """Put these agents into every sandbox started from now on (and set them up as each environment is
+        prepared); a backend whose sandboxes see this machine's files needs nothing."""
+        ...
 
     async def prepare(self, task: HarborTask) -> None:
         """Make ready what starts of ``task`` share (an image, a template), once per environment however

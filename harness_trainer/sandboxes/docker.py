@@ -45,12 +45,13 @@ import io
 import logging
 import tarfile
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from harness_trainer.sandboxes.base import (
+    AgentProvision,
     Capabilities,
     ExecResult,
     Isolation,
@@ -60,6 +61,7 @@ from harness_trainer.sandboxes.base import (
     resolve_path,
     sandbox_lifetime,
 )
+from harness_trainer.sandboxes.docker_agents import DockerAgents
 from harness_trainer.sandboxes.docker_daemon import (
     BASE_IMAGE,
     LABEL,
@@ -113,8 +115,18 @@ class DockerSandbox:
 
     shares_host_filesystem = False
 
-    def __init__(self, backend: DockerSandboxBackend, container: str, *, workdir: str, env: dict[str, str]):
+    def __init__(
+        self,
+        backend: DockerSandboxBackend,
+        container: str,
+        *,
+        workdir: str,
+        env: dict[str, str],
+        provisioned: frozenset[str] = frozenset(),
+    ):
         self.id = container[:12]
+        self.provisioned = provisioned
+        """The agents mounted into this container (:mod:`.docker_agents`), by bundle name."""
         self.container = container
         self.workdir = workdir
         self.home = backend.home
@@ -310,6 +322,10 @@ class DockerSandboxBackend:
             build_network=build_network, build_timeout_s=build_timeout_s,
             trust=HostTrust.from_host() if inherit_host_trust else NO_TRUST,
         )  # fmt: skip
+        self.agents = DockerAgents(
+            lambda: self.client, self.call, network=build_network or network, env=self.images.trust.proxy,
+            timeout_s=build_timeout_s,
+        )  # fmt: skip
 
     @property
     def client(self) -> Any:
@@ -349,8 +365,13 @@ class DockerSandboxBackend:
         call = lambda: function(*args, **kwargs)  # noqa: E731
         return await asyncio.get_running_loop().run_in_executor(self._pools[long], call)
 
+    def provide(self, agents: Sequence[AgentProvision]) -> None:
+        """Mount these agents' bundles into every container from now on (:mod:`.docker_agents`)."""
+        self.agents.provide(agents)
+
     async def prepare(self, task: HarborTask) -> None:
-        """The daemon checked (and leftovers removed) once, and ``task``'s image built once per content."""
+        """The daemon checked (and leftovers removed) once, ``task``'s image built once per content, and
+        each provisioned agent set up for it once."""
         await self._image(task)
 
     async def _image(self, task: HarborTask) -> str:
@@ -359,7 +380,9 @@ class DockerSandboxBackend:
                 raise SandboxStartError(f"{task.name}: {problem}")
             self._swept = True
         try:
-            return await self.images.resolve(task)
+            image = await self.images.resolve(task)
+            await self.agents.set_up(task, image)
+            return image
         except SandboxStartError:
             raise
         except Exception as exc:
@@ -389,7 +412,8 @@ class DockerSandboxBackend:
         if spec.memory_mb:
             limits["mem_limit"] = f"{int(spec.memory_mb)}m"
         network = self.network if spec.allow_internet else "none"
-        host_config = api.create_host_config(init=True, network_mode=network, **limits)
+        binds = self.agents.binds
+        host_config = api.create_host_config(init=True, network_mode=network, binds=binds or None, **limits)
         try:
             config = (await self.call(api.inspect_image, image)).get("Config") or {}
             workdir = config.get("WorkingDir") or "/app"
@@ -397,12 +421,16 @@ class DockerSandboxBackend:
                 api.create_container, image, entrypoint=["sleep", "infinity"], command=[],
                 environment={"HOME": self.home, **self.images.trust.proxy, **env}, working_dir=workdir,
                 labels={LABEL: RUN_ID}, host_config=host_config, stop_signal="SIGKILL",
+                volumes=[bind["bind"] for bind in binds.values()],
             )  # fmt: skip
             inspected = await self.call(api.inspect_container, created["Id"])
         except Exception as exc:
             raise SandboxStartError(f"{task.name}: cannot create a container of {image}: {exc}") from exc
         container_env = dict(item.partition("=")[::2] for item in inspected["Config"].get("Env") or [])
-        return DockerSandbox(self, created["Id"], workdir=workdir, env={**container_env, **env})
+        provisioned = frozenset(self.agents.agents)
+        return DockerSandbox(
+            self, created["Id"], workdir=workdir, env={**container_env, **env}, provisioned=provisioned
+        )
 
     async def _start(self, task: HarborTask, sandbox: DockerSandbox) -> None:
         api = self.client.api

@@ -71,6 +71,7 @@ from pathlib import Path
 
 import harness_trainer.sandboxes.dockerfile as dockerfile
 from harness_trainer.sandboxes.base import (
+    AgentProvision,
     Capabilities,
     ExecResult,
     Isolation,
@@ -270,6 +271,9 @@ class LocalSandboxBackend:
     def live(self) -> list[LocalSandbox]:
         """The sandboxes this backend started that are still open."""
         return list(self._live)
+
+    def provide(self, agents: Sequence[AgentProvision]) -> None:
+        """Nothing: a local sandbox sees this machine's files, where the bundles are."""
 
     async def prepare(self, task: HarborTask) -> None:
         """Nothing: starts share nothing here (each runs the task's ``RUN`` steps in its own root)."""

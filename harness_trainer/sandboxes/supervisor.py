@@ -28,7 +28,7 @@ import signal
 import time
 from collections.abc import Callable, Sequence
 
-from harness_trainer.sandboxes.base import Sandbox, SandboxBackend, SandboxStartError
+from harness_trainer.sandboxes.base import AgentProvision, Sandbox, SandboxBackend, SandboxStartError
 from harness_trainer.tasks.task import HarborTask
 
 log = logging.getLogger(__name__)
@@ -116,6 +116,9 @@ class SandboxSupervisor:
             raise SandboxStartError("the sandbox supervisor shut down while this sandbox started")
         self._live = [*self.live, sandbox]  # prunes closed ones as it goes
         return sandbox
+
+    def provide(self, agents: Sequence[AgentProvision]) -> None:
+        self.backend.provide(agents)
 
     async def prepare(self, task: HarborTask) -> None:
         await self.backend.prepare(task)

@@ -10,11 +10,11 @@ import pytest
 
 from harness_trainer.harnesses import HARNESSES, claude_code, codex, make_harness, mini_swe_agent, opencode
 from harness_trainer.harnesses.base import AgentEndpoint
-from harness_trainer.sandboxes.base import ExecResult
+from harness_trainer.harnesses.bundles import bundle_entry
+from harness_trainer.sandboxes.base import AGENT_ROOT, ExecResult
 from tests.harnesses.conftest import FakeSandbox
 
 ENDPOINT = AgentEndpoint(root_url="http://127.0.0.1:8300/", session_id="sess-abc", model="tiny")
-TOOLS = "/home/user/.cache/harness-trainer/tools"
 
 
 def test_every_registered_harness_builds_without_options_and_is_named_for_its_key() -> None:
@@ -191,22 +191,25 @@ def _writes_log(log_name: str, text: str):  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize(
-    ("name", "log_name", "binary"),
+    ("name", "log_name"),
     [
-        ("opencode", "opencode.jsonl", "opencode-ai-1.18.33/node_modules/.bin/opencode"),
-        ("mini-swe-agent", "mini-swe-agent.log", "mini-swe-agent-2.4.6-litellm-1.76.0/venv/bin/mini"),
-        ("claude-code", "claude-code.jsonl", "anthropic-ai-claude-code-2.1.332/node_modules/.bin/claude"),
-        ("codex", "codex.jsonl", "openai-codex-0.171.0/node_modules/.bin/codex"),
+        ("opencode", "opencode.jsonl"),
+        ("mini-swe-agent", "mini-swe-agent.log"),
+        ("claude-code", "claude-code.jsonl"),
+        ("codex", "codex.jsonl"),
     ],
 )
 async def test_run_execs_the_pinned_binary_in_the_workdir_with_stdout_to_the_agent_log(
-    name: str, log_name: str, binary: str
+    name: str, log_name: str
 ) -> None:
     sandbox = FakeSandbox(_writes_log(log_name, "not json\n"))
     run = await make_harness(name).run(sandbox, "say 'hi'", ENDPOINT, step_limit=3, timeout_s=42)
     [call] = sandbox.execs
     argv = shlex.split(call["command"])
-    assert argv[0] == f"{TOOLS}/{binary}"
+    package = HARNESSES[name].package
+    assert package is not None and package.version in argv[0]
+    assert argv[0] == bundle_entry(package)  # where a backend provisions its bundle
+    assert argv[0].startswith(f"{AGENT_ROOT}/")
     assert "say 'hi'" in argv
     assert argv[-4:] == ["<", "/dev/null", ">", f"/logs/agent/{log_name}"]
     assert call["timeout_s"] == 42 and call["cwd"] == "/app"

@@ -22,6 +22,7 @@ from typing import Any
 from capture_proxy.admin_client import CaptureClient, CaptureError, NothingTrainable
 from harness_trainer.harnesses import make_harness
 from harness_trainer.harnesses.base import AgentEndpoint, AgentRun, Harness, HarnessError
+from harness_trainer.harnesses.bundles import provision
 from harness_trainer.rollouts.errors import ErrorKind
 from harness_trainer.rollouts.result import RolloutOptions, RolloutResult
 from harness_trainer.rollouts.server.verifier import run_verifier, upload_tests
@@ -87,6 +88,8 @@ async def run_rollout(
         session_id = result.capture_session_id = session.session_id
         timeout = options.agent_timeout_sec or task.agent_timeout_sec
         with _phase(result, "sandbox_start"):
+            if harness.package is not None:  # its bundle (built once per machine) into the sandboxes
+                backend.provide([await provision(harness.package)])
             lifetime = timeout + task.verifier_timeout_sec + _SANDBOX_SLACK_S
             sandbox = await backend.start(task, lifetime_s=lifetime)
         with _phase(result, "install"):

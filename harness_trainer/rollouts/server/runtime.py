@@ -25,6 +25,8 @@ from aiohttp import web
 from capture_proxy.admin_client import CaptureClient
 from capture_proxy.app import build_app
 from capture_proxy.config import ProxyConfig, engine_root
+from harness_trainer.harnesses import HARNESSES, HarnessError
+from harness_trainer.harnesses.bundles import provision
 from harness_trainer.rollouts.result import RolloutOptions, RolloutResult
 from harness_trainer.rollouts.server.proxy_process import ProxyProcess
 from harness_trainer.rollouts.server.run import run_rollout
@@ -296,16 +298,27 @@ class RolloutRuntime:
         finally:
             self._running.discard(running)
 
-    async def prepare(self, tasks: Sequence[HarborTask], sandbox: str, *, at_once: int = 4) -> int:
+    async def prepare(
+        self, tasks: Sequence[HarborTask], sandbox: str, *, harnesses: Sequence[str] = (), at_once: int = 4
+    ) -> int:
         """Build or look up the environment of each of ``tasks`` on the ``sandbox`` backend (an image, a
-        template: what it makes once per content), ``at_once`` at a time, before any rollout asks: a run
-        whose environment cannot be built then fails at start, in seconds, not at its first group. Returns
-        how many tasks were prepared.
+        template: what it makes once per content), with the agents of ``harnesses`` provisioned and set up
+        in each (:mod:`~harness_trainer.harnesses.bundles`), ``at_once`` at a time, before any rollout
+        asks: a run whose environment or agent cannot be built then fails at start, in seconds, not at its
+        first group. Returns how many tasks were prepared.
 
         Raises:
-            SandboxStartError: every task that failed, each with its error (the build log's tail).
+            SandboxStartError: every task that failed, each with its error (the build log's tail); or an
+                agent bundle that could not be built, naming it and the command that failed.
         """
         backend = self.backend(sandbox)
+        for name in dict.fromkeys(harnesses):
+            package = HARNESSES[name].package
+            if package is not None:
+                try:
+                    backend.provide([await provision(package)])
+                except HarnessError as exc:
+                    raise SandboxStartError(f"the {name} agent could not be prepared: {exc}") from exc
         gate = asyncio.Semaphore(at_once)
 
         async def one(task: HarborTask) -> str | None:

@@ -1,0 +1,146 @@
+"""Every supported agent on tasks shaped like real Harbor datasets, through ``harness-trainer serve`` on the
+Docker backend.
+
+The tasks (``tests/harbor_shaped/test``, written here) are what Terminal-Bench-style datasets hold: schema
+2.0 ``task.toml`` with resource fields, a Dockerfile ``FROM`` a digest-pinned ``python:3.12-slim``,
+``debian:bookworm-slim`` or ``ubuntu:24.04`` (the pins are of our own making: no registry is reachable
+here, so each ``FROM`` is stood in for by the local base, as for any user without one), apt and pip
+installs at build time, several files under ``/app``, a pytest verifier writing ``reward.txt``; one has
+``allow_internet = false``. None of their images has Node.
+
+``serve --prepare test --prepare-harness …`` builds every image and every agent's bundle, and sets the pip
+agent up for each image's Python, before it answers. Then real mini-swe-agent, opencode, claude-code and
+codex each replay every task's ``solution/solve.sh`` through their own shell tool, driven by the scripted
+dev engine (reward 1), and give up at once on one task (reward 0). Asserted besides: no image has ``node``
+or ``npm``; every rollout's agent ran from its provisioned bundle (no per-rollout install); nothing is left
+open.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness_trainer.harnesses.mini_swe_agent import SUBMIT_COMMAND
+from harness_trainer.net import free_port, wait_until_healthy
+from harness_trainer.rollouts.client.factory import HarborSessionFactory
+
+pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(1800)]
+
+ROOT = Path(__file__).resolve().parents[2]
+DATASET = ROOT / "tests" / "harbor_shaped"
+TASKS = sorted(path.name for path in (DATASET / "test").iterdir())
+AGENTS = ("mini-swe-agent", "opencode", "claude-code", "codex")
+NODE_PROBE = "command -v node || command -v npm"
+GIVE_UP = "service-error-summary"  # the no-op's task (allow_internet = false)
+
+
+def call(name: str, **arguments: Any) -> dict[str, Any]:
+    return {
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}],
+    }
+
+
+def replay(agent: str, command: str) -> list[dict[str, Any]]:
+    """The replies with which ``agent`` runs ``command`` in its shell tool, then ends its run."""
+    return {
+        "mini-swe-agent": [call("bash", command=command), call("bash", command=SUBMIT_COMMAND)],
+        "opencode": [call("bash", command=command, description="Apply the fix"), {"content": "Done."}],
+        "claude-code": [call("Bash", command=command, description="Apply the fix"), {"content": "Done."}],
+        "codex": [call("exec_command", cmd=command), {"content": "Done."}],
+    }[agent]
+
+
+def give_up(agent: str) -> list[dict[str, Any]]:
+    """The replies with which ``agent`` ends its run without doing anything."""
+    if agent == "mini-swe-agent":
+        return [call("bash", command=SUBMIT_COMMAND)]
+    return [{"content": "I will not change anything."}]
+
+
+def test_every_agent_solves_harbor_shaped_tasks_in_images_without_node(
+    scripted_engine, tmp_path: Path
+) -> None:
+    script: list[dict[str, Any]] = []
+    plan: list[tuple[str, str, float]] = []
+    for agent in AGENTS:
+        for task in TASKS:
+            script += replay(agent, (DATASET / "test" / task / "solution" / "solve.sh").read_text())
+            plan.append((agent, task, 1.0))
+        script += give_up(agent)
+        plan.append((agent, GIVE_UP, 0.0))
+    engine = scripted_engine(script)
+
+    port = free_port()
+    command = [sys.executable, "-m", "harness_trainer.cli", "serve", "--dataset", str(DATASET)]
+    command += ["--upstream", engine.url, "--port", str(port), "--capture-port", str(free_port())]
+    command += ["--data-dir", str(tmp_path / "capture"), "--prepare", "test", "--prepare-sandbox", "docker"]
+    for agent in AGENTS:
+        command += ["--prepare-harness", agent]
+    environ = {k: v for k, v in os.environ.items() if k != "E2B_API_KEY"}
+    log = (tmp_path / "serve.log").open("w")
+    server = subprocess.Popen(command, cwd=ROOT, env=environ, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(url, server, timeout=1500)
+        assert _images_with_node() == []
+        for agent, task, reward in plan:
+            factory = HarborSessionFactory(
+                url, split="test", harness=agent, sandbox="docker", agent_timeout_sec=300
+            )
+            try:
+                row = next(r for r in factory.prompt_rows() if r["task_name"] == task)
+                session = factory.create(row["prompt"])
+                try:
+                    session.wait_for_completion()
+                    result = session.result
+                    assert result is not None and result.error is None, (agent, task, result)
+                    assert result.reward == reward, (agent, task, result.log_tail[-6000:])
+                    assert result.model_calls == len(replay(agent, "x") if reward else give_up(agent))
+                finally:
+                    session.close()
+            finally:
+                factory.close()
+        served = (tmp_path / "serve.log").read_text()
+        assert "not provisioned in sandbox" not in served  # no rollout fell back to a network install
+        assert "prepared 3 environments of test on docker" in served
+    finally:
+        server.terminate()
+        try:
+            server.wait(60)
+        finally:
+            if server.poll() is None:
+                server.kill()
+                server.wait()
+            log.close()
+    assert server.returncode == 0, (tmp_path / "serve.log").read_text()[-5000:]
+
+
+def _images_with_node() -> list[str]:
+    """The task images (labelled by the docker backend) in which ``node`` or ``npm`` is a command."""
+    listed = subprocess.run(
+        ["docker", "images", "--filter", "label=harness-trainer=env", "--format", "{{.Repository}}:{{.Tag}}"],
+        capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    found = []
+    for image in listed:
+        probe = [
+            "docker",
+            "run",
+            "--rm",
+            "--network",
+            "none",
+            image,
+            "sh",
+            "-c",
+            "command -v node || command -v npm",
+        ]
+        if subprocess.run(probe, capture_output=True, timeout=120).returncode == 0:
+            found.append(image)
+    return found
