@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from harness_trainer.examples import TASKS as EXAMPLES  # noqa: F401 - for the tests here
+from harness_trainer.harnesses.bundles import ensure_bundle
 from harness_trainer.harnesses.tools import ToolPackage, ensure_host_install
 from harness_trainer.net import free_port, wait_until_healthy
 from harness_trainer.sandboxes.base import ExecResult
@@ -100,13 +101,15 @@ def tiny_tokenizer(tiny_model_dir: Path) -> Any:
 
 @pytest.fixture(scope="session")
 def install_agent() -> Callable[[ToolPackage], Path]:
-    """Install a real agent package into the host tool cache (once per machine; npm / pip on first use)."""
+    """Make a real agent runnable in a local sandbox, once per machine: an npm agent's bundle, a pip agent's
+    venv in the host tool cache (what ``install_agent`` uses for a sandbox on this machine's files)."""
     done: dict[ToolPackage, Path] = {}
 
     def install(package: ToolPackage) -> Path:
         if package not in done:  # in a thread of its own: the caller may be inside an event loop
+            make = ensure_host_install if package.manager == "pip" else ensure_bundle
             with ThreadPoolExecutor(1) as pool:
-                done[package] = pool.submit(asyncio.run, ensure_host_install(package)).result()
+                done[package] = pool.submit(asyncio.run, make(package)).result()
         return done[package]
 
     return install

@@ -25,6 +25,7 @@ from harness_trainer.dev_engine.script import completion_ids
 from harness_trainer.devloop.prompts import MINI_SWE_AGENT_COMPACT
 from harness_trainer.harnesses import make_harness
 from harness_trainer.harnesses.base import AgentEndpoint, AgentRun
+from harness_trainer.harnesses.bundles import host_bundles_dir
 from harness_trainer.harnesses.tools import ToolPackage, host_tools_dir
 from harness_trainer.rollouts.server.verifier import run_verifier
 from harness_trainer.sandboxes.local import LocalSandboxBackend
@@ -203,6 +204,6 @@ def _agent_processes_after_teardown(timeout_s: float = 5.0) -> list[str]:
 
 def _agent_processes() -> list[str]:
     """Live processes of this test process (its descendants: other test processes may run agents too)
-    running anything from the host tool cache (none may outlive its sandbox)."""
-    needle = str(host_tools_dir())
-    return [line for line in describe(alive(descendants(os.getpid()))) if needle in line]
+    running anything from the host tool cache or the agent bundles (none may outlive its sandbox)."""
+    needles = (str(host_tools_dir()), str(host_bundles_dir()))
+    return [line for line in describe(alive(descendants(os.getpid()))) if any(n in line for n in needles)]

@@ -4,6 +4,7 @@ proxy on this machine's loopback through the backend's relay, solves the task, a
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -95,3 +96,21 @@ def test_serve_prepare_builds_every_environment_first_and_a_broken_one_stops_it_
             serving.wait()
         if serving.stderr is not None:
             serving.stderr.close()
+
+
+@pytest.mark.slow
+def test_serve_prepare_stops_at_start_naming_an_agent_whose_bundle_cannot_be_built(tmp_path: Path) -> None:
+    """The npm registry down: serve fails in seconds with one error naming the agent and what failed, before
+    any rollout (the bundle is built before any environment)."""
+    dataset = _dataset(tmp_path / "data", {"fine": "FROM ubuntu:24.04\n"})
+    argv = [sys.executable, "-m", "harness_trainer.cli", "serve", "--upstream", "http://127.0.0.1:9"]
+    argv += ["--served-model", "m", "--data-dir", str(tmp_path / "capture"), "--proxy", "in-process"]
+    argv += ["--dataset", str(dataset), "--prepare", "train", "--prepare-sandbox", "docker"]
+    argv += ["--prepare-harness", "opencode", "--port", str(free_port()), "--capture-port", str(free_port())]
+    environ = {**os.environ, "HARNESS_TRAINER_CACHE": str(tmp_path / "cache")}
+    environ["NPM_CONFIG_REGISTRY"] = "http://127.0.0.1:9"
+    failed = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120, env=environ)
+    assert failed.returncode == 2, failed.stderr[-3000:]
+    expected = "error: the opencode agent could not be prepared: cannot fetch opencode-linux-x64@1.18.33 from"
+    assert f"{expected} the npm registry http://127.0.0.1:9" in failed.stderr
+    assert "prepared" not in failed.stderr.replace("could not be prepared", "")
