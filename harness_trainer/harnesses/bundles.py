@@ -280,6 +280,19 @@ async def install_agent(sandbox: Sandbox, package: ToolPackage) -> str:
     return path
 
 
+async def probe_agent(sandbox: Sandbox, package: ToolPackage, *, timeout_s: float = 120.0) -> str:
+    """Install ``package`` in ``sandbox`` and run it with its ``probe`` arguments (``--version``); returns
+    its output. Raises :class:`HarnessError` with the command and its output unless it exits 0 naming its
+    own version: an agent that cannot start here fails at preparation, not in every rollout."""
+    command = shlex.join([await install_agent(sandbox, package), *package.probe])
+    result = await sandbox.exec(command, timeout_s=timeout_s)
+    output = result.stdout + result.stderr
+    if result.exit_code != 0 or package.version not in output:
+        why = "timed out" if result.timed_out else f"exited with {result.exit_code}"
+        raise HarnessError(f"`{command}` {why} in sandbox {sandbox.id}: {output.strip()[-2000:]}")
+    return output
+
+
 def agent_path(sandbox: Sandbox, package: ToolPackage) -> str:
     """The executable :func:`install_agent` chose for ``sandbox``; before it ran, where a provisioned
     bundle would be (this machine's bundle or venv, for a sandbox on its files)."""

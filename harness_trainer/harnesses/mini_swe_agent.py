@@ -40,7 +40,13 @@ from harness_trainer.sandboxes.base import Sandbox
 # agent start (mini's imports with 1.76.0: about 3.0 s of CPU here, against 4.4 s with 1.110.2, 2026-12;
 # a first dev run starts the agent about 100 times).
 PACKAGE = ToolPackage(
-    "pip", "mini-swe-agent", "2.4.6", "venv/bin/mini", pins=(("litellm", "1.76.0"),), requires_python="3.10"
+    "pip",
+    "mini-swe-agent",
+    "2.4.6",
+    "venv/bin/mini",
+    pins=(("litellm", "1.76.0"),),
+    requires_python="3.10",
+    probe=("--help",),  # no --version; its help names its version
 )
 LOG_NAME = "mini-swe-agent.log"
 TRAJECTORY_NAME = "mini-swe-agent.traj.json"

@@ -70,6 +70,9 @@ class ToolPackage:
     """An npm agent's linux-x64 native executable: its bundle is that alone, no Node (:mod:`.bundles`)."""
     requires_python: str = ""
     """A pip agent's minimum Python (``3.10``), checked where its venv is made for an image's Python."""
+    probe: tuple[str, ...] = ("--version",)
+    """Arguments that make the agent print its version and exit 0 (run once per environment at
+    preparation, :func:`~harness_trainer.harnesses.bundles.probe_agent`)."""
 
     @property
     def spec(self) -> str:

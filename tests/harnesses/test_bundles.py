@@ -31,6 +31,7 @@ from harness_trainer.harnesses.bundles import (
     bundle_name,
     ensure_bundle,
     install_agent,
+    probe_agent,
     setup_command,
 )
 from harness_trainer.harnesses.tools import NativeBinary, ToolPackage
@@ -213,3 +214,22 @@ async def test_without_a_provisioned_bundle_the_network_install_is_the_warned_fa
     assert (
         "acme-agent@1.0.0 is not provisioned in sandbox fake-1: installing it over the network" in caplog.text
     )
+
+
+async def test_an_agent_that_does_not_start_fails_its_probe_naming_the_command_and_its_output() -> None:
+    def crashes(sandbox: FakeSandbox, command: str) -> ExecResult:
+        if command.startswith("test -x"):
+            return ExecResult(0, "", "")
+        return ExecResult(127, "", "error while loading shared libraries: libstdc++.so.6")
+
+    sandbox = FakeSandbox(crashes)
+    sandbox.provisioned = frozenset({bundle_name(ACME)})  # type: ignore[attr-defined]
+    with pytest.raises(HarnessError) as failed:
+        await probe_agent(sandbox, ACME)
+    assert f"`{bundle_entry(ACME)} --version` exited with 127 in sandbox fake-1" in str(failed.value)
+    assert "libstdc++.so.6" in str(failed.value)
+
+    def answers(sandbox: FakeSandbox, command: str) -> ExecResult:
+        return ExecResult(0, "acme 1.0.0\n", "")
+
+    assert await probe_agent(FakeSandbox(answers), ACME) == "acme 1.0.0\n"

@@ -26,7 +26,7 @@ from capture_proxy.admin_client import CaptureClient
 from capture_proxy.app import build_app
 from capture_proxy.config import ProxyConfig, engine_root
 from harness_trainer.harnesses import HARNESSES, HarnessError
-from harness_trainer.harnesses.bundles import provision
+from harness_trainer.harnesses.bundles import probe_agent, provision
 from harness_trainer.rollouts.result import RolloutOptions, RolloutResult
 from harness_trainer.rollouts.server.proxy_process import ProxyProcess
 from harness_trainer.rollouts.server.run import run_rollout
@@ -303,29 +303,32 @@ class RolloutRuntime:
     ) -> int:
         """Build or look up the environment of each of ``tasks`` on the ``sandbox`` backend (an image, a
         template: what it makes once per content), with the agents of ``harnesses`` provisioned and set up
-        in each (:mod:`~harness_trainer.harnesses.bundles`), ``at_once`` at a time, before any rollout
-        asks: a run whose environment or agent cannot be built then fails at start, in seconds, not at its
-        first group. Returns how many tasks were prepared.
+        in each (:mod:`~harness_trainer.harnesses.bundles`) and started once in a sandbox of each
+        (:func:`~harness_trainer.harnesses.bundles.probe_agent`: its ``--version``), ``at_once`` at a
+        time, before any rollout asks: a run whose environment or agent cannot be built, or whose agent
+        does not start there, then fails at start, in seconds, not at its first group. Returns how many
+        tasks were prepared.
 
         Raises:
             SandboxStartError: every task that failed, each with its error (the build log's tail); or an
                 agent bundle that could not be built, naming it and the command that failed.
         """
         backend = self.backend(sandbox)
-        for name in dict.fromkeys(harnesses):
-            package = HARNESSES[name].package
-            if package is not None:
-                try:
-                    backend.provide([await provision(package)])
-                except HarnessError as exc:
-                    raise SandboxStartError(f"the {name} agent could not be prepared: {exc}") from exc
+        packages = {n: p for n in dict.fromkeys(harnesses) if (p := HARNESSES[n].package) is not None}
+        for name, package in packages.items():
+            try:
+                backend.provide([await provision(package)])
+            except HarnessError as exc:
+                raise SandboxStartError(f"the {name} agent could not be prepared: {exc}") from exc
         gate = asyncio.Semaphore(at_once)
 
         async def one(task: HarborTask) -> str | None:
             async with gate:
                 try:
                     await backend.prepare(task)
-                except SandboxStartError as exc:
+                    if packages:
+                        await self._probe(backend, task, packages)
+                except (SandboxStartError, HarnessError) as exc:
                     return f"{task.name}: {exc}"
                 return None
 
@@ -336,6 +339,18 @@ class RolloutRuntime:
                 + "\n".join(failures)
             )
         return len(tasks)
+
+    async def _probe(self, backend: SandboxBackend, task: HarborTask, packages: Mapping[str, Any]) -> None:
+        """Each agent of ``packages`` started once in a sandbox of ``task``'s environment."""
+        sandbox = await backend.start(task, lifetime_s=300)
+        try:
+            for name, package in packages.items():
+                try:
+                    await probe_agent(sandbox, package)
+                except HarnessError as exc:
+                    raise HarnessError(f"the {name} agent does not start in this environment: {exc}") from exc
+        finally:
+            await sandbox.close()
 
     async def aclose(self) -> None:
         """Cancel running rollouts (they clean up after themselves), then close backends and the proxy."""
