@@ -42,16 +42,28 @@ host's CA bundle and the host's proxy variables (:mod:`.host_trust`; ``inherit_h
 them out), the names in ``passthrough_env``, the Dockerfile's ``ENV``, what ``start(env=…)`` gave, and its own
 ``env``. The login shell's ``/etc/profile`` would reset ``PATH``; a ``~/.bash_profile`` restores it.
 
+Network. A task with ``allow_internet = true`` (the default) shares the host's network: the agent reaches
+the capture proxy, and everything else, as any process here. With ``allow_internet = false`` the sandbox
+gets a network namespace of its own (``unshare --net``; commands enter it with ``nsenter -n``) holding only
+its loopback, and the capture proxy's URL (``proxy_url``, given by the runtime:
+``capabilities.wants_proxy_url``), when it is on loopback, is relayed to the **same address** in it
+(:mod:`.unix_relay`: a Unix socket in the sandbox's root, served here, and a relay process inside the
+namespace), so the agent uses the URL unchanged and nothing else of this machine's loopback or network is
+reachable. A ``proxy_url`` that is not loopback is not reachable then (as in the docker backend).
+Dockerfile ``RUN`` steps run with the host's network either way, as Docker builds images with a network
+whatever the task says.
+
 Threat model: this is **not** a security boundary. It gives private task paths, a private process view,
-reliable cleanup of every process and a scrubbed environment, which is what a trusted dev loop needs. It
-does not give: a different user (commands run with the caller's powers: in root mode root's, all of
-them; in rootless mode the caller's own, shown as root in the namespace), network isolation (the host
-network is shared; the agent reaches the proxy on loopback, and ``allow_internet`` is not enforced),
-filesystem isolation beyond the private paths (the rest of the host is visible, and writable as far as
-the caller may write it: in root mode ``RUN apt-get install`` installs on the host), or resource limits
-(``cpus``/``memory_mb`` are ignored). What rootless mode adds: commands never exceed the caller's own
-rights, and the host gets no new directory. Use E2B for untrusted agents. Needs util-linux, and root or
-unprivileged user namespaces.
+reliable cleanup of every process, a scrubbed environment and, with ``allow_internet = false``, no
+network but the capture proxy, which is what a trusted dev loop needs. It does not give: a different user
+(commands run with the caller's powers: in root mode root's, all of them, enough to undo any of this; in
+rootless mode the caller's own, shown as root in the namespace, which cannot leave the network
+namespace), filesystem isolation beyond the private paths (the rest of the host is visible, and writable
+as far as the caller may write it: in root mode ``RUN apt-get install`` installs on the host; a Unix
+socket on the host's filesystem, a Docker daemon's say, stays reachable whatever the network), or
+resource limits (``cpus``/``memory_mb`` are ignored). What rootless mode adds: commands never exceed the
+caller's own rights, and the host gets no new directory. Use E2B for untrusted agents. Needs util-linux,
+and root or unprivileged user namespaces.
 """
 
 from __future__ import annotations
@@ -84,9 +96,11 @@ from harness_trainer.sandboxes.base import (
 from harness_trainer.sandboxes.host_trust import NO_TRUST, HostTrust
 from harness_trainer.sandboxes.processes import Namespace, run_captured
 from harness_trainer.sandboxes.rootless import MODES, Mode, choose_mode
+from harness_trainer.sandboxes.unix_relay import ProxyRelay, loopback_target
 from harness_trainer.tasks.task import HarborTask
 
 FIXED_PATHS = ("/logs", "/tests", "/solution")
+_OFFLINE = "[environment] allow_internet = false (a network namespace with only the capture proxy)"
 SYSTEM_DIRS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc", "/run")
 SYSTEM_DIRS += ("/sbin", "/sys", "/usr", "/var")
 _BASH_PROFILE = """\
@@ -125,6 +139,7 @@ class LocalSandbox:
         self._lock_fd = lock_fd  # held while the sandbox lives: an unlocked root is a stale one
         self._closed = False
         self._lifetime = Lifetime()
+        self.relay: ProxyRelay | None = None  # the capture proxy's, without internet; closed with the sandbox
         self.on_close: list[Callable[[LocalSandbox], object]] = []  # called once, when closed
 
     @property
@@ -163,12 +178,25 @@ class LocalSandbox:
         env: dict[str, str] | None = None,
         cwd: str | None = None,
     ) -> ExecResult:
+        return await self._run(command, timeout_s=timeout_s, env=env, cwd=cwd)
+
+    async def _run(
+        self,
+        command: str,
+        *,
+        timeout_s: float | None,
+        env: dict[str, str] | None,
+        cwd: str | None,
+        host_network: bool = False,
+    ) -> ExecResult:
         if self._closed or not self._namespace.running():
             raise SandboxError(f"sandbox {self.id} is closed" if self._closed else f"sandbox {self.id} died")
         full_env = {**self._env, **(env or {})}
         full_env["__HT_PATH"] = full_env.get("PATH", os.defpath)
         directory = self.sandbox_path(cwd) if cwd else self.workdir
-        argv = self._namespace.enter_argv(["/bin/bash", "-lc", command], cwd=directory)
+        argv = self._namespace.enter_argv(
+            ["/bin/bash", "-lc", command], cwd=directory, host_network=host_network
+        )
         return await run_captured(argv, env=full_env, timeout_s=timeout_s, grace_s=self._kill_grace_s)
 
     def _check_open(self) -> None:
@@ -207,6 +235,8 @@ class LocalSandbox:
         try:
             await self._namespace.kill()
         finally:
+            if self.relay is not None:  # after the kill: its inside half died with the namespace
+                await self.relay.close()
             await asyncio.to_thread(shutil.rmtree, self.root, ignore_errors=True)
             os.close(self._lock_fd)
             for callback in self.on_close:
@@ -229,14 +259,17 @@ class LocalSandboxBackend:
     - ``lifetime_margin_s``: added to a sandbox's lifetime before it closes itself (default 60);
     - ``home``: the private ``HOME`` (default ``/home/user``, as in E2B);
     - ``passthrough_env``: host variable names commands may also see (e.g. ``("HF_TOKEN",)``);
-    - ``mode``: ``"root"`` or ``"rootless"`` (default: the strongest that works here, :meth:`choose_mode`).
+    - ``mode``: ``"root"`` or ``"rootless"`` (default: the strongest that works here, :meth:`choose_mode`);
+    - ``proxy_url``: the capture proxy's URL as agents are told it (the runtime passes it), relayed into
+      each sandbox without internet when it is on loopback.
     """
 
     name = "local"
     capabilities = Capabilities(
         summary="Linux namespaces on this machine, as root or rootless (a user namespace), for the dev loop: "
         "not a security boundary",
-        isolation=Isolation(network=False, filesystem=False, user=False, limits=False),
+        isolation=Isolation(network=True, filesystem=False, user=False, limits=False),
+        wants_proxy_url=True,
     )
     modes: tuple[Mode, ...] = MODES
     """How it can make its namespaces, strongest first (:mod:`~harness_trainer.sandboxes.rootless`)."""
@@ -255,8 +288,10 @@ class LocalSandboxBackend:
         passthrough_env: Sequence[str] = (),
         mode: str | None = None,
         inherit_host_trust: bool = True,
+        proxy_url: str | None = None,
     ) -> None:
         self.base_dir = Path(base_dir or tempfile.gettempdir()).resolve()
+        self.proxy_url = proxy_url
         self.build_timeout_s = build_timeout_s
         self.kill_grace_s = kill_grace_s
         self.lifetime_margin_s = lifetime_margin_s
@@ -289,11 +324,14 @@ class LocalSandboxBackend:
         plan = _plan(task, base_env)
         mounts = self._private_paths(task, [plan.workdir, *plan.written_dirs, *FIXED_PATHS, self.home])
         root = self.base_dir / f"ht-{uuid.uuid4().hex[:12]}"
+        offline = not task.environment.allow_internet
         lock_fd = -1
         try:
             lock_fd = await asyncio.to_thread(self._make_root, root, mounts, mode)
             binds = [(root / "fs" / m.lstrip("/"), m) for m in mounts]
-            namespace = await Namespace.create(binds, base_env, mode=mode, new_root=root / "mnt")
+            namespace = await Namespace.create(
+                binds, base_env, mode=mode, new_root=root / "mnt", private_network=offline
+            )
         except BaseException as exc:
             shutil.rmtree(root, ignore_errors=True)
             shutil.rmtree(root.with_name(f".{root.name}.new"), ignore_errors=True)
@@ -301,6 +339,8 @@ class LocalSandboxBackend:
                 os.close(lock_fd)
             if isinstance(exc, OSError):
                 raise SandboxStartError(f"{task.name}: cannot prepare the sandbox root: {exc}") from exc
+            if offline and isinstance(exc, SandboxStartError):
+                raise SandboxStartError(f"{task.name}: {_OFFLINE}: {exc}") from exc
             raise
         sandbox = LocalSandbox(
             root=root,
@@ -315,6 +355,12 @@ class LocalSandboxBackend:
         self._live.add(sandbox)
         sandbox.on_close.append(self._live.discard)
         try:
+            if offline and (target := loopback_target(self.proxy_url)) is not None:
+                sandbox.relay = ProxyRelay(root, *target)
+                try:
+                    await sandbox.relay.open(namespace, base_env)
+                except SandboxStartError as exc:
+                    raise SandboxStartError(f"{task.name}: {_OFFLINE}: {exc}") from exc
             timeout = task.environment.build_timeout_sec or self.build_timeout_s
             await _build(sandbox, plan, task, time.monotonic() + timeout, mode)
         except BaseException:
@@ -433,7 +479,9 @@ async def _build(
                 raise SandboxStartError(f"{task.name}: Dockerfile: {exc}") from exc
             continue
         remaining = deadline - time.monotonic()
-        result = await sandbox.exec(step.command, timeout_s=max(remaining, 0.001), env=step.env, cwd=step.cwd)
+        result = await sandbox._run(  # with the host's network, as Docker builds an image
+            step.command, timeout_s=max(remaining, 0.001), env=step.env, cwd=step.cwd, host_network=True
+        )
         if result.exit_code == 0:
             continue
         tail = (result.stdout + result.stderr)[-2000:]

@@ -3,8 +3,9 @@
 :class:`Namespace` starts one long-lived init process in a fresh **mount + PID namespace** (``unshare
 --fork --pid --mount --propagation private --mount-proc``) after bind-mounting the sandbox's private
 directories over their absolute paths; in the rootless mode (:mod:`.rootless`) also a **user namespace**
-(``--user --map-root-user``), and the binds go into a new root that the init ``pivot_root`` s into. Every
-command then enters those namespaces with ``nsenter``, so:
+(``--user --map-root-user``), and the binds go into a new root that the init ``pivot_root`` s into; with
+``private_network``, also a **network namespace** (``--net``) whose loopback is brought up and which has
+nothing else. Every command then enters those namespaces with ``nsenter``, so:
 
 - ``/logs``, ``/tests``, the workspace… resolve to this sandbox's own directories (mounts are made once,
   at start, and vanish with the namespace: nothing is ever mounted on the host's own mount table);
@@ -12,7 +13,9 @@ command then enters those namespaces with ``nsenter``, so:
 - killing the init (``SIGKILL``) makes the kernel kill every process in the namespace, whatever it did
   to escape (``setsid``, double fork, a scrubbed environment). That is how a sandbox is closed.
 - the init is chained to the creating thread with ``setpriv --pdeathsig KILL`` and ``unshare
-  --kill-child``: if this Python process dies hard, the namespace dies with it.
+  --kill-child``: if this Python process dies hard, the namespace dies with it;
+- with a private network, a command reaches only the namespace's own loopback, unless it is entered with
+  ``host_network`` (the Dockerfile's ``RUN`` steps: images are built with a network in Docker too).
 
 :func:`run_captured` runs one command in its own process group (``start_new_session``) and on timeout
 or cancellation kills the whole group (``SIGTERM``, then ``SIGKILL`` after a grace). Output is captured
@@ -26,6 +29,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -49,14 +53,27 @@ echo ready
 exec /bin/bash -c 'trap "" TERM INT HUP; while :; do sleep 86400 & wait; done'
 """
 
+# A new network namespace's loopback is down (so it has no 127.0.0.1 either): bring it up with the
+# SIOCGIFFLAGS/SIOCSIFFLAGS ioctls, run by the host's Python, so that iproute2 is not needed.
+_LOOPBACK_UP = """
+import fcntl, socket, struct
+with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    flags = struct.unpack("16sH14x", fcntl.ioctl(s, 0x8913, struct.pack("16sH14x", b"lo", 0)))[1]
+    fcntl.ioctl(s, 0x8914, struct.pack("16sH14x", b"lo", flags | 1))
+"""
+
 
 class Namespace:
-    """A mount + PID namespace kept alive by one init process; ``enter_argv`` runs a command inside."""
+    """A mount + PID (+ network) namespace kept alive by one init process; ``enter_argv`` runs a command
+    inside."""
 
-    def __init__(self, launcher: asyncio.subprocess.Process, init_pid: int, mode: Mode) -> None:
+    def __init__(
+        self, launcher: asyncio.subprocess.Process, init_pid: int, mode: Mode, private_network: bool = False
+    ) -> None:
         self._launcher = launcher
         self.init_pid = init_pid
         self.mode = mode
+        self.private_network = private_network
         self.alive = True
         self._tools = {name: tool(name) or name for name in ("nsenter", "env")}
 
@@ -68,16 +85,19 @@ class Namespace:
         *,
         mode: Mode = ROOT,
         new_root: Path | None = None,
+        private_network: bool = False,
         timeout_s: float = 10.0,
     ) -> Namespace:
         """Bind each host directory over its sandbox path in a new namespace made as ``mode`` says (for
-        :data:`ROOTLESS`, in a new root mounted on the empty directory ``new_root``); raises
+        :data:`ROOTLESS`, in a new root mounted on the empty directory ``new_root``), with a network
+        namespace of its own holding only its loopback (up) when ``private_network``; raises
         SandboxStartError."""
         if mode.needs_root and os.geteuid() != 0:
             raise SandboxStartError("the local sandbox's root mode needs root (mount and PID namespaces)")
         setpriv, unshare = (tool(name) or name for name in ("setpriv", "unshare"))
         argv = [setpriv, "--pdeathsig", "KILL", unshare, "--fork", "--kill-child=KILL", "--pid", "--mount"]
-        argv += ["--propagation", "private", *mode.unshare_flags, "--", "/bin/sh", "-c"]
+        argv += ["--propagation", "private", *mode.unshare_flags, *(["--net"] if private_network else [])]
+        argv += ["--", "/bin/sh", "-c"]
         if mode.private_root:
             if new_root is None:
                 raise ValueError("the rootless mode needs new_root, an empty directory to mount it on")
@@ -105,12 +125,29 @@ class Namespace:
             await _reap(launcher)
             err = (await launcher.stderr.read()).decode(errors="replace").strip()
             raise SandboxStartError(f"the sandbox namespace did not start: {err or 'no output'}")
-        return cls(launcher, _only_child(launcher.pid), mode)
+        namespace = cls(launcher, _only_child(launcher.pid), mode, private_network)
+        if private_network:
+            try:
+                await namespace._bring_up_loopback(env, timeout_s)
+            except BaseException:
+                await namespace.kill()
+                raise
+        return namespace
 
-    def enter_argv(self, argv: Sequence[str], *, cwd: str) -> list[str]:
-        """``argv`` run inside the namespace with working directory ``cwd`` (a sandbox path)."""
+    async def _bring_up_loopback(self, env: Mapping[str, str], timeout_s: float) -> None:
+        # -I -S: the host's Python with its standard library only (no site, no PYTHON* variables).
+        argv = self.enter_argv([sys.executable, "-I", "-S", "-c", _LOOPBACK_UP], cwd="/")
+        done = await run_captured(argv, env=env, timeout_s=timeout_s, grace_s=0.5)
+        if done.exit_code != 0:
+            why = done.stderr.strip()[-1000:] or f"exit code {done.exit_code}"
+            why = "it timed out" if done.timed_out else why
+            raise SandboxStartError(f"cannot bring up the loopback of the sandbox's own network: {why}")
+
+    def enter_argv(self, argv: Sequence[str], *, cwd: str, host_network: bool = False) -> list[str]:
+        """``argv`` run inside the namespace with working directory ``cwd`` (a sandbox path); with
+        ``host_network``, in this machine's network instead of the namespace's own (when it has one)."""
         nsenter, env = self._tools["nsenter"], self._tools["env"]
-        flags = self.mode.nsenter_flags
+        flags = [*self.mode.nsenter_flags, *(["-n"] if self.private_network and not host_network else [])]
         return [nsenter, "-t", str(self.init_pid), *flags, "--", env, f"--chdir={cwd}", *argv]
 
     def running(self) -> bool:

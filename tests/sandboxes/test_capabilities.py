@@ -37,9 +37,11 @@ def test_every_registered_backend_declares_its_capabilities_and_has_a_contract_f
 
 def test_the_registry_answers_from_the_classes() -> None:
     assert capabilities("e2b").remote and not capabilities("local").remote
-    assert capabilities("e2b").isolation.network and not capabilities("local").isolation.network
+    assert capabilities("e2b").isolation.network and capabilities("local").isolation.network
+    assert not capabilities("local").isolation.filesystem
     assert not capabilities("docker").remote and capabilities("docker").builds == "images"
-    assert capabilities("docker").wants_proxy_url and not capabilities("local").wants_proxy_url
+    assert capabilities("docker").wants_proxy_url and capabilities("local").wants_proxy_url
+    assert not capabilities("e2b").wants_proxy_url
     assert credential_variables() == ("E2B_API_KEY",)
     assert missing_credentials("e2b", {}) == ["E2B_API_KEY"]
     assert missing_credentials("e2b", {"E2B_API_KEY": ""}) == ["E2B_API_KEY"]
@@ -95,7 +97,7 @@ def test_the_runtime_gives_the_capture_proxy_url_to_the_backends_that_want_it() 
     runtime.capture = SimpleNamespace(public_url="http://127.0.0.1:8300")  # type: ignore[assignment]
     docker = runtime.backend("docker").backend  # type: ignore[attr-defined]
     assert (docker.proxy_url, docker.kill_grace_s) == ("http://127.0.0.1:8300", 1.0)
-    assert not hasattr(runtime.backend("local").backend, "proxy_url")  # type: ignore[attr-defined]
+    assert runtime.backend("local").backend.proxy_url == "http://127.0.0.1:8300"  # type: ignore[attr-defined]
 
 
 def test_the_readme_table_says_what_the_classes_declare() -> None:

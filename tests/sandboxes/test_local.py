@@ -18,8 +18,11 @@ from pathlib import Path
 import pytest
 
 import harness_trainer.sandboxes.local as local
+from harness_trainer.sandboxes import unix_relay
 from harness_trainer.sandboxes.base import SandboxError, SandboxStartError
 from harness_trainer.sandboxes.local import LocalSandboxBackend
+from harness_trainer.sandboxes.rootless import probe
+from harness_trainer.sandboxes.unix_relay import loopback_target
 from tests.sandboxes.conftest import TaskFactory, wait_until_gone, wait_until_present
 
 
@@ -326,3 +329,125 @@ def test_a_hard_killed_owner_takes_its_sandboxes_with_it(make_task: TaskFactory,
         owner.wait()
         assert owner.stdout is not None
         owner.stdout.close()
+
+
+# Fetches argv[1] and prints the body; ignores the host's proxy variables (which the sandbox inherits).
+FETCH = (
+    f"{sys.executable} -c 'import sys, urllib.request as u; opener = u.build_opener(u.ProxyHandler({{}})); "
+    "print(opener.open(sys.argv[1], timeout=5).read().decode())' "
+)
+CONNECT = (
+    f"{sys.executable} -c 'import socket, sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), 3)' "
+)
+
+
+@pytest.fixture
+async def loopback_services() -> AsyncIterator[tuple[int, int]]:
+    """Two tiny HTTP servers on this machine's loopback: the capture proxy's stand-in and another service
+    (an engine, say); yields their ports."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.0 200 OK\r\nContent-Length: 7\r\n\r\nproxied")
+            await writer.drain()
+        except asyncio.IncompleteReadError:
+            pass  # a bare connect (CONNECT): nothing to answer
+        writer.close()
+
+    servers = [await asyncio.start_server(answer, "127.0.0.1", 0) for _ in range(2)]
+    yield servers[0].sockets[0].getsockname()[1], servers[1].sockets[0].getsockname()[1]
+    for server in servers:
+        server.close()
+
+
+def _mode_or_skip(mode: str) -> str:
+    if (why := probe(next(m for m in LocalSandboxBackend.modes if m.name == mode))) is not None:
+        pytest.skip(f"no {mode} mode here: {why}")
+    return mode
+
+
+@pytest.mark.parametrize("mode", ["root", "rootless"])
+async def test_without_internet_only_the_capture_proxy_is_reachable_at_its_own_url(
+    tmp_path: Path, make_task: TaskFactory, loopback_services: tuple[int, int], mode: str
+) -> None:
+    proxy_port, engine_port = loopback_services
+    backend = LocalSandboxBackend(
+        tmp_path / "sandboxes", mode=_mode_or_skip(mode), proxy_url=f"http://127.0.0.1:{proxy_port}/v1"
+    )
+    # RUN steps build the environment with the host's network, as Docker builds an image.
+    task = make_task(f"FROM x\nRUN {CONNECT}127.0.0.1 {engine_port}\n", allow_internet=False)
+    sandbox = await backend.start(task, lifetime_s=60)
+    try:
+        reached = await sandbox.exec(FETCH + f"http://127.0.0.1:{proxy_port}/v1/models")
+        assert (reached.exit_code, reached.stdout) == (0, "proxied\n"), reached.stderr
+        engine = await sandbox.exec(CONNECT + f"127.0.0.1 {engine_port}")
+        assert engine.exit_code != 0 and "Connection refused" in engine.stderr
+        outside = await sandbox.exec(CONNECT + "1.1.1.1 443", timeout_s=10)
+        assert outside.exit_code != 0 and "Network is unreachable" in outside.stderr
+        interfaces = await sandbox.exec("tail -n +3 /proc/net/dev | cut -d: -f1")
+        assert interfaces.stdout.split() == ["lo"]
+    finally:
+        await backend.aclose()
+
+
+async def test_with_internet_the_host_network_is_shared_as_before(
+    tmp_path: Path, make_task: TaskFactory, loopback_services: tuple[int, int]
+) -> None:
+    proxy_port, engine_port = loopback_services
+    backend = LocalSandboxBackend(tmp_path / "sandboxes", proxy_url=f"http://127.0.0.1:{proxy_port}/v1")
+    sandbox = await backend.start(make_task(), lifetime_s=60)
+    try:
+        assert (await sandbox.exec(CONNECT + f"127.0.0.1 {engine_port}")).exit_code == 0
+        own = (await sandbox.exec("readlink /proc/self/ns/net")).stdout.strip()
+        assert own == os.readlink("/proc/self/ns/net")
+        assert sandbox.relay is None and not (sandbox.root / "proxy.sock").exists()
+    finally:
+        await backend.aclose()
+
+
+@pytest.mark.parametrize("mode", ["root", "rootless"])
+async def test_the_proxy_relay_leaves_nothing_after_close_or_a_failed_start(
+    tmp_path: Path, make_task: TaskFactory, loopback_services: tuple[int, int], mode: str
+) -> None:
+    proxy_port, _ = loopback_services
+    backend = LocalSandboxBackend(
+        tmp_path / "sandboxes", mode=_mode_or_skip(mode), proxy_url=f"http://localhost:{proxy_port}"
+    )
+    sandbox = await backend.start(make_task(allow_internet=False), lifetime_s=60)
+    assert sandbox.relay is not None
+    socket_path, relay = sandbox.relay.socket_path, f"ht-proxy-relay {sandbox.root} "
+    assert socket_path.is_socket() and len(wait_until_present(relay, count=2)) == 2  # nsenter, its child
+    assert (await sandbox.exec(FETCH + f"http://localhost:{proxy_port}/")).stdout == "proxied\n"
+    await sandbox.close()
+    assert not wait_until_gone(relay) and not socket_path.exists() and not sandbox.root.exists()
+
+    failing = make_task("FROM x\nRUN exit 3\n", allow_internet=False, name="offline-fails")
+    with pytest.raises(SandboxStartError, match="offline-fails: Dockerfile line 2: RUN exited with code 3"):
+        await backend.start(failing, lifetime_s=60)
+    assert not wait_until_gone("ht-proxy-relay " + str(tmp_path)) and not backend.live
+    assert not list((tmp_path / "sandboxes").iterdir())
+
+
+async def test_a_relay_that_does_not_start_fails_the_start_naming_the_task_and_the_field(
+    tmp_path: Path, make_task: TaskFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(unix_relay, "INSIDE", "import sys; sys.exit('no listener today')")
+    backend = LocalSandboxBackend(tmp_path / "sandboxes", proxy_url="http://127.0.0.1:9")
+    with pytest.raises(SandboxStartError) as raised:
+        await backend.start(make_task(allow_internet=False, name="offline"), lifetime_s=60)
+    assert str(raised.value).startswith("offline: [environment] allow_internet = false")
+    assert "the proxy relay did not start in the sandbox" in str(raised.value)
+    assert str(raised.value).endswith(": no listener today")
+    assert not backend.live and not list((tmp_path / "sandboxes").iterdir())
+    assert not wait_until_gone("ht-proxy-relay " + str(tmp_path))
+
+
+def test_only_a_loopback_proxy_url_is_relayed() -> None:
+    assert loopback_target("http://127.0.0.1:8300/v1") == ("127.0.0.1", 8300)
+    assert loopback_target("https://localhost/v1") == ("localhost", 443)
+    assert loopback_target("http://[::1]:9") == ("::1", 9)
+    assert loopback_target("http://127.0.0.2") == ("127.0.0.2", 80)
+    assert loopback_target("https://proxy.example") is None
+    assert loopback_target("http://10.0.0.1:8300") is None
+    assert loopback_target(None) is None
