@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import os
 import shutil
 import socket
 import tempfile
@@ -39,8 +38,8 @@ from urllib.parse import urlsplit
 import torch
 
 from harness_trainer.engines.kinds import WEIGHT_SYNCS
+from harness_trainer.engines.weight_room import weights_parent
 
-SHARED_MEMORY = Path("/dev/shm")
 FILE_NAME = "model.safetensors"
 
 
@@ -82,13 +81,10 @@ def choose_weight_sync(requested: str, base_url: str) -> str:
 
 
 def run_folder(directory: str | Path | None, prefix: str) -> Path:
-    """A new folder for one run's weight files under ``directory`` (default ``/dev/shm`` when writable,
-    else the temp dir), readable by an engine running as another user."""
-    parent = Path(directory) if directory is not None else None
-    if parent is None and SHARED_MEMORY.is_dir() and os.access(SHARED_MEMORY, os.W_OK):
-        parent = SHARED_MEMORY
-    if parent is not None:
-        parent.mkdir(parents=True, exist_ok=True)
+    """A new folder for one run's weight files under :func:`weights_parent` of ``directory`` (default
+    ``/dev/shm`` when writable, else the temp dir), readable by an engine running as another user."""
+    parent = weights_parent(directory)
+    parent.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
     folder.chmod(0o755)
     return folder

@@ -215,6 +215,7 @@ def preflight_options(args: argparse.Namespace, config: AsyncGRPOConfig) -> Pref
         resume=config.resume_from_checkpoint,
         fingerprint={key: settings[key] for key in FINGERPRINT_FIELDS},
         weight_sync=config.weight_sync,
+        trainer_config=config,
     )
 
 

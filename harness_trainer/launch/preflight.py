@@ -15,13 +15,17 @@ and how to fix it) at the first failure:
    ``prompt_token_ids``, the sampled ``token_ids``, one ``"token_id:N"`` logprob entry per sampled id
    with a finite logprob ≤ 0; for vLLM also, from its dev-mode ``GET /server_info``, that it runs with
    ``VLLM_SERVER_DEV_MODE=1``, ``--logprobs-mode processed_logprobs`` and a ``--weight-transfer-config``;
-5. the rollout server: reachable; ``GET /health``'s ``max_concurrent_envs`` (its ``MAX_CONCURRENT_ENVS``)
+5. the room for the weight pushes (given the run's ``trainer_config``): the folder the ``file`` weight
+   sync or the LoRA adapter sync writes to (``weight_sync_dir``, else ``/dev/shm`` when writable) has the
+   free space they need, sized from the model's safetensors headers
+   (:func:`~harness_trainer.trainer.engine_link.check_weight_room`, which the trainer runs too);
+6. the rollout server: reachable; ``GET /health``'s ``max_concurrent_envs`` (its ``MAX_CONCURRENT_ENVS``)
    is at least ``max_concurrent_rollouts + 1`` (the session factory keeps one session for metadata) and
    that many sessions are free now; its agents call a model the engine serves (so the engine that takes
    the weights is the one that samples); the split exists and the chosen tasks are in it.
 
-Nothing here opens a rollout session, starts a sandbox or loads a model: only ``GET`` requests and the
-one ``max_tokens=1`` completion.
+Nothing here opens a rollout session, starts a sandbox or loads a model: only ``GET`` requests, the one
+``max_tokens=1`` completion and the model's safetensors headers.
 """
 
 from __future__ import annotations
@@ -32,11 +36,14 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from harness_trainer.engines.kinds import kind_of
+
+if TYPE_CHECKING:
+    from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig
 
 LAUNCH_FILE = "launch.json"
 """What the launcher writes into the output directory: the ``--model`` and the run's other choices."""
@@ -81,6 +88,9 @@ class PreflightOptions:
     """The run's ``AsyncGRPOConfig.weight_sync``: only the ``nccl`` path needs vLLM's transfer engine."""
     more_servers: tuple[str, ...] = ()
     """Further rollout servers beside ``server_url``: the run's sessions are spread over all of them."""
+    trainer_config: AsyncGRPOConfig | None = None
+    """The run's trainer config: its weight sync, ``weight_sync_dir``, dtype and LoRA settings size the
+    weight pushes that go through a folder; None skips that check (the trainer still runs it)."""
 
     @property
     def server_urls(self) -> list[str]:
@@ -97,15 +107,18 @@ class PreflightReport:
     open_sessions: int
     tasks: int
     resume_from: Path | None
+    weight_room: str | None = None
+    """What the weight-room check found (None: no push goes through a folder, or it was not asked for)."""
 
     def summary(self, options: PreflightOptions) -> str:
         resume = f"; resuming from {self.resume_from}" if self.resume_from else ""
+        room = f"; {self.weight_room}" if self.weight_room else ""
         return (
             f"preflight ok: {self.engine_kind} engine at {options.engine_url} serves {self.served_model!r}; "
             f"rollout server{'s' if options.more_servers else ''} at {', '.join(options.server_urls)}: "
             f"{self.server_capacity - self.open_sessions} of {self.server_capacity} sessions free, "
             f"{options.max_concurrent_rollouts + 1} needed; "
-            f"{self.tasks} task(s) in split {options.split!r}{resume}"
+            f"{self.tasks} task(s) in split {options.split!r}{resume}{room}"
         )
 
 
@@ -122,6 +135,7 @@ def run_preflight(options: PreflightOptions) -> PreflightReport:
     with httpx.Client(timeout=options.timeout_s) as client:
         kind = detect_engine(engine_url, options.timeout_s) if options.engine == "auto" else options.engine
         served = check_engine(client, engine_url, kind, weight_sync=options.weight_sync)
+        room = check_weight_room(options, kind)
         needed = options.max_concurrent_rollouts + 1
         if not options.more_servers:
             capacity, open_sessions = check_capacity(client, options.server_url.rstrip("/"), needed, served,
@@ -129,7 +143,7 @@ def run_preflight(options: PreflightOptions) -> PreflightReport:
             tasks = check_tasks(client, options.server_url.rstrip("/"), options)
         else:
             capacity, open_sessions, tasks = check_servers(client, options, needed, served, engine_url)
-    return PreflightReport(kind, served[0], capacity, open_sessions, tasks, resume_from)
+    return PreflightReport(kind, served[0], capacity, open_sessions, tasks, resume_from, room)
 
 
 def check_servers(
@@ -271,6 +285,24 @@ def check_engine(client: httpx.Client, engine_url: str, kind: str, *, weight_syn
             client, engine_url, needs_transfer_engine=choose_weight_sync(weight_sync, engine_url) == "nccl"
         )
     return served
+
+
+def check_weight_room(options: PreflightOptions, kind: str) -> str | None:
+    """What the trainer's own check (:func:`~harness_trainer.trainer.engine_link.check_weight_room`) finds
+    for an engine of ``kind``, sized from ``--model``; None without a ``trainer_config``, or when no push
+    goes through a folder."""
+    config = options.trainer_config
+    if config is None:
+        return None
+    from harness_trainer.engines.kinds import syncs_adapters
+    from harness_trainer.engines.weight_room import NoRoomForWeights
+    from harness_trainer.trainer.engine_link import check_weight_room as check_room  # late: loads torch
+
+    adapter_sync = config.use_peft and config.lora_sync == "adapter" and syncs_adapters(kind)
+    try:
+        return check_room(config, kind, adapter_sync=adapter_sync, model=options.model)
+    except NoRoomForWeights as exc:
+        raise PreflightError(str(exc)) from exc
 
 
 def check_capture_shapes(reply: Mapping[str, Any], engine_url: str) -> None:

@@ -1,6 +1,7 @@
 """The trainer's side of the inference engine: the client it pushes weights through, built from the config
-(one engine, or an :class:`~harness_trainer.engines.EngineReplicas` over several), and a weight push with
-its pause, retries and resume.
+(one engine, or an :class:`~harness_trainer.engines.EngineReplicas` over several) once the folder its
+pushes go through is checked for room (:func:`check_weight_room`), and a weight push with its pause,
+retries and resume.
 
 Only rank 0 talks to the engine; the trainer decides when to push and what the rollouts are told after.
 """
@@ -23,7 +24,15 @@ from harness_trainer.engines import (
     detect_engine_kind,
     make_engine,
 )
-from harness_trainer.engines.kinds import client_kind, kind_of
+from harness_trainer.engines.kinds import ENGINE_KIND_FACTS, client_kind, kind_of
+from harness_trainer.engines.weight_room import (
+    adapter_need,
+    check_room,
+    full_weights_need,
+    local_model_folder,
+    served_model_root,
+    weights_parent,
+)
 from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig
 from harness_trainer.trainer.config.checks import ADAPTER_ON_REPLICAS
 
@@ -44,9 +53,12 @@ def engine_client(args: AsyncGRPOConfig, *, adapter_sync: bool, device: str) -> 
     ``adapter_sync``: only a LoRA adapter travels; ``device``: the policy's (an NCCL push sends from it).
 
     Raises:
+        NoRoomForWeights: the folder the pushes go through has too little room (:func:`check_weight_room`).
         ValueError: adapter pushes to replicas, or a replica of another kind than ``args.engine``.
     """
     assert args.vllm_server_base_url is not None
+    if (room := check_weight_room(args, args.engine, adapter_sync=adapter_sync)) is not None:
+        logger.warning("%s", room)
     if not args.vllm_replica_urls:
         return _client_at(args, args.vllm_server_base_url, adapter_sync, device)
     if adapter_sync:
@@ -94,6 +106,77 @@ def weight_sync(args: AsyncGRPOConfig, url: str, device: str) -> Any:
     if path == "file":
         return FileWeightSync(args.weight_sync_dir)
     return NcclTransport(device)
+
+
+def check_weight_room(
+    args: AsyncGRPOConfig, kind: str, *, adapter_sync: bool, model: str | None = None
+) -> str | None:
+    """Check, before anything is pushed, that the folder the run's pushes to an engine of ``kind`` go
+    through (:func:`~harness_trainer.engines.weight_room.weights_parent` of ``weight_sync_dir``, as they
+    make it) has room for them: with ``adapter_sync`` the adapter folders (``max_staleness + 1`` kept and
+    the next), else two full-weight versions per vLLM reached by the ``file`` path. Sized from ``model``
+    (what the trainer loads: a folder, or a hub id in the cache), else from what vLLM at
+    ``vllm_server_base_url`` serves (its ``/v1/models`` root), in the dtype the trainer loads it in.
+
+    Returns what was checked, on one line; None when no push goes through a folder (the dev engine, or
+    NCCL to every vLLM).
+
+    Raises:
+        NoRoomForWeights: the folder has less free space than the pushes need (the message says how much,
+            how that was computed and what to do).
+    """
+    facts = ENGINE_KIND_FACTS.get(kind)
+    if facts is None:  # 'none': nothing is pushed
+        return None
+    adapters, by_file = facts.adapter_sync and adapter_sync, []
+    if not adapters and facts.weights_out_of_band:
+        from harness_trainer.engines import choose_weight_sync
+
+        urls = [url for url in (args.vllm_server_base_url, *args.vllm_replica_urls) if url]
+        by_file = [url for url in urls if choose_weight_sync(args.weight_sync, url) == "file"]
+    if not adapters and not by_file:
+        return None
+    folder = weights_parent(args.weight_sync_dir)
+    source = local_model_folder(model) if model else None
+    if source is None and args.vllm_server_base_url:
+        root = served_model_root(args.vllm_server_base_url)
+        source = local_model_folder(root) if root else None
+    if source is None:
+        which = f"neither {model!r} nor the model vLLM serves is" if model else "the model vLLM serves is not"
+        return (
+            f"room in {folder} for the weight pushes not checked: {which} a local folder of safetensors or "
+            "complete in the Hugging Face cache"
+        )
+    if adapters:
+        need = adapter_need(
+            source, args.lora_r, args.lora_target_modules, folders=args.max_staleness + 2, folder=folder
+        )
+    else:
+        need = full_weights_need(
+            source, _loaded_dtype(args), versions=2 * len(by_file), folder=folder,
+            remedies=_others(args, facts.adapter_sync),
+        )  # fmt: skip
+    return check_room(need)
+
+
+def _loaded_dtype(args: AsyncGRPOConfig) -> str:
+    """The dtype the trainer loads the policy in, as ``load_policy`` asks ``from_pretrained`` for it: a
+    ``dtype`` in ``model_init_kwargs``, else ``args.dtype``, else their ``torch_dtype``, else ``"auto"``."""
+    kwargs = dict(args.model_init_kwargs) if isinstance(args.model_init_kwargs, dict) else {}
+    if args.dtype != "auto":
+        kwargs.setdefault("dtype", args.dtype)
+    return str(kwargs.get("dtype") or kwargs.get("torch_dtype") or "auto")
+
+
+def _others(args: AsyncGRPOConfig, serves_adapters: bool) -> list[str]:
+    """The ways around the ``file`` path's files that this run could take."""
+    others = [
+        """--weight-sync nccl with the trainer and vLLM on different GPUs (vLLM started with """
+        """--weight-transfer-config '{"backend": "nccl"}'), which writes no file"""
+    ]
+    if args.use_peft and args.lora_sync == "merged" and serves_adapters:
+        others.append("--lora-sync adapter, which writes the LoRA adapter alone")
+    return others
 
 
 def push_with_retries(
