@@ -170,9 +170,10 @@ def soak_waves(waves: list[dict[str, Any]]) -> str:
 
 
 def e2b_starts_section(result: dict[str, Any]) -> Section:
-    """E2B start overhead, agent in the template against installed per rollout; a burst of starts."""
+    """E2B start overhead, the agent's bundle in the template against a per-rollout network install; a
+    burst of starts."""
     agent, runs, c = result["agent"], result["burst"], result["config"]
-    install, layered = agent["install"], agent["layered"]
+    install, bundle = agent["install"], agent["bundle"]
 
     def parts(arm: dict[str, Any]) -> str:
         create, setup = statistics.median(arm["create_s"]), statistics.median(arm["install_s"])
@@ -180,14 +181,13 @@ def e2b_starts_section(result: dict[str, Any]) -> Section:
 
     rows = [
         Row(
-            f"start overhead, agent in the template vs installed per rollout ({agent['package']})",
-            f"{layered['median_s']:.2f} s",
+            f"start overhead, per-rollout network install vs bundle in the template ({agent['package']})",
             f"{install['median_s']:.2f} s",
+            f"{bundle['median_s']:.2f} s",
             agent["ratios"],
         ),
         Row(
-            "  agent in the template",
-            parts(layered) + f"; template build {layered['template_build_s']:.1f} s",
+            "  bundle in the template", parts(bundle) + f"; template build {bundle['template_build_s']:.1f} s"
         ),
         Row("  installed per rollout", parts(install) + f" ({install['installed_mb']} MB)"),
     ]
@@ -222,9 +222,9 @@ def e2b_starts_section(result: dict[str, Any]) -> Section:
             f"answered 429, {r['rate_limit_errors']} RateLimitException, {r['failed']} failed"
         )
     ratio = statistics.median(agent["ratios"])
-    headline = f"agent in the template: start overhead {ratio:.2f}x a per-rollout install "
+    headline = f"agent bundle in the template: a per-rollout network install starts {ratio:.1f}x slower "
     headline += (
-        f"({layered['median_s']:.2f} s vs {install['median_s']:.2f} s); last of {c['rollouts']} starts "
+        f"({install['median_s']:.2f} s vs {bundle['median_s']:.2f} s); last of {c['rollouts']} starts "
     )
     headline += f"{statistics.median(r['ratio'] for r in runs):.2f}x slowest build + creates"
     return Section("e2b_starts", headline, rows, notes=notes)

@@ -1,14 +1,13 @@
 """Harness adapters: one module per agent program, registered by name in ``HARNESSES``.
 
-``make_harness(name, **options)`` builds one with the options its class documents;
-``template_agent_layer(names)`` is the E2B template layer that preinstalls their agents. Each adapter
-installs its pinned agent (:mod:`.tools`), points it at the capture proxy, runs it headless and counts
+``make_harness(name, **options)`` builds one with the options its class documents. Each adapter
+installs its pinned agent (its bundle, :mod:`.bundles`; the network install of :mod:`.tools` is the
+fallback), points it at the capture proxy, runs it headless and counts
 its tool calls from the agent's own log (:mod:`.base` holds the protocol and the shared types).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from harness_trainer.harnesses.base import (
@@ -23,7 +22,6 @@ from harness_trainer.harnesses.claude_code import ClaudeCodeHarness
 from harness_trainer.harnesses.codex import CodexHarness
 from harness_trainer.harnesses.mini_swe_agent import MiniSweAgentHarness
 from harness_trainer.harnesses.opencode import OpencodeHarness
-from harness_trainer.harnesses.tools import agent_layer
 from harness_trainer.harnesses.toy import ToyHarness
 
 HARNESSES: dict[str, type[Harness]] = {
@@ -33,18 +31,6 @@ HARNESSES: dict[str, type[Harness]] = {
     "codex": CodexHarness,
     "toy": ToyHarness,  # a stdlib agent for tests, benchmarks and the dev loop
 }
-
-
-def template_agent_layer(names: Sequence[str], home: str = "/root") -> str:
-    """The E2B template layer that installs these harnesses' pinned agents for a sandbox whose ``HOME`` is
-    ``home`` (the E2B backend's, ``/root`` by default), so their rollouts install nothing; harnesses
-    without a package (``toy``) add nothing; the order of ``names`` does not matter (the layer is part of
-    the template's name). Raises ValueError for an unknown name."""
-    unknown = sorted(set(names) - set(HARNESSES))
-    if unknown:
-        raise ValueError(f"unknown harness {', '.join(unknown)}; known: {', '.join(sorted(HARNESSES))}")
-    packages = [package for name in sorted(set(names)) if (package := HARNESSES[name].package) is not None]
-    return agent_layer(packages, home)
 
 
 def make_harness(name: str, **options: Any) -> Harness:
@@ -78,5 +64,4 @@ __all__ = [
     "ToolCounts",
     "ToyHarness",
     "make_harness",
-    "template_agent_layer",
 ]

@@ -27,7 +27,8 @@ from harness_trainer.tasks.task import bare_task
 
 _PROBE = (
     "if command -v curl >/dev/null 2>&1; then curl -fsS --max-time 30 {url}; else python3 -c "
-    "'import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=30).read())' {url}; fi"
+    "'import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=30).read().decode())' "
+    "{url}; fi"
 )
 
 

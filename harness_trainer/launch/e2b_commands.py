@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from harness_trainer.launch.flag_types import non_negative_int
 from harness_trainer.signals import run_interruptible
@@ -36,7 +37,8 @@ def add_e2b_arguments(parser: argparse.ArgumentParser) -> None:
     )
     templates.add_argument(
         "--agent", action="append", metavar="HARNESS",
-        help="preinstall this harness's pinned agent in every template (repeatable; as `serve --e2b-agent`)",
+        help="put this harness's agent bundle in every template (repeatable; as `serve --e2b-agent`: a "
+        "rollout also puts its own harness's, so a prebuilt run needs its harness here)",
     )  # fmt: skip
     templates.set_defaults(func=_e2b_build_templates)
     cleanup = e2b.add_parser("cleanup", help="kill every E2B sandbox of a run (a server that died left them)")
@@ -76,16 +78,25 @@ def add_e2b_arguments(parser: argparse.ArgumentParser) -> None:
     smoke.set_defaults(func=_e2b_smoke)
 
 
-def agent_layer(names: list[str] | None, flag: str) -> str | None:
-    """The E2B template layer that preinstalls the harnesses ``names``; None (said on stderr) when one of
-    them cannot be preinstalled."""
-    from harness_trainer.harnesses import template_agent_layer
+def agent_names(names: list[str] | None, flag: str) -> tuple[str, ...] | None:
+    """The harnesses ``names`` whose agent bundles go into every template; None (said on stderr) when one
+    is unknown."""
+    from harness_trainer.harnesses import HARNESSES
 
-    try:
-        return template_agent_layer(names or [])
-    except ValueError as exc:
-        print(f"error: {flag}: {exc}", file=sys.stderr)
+    unknown = sorted(set(names or ()) - set(HARNESSES))
+    if unknown:
+        known = ", ".join(sorted(HARNESSES))
+        print(f"error: {flag}: unknown harness {', '.join(unknown)}; known: {known}", file=sys.stderr)
         return None
+    return tuple(dict.fromkeys(names or ()))
+
+
+async def _bundles(names: tuple[str, ...]) -> list[Any]:
+    """The agent bundles of the harnesses ``names`` (built once per machine)."""
+    from harness_trainer.harnesses import HARNESSES
+    from harness_trainer.harnesses.bundles import provision
+
+    return [await provision(package) for name in names if (package := HARNESSES[name].package) is not None]
 
 
 def _e2b_cleanup(args: argparse.Namespace, sandbox_class: object = None) -> int:
@@ -130,7 +141,7 @@ def _e2b_build_templates(args: argparse.Namespace, template_class: object = None
     from harness_trainer.tasks.sources import open_task_source
     from harness_trainer.tasks.task import TaskError
 
-    if (layer := agent_layer(args.agent, "--agent")) is None:
+    if (agents := agent_names(args.agent, "--agent")) is None:
         return 2
     try:
         source = open_task_source(args.dataset)
@@ -138,13 +149,16 @@ def _e2b_build_templates(args: argparse.Namespace, template_class: object = None
     except (TaskError, OSError, LookupError, ValueError) as exc:
         print(f"error: cannot load tasks from {args.dataset}: {exc}", file=sys.stderr)
         return 2
+    from harness_trainer.harnesses.base import HarnessError
+
     builder = TemplateBuilder(
-        template_class,
-        agent_layer=layer,
-        timeout_s=args.timeout,
-        log_dir=args.log_dir,
-        rebuild=args.rebuild,
+        template_class, timeout_s=args.timeout, log_dir=args.log_dir, rebuild=args.rebuild
     )
+    try:
+        builder.provide(run_interruptible(_bundles(agents)))
+    except HarnessError as exc:
+        print(f"error: --agent: {exc}", file=sys.stderr)
+        return 2
     try:
         from tqdm import tqdm
 
@@ -211,7 +225,7 @@ def _e2b_smoke(args: argparse.Namespace, sandbox_class: object = None, template_
         known = ", ".join(sorted(HARNESSES))
         print(f"error: unknown harness {args.harness!r}; known: {known}", file=sys.stderr)
         return 2
-    if (layer := agent_layer(args.e2b_agent, "--e2b-agent")) is None:
+    if (agents := agent_names(args.e2b_agent, "--e2b-agent")) is None:
         return 2
     try:
         task = load_task(args.task)
@@ -228,7 +242,7 @@ def _e2b_smoke(args: argparse.Namespace, sandbox_class: object = None, template_
         harness=args.harness,
         agent_timeout_sec=args.agent_timeout_sec,
         step_limit=args.step_limit,
-        agent_layer=layer,
+        agents=agents,
     )
     run = smoke_rollout(config, sandbox_class=sandbox_class, template_class=template_class)
     try:

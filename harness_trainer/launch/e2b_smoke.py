@@ -7,8 +7,8 @@ one rollout through the project's own rollout path
 
 1. start the capture proxy on ``proxy_host:proxy_port`` in front of the engine, and learn the served model
    from the engine's ``/v1/models`` unless one is given;
-2. build the task's template, or find it in the E2B account (the backend's own ``TemplateBuilder``; with
-   ``agent_layer`` the harness's agent is preinstalled in it), timed on its own;
+2. build the task's template, or find it in the E2B account (the backend's own ``TemplateBuilder``, with
+   the harness's agent bundle as its last layers, and those of ``agents``), timed on its own;
 3. the rollout: a sandbox from that template (``create``), the harness's agent install, the agent
    (mini-swe-agent by default) pointed at ``proxy_public_url``, the upload of the task's
    ``tests/``, the task's verifier, the trace export, then sandbox kill and capture-session delete;
@@ -89,8 +89,8 @@ class SmokeConfig:
     agent_timeout_sec: float | None = None
     """None: the task's ``[agent] timeout_sec``."""
     step_limit: int = 20
-    agent_layer: str = ""
-    """The template's agent layer (``--e2b-agent``); empty: the harness installs its agent per rollout."""
+    agents: tuple[str, ...] = ()
+    """Harnesses whose agent bundles the template carries besides the rollout's own (``--e2b-agent``)."""
 
 
 async def smoke_rollout(
@@ -111,7 +111,7 @@ async def smoke_rollout(
         )
         return 2
     run_id = f"smoke-{secrets.token_hex(4)}"
-    e2b_options: dict[str, Any] = {"agent_layer": config.agent_layer, "run_id": run_id}
+    e2b_options: dict[str, Any] = {"run_id": run_id}
     if sandbox_class is not None:
         e2b_options["sandbox_class"] = sandbox_class
     if template_class is not None:
@@ -126,6 +126,7 @@ async def smoke_rollout(
                 public_url=config.proxy_public_url,
                 served_model=config.model,
                 sandbox_options={"e2b": e2b_options},
+                agents=config.agents,
             )
         )
         try:

@@ -16,7 +16,7 @@ from typing import Any
 from capture_proxy.cli import add_proxy_arguments
 from harness_trainer.harnesses import HARNESSES
 from harness_trainer.launch.config_file import apply_config, configurable
-from harness_trainer.launch.e2b_commands import agent_layer
+from harness_trainer.launch.e2b_commands import agent_names
 from harness_trainer.launch.flag_types import non_negative_float, non_negative_int
 from harness_trainer.rollouts.run_options import DEFAULT_RUN
 
@@ -75,8 +75,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--e2b-agent", action="append", metavar="HARNESS",
-        help="preinstall this harness's pinned agent in every E2B template built from a task (repeatable; "
-        "part of the template's name: give `e2b build-templates --agent` the same list)",
+        help="put this harness's agent bundle in every sandbox (an E2B template's layer; repeatable; part of "
+        "a template's name: give `e2b build-templates --agent` the same list). A rollout's own harness's "
+        "bundle goes in anyway",
     )  # fmt: skip
     parser.add_argument(
         "--run-id", default=None,
@@ -138,7 +139,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except KeyError as exc:
         print(f"error: --prepare: {exc.args[0]}", file=sys.stderr)
         return 2
-    if (layer := agent_layer(args.e2b_agent, "--e2b-agent")) is None:
+    if (agents := agent_names(args.e2b_agent, "--e2b-agent")) is None:
         return 2
     limit = args.max_concurrent_envs or int(os.environ.get("MAX_CONCURRENT_ENVS", "8"))
     admin_key = args.capture_admin_key or os.environ.get("CAPTURE_PROXY_ADMIN_KEY") or None
@@ -166,9 +167,8 @@ def run_serve(args: argparse.Namespace) -> int:
         sandbox_start_jitter_s=args.sandbox_start_jitter,
         proxy_process=args.proxy == "process",
         inherit_host_trust=args.host_trust,
-        sandbox_options={
-            "e2b": {"templates": args.e2b_templates, "agent_layer": layer, "run_id": args.run_id}
-        },
+        sandbox_options={"e2b": {"templates": args.e2b_templates, "run_id": args.run_id}},
+        agents=agents,
     )
     server = RolloutServer(
         RolloutRuntime(config), tasks, max_concurrent_envs=limit, idle_timeout_s=args.idle_timeout or None

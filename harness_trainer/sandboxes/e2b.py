@@ -53,6 +53,7 @@ from typing import Any, Literal, Protocol
 
 import harness_trainer.sandboxes.dockerfile as dockerfile
 from harness_trainer.sandboxes.base import (
+    AgentProvision,
     Capabilities,
     ExecResult,
     Isolation,
@@ -103,8 +104,11 @@ class E2BSandbox:
         env: dict[str, str],
         user: str,
         kill_grace_s: float,
+        provisioned: frozenset[str] = frozenset(),
     ) -> None:
         self.sdk_sandbox = sdk_sandbox
+        self.provisioned = provisioned
+        """The agents its template carries (:meth:`E2BSandboxBackend.provide`), by bundle name."""
         self.id: str = sdk_sandbox.sandbox_id
         self.workdir = workdir
         self.home = home
@@ -354,6 +358,12 @@ class E2BSandboxBackend:
             return await self.template_builder.find(task)
         return (await self.template_builder.ensure(task)).name
 
+    def provide(self, agents: Sequence[AgentProvision]) -> None:
+        """Put these agents into every template this backend builds or finds from now on (its last layers,
+        :mod:`.e2b_templates`); a named template is the user's and gets none (a harness then installs its
+        agent per rollout, warning once)."""
+        self.template_builder.provide(agents)
+
     async def prepare(self, task: HarborTask) -> None:
         """The run's orphans reaped (once) and ``task``'s template ready (built once per name)."""
         await self.reap_orphans()
@@ -374,6 +384,9 @@ class E2BSandboxBackend:
             env=dict(env or {}),
             user=self.user,
             kill_grace_s=self.kill_grace_s,
+            provisioned=frozenset()
+            if self.named_template(task) is not None
+            else frozenset(agent.name for agent in self.template_builder.spec(task).agents),
         )
         self._live.add(sandbox)
         sandbox.on_close.append(self._live.discard)

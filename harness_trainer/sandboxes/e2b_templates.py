@@ -8,9 +8,14 @@ SDK's template API: ``AsyncTemplate(file_context_path=environment/).from_dockerf
 Naming (pure, :func:`template_spec`): ``ht-`` + the first 16 hex digits of a sha256 over everything that
 decides the template: the Dockerfile's text (or the image), every file under ``environment/`` (path,
 executable bit, bytes: the build context COPY reads from), the resources asked for (``cpus`` rounded up
-to whole CPUs, ``memory_mb``) and the agent layer (a shell command run as root after the Dockerfile,
-e.g. a pinned agent install; empty for none). Tasks with identical environments share one template; a
-change to any file in the context is a new template.
+to whole CPUs, ``memory_mb``), the agent layer (a shell command run as root after the Dockerfile,
+e.g. a pinned agent install; empty for none) and the provisioned agents (each bundle's name, which pins its
+content, and its setup; none: the key is absent, so templates made before agents existed keep their
+names). Tasks with identical environments share one template; a change to any file in the context is a
+new template.
+
+Agents (``TemplateBuilder.provide``) are the template's last layers: each bundle copied to its
+``AgentProvision.path`` (from a staging context, :mod:`.e2b_staging`), then its setup run as root.
 
 Dockerfiles are converted by the SDK itself. As of SDK 2.63 its converter raises on multi-stage builds,
 ``COPY --from`` and ``ADD <url>``, drops ``EXPOSE``, ``VOLUME``, ``LABEL`` and ``MAINTAINER`` as metadata,
@@ -48,14 +53,15 @@ import math
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import harness_trainer.sandboxes.dockerfile as dockerfile
-from harness_trainer.sandboxes.base import SandboxStartError
+from harness_trainer.sandboxes.base import AgentProvision, SandboxStartError
 from harness_trainer.sandboxes.e2b_sdk import sdk
+from harness_trainer.sandboxes.e2b_staging import AGENTS_IN_CONTEXT, staging_context
 from harness_trainer.tasks.task import HarborTask
 
 NAME_PREFIX = "ht-"
@@ -107,6 +113,7 @@ class TemplateSpec:
     cpu_count: int | None
     memory_mb: int | None
     agent_layer: str
+    agents: tuple[AgentProvision, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -135,7 +142,9 @@ def context_files(folder: Path) -> list[tuple[str, str, str]]:
     return entries
 
 
-def template_spec(task: HarborTask, agent_layer: str = "") -> TemplateSpec:
+def template_spec(
+    task: HarborTask, agent_layer: str = "", agents: tuple[AgentProvision, ...] = ()
+) -> TemplateSpec:
     """The template ``task`` needs (see the module docstring); raises :class:`TemplateError` when the task
     has neither a Dockerfile nor a ``docker_image``, or its build context cannot be read."""
     env = task.environment
@@ -159,6 +168,8 @@ def template_spec(task: HarborTask, agent_layer: str = "") -> TemplateSpec:
         "memory_mb": env.memory_mb,
         "agent_layer": agent_layer,
     }
+    if agents:
+        decided["agents"] = [[agent.name, agent.setup] for agent in agents]
     digest = hashlib.sha256(json.dumps(decided, sort_keys=True).encode()).hexdigest()
     return TemplateSpec(
         task=task.name,
@@ -170,6 +181,7 @@ def template_spec(task: HarborTask, agent_layer: str = "") -> TemplateSpec:
         cpu_count=cpu_count,
         memory_mb=env.memory_mb,
         agent_layer=agent_layer,
+        agents=agents,
     )
 
 
@@ -190,14 +202,17 @@ def check_dockerfile(text: str, task: str) -> None:
             )
 
 
-def sdk_template(spec: TemplateSpec, template_class: Any) -> tuple[Any, list[str]]:
-    """The SDK template object for ``spec``, and the remarks the SDK's converter printed while making it;
-    raises :class:`UnsupportedDockerfile` for a Dockerfile E2B cannot express."""
+def sdk_template(
+    spec: TemplateSpec, template_class: Any, context: Path | None = None
+) -> tuple[Any, list[str]]:
+    """The SDK template object for ``spec`` (built from ``context``, default the task's environment folder;
+    a :func:`staging_context` for a spec with agents), and the remarks the SDK's converter printed while
+    making it; raises :class:`UnsupportedDockerfile` for a Dockerfile E2B cannot express."""
     from e2b import SandboxException
 
     remarks = io.StringIO()
     try:
-        template = template_class(file_context_path=str(spec.context))
+        template = template_class(file_context_path=str(context or spec.context))
         with contextlib.redirect_stdout(remarks):  # the converter prints what it ignores
             if spec.dockerfile is not None:
                 check_dockerfile(spec.dockerfile, spec.task)
@@ -206,6 +221,10 @@ def sdk_template(spec: TemplateSpec, template_class: Any) -> tuple[Any, list[str
                 builder = template.from_image(spec.image)
             if spec.agent_layer:
                 builder = builder.run_cmd(spec.agent_layer, user="root")
+            for agent in spec.agents:
+                builder = builder.copy(f"{AGENTS_IN_CONTEXT}/{agent.name}", agent.path + "/", user="root")
+                if agent.setup:
+                    builder = builder.run_cmd(agent.setup, user="root")
     except (ValueError, SandboxException) as exc:  # DockerfileSyntaxError is a ValueError
         raise UnsupportedDockerfile(f"{spec.task}: Dockerfile cannot become an E2B template: {exc}") from exc
     return builder, [line for line in remarks.getvalue().splitlines() if line.strip()]
@@ -271,15 +290,24 @@ class TemplateBuilder:
         self.log_dir = log_dir or default_log_dir()
         self.rebuild = rebuild
         self.logs: dict[str, list[str]] = {}
+        self.agents: tuple[AgentProvision, ...] = ()
         self._specs: dict[Path, TemplateSpec] = {}
         self._ready: dict[str, TemplateBuild] = {}
         self._failed: dict[str, _Failure] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
+    def provide(self, agents: Sequence[AgentProvision]) -> None:
+        """Put these agents into every template built or found from now on (a new name for each)."""
+        merged = {agent.name: agent for agent in (*self.agents, *agents)}
+        provided = tuple(merged[name] for name in sorted(merged))
+        if provided != self.agents:
+            self.agents = provided
+            self._specs.clear()
+
     def spec(self, task: HarborTask) -> TemplateSpec:
         """The task's :class:`TemplateSpec`, hashed once per task folder (a loaded task is immutable)."""
         if task.path not in self._specs:
-            self._specs[task.path] = template_spec(task, self.agent_layer)
+            self._specs[task.path] = template_spec(task, self.agent_layer, self.agents)
         return self._specs[task.path]
 
     @property
@@ -338,7 +366,17 @@ class TemplateBuilder:
             ) from exc
 
     async def _build(self, spec: TemplateSpec, task: HarborTask) -> TemplateBuild:
-        template, remarks = sdk_template(spec, self._sdk)
+        context = None
+        if spec.agents:
+            try:
+                context = await asyncio.to_thread(
+                    staging_context, spec, self.log_dir / "contexts" / spec.name
+                )
+            except OSError as exc:
+                raise TemplateError(
+                    f"{spec.task}: cannot stage the agents for template {spec.name}: {exc}"
+                ) from exc
+        template, remarks = sdk_template(spec, self._sdk, context)
         log = self.logs[spec.name] = [f"task {spec.task}: {remark}" for remark in remarks]
         log_path = self.log_dir / f"{spec.name}.log"
         try:
@@ -393,6 +431,8 @@ class TemplateBuilder:
             where = ""
         elif spec.agent_layer and step.split() == f"RUN {spec.agent_layer}".split():
             where = " in the agent layer"
+        elif any(agent.setup and step.split() == f"RUN {agent.setup}".split() for agent in spec.agents):
+            where = f" setting up an agent ({step[:300]})"
         elif line is not None:
             where = f" at Dockerfile line {line} ({step[:300]})"
         else:

@@ -4,7 +4,7 @@ the registry: no module outside the harnesses package compares a harness's name 
 from __future__ import annotations
 
 from harness_trainer.devloop.solver import SCRIPTED_HARNESSES
-from harness_trainer.harnesses import HARNESSES, Dialect, template_agent_layer
+from harness_trainer.harnesses import HARNESSES, Dialect
 from harness_trainer.harnesses.tools import ToolPackage
 from tests.name_comparisons import name_comparisons
 
@@ -16,10 +16,6 @@ def test_every_registered_harness_declares_its_package_and_dialect() -> None:
         assert harness.dialect is None or isinstance(harness.dialect, Dialect), name
     assert [name for name, harness in HARNESSES.items() if harness.package is None] == ["toy"]
     assert SCRIPTED_HARNESSES == ("mini-swe-agent", "opencode", "toy")
-
-
-def test_a_harness_without_a_package_adds_nothing_to_the_template_layer() -> None:
-    assert template_agent_layer(["toy", "codex"]) == template_agent_layer(["codex"])
 
 
 def test_no_module_outside_the_harnesses_package_compares_a_harness_name() -> None:

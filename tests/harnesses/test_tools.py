@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from harness_trainer.harnesses import template_agent_layer, tools
+from harness_trainer.harnesses import tools
 from harness_trainer.harnesses.base import HarnessError
 from harness_trainer.harnesses.tools import (
     MARKER,
@@ -142,12 +142,3 @@ def test_the_template_agent_layer_installs_where_a_rollout_looks() -> None:
     dest = "/root/.cache/harness-trainer/tools/acme-fake-agent-1.2.3"
     assert layer == f"( {sandbox_install_command(FAKE, dest)} )"
     assert agent_layer([], "/root") == ""
-    both = template_agent_layer(["toy", "opencode", "mini-swe-agent"])
-    assert both == template_agent_layer(["mini-swe-agent", "opencode"])  # toy installs nothing
-    assert (
-        "opencode-ai@1.18.33" in both
-        and "mini-swe-agent==2.4.6 litellm==1.76.0" in both
-        and both.count("( ") == 2
-    )
-    with pytest.raises(ValueError, match="unknown harness nope"):
-        template_agent_layer(["nope"])

@@ -1,25 +1,28 @@
 """A fake of the E2B SDK at its boundary: pass a :class:`FakeE2BCloud` as ``sandbox_class=`` and its
 ``template_class`` (a :class:`FakeAsyncTemplate`) as ``template_class=``.
 
-It stands in for ``e2b.AsyncSandbox`` with the SDK's own signatures (a test binds every recorded call to
-the real ones) and records every call. Commands really run, locally: each fake sandbox is a private
-mount + PID namespace (the local backend's :class:`Namespace`) in which ``/app``, ``/logs``, ``/tests``,
-``/solution``, ``/home/user`` and ``/root`` are its own, and each command runs as envd runs it, in
-``/bin/bash -l -c``. Like a real command stream that times out, a timed-out ``commands.run`` raises
-``TimeoutException`` and leaves the process running: killing it is the backend's job. ``kill()``
-ends every process of the sandbox, as tearing down the VM does.
+It stands in for ``e2b.AsyncSandbox`` with the SDK's own signatures (a test binds every recorded call to the
+real ones) and records every call. Commands really run, locally, but **not on this machine's files**: each
+fake sandbox is a mount + PID namespace chrooted into an overlay of its template's filesystem, the
+template's image exported from the Docker daemon (or the base image's, for a sandbox of no template built
+here) under the template's own layer (:mod:`tests.sandboxes.fake_rootfs`), so an image without Node has no
+``node`` in the fake, as in the cloud. Each command runs as envd runs it, in ``/bin/bash -l -c``. Like a
+real command stream that times out, a timed-out ``commands.run`` raises ``TimeoutException`` and leaves the
+process running: killing it is the backend's job. ``kill()`` ends every process of the sandbox, as tearing
+down the VM does.
 
 Templates (one account's, shared by every backend given the same cloud, as two processes share an E2B
 account): calling ``template_class`` returns the **real** SDK template object (the SDK's own Dockerfile
 converter runs); ``build`` serializes it with the SDK (``AsyncTemplate.to_json``) and applies its steps for
 real in a namespace of its own: ``RUN`` runs (``/bin/bash -l -c`` as root: E2B runs build steps through a
-sandbox's envd, as it runs commands), ``COPY`` copies from the build
-context, ``ENV`` and ``WORKDIR`` are kept; only paths under the fake's directories can be written. Its log
-has E2B's shape (``[base] FROM …``, ``[builder 2/5] RUN …``, the step's output); a failing ``RUN`` fails
-the build with ``BuildException``, as E2B does. As in E2B, a name exists from the moment its build is
-requested; a sandbox created from a name whose build is unfinished or failed is refused. A sandbox created
-from a built name starts with a copy of the template's files and its ``ENV``. ``hang_builds`` makes builds
-wait forever (until cancelled); ``fail_requests`` makes the next build requests raise.
+sandbox's envd, as it runs commands), ``COPY`` copies from the build context, ``ENV`` and ``WORKDIR`` are
+kept, over the ``FROM`` image's filesystem (stood in for as the Docker backend does where the daemon lacks
+it) or a ``fromTemplate`` built here. Its log has E2B's shape (``[base] FROM …``, ``[builder 2/5] RUN …``,
+the step's output); a failing ``RUN`` fails the build with ``BuildException``, as E2B does. As in E2B, a
+name exists from the moment its build is requested; a sandbox created from a name whose build is unfinished
+or failed is refused. A sandbox created from a built name starts from the template's filesystem (an overlay:
+nothing copied) and its ``ENV``. ``hang_builds`` makes builds wait forever (until cancelled);
+``fail_requests`` makes the next build requests raise.
 
 Failed creates: ``create_failures`` scripts the next ``create`` calls (each raises its exception, or with
 None creates normally); ``fail_creates``/``failure`` fail the next N with one exception (by default the
@@ -28,9 +31,8 @@ answer's status and body, with the SDK's own mapping (``e2b.api.handle_api_excep
 
 Latency and limits (:class:`FakeLatency`, all off by default; for benchmarks): a delay per create and per
 template build, an account-wide create rate answered the way E2B answers it (HTTP 429, which the SDK's
-transport retries with its own backoff, then raises ``RateLimitException``), and sandboxes whose files are
-hard links to their template's (E2B restores a snapshot; its create time does not grow with the
-template's files, while a copy here would).
+transport retries with its own backoff, then raises ``RateLimitException``). Needs root and a Docker daemon
+with the base image (``scripts/setup_docker.sh``).
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import os
 import posixpath
 import random
 import shutil
@@ -58,7 +59,6 @@ from e2b import (
     CommandExitException,
     CommandResult,
     FileNotFoundException,
-    InvalidArgumentException,
     SandboxException,
     SandboxQuery,
     TimeoutException,
@@ -69,9 +69,9 @@ from e2b.template.logger import LogEntry, LogEntryEnd, LogEntryStart
 from e2b.template.types import BuildInfo
 
 from harness_trainer.sandboxes import dockerfile
+from harness_trainer.sandboxes.docker_daemon import BASE_IMAGE
 from harness_trainer.sandboxes.processes import Namespace, Spawned, exit_status, run_captured, spawn
-
-FAKE_PATHS = ("/app", "/logs", "/tests", "/solution", "/home/user", "/root")
+from tests.sandboxes.fake_rootfs import RootFs, cloud_env, image_rootfs
 
 
 @dataclass(frozen=True)
@@ -89,9 +89,6 @@ class FakeLatency:
     """How often the SDK's transport retries a 429 (its default ``retries``), waiting its own backoff."""
     retry_scale: float = 1.0
     """The SDK's backoff waits times this (a benchmark that scales time scales them too)."""
-    link_template_files: bool = False
-    """A sandbox's files are hard links to its template's instead of copies: create costs no copy, but a
-    write *into* an existing template file (not a new one) changes the template; for benchmarks."""
 
 
 class _TokenBucket:
@@ -172,16 +169,11 @@ class FakeE2BCloud:
         if built is not None and not built.ready:
             raise api_error(404, f"template '{template}' has no ready build")  # E2B's answer, for both
         sandbox_id = f"fake-{next(self._ids)}"
-        root = self.root / sandbox_id
-        make_roots(root)
-        if built is not None:
-            copy = os.link if self.latency.link_template_files else shutil.copy2
-            await asyncio.to_thread(
-                shutil.copytree, built.root, root, symlinks=True, dirs_exist_ok=True, copy_function=copy
-            )
-        namespace = await Namespace.create(binds(root), {"PATH": os.environ.get("PATH", os.defpath)})
+        layers = built.layers if built is not None else [await asyncio.to_thread(image_rootfs, BASE_IMAGE)]
+        rootfs = RootFs(layers, self.root / sandbox_id)
+        await rootfs.start()
         sandbox_env = {**(built.env if built else {}), **(envs or {})}
-        sandbox = FakeAsyncSandbox(sandbox_id, root, namespace, sandbox_env, template=template)
+        sandbox = FakeAsyncSandbox(sandbox_id, rootfs, sandbox_env, template=template)
         sandbox.metadata = dict(metadata or {})
         self.sandboxes.append(sandbox)
         return sandbox
@@ -249,24 +241,6 @@ def api_error(status: int, message: str) -> Exception:
     return handle_api_exception(httpx.Response(status, json={"code": status, "message": message}))
 
 
-def make_roots(root: Path) -> None:
-    """A sandbox's (or template's) own directories, and their mount points on the host."""
-    for path in FAKE_PATHS:
-        (root / path.lstrip("/")).mkdir(parents=True, exist_ok=True)
-        Path(path).mkdir(parents=True, exist_ok=True)
-
-
-def binds(root: Path) -> list[tuple[Path, str]]:
-    return [(root / path.lstrip("/"), path) for path in FAKE_PATHS]
-
-
-def host_path(root: Path, path: str) -> Path:
-    """Where sandbox ``path`` lives under ``root``; InvalidArgumentException outside the fake's paths."""
-    if not any(path == p or path.startswith(p + "/") for p in FAKE_PATHS):
-        raise InvalidArgumentException(f"fake sandbox: {path} is outside {FAKE_PATHS}")
-    return root / path.lstrip("/")
-
-
 @dataclass
 class FakeTemplateBuild:
     """One build of a template name: its steps as the SDK serialized them, and its files once applied."""
@@ -274,11 +248,13 @@ class FakeTemplateBuild:
     name: str
     build_id: str
     template: dict[str, Any]  # AsyncTemplate.to_json
-    root: Path
+    folder: Path
     cpu_count: int | None
     memory_mb: int | None
     env: dict[str, str] = field(default_factory=dict)
     workdir: str = "/"
+    layers: list[Path] = field(default_factory=list)
+    """Its filesystem once built: its own layer over its image's (topmost first)."""
     ready: bool = False
     failed: bool = False
     requested_at: float = 0.0  # time.monotonic() when its build was requested
@@ -367,18 +343,24 @@ class FakeAsyncTemplate:
             log(LogEntryEnd(timestamp=datetime.now(), message="Build finished"))
 
     async def _apply(self, build: FakeTemplateBuild, context: str, log: Callable[[LogEntry], None]) -> None:
-        make_roots(build.root)
-        creating = asyncio.ensure_future(
-            Namespace.create(binds(build.root), {"PATH": os.environ.get("PATH", os.defpath)})
-        )
+        base = build.template.get("fromTemplate")
+        below = self.cloud.templates.get(base) if base else None
+        if below is not None and below.ready:
+            lower = below.layers
+        else:
+            image = build.template.get("fromImage") or BASE_IMAGE
+            lower = [await asyncio.to_thread(image_rootfs, image)]
+        rootfs = RootFs(lower, build.folder)
+        starting = asyncio.ensure_future(rootfs.start())
         try:
-            namespace = await asyncio.shield(creating)
+            namespace = await asyncio.shield(starting)
         except asyncio.CancelledError:  # a build timeout: leave no namespace behind
-            await (await creating).kill()
+            await starting
+            await rootfs.stop()
             raise
         steps = build.template["steps"]
         try:
-            _info(log, f"[base] FROM {build.template.get('fromImage')} [{'0' * 64}]")
+            _info(log, f"[base] FROM {build.template.get('fromImage') or base} [{'0' * 64}]")
             for number, step in enumerate(steps, start=1):
                 kind, args = step["type"], step["args"]
                 _info(log, f"[builder {number}/{len(steps)}] {_step_text(kind, args)}")
@@ -386,33 +368,30 @@ class FakeAsyncTemplate:
                     build.env.update(zip(args[::2], args[1::2], strict=True))
                 elif kind == "WORKDIR":
                     build.workdir = posixpath.normpath(posixpath.join(build.workdir, args[0]))
-                    if build.workdir != "/":
-                        self._host(build, build.workdir).mkdir(parents=True, exist_ok=True)
+                    rootfs.host(build.workdir).mkdir(parents=True, exist_ok=True)
                 elif kind == "COPY":
-                    await self._copy(build, context, args, number)
+                    await self._copy(build, rootfs, context, args, number)
                 elif kind == "RUN":
                     await self._run(build, namespace, args[0], log)
-        finally:
-            await namespace.kill()
+        except BaseException:
+            await rootfs.stop()
+            raise
+        await rootfs.stop(keep_upper=True)
+        build.layers = [rootfs.upper, *lower]
 
-    def _host(self, build: FakeTemplateBuild, path: str) -> Path:
-        try:
-            return host_path(build.root, path)
-        except InvalidArgumentException as exc:
-            raise BuildException(f"fake: the fake cloud can only build into {FAKE_PATHS}: {exc}") from None
-
-    async def _copy(self, build: FakeTemplateBuild, context: str, args: list[str], number: int) -> None:
+    async def _copy(
+        self, build: FakeTemplateBuild, rootfs: RootFs, context: str, args: list[str], number: int
+    ) -> None:
         src, dest, _user, mode = args
         dest_path = posixpath.join(build.workdir, dest)
         is_dir = dest.endswith("/") or (Path(context) / src).is_dir()
         step = dockerfile.CopyStep((src,), dest_path, is_dir, int(mode, 8) if mode else None, False, number)
-        self._host(build, dest_path)
-        await asyncio.to_thread(dockerfile.copy_into, step, Path(context), lambda p: self._host(build, p))
+        await asyncio.to_thread(dockerfile.copy_into, step, Path(context), rootfs.host)
 
     async def _run(
         self, build: FakeTemplateBuild, namespace: Namespace, command: str, log: Callable[[LogEntry], None]
     ) -> None:
-        env = {"PATH": os.environ.get("PATH", os.defpath), "HOME": "/root", **build.env}
+        env = {**cloud_env(), "HOME": "/root", **build.env}
         argv = namespace.enter_argv(["/bin/bash", "-l", "-c", command], cwd=build.workdir)
         result = await run_captured(argv, env=env, timeout_s=None, grace_s=1.0)
         for line in (result.stdout + result.stderr).splitlines():
@@ -437,13 +416,12 @@ def _step_text(kind: str, args: list[str]) -> str:
 
 
 class FakeAsyncSandbox:
-    def __init__(
-        self, sandbox_id: str, root: Path, namespace: Namespace, envs: dict[str, str], template: str | None
-    ) -> None:
+    def __init__(self, sandbox_id: str, rootfs: RootFs, envs: dict[str, str], template: str | None) -> None:
+        assert rootfs.namespace is not None
         self.sandbox_id = sandbox_id
         self.template = template
-        self.root = root
-        self.namespace = namespace
+        self.rootfs = rootfs
+        self.namespace = rootfs.namespace
         self.envs = envs
         self.calls: list[tuple[str, dict[str, Any]]] = []
         self.killed = False
@@ -452,16 +430,17 @@ class FakeAsyncSandbox:
         self.files = FakeFilesystem(self)
 
     def host(self, path: str) -> Path:
-        return host_path(self.root, path)
+        """``path`` in the sandbox, seen from this machine (gone once the sandbox is killed)."""
+        return self.rootfs.host(path)
 
     async def kill(self, **opts: Any) -> bool:
         self.calls.append(("kill", opts))
         if self.killed:
             return False
         self.killed = True
-        await self.namespace.kill()
+        await self.rootfs.stop()
         await self.commands.reap()
-        shutil.rmtree(self.root, ignore_errors=True)
+        shutil.rmtree(self.rootfs.folder, ignore_errors=True)
         return True
 
 
@@ -490,7 +469,7 @@ class FakeCommands:
         if background:
             raise NotImplementedError("the fake runs foreground commands only")
         home = "/root" if user in (None, "root") else f"/home/{user}"
-        env = {"PATH": os.environ.get("PATH", os.defpath), "HOME": home, **sandbox.envs, **(envs or {})}
+        env = {**cloud_env(), "HOME": home, **sandbox.envs, **(envs or {})}
         argv = sandbox.namespace.enter_argv(["/bin/bash", "-l", "-c", cmd], cwd=cwd or home)
         spawned = await spawn(argv, env=env, new_session=False)
         process = spawned.process

@@ -19,6 +19,9 @@ from e2b import AsyncTemplate, BuildException
 from e2b.template.types import BuildInfo
 
 from harness_trainer.cli import build_parser
+from harness_trainer.harnesses import mini_swe_agent, opencode
+from harness_trainer.harnesses.base import HarnessError
+from harness_trainer.harnesses.bundles import bundle_entry, bundle_name, install_agent, provision
 from harness_trainer.harnesses.tools import agent_layer, install_tool
 from harness_trainer.launch.config_file import apply_config
 from harness_trainer.sandboxes.base import SandboxStartError
@@ -26,6 +29,7 @@ from harness_trainer.sandboxes.e2b import E2BSandbox, E2BSandboxBackend
 from harness_trainer.sandboxes.e2b_templates import (
     SDK_INSTRUCTIONS,
     SDK_METADATA,
+    TemplateBuilder,
     TemplateBuildError,
     TemplateBuildTimeout,
     TemplateMissing,
@@ -380,10 +384,14 @@ def test_serve_takes_the_template_mode_and_the_agents_to_preinstall() -> None:
     assert default.e2b_templates == "build"
 
 
-def agent_task(make_task: TaskFactory, calls: Path) -> HarborTask:
-    """A task whose image has a counted fake ``npm`` on root's login PATH (as an image provides tools)."""
+NPM_CALLS = "/var/log/fake-npm-calls.txt"
+
+
+def agent_task(make_task: TaskFactory) -> HarborTask:
+    """A task whose image has a counted fake ``npm`` on root's login PATH (as an image provides tools): each
+    call is a line of :data:`NPM_CALLS`, in the template when its build called it, else in the sandbox."""
     dockerfile = (
-        f"FROM node:22-slim\nENV FAKE_NPM_CALLS={calls}\nCOPY --chmod=755 npm /root/bin/npm\n"
+        f"FROM node:22-slim\nENV FAKE_NPM_CALLS={NPM_CALLS}\nCOPY --chmod=755 npm /root/bin/npm\n"
         "RUN echo 'export PATH=/root/bin:$PATH' >> /root/.profile\n"
     )
     return make_task(dockerfile, files={"npm": FAKE_NPM})
@@ -393,15 +401,56 @@ def agent_task(make_task: TaskFactory, calls: Path) -> HarborTask:
 async def test_an_agent_in_the_template_is_not_installed_again_by_the_rollout(
     cloud: FakeE2BCloud, make_task: TaskFactory, tmp_path: Path, layered: bool
 ) -> None:
-    calls = tmp_path / "npm-calls.txt"
-    calls.touch()
     backend = make_backend(cloud, tmp_path, agent_layer=agent_layer([FAKE], "/root") if layered else "")
-    sandbox = await backend.start(agent_task(make_task, calls), lifetime_s=60)
+    sandbox = await backend.start(agent_task(make_task), lifetime_s=60)
+    count = f"cat {NPM_CALLS} 2>/dev/null | wc -l"
     try:
-        built_with = len(calls.read_text().splitlines())
+        built_with = int((await sandbox.exec(count)).stdout)
         path = await install_tool(sandbox, FAKE)  # what a harness's install does in every rollout
-        installs = len(calls.read_text().splitlines()) - built_with
+        installs = int((await sandbox.exec(count)).stdout) - built_with
         assert (await sandbox.exec(f"sh {path}")).stdout == "fake\n"
     finally:
         await backend.aclose()
     assert (built_with, installs) == ((1, 0) if layered else (0, 1))
+
+
+@pytest.mark.slow
+async def test_provisioned_agents_are_template_layers_that_run_where_the_image_has_no_node(
+    cloud: FakeE2BCloud, make_task: TaskFactory, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The fake cloud runs the template's own filesystem, not this machine's: its image has no Node, yet the
+    npm agent runs from the bundle the template carries, and the pip agent from the venv its setup made
+    there (from PyPI, at build time). A template named by the user carries none: the harness falls back to
+    installing over the network, which fails there for want of npm, saying so."""
+    task = make_task("FROM debian:bookworm-slim\nWORKDIR /app\n")
+    backend = make_backend(cloud, tmp_path)
+    backend.provide([await provision(opencode.PACKAGE), await provision(mini_swe_agent.PACKAGE)])
+    try:
+        sandbox = await backend.start(task, lifetime_s=300)
+        assert (await sandbox.exec("command -v node npm")).exit_code == 1
+        assert "/work" not in (await sandbox.exec("ls /")).stdout  # not this machine's root
+        for package, probe in ((opencode.PACKAGE, "--version"), (mini_swe_agent.PACKAGE, "--help")):
+            path = await install_agent(sandbox, package)
+            assert path == bundle_entry(package)
+            ran = await sandbox.exec(f"{path} {probe}")
+            assert ran.exit_code == 0 and package.version in ran.stdout + ran.stderr, ran.stderr
+        spec = backend.template_builder.spec(task)
+        assert [agent.name for agent in spec.agents] == sorted(
+            [bundle_name(opencode.PACKAGE), bundle_name(mini_swe_agent.PACKAGE)]
+        )
+        assert spec.name != template_spec(task).name  # the agents are part of the template's name
+        await sandbox.close()
+
+        plain = (await TemplateBuilder(cloud.template_class, log_dir=tmp_path).ensure(task)).name
+        named = make_backend(cloud, tmp_path, template=plain)  # the image without agents, named by the user
+        named.provide([await provision(opencode.PACKAGE)])
+        sandbox = await named.start(task, lifetime_s=60)
+        try:
+            assert sandbox.provisioned == frozenset()
+            with pytest.raises(HarnessError, match="exited with 127: no npm on PATH"):
+                await install_agent(sandbox, opencode.PACKAGE)
+        finally:
+            await named.aclose()
+    finally:
+        await backend.aclose()
+    assert "is not provisioned in sandbox" in caplog.text

@@ -11,6 +11,7 @@ started are shut down (an external one keeps running).
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import secrets
 from collections.abc import Mapping, Sequence
@@ -33,6 +34,8 @@ from harness_trainer.rollouts.server.run import run_rollout
 from harness_trainer.sandboxes import SandboxSupervisor, capabilities, make_backend, missing_credentials
 from harness_trainer.sandboxes.base import SandboxBackend, SandboxStartError
 from harness_trainer.tasks.task import HarborTask
+
+log = logging.getLogger(__name__)
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
@@ -75,6 +78,9 @@ class RuntimeConfig:
     starts gets ``--replicas`` (each session that names no engine is pinned to one replica, moved off one
     that stops answering; :mod:`capture_proxy.replicas`). A replica that does not answer at start is
     listed with no models; the proxy probes it back in."""
+    agents: tuple[str, ...] = ()
+    """Harnesses whose agent bundles every backend gets before its first rollout or preparation, besides
+    each rollout's own harness's (``serve --e2b-agent``: an E2B template's name includes them)."""
     proxy_process: bool = False
     """Run the capture proxy the runtime starts as a child process (``python -m capture_proxy``) instead of
     in this event loop: its own core and interpreter lock, and a crash of one does not take the other."""
@@ -93,6 +99,7 @@ class RolloutRuntime:
         self._runner: web.AppRunner | None = None
         self._proxy_process: ProxyProcess | None = None
         self._backends: dict[str, SandboxBackend] = {}
+        self._provided: set[str] = set()
         self._running: set[asyncio.Task[RolloutResult]] = set()
 
     @property
@@ -282,6 +289,7 @@ class RolloutRuntime:
         if self.capture is None:
             raise RuntimeError("RolloutRuntime.start() was not awaited")
         model, engine = self.engine_of(options)
+        await self._provide_configured(options.sandbox)
         coroutine = run_rollout(
             task,
             options,
@@ -314,6 +322,7 @@ class RolloutRuntime:
                 agent bundle that could not be built, naming it and the command that failed.
         """
         backend = self.backend(sandbox)
+        harnesses = [*self.config.agents, *harnesses]
         packages = {n: p for n in dict.fromkeys(harnesses) if (p := HARNESSES[n].package) is not None}
         for name, package in packages.items():
             try:
@@ -339,6 +348,20 @@ class RolloutRuntime:
                 + "\n".join(failures)
             )
         return len(tasks)
+
+    async def _provide_configured(self, sandbox: str) -> None:
+        """``config.agents``' bundles into backend ``sandbox``, before its first rollout."""
+        if sandbox in self._provided:
+            return
+        backend = self.backend(sandbox)
+        try:
+            for name in self.config.agents:
+                if (package := HARNESSES[name].package) is not None:
+                    backend.provide([await provision(package)])
+        except HarnessError as exc:  # the rollout goes on; its own harness's bundle is its own affair
+            log.error("the agents every %s sandbox gets could not be prepared: %s", sandbox, exc)
+            return
+        self._provided.add(sandbox)
 
     async def _probe(self, backend: SandboxBackend, task: HarborTask, packages: Mapping[str, Any]) -> None:
         """Each agent of ``packages`` started once in a sandbox of ``task``'s environment."""

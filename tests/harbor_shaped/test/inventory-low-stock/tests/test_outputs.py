@@ -17,5 +17,9 @@ def test_low_stock_view():
         kind = db.execute("SELECT type FROM sqlite_master WHERE name = 'low_stock'").fetchone()
         assert kind == ("view",)
         rows = db.execute("SELECT sku, name, on_hand FROM low_stock").fetchall()
-    assert rows == [("A-200", "hex nut M6", 60), ("B-310", "cable tie 200mm", 480), ("C-002", "shelf board", 7),
-                    ("D-900", "label roll", 0)]
+    assert rows == [
+        ("A-200", "hex nut M6", 60),
+        ("B-310", "cable tie 200mm", 480),
+        ("C-002", "shelf board", 7),
+        ("D-900", "label roll", 0),
+    ]

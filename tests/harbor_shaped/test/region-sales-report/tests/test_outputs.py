@@ -12,7 +12,9 @@ def expected():
             for row in csv.DictReader(handle):
                 cents = int(Decimal(row["amount"]) * 100)
                 totals[row["region"]] = totals.get(row["region"], 0) + cents
-    return sorted(({"region": r, "total_cents": c} for r, c in totals.items()), key=lambda x: -x["total_cents"])
+    return sorted(
+        ({"region": r, "total_cents": c} for r, c in totals.items()), key=lambda x: -x["total_cents"]
+    )
 
 
 def test_report_is_regenerated_correctly():
