@@ -19,6 +19,8 @@ from harness_trainer.sandboxes.e2b import E2BSandboxBackend
 from tests.benchmark_scripts import BENCHMARKS, load_benchmark, run_quick
 from tests.sandboxes.fake_e2b import FakeE2BCloud, FakeLatency
 
+pytestmark = pytest.mark.docker  # the fake E2B cloud runs images exported from the Docker daemon
+
 e2b_starts = load_benchmark("e2b_starts")
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="fake E2B sandboxes are namespaces: needs root")

@@ -35,7 +35,10 @@ from tests.hardening.faults import (
 from tests.rollouts.conftest import live_sandbox_processes, scripted_engine  # noqa: F401
 from tests.sandboxes.fake_e2b import FakeE2BCloud, api_error
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.docker,
+]  # the fake E2B cloud runs images exported from the Docker daemon
 
 TEMPLATE = "ht-hello"
 

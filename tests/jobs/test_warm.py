@@ -15,6 +15,8 @@ from harness_trainer.net import free_port
 from tests.jobs.fake_process import Health
 from tests.sandboxes.fake_e2b import FakeE2BCloud
 
+pytestmark = pytest.mark.docker  # the fake E2B cloud runs images exported from the Docker daemon
+
 
 @pytest.fixture
 def proxy_url() -> Iterator[str]:

@@ -250,8 +250,8 @@ def test_preflight_only_reports_what_it_found_and_starts_nothing(kind, services,
     code, out, err = run(running.argv("--preflight-only"), capsys)
     assert (code, err) == (0, "")
     unchecked = (  # the weight pushes' folder: the test's model is no local folder of weights
-        "; room in /dev/shm for the weight pushes not checked: neither 'tiny-model' nor the model vLLM serves "
-        "is a local folder of safetensors or complete in the Hugging Face cache"
+        "; room in /dev/shm for the weight pushes not checked: neither 'tiny-model' nor the model vLLM "
+        "serves is a local folder of safetensors or complete in the Hugging Face cache"
     )
     assert out.strip() == (
         f"preflight ok: {kind} engine at {running.engine_url} serves 'tiny'; rollout server at "

@@ -1,5 +1,6 @@
 """Every supported agent on tasks shaped like real Harbor datasets, through ``harness-trainer serve`` on the
-Docker backend.
+Docker backend, and through the rollout runtime in the fake E2B cloud (which runs each template's own
+filesystem, not this machine's).
 
 The tasks (``tests/harbor_shaped/test``, written here) are what Terminal-Bench-style datasets hold: schema
 2.0 ``task.toml`` with resource fields, a Dockerfile ``FROM`` a digest-pinned ``python:3.12-slim``,
@@ -13,7 +14,7 @@ agent up for each image's Python, before it answers. Then real mini-swe-agent, o
 codex each replay every task's ``solution/solve.sh`` through their own shell tool, driven by the scripted
 dev engine (reward 1), and give up at once on one task (reward 0). Asserted besides: no image has ``node``
 or ``npm``; every rollout's agent ran from its provisioned bundle (no per-rollout install); nothing is left
-open.
+open. The E2B run does the same with the templates carrying the bundles as their last layers.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,10 @@ import pytest
 from harness_trainer.harnesses.mini_swe_agent import SUBMIT_COMMAND
 from harness_trainer.net import free_port, wait_until_healthy
 from harness_trainer.rollouts.client.factory import HarborSessionFactory
+from harness_trainer.rollouts.result import RolloutOptions
+from harness_trainer.rollouts.server.runtime import RolloutRuntime, RuntimeConfig
+from harness_trainer.tasks.sources import open_task_source
+from tests.sandboxes.fake_e2b import FakeE2BCloud
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -64,9 +70,9 @@ def give_up(agent: str) -> list[dict[str, Any]]:
     return [{"content": "I will not change anything."}]
 
 
-def test_every_agent_solves_harbor_shaped_tasks_in_images_without_node(
-    scripted_engine, tmp_path: Path
-) -> None:
+def replays() -> tuple[list[dict[str, Any]], list[tuple[str, str, float]]]:
+    """The scripted engine's replies, and the rollouts that consume them in order: ``(agent, task,
+    expected reward)``."""
     script: list[dict[str, Any]] = []
     plan: list[tuple[str, str, float]] = []
     for agent in AGENTS:
@@ -75,6 +81,13 @@ def test_every_agent_solves_harbor_shaped_tasks_in_images_without_node(
             plan.append((agent, task, 1.0))
         script += give_up(agent)
         plan.append((agent, GIVE_UP, 0.0))
+    return script, plan
+
+
+def test_every_agent_solves_harbor_shaped_tasks_in_images_without_node(
+    scripted_engine: Any, tmp_path: Path
+) -> None:
+    script, plan = replays()
     engine = scripted_engine(script)
 
     port = free_port()
@@ -144,3 +157,37 @@ def _images_with_node() -> list[str]:
         if subprocess.run(probe, capture_output=True, timeout=120).returncode == 0:
             found.append(image)
     return found
+
+
+async def test_every_agent_solves_harbor_shaped_tasks_in_the_fake_e2b_cloud(
+    scripted_engine: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    script, plan = replays()
+    engine = scripted_engine(script)
+    source = open_task_source(str(DATASET))
+    tasks = {task.name: task for task in source.tasks("test")}
+    with tempfile.TemporaryDirectory(prefix="ht-harbor-e2b-", dir="/var/tmp") as scratch:
+        cloud = FakeE2BCloud(Path(scratch) / "cloud")
+        e2b = {"sandbox_class": cloud, "template_class": cloud.template_class, "build_log_dir": Path(scratch)}
+        config = RuntimeConfig(
+            upstream=engine.url, data_dir=tmp_path / "capture", capture_port=free_port(),
+            sandbox_options={"e2b": e2b},
+        )  # fmt: skip
+        runtime = RolloutRuntime(config)
+        await runtime.start()
+        try:
+            assert await runtime.prepare(list(tasks.values()), "e2b", harnesses=AGENTS) == len(TASKS)
+            for agent, task, reward in plan:
+                options = RolloutOptions(harness=agent, sandbox="e2b", agent_timeout_sec=300)
+                result = await runtime.rollout(tasks[task], options)
+                assert result.error is None and result.reward == reward, (
+                    agent,
+                    task,
+                    result.log_tail[-3000:],
+                )
+            assert await runtime.open_capture_sessions() == 0
+        finally:
+            await runtime.aclose()
+        assert all(sandbox.killed for sandbox in cloud.sandboxes)
+        assert len(cloud.template_class.builds) == len(TASKS)  # one template each, agents in it
+    assert "not provisioned in sandbox" not in caplog.text

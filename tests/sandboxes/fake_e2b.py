@@ -71,7 +71,7 @@ from e2b.template.types import BuildInfo
 from harness_trainer.sandboxes import dockerfile
 from harness_trainer.sandboxes.docker_daemon import BASE_IMAGE
 from harness_trainer.sandboxes.processes import Namespace, Spawned, exit_status, run_captured, spawn
-from tests.sandboxes.fake_rootfs import RootFs, cloud_env, image_rootfs
+from tests.sandboxes.fake_rootfs import RootFs, cloud_env, image_env, image_rootfs
 
 
 @dataclass(frozen=True)
@@ -169,10 +169,14 @@ class FakeE2BCloud:
         if built is not None and not built.ready:
             raise api_error(404, f"template '{template}' has no ready build")  # E2B's answer, for both
         sandbox_id = f"fake-{next(self._ids)}"
-        layers = built.layers if built is not None else [await asyncio.to_thread(image_rootfs, BASE_IMAGE)]
+        if built is not None:
+            layers, template_env = built.layers, built.env
+        else:
+            base = await asyncio.to_thread(image_rootfs, BASE_IMAGE)
+            layers, template_env = [base], image_env(base)
         rootfs = RootFs(layers, self.root / sandbox_id)
         await rootfs.start()
-        sandbox_env = {**(built.env if built else {}), **(envs or {})}
+        sandbox_env = {**template_env, **(envs or {})}
         sandbox = FakeAsyncSandbox(sandbox_id, rootfs, sandbox_env, template=template)
         sandbox.metadata = dict(metadata or {})
         self.sandboxes.append(sandbox)
@@ -347,9 +351,11 @@ class FakeAsyncTemplate:
         below = self.cloud.templates.get(base) if base else None
         if below is not None and below.ready:
             lower = below.layers
+            build.env.update(below.env)
         else:
             image = build.template.get("fromImage") or BASE_IMAGE
             lower = [await asyncio.to_thread(image_rootfs, image)]
+            build.env.update(image_env(lower[0]))
         rootfs = RootFs(lower, build.folder)
         starting = asyncio.ensure_future(rootfs.start())
         try:

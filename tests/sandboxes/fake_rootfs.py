@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import json
 import os
 import shutil
 import subprocess
@@ -91,13 +92,20 @@ def _stand_in(image: str) -> str:
     return PYTHON_TAG
 
 
+def image_env(rootfs: Path) -> dict[str, str]:
+    """The ``ENV`` of the image exported to ``rootfs`` (an export has only the files: E2B, like Docker,
+    starts from the image's environment too)."""
+    return dict(json.loads((rootfs / ".exported-env.json").read_text()))
+
+
 def image_rootfs(image: str) -> Path:
-    """The exported filesystem of ``image`` (or its stand-in), made once per machine."""
+    """The exported filesystem of ``image`` (or its stand-in), made once per machine; its ``ENV`` is
+    :func:`image_env`."""
     chosen = _stand_in(image)
     inspected = _docker("image", "inspect", "--format", "{{.Id}}", chosen)
     if inspected.returncode != 0:
         raise RuntimeError(f"fake E2B: image {chosen} is not on the Docker daemon (scripts/setup_docker.sh)")
-    folder = cache_dir() / "images" / inspected.stdout.decode().strip().removeprefix("sha256:")[:16]
+    folder = cache_dir() / "images" / f"v2-{inspected.stdout.decode().strip().removeprefix('sha256:')[:16]}"
     if (folder / ".exported").is_file():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -118,6 +126,9 @@ def image_rootfs(image: str) -> Path:
             finally:
                 _docker("rm", "-f", container)
             shutil.rmtree(folder, ignore_errors=True)
+            config = _docker("image", "inspect", "--format", "{{json .Config.Env}}", chosen).stdout
+            env = dict(item.partition("=")[::2] for item in json.loads(config) or [])
+            (staging / ".exported-env.json").write_text(json.dumps(env))
             (staging / ".exported").write_text(chosen + "\n")
             staging.rename(folder)
     return folder

@@ -46,7 +46,10 @@ CONTRACT_BACKENDS: dict[str, Callable[[Path], SandboxBackend]] = {
     "docker": docker_backend,
 }
 """One fixture per registered backend (``SANDBOXES``; test_capabilities checks none is missing)."""
-NEEDS = {"docker": pytest.mark.docker}  # the marks of backends that need something of the machine
+NEEDS = {  # the marks of backends that need something of the machine (the fake E2B exports Docker images)
+    "docker": pytest.mark.docker,
+    "e2b": pytest.mark.docker,
+}
 
 
 @pytest.fixture(params=[pytest.param(name, marks=NEEDS.get(name, ())) for name in sorted(CONTRACT_BACKENDS)])

@@ -36,6 +36,8 @@ from harness_trainer.sandboxes.e2b_errors import (
 from tests.sandboxes.conftest import TaskFactory
 from tests.sandboxes.fake_e2b import FakeE2BCloud, api_error
 
+pytestmark = pytest.mark.docker  # the fake E2B cloud runs images exported from the Docker daemon
+
 
 @pytest.fixture
 def cloud(tmp_path: Path) -> FakeE2BCloud:

@@ -21,6 +21,8 @@ from harness_trainer.sandboxes.e2b_runs import OWNER_KEY, RUN_KEY, TASK_KEY
 from tests.sandboxes.conftest import TaskFactory
 from tests.sandboxes.fake_e2b import FakeE2BCloud
 
+pytestmark = pytest.mark.docker  # the fake E2B cloud runs images exported from the Docker daemon
+
 
 def backend(cloud: FakeE2BCloud, run_id: str | None) -> E2BSandboxBackend:
     return E2BSandboxBackend(

@@ -31,6 +31,8 @@ from tests.rollouts.conftest import scripted_engine  # noqa: F401 - the fixture
 from tests.sandboxes.conftest import TaskFactory, wait_until_present
 from tests.sandboxes.fake_e2b import FakeE2BCloud
 
+pytestmark = pytest.mark.docker  # the fake E2B cloud runs images exported from the Docker daemon
+
 PHASES = ("template", "session", "create", "install", "agent", "upload", "verifier", "trace", "cleanup")
 
 

@@ -43,6 +43,8 @@ from tests.harnesses.test_tools import FAKE, FAKE_NPM
 from tests.sandboxes.conftest import TaskFactory
 from tests.sandboxes.fake_e2b import FakeE2BCloud
 
+pytestmark = pytest.mark.docker  # the fake E2B cloud runs images exported from the Docker daemon
+
 DOCKERFILE = """FROM python:3.11-slim
 ENV GREETING=hello
 WORKDIR /app

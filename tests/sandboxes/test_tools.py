@@ -254,6 +254,7 @@ async def test_the_sync_facade_serves_a_harness_thread_and_refuses_the_loop_thre
     assert tools.calls == {"bash": 1, "read_file": 1}
 
 
+@pytest.mark.docker  # the fake E2B cloud runs images exported from the Docker daemon
 async def test_the_tools_need_only_the_sandbox_protocol_so_e2b_serves_them_too(
     tmp_path: Path, make_task: TaskFactory
 ) -> None:

@@ -23,6 +23,8 @@ from tests.sandboxes.fake_e2b import FakeE2BCloud
 from tests.whitebox.conftest import ScriptedEngine
 from tests.whitebox.test_react import DONE, SUBMIT, WRITE, loops, train_two_steps
 
+pytestmark = pytest.mark.docker  # the fake E2B cloud runs images exported from the Docker daemon
+
 
 @pytest.mark.slow
 def test_the_trainer_trains_white_box_rollouts_in_e2b_sandboxes(
