@@ -11,13 +11,13 @@ Containers. Each sandbox is a container of that image kept alive by ``sleep infi
 (which reaps orphans), labelled with this process (:mod:`.docker_daemon`) so that the leftovers of a process
 that died are removed at the next backend's first start (and by :func:`remove_leftovers`). The container gets
 ``/logs/agent``, ``/logs/verifier``, empty ``/tests`` and ``/solution``, ``HOME`` (``/home/user``) and the
-image's ``WORKDIR`` (``/app`` when it has none) before it starts; ``[environment] cpus`` and ``memory_mb``
-become its CPU quota and memory limit. Commands run as the image's user with ``bash -lc``: a wrapper puts each
-in its own process group and sends its output to files it prints at the end (a background child never holds
-the call open); on timeout or cancellation a second exec sends the group SIGTERM, then SIGKILL after
-``kill_grace_s``. ``close`` removes the container with everything in it (idempotent, never raises); a sandbox
-closes itself when its lifetime runs out; ``aclose`` closes every open one and removes any container of this
-process left by a failed start.
+task's ``[environment] workdir``, else the image's ``WORKDIR``, else ``/app``, before it starts;
+``[environment] cpus`` and ``memory_mb`` become its CPU quota and memory limit. Commands run as the image's
+user with ``bash -lc``: a wrapper puts each in its own process group and sends its output to files it prints
+at the end (a background child never holds the call open); on timeout or cancellation a second exec sends the
+group SIGTERM, then SIGKILL after ``kill_grace_s``. ``close`` removes the container with everything in it
+(idempotent, never raises); a sandbox closes itself when its lifetime runs out; ``aclose`` closes every open
+one and removes any container of this process left by a failed start.
 
 Network. ``allow_internet = false`` gives the container no network at all (``network_mode="none"``: only its
 own loopback); otherwise it joins ``network`` (default Docker's ``bridge``, NAT to the internet). Either way
@@ -416,7 +416,7 @@ class DockerSandboxBackend:
         host_config = api.create_host_config(init=True, network_mode=network, binds=binds or None, **limits)
         try:
             config = (await self.call(api.inspect_image, image)).get("Config") or {}
-            workdir = config.get("WorkingDir") or "/app"
+            workdir = spec.workdir or config.get("WorkingDir") or "/app"
             created = await self.call(
                 api.create_container, image, entrypoint=["sleep", "infinity"], command=[],
                 environment={"HOME": self.home, **self.images.trust.proxy, **env}, working_dir=workdir,

@@ -241,7 +241,8 @@ class E2BSandbox:
 class E2BSandboxBackend:
     """Starts :class:`E2BSandbox` es. Options (keyword): ``template``, ``template_map`` (see the module
     docstring), ``api_key`` (default: ``E2B_API_KEY``), ``user`` (``root``), ``home`` (``/root`` for root,
-    else ``/home/<user>``), ``workdir`` (default: the task Dockerfile's last ``WORKDIR``, else ``/app``),
+    else ``/home/<user>``), ``workdir`` (default: the task's ``[environment] workdir``, else its
+    Dockerfile's last ``WORKDIR``, else ``/app``),
     ``lifetime_margin_s`` (300), ``create_attempts`` (3: tries of a create failing in a retryable way, see
     :mod:`.e2b_errors`), ``retry_backoff_s`` (2, doubled per try, jittered, at most 60),
     ``rate_limit_backoff_s`` (10: the same, after a 429), ``kill_grace_s`` (2), ``allow_out`` (egress allowed
@@ -374,7 +375,7 @@ class E2BSandboxBackend:
     ) -> E2BSandbox:
         await self.reap_orphans()
         template = await self.template_for(task)
-        workdir = self.workdir or _dockerfile_workdir(task)
+        workdir = self.workdir or task.environment.workdir or _dockerfile_workdir(task)
         timeout = math.ceil(sandbox_lifetime(task, lifetime_s, self.lifetime_margin_s))
         sdk_sandbox = await self._create(task, template, timeout, env or {})
         sandbox = E2BSandbox(

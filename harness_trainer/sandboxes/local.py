@@ -1,12 +1,12 @@
 """The local sandbox: the mock sandbox of the dev loop and the tests, built on Linux namespaces.
 
-Each sandbox owns a private root directory ``<base_dir>/ht-<id>/fs`` holding its workspace (the task
-Dockerfile's ``WORKDIR``, ``/app`` by default), ``/logs`` (with ``agent/`` and ``verifier/``), ``/tests``,
-``/solution`` and a private ``HOME`` (``/home/user``). One init process per sandbox holds its namespaces
-(see :mod:`harness_trainer.sandboxes.processes`) in which those directories are bind-mounted over their
-absolute paths, so ``/logs/verifier/reward.txt`` works and concurrent sandboxes never see each other's
-files. ``/tests`` and ``/solution`` start empty: the rollout uploads them when it needs them (the agent
-must not see the tests), as Harbor does.
+Each sandbox owns a private root directory ``<base_dir>/ht-<id>/fs`` holding its workspace (the task's
+``[environment] workdir``, else its Dockerfile's ``WORKDIR``, else ``/app``), ``/logs`` (with ``agent/`` and
+``verifier/``), ``/tests``, ``/solution`` and a private ``HOME`` (``/home/user``). One init process per
+sandbox holds its namespaces (see :mod:`harness_trainer.sandboxes.processes`) in which those directories are
+bind-mounted over their absolute paths, so ``/logs/verifier/reward.txt`` works and concurrent sandboxes never
+see each other's files. ``/tests`` and ``/solution`` start empty: the rollout uploads them when it needs them
+(the agent must not see the tests), as Harbor does.
 
 Two modes (:mod:`harness_trainer.sandboxes.rootless`; ``LocalSandboxBackend.modes``), the strongest that
 works here chosen at the first start and logged once (``mode=`` forces one):
@@ -322,7 +322,8 @@ class LocalSandboxBackend:
             await asyncio.to_thread(sweep_stale_roots, self.base_dir)
         base_env = self._base_env()
         plan = _plan(task, base_env)
-        mounts = self._private_paths(task, [plan.workdir, *plan.written_dirs, *FIXED_PATHS, self.home])
+        workdir = task.environment.workdir or plan.workdir  # the task's own beats the Dockerfile's
+        mounts = self._private_paths(task, [workdir, *plan.written_dirs, *FIXED_PATHS, self.home])
         root = self.base_dir / f"ht-{uuid.uuid4().hex[:12]}"
         offline = not task.environment.allow_internet
         lock_fd = -1
@@ -345,7 +346,7 @@ class LocalSandboxBackend:
         sandbox = LocalSandbox(
             root=root,
             mounts=mounts,
-            workdir=plan.workdir,
+            workdir=workdir,
             home=self.home,
             env={**base_env, **plan.env, **(env or {})},
             namespace=namespace,

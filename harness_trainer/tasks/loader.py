@@ -6,9 +6,12 @@ Contract:
   timeout_sec`` (default 600 s) and ``[verifier] timeout_sec`` (default 120 s) are positive numbers,
   ``[verifier] env`` a table of strings, ``[environment]`` holds ``docker_image`` (string), ``cpus``,
   ``build_timeout_sec`` (numbers), ``memory_mb``, ``storage_mb`` (integers; or the older ``memory =
-  "2G"``, ``storage = "10G"``, read in megabytes), ``allow_internet`` (bool).
-  Unknown keys are never fatal: the whole file stays in ``HarborTask.config`` and unknown
-  ``[environment]`` keys in ``EnvironmentSpec.extra``.
+  "2G"``, ``storage = "10G"``, read in megabytes), ``allow_internet`` (bool), ``workdir`` (an absolute
+  path). The whole file stays in ``HarborTask.config`` and other ``[environment]`` keys in
+  ``EnvironmentSpec.extra``.
+- What no backend here can run (multi-step tasks, a separate verifier sandbox, docker-compose, GPUs…) is a
+  :class:`TaskError` naming the field; what a rollout ignores is logged once per field with the reason
+  (:mod:`.fields`): nothing is dropped silently.
 - The name is ``[task].name``, else ``[metadata].name``, else the folder's name.
 - ``instruction.md`` is kept verbatim (the prompt is exactly its text) and must not be blank.
 - ``tests/test.sh`` must exist; ``solution/solve.sh`` is optional.
@@ -17,16 +20,22 @@ Contract:
 
 from __future__ import annotations
 
+import logging
 import tomllib
 from pathlib import Path
 from typing import Any
 
+from harness_trainer.tasks.fields import ignored, refusals
 from harness_trainer.tasks.task import EnvironmentSpec, HarborTask, TaskError
+
+log = logging.getLogger(__name__)
+_logged: set[str] = set()  # the ignored fields already logged by this process
 
 DEFAULT_AGENT_TIMEOUT_SEC = 600.0
 DEFAULT_VERIFIER_TIMEOUT_SEC = 120.0
 
 _ENVIRONMENT_KEYS = {
+    "workdir",
     "docker_image",
     "cpus",
     "memory_mb",
@@ -59,6 +68,13 @@ def load_task(path: str | Path, *, split: str = "", index: int = 0) -> HarborTas
     agent = _table(config, "agent", toml_path)
     verifier = _table(config, "verifier", toml_path)
     where = str(toml_path)
+    refused = refusals(config, folder)
+    if refused:
+        raise TaskError(f"{toml_path}: cannot be run here: " + "; ".join(refused))
+    for name, reason in ignored(config, frozenset(_ENVIRONMENT_KEYS)).items():
+        if name not in _logged:
+            _logged.add(name)
+            log.warning("%s: %s is ignored: %s (not logged again for other tasks)", folder.name, name, reason)
     return HarborTask(
         name=_task_name(config, folder, toml_path),
         path=folder,
@@ -174,6 +190,9 @@ def _environment(table: dict[str, Any], where: str) -> EnvironmentSpec:
     image = table.get("docker_image")
     if image is not None and not isinstance(image, str):
         raise TaskError(f"{where} docker_image: expected a string, got {type(image).__name__} {image!r}")
+    workdir = table.get("workdir")
+    if workdir is not None and not (isinstance(workdir, str) and workdir.startswith("/")):
+        raise TaskError(f"{where} workdir: expected an absolute path, got {workdir!r}")
     allow_internet = table.get("allow_internet", True)
     if not isinstance(allow_internet, bool):
         raise TaskError(f"{where} allow_internet: expected true or false, got {allow_internet!r}")
@@ -184,5 +203,6 @@ def _environment(table: dict[str, Any], where: str) -> EnvironmentSpec:
         storage_mb=_megabytes(table, "storage", where),
         allow_internet=allow_internet,
         build_timeout_sec=_number(table, "build_timeout_sec", where),
+        workdir=workdir,
         extra={k: v for k, v in table.items() if k not in _ENVIRONMENT_KEYS},
     )

@@ -33,6 +33,8 @@ class EnvironmentSpec:
     storage_mb: int | None = None
     allow_internet: bool = True
     build_timeout_sec: float | None = None
+    workdir: str | None = None
+    """The agent's working directory (absolute); None: the image's ``WORKDIR``, else ``/app``."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 

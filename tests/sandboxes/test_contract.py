@@ -97,6 +97,19 @@ async def test_commands_start_in_the_workdir_and_honour_cwd(
         await sandbox.close()
 
 
+async def test_the_tasks_own_workdir_beats_the_dockerfiles(
+    backend: SandboxBackend, make_task: TaskFactory
+) -> None:
+    """``[environment] workdir`` (Harbor's field) is where the agent starts, whatever the image says."""
+    task = make_task("FROM debian:bookworm-slim\nWORKDIR /srv/from-image\n", workdir="/srv/from-task")
+    sandbox = await backend.start(task, lifetime_s=60)
+    try:
+        assert sandbox.workdir == "/srv/from-task"
+        assert (await sandbox.exec("pwd")).stdout == "/srv/from-task\n"
+    finally:
+        await sandbox.close()
+
+
 async def test_env_from_start_and_from_the_command_are_layered(
     backend: SandboxBackend, make_task: TaskFactory
 ) -> None:

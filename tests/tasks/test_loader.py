@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
 
-from harness_trainer.tasks import HarborTask, TaskError, load_task
+from harness_trainer.tasks import HarborTask, TaskError, load_task, loader
 from harness_trainer.tasks.loader import DEFAULT_AGENT_TIMEOUT_SEC, DEFAULT_VERIFIER_TIMEOUT_SEC
 
 from .conftest import EXAMPLES, TaskWriter
@@ -68,7 +69,8 @@ memory_mb = 4096
 storage_mb = 10240
 allow_internet = false
 build_timeout_sec = 300
-gpus = 1
+workdir = "/srv/app"
+gpus = 0
 mounts = ["a", "b"]
 """
     task = load_task(task_writer("t", toml=toml))
@@ -81,8 +83,8 @@ mounts = ["a", "b"]
         4096,
         10240,
     )
-    assert env.allow_internet is False and env.build_timeout_sec == 300.0
-    assert env.extra == {"gpus": 1, "mounts": ["a", "b"]}
+    assert env.allow_internet is False and env.build_timeout_sec == 300.0 and env.workdir == "/srv/app"
+    assert env.extra == {"gpus": 0, "mounts": ["a", "b"]}
     assert task.config["future_top_level"] == "kept" and task.config["metadata"]["difficulty"] == "hard"
 
 
@@ -177,3 +179,60 @@ def test_the_older_size_form_reads_as_megabytes(
     environment = load_task(task_writer("t", toml="[environment]\n" + toml)).environment
     assert (environment.memory_mb, environment.storage_mb) == (memory_mb, storage_mb)
     assert "memory" not in environment.extra and "storage" not in environment.extra
+
+
+@pytest.mark.parametrize(
+    ("toml", "files", "field"),
+    [
+        ('[[steps]]\nname = "one"\n', {}, "[[steps]]: multi-step tasks are not run here"),
+        ('[verifier]\nenvironment_mode = "separate"\n', {}, "a verifier in a sandbox of its own"),
+        ("[verifier.environment]\ncpus = 2\n", {}, "[verifier] environment_mode / [verifier.environment]"),
+        ('[environment]\nos = "windows"\n', {}, "os = 'windows': only Linux sandboxes"),
+        ("[environment]\ngpus = 1\n", {}, "[environment] gpus / tpu: sandboxes here have no accelerator"),
+        ('[environment.tpu]\ntype = "v6e"\n', {}, "[environment] gpus / tpu"),
+        ('[environment]\nmcp_servers = [{name = "x"}]\n', {}, "[environment] mcp_servers"),
+        ("", {"docker-compose.yaml": "services: {}\n"}, "environment/docker-compose.yaml: docker-compose"),
+    ],
+)
+def test_what_no_backend_here_can_run_is_refused_naming_the_field(
+    task_writer: TaskWriter, toml: str, files: dict[str, str], field: str
+) -> None:
+    folder = task_writer("t", toml='version = "2.0"\n' + toml)
+    for name, text in files.items():
+        (folder / "environment").mkdir(exist_ok=True)
+        (folder / "environment" / name).write_text(text)
+    with pytest.raises(TaskError, match="cannot be run here: ") as refused:
+        load_task(folder)
+    assert field in str(refused.value) and str(folder / "task.toml") in str(refused.value)
+
+
+def test_a_compose_file_beside_a_dockerfile_runs_the_dockerfile(task_writer: TaskWriter) -> None:
+    folder = task_writer("t")
+    (folder / "environment").mkdir()
+    (folder / "environment" / "docker-compose.yaml").write_text("services: {}\n")
+    (folder / "environment" / "Dockerfile").write_text("FROM debian:bookworm-slim\n")
+    assert load_task(folder).dockerfile is not None
+
+
+def test_what_a_rollout_ignores_is_logged_once_per_field_with_its_reason(
+    task_writer: TaskWriter, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(loader, "_logged", set())
+    toml = (
+        'version = "2.0"\n[agent]\nuser = "agent"\n[solution]\nenv = { K = "v" }\n'
+        '[environment]\nos = "linux"\ngpu_types = ["H100"]\nshiny = true\n'
+    )
+    with caplog.at_level(logging.WARNING, logger="harness_trainer.tasks.loader"):
+        load_task(task_writer("first", toml=toml))
+        load_task(task_writer("second", toml=toml))
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 4, lines  # once each, for the first task only; os = "linux" is honoured
+    assert "first: [agent] user is ignored: the agent runs as the sandbox image's user" in lines[0]
+    assert any("[solution] is ignored: reference solutions are not run in rollouts" in m for m in lines)
+    assert any("[environment] gpu_types is ignored" in m for m in lines)
+    assert any("[environment] shiny is ignored: not a key this project knows" in m for m in lines)
+
+
+def test_a_relative_workdir_is_a_task_error(task_writer: TaskWriter) -> None:
+    with pytest.raises(TaskError, match="workdir: expected an absolute path, got 'app'"):
+        load_task(task_writer("t", toml='[environment]\nworkdir = "app"\n'))

@@ -1,0 +1,87 @@
+"""What of a Harbor task this project runs, refuses or ignores, and why: never silently.
+
+Harbor's ``task.toml`` (and the task folder) can ask for more than a rollout here does. Each such request
+is one of:
+
+- **refused** (:func:`refusals`; the loader raises :class:`~harness_trainer.tasks.task.TaskError` naming
+  the field): what no sandbox backend here can run, so a rollout would measure something else than the
+  task means: multi-step tasks (``[[steps]]``), a verifier in a separate sandbox (``[verifier]
+  environment_mode = "separate"``, ``[verifier.environment]``), a ``docker-compose.yaml`` environment
+  without a Dockerfile to run instead, an OS other than Linux, GPUs or TPUs, MCP servers given to the
+  agent;
+- **ignored with a reason** (:func:`ignored`; the loader logs each field once per process, naming the first
+  task that sets it): what changes nothing a rollout measures, or what a rollout here does its own way:
+  the users agents and verifiers run as, the reference solution's environment, the GPU types of a task that
+  asks for no GPU, skills folders, health checks, keys of ``[environment]`` nobody here knows.
+
+Everything else of the schema is honoured where it is read (:mod:`.loader`; the backends document how
+they apply ``cpus``, ``memory_mb``, ``storage_mb``, ``allow_internet`` and ``workdir``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+COMPOSE_FILES = ("docker-compose.yaml", "docker-compose.yml", "compose.yaml", "compose.yml")
+IGNORED_ENVIRONMENT = {
+    "gpu_types": "no task asking for no GPU needs a GPU type",
+    "skills_dir": "agents get no skills folder here (their prompts are the harness's)",
+    "healthcheck": "sandboxes here are ready when started; nothing is polled",
+    "os": "",  # "linux" is what every sandbox here runs; anything else is refused
+}
+
+
+def refusals(config: dict[str, Any], folder: Path) -> list[str]:
+    """Why the task at ``folder`` (its parsed ``config``) cannot run here, one line per field; empty when
+    it can."""
+    found = []
+    if config.get("steps"):
+        found.append("[[steps]]: multi-step tasks are not run here (one instruction, one verifier per task)")
+    verifier = config.get("verifier") if isinstance(config.get("verifier"), dict) else {}
+    if verifier.get("environment_mode", "shared") != "shared" or "environment" in verifier:
+        found.append(
+            "[verifier] environment_mode / [verifier.environment]: a verifier in a sandbox of its own is "
+            "not run here (the verifier runs in the agent's sandbox, after it)"
+        )
+    environment = config.get("environment") if isinstance(config.get("environment"), dict) else {}
+    system = environment.get("os")
+    if system not in (None, "linux"):
+        found.append(f"[environment] os = {system!r}: only Linux sandboxes are run here")
+    if environment.get("gpus") or environment.get("tpu"):
+        found.append("[environment] gpus / tpu: sandboxes here have no accelerator")
+    if environment.get("mcp_servers"):
+        found.append("[environment] mcp_servers: agents are given no MCP servers here")
+    compose = [name for name in COMPOSE_FILES if (folder / "environment" / name).is_file()]
+    if (
+        compose
+        and not (folder / "environment" / "Dockerfile").is_file()
+        and not environment.get("docker_image")
+    ):
+        found.append(
+            f"environment/{compose[0]}: docker-compose environments are not run here (give the main service "
+            "a Dockerfile or [environment] docker_image)"
+        )
+    return found
+
+
+def ignored(config: dict[str, Any], known_environment: frozenset[str]) -> dict[str, str]:
+    """The fields of ``config`` a rollout here ignores, each with the reason (see the module docstring)."""
+    found: dict[str, str] = {}
+    for section, reason in (
+        ("agent", "the agent runs as the sandbox image's user"),
+        ("verifier", "the verifier runs as the sandbox image's user"),
+    ):
+        table = config.get(section)
+        if isinstance(table, dict) and "user" in table:
+            found[f"[{section}] user"] = reason
+    if config.get("solution"):
+        found["[solution]"] = "reference solutions are not run in rollouts"
+    environment = config.get("environment") if isinstance(config.get("environment"), dict) else {}
+    for key in environment:
+        if key in known_environment or key in ("gpus", "tpu", "mcp_servers"):
+            continue
+        reason = IGNORED_ENVIRONMENT.get(key, "not a key this project knows")
+        if reason:
+            found[f"[environment] {key}"] = reason
+    return found
