@@ -13,7 +13,6 @@ that says which. ``--template`` is the warm-up sandbox's image (the backend's ``
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -21,15 +20,9 @@ from typing import Any
 
 from harness_trainer.rollouts.run_options import DEFAULT_RUN
 from harness_trainer.sandboxes import make_backend
-from harness_trainer.sandboxes.base import SandboxError
+from harness_trainer.sandboxes.base import SandboxError, fetch_command
 from harness_trainer.signals import run_interruptible
 from harness_trainer.tasks.task import bare_task
-
-_PROBE = (
-    "if command -v curl >/dev/null 2>&1; then curl -fsS --max-time 30 {url}; else python3 -c "
-    "'import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=30).read().decode())' "
-    "{url}; fi"
-)
 
 
 class WarmupError(Exception):
@@ -53,7 +46,7 @@ async def warm_sandbox(
         except SandboxError as exc:
             raise WarmupError(f"no {sandbox} sandbox: {exc}") from exc
         try:
-            result = await started.exec(_PROBE.format(url=shlex.quote(url)), timeout_s=60)
+            result = await started.exec(fetch_command(url), timeout_s=60)
         except SandboxError as exc:
             raise WarmupError(f"the warm-up sandbox failed: {exc}") from exc
         finally:

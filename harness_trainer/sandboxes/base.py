@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import posixpath
+import shlex
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
+from urllib.parse import urlsplit
 
 from harness_trainer.tasks.task import HarborTask
 
@@ -191,3 +193,29 @@ class SandboxBackend(Protocol):
     async def aclose(self) -> None:
         """Close every sandbox this backend started that is still open (shutdown, SIGTERM)."""
         ...
+
+
+def fetch_command(url: str, timeout_s: int = 30) -> str:
+    """A shell command that prints the body at ``url`` fetched from inside a sandbox and fails when it
+    cannot: with ``curl``, else ``python3``, else (plain HTTP) bash's ``/dev/tcp``, whichever the image has,
+    so that an image with none of the first two is no reason to call the URL unreachable."""
+    quoted = shlex.quote(url)
+    python = (
+        "python3 -c 'import sys, urllib.request; "
+        f"print(urllib.request.urlopen(sys.argv[1], timeout={timeout_s}).read().decode())' {quoted}"
+    )
+    command = (
+        f"if command -v curl >/dev/null 2>&1; then curl -fsS --max-time {timeout_s} {quoted}; "
+        f"elif command -v python3 >/dev/null 2>&1; then {python}; "
+    )
+    parts = urlsplit(url)
+    if parts.scheme == "http" and parts.hostname:
+        host, port = parts.hostname, parts.port or 80
+        request = shlex.quote(f"GET {parts.path or '/'} HTTP/1.0\r\nHost: {host}\r\n\r\n")
+        command += (
+            f"else exec 3<>/dev/tcp/{host}/{port} && printf {request} >&3 && "
+            f"timeout {timeout_s} cat <&3 | grep -q '^HTTP/1.[01] 200' && echo ok; "
+        )
+    else:
+        command += "else echo 'neither curl nor python3 here to fetch an https URL' >&2; exit 127; "
+    return command + "fi"

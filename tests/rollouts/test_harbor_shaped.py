@@ -33,6 +33,7 @@ from harness_trainer.net import free_port, wait_until_healthy
 from harness_trainer.rollouts.client.factory import HarborSessionFactory
 from harness_trainer.rollouts.result import RolloutOptions
 from harness_trainer.rollouts.server.runtime import RolloutRuntime, RuntimeConfig
+from harness_trainer.sandboxes.base import SandboxStartError
 from harness_trainer.tasks.sources import open_task_source
 from tests.sandboxes.fake_e2b import FakeE2BCloud
 
@@ -191,3 +192,26 @@ async def test_every_agent_solves_harbor_shaped_tasks_in_the_fake_e2b_cloud(
         assert all(sandbox.killed for sandbox in cloud.sandboxes)
         assert len(cloud.template_class.builds) == len(TASKS)  # one template each, agents in it
     assert "not provisioned in sandbox" not in caplog.text
+
+
+async def test_preparing_a_remote_backend_stops_when_its_sandboxes_cannot_reach_the_proxy(
+    tmp_path: Path,
+) -> None:
+    """The public URL agents would be told leads nowhere: preparation says so, in seconds, before any
+    rollout (the fake E2B cloud's sandboxes share this machine's network, so a closed port stands in)."""
+    task = open_task_source(str(DATASET)).tasks("test")[0]
+    cloud = FakeE2BCloud(tmp_path / "cloud")
+    e2b = {"sandbox_class": cloud, "template_class": cloud.template_class, "build_log_dir": tmp_path}
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    config = RuntimeConfig(
+        upstream="http://127.0.0.1:9", served_model="m", data_dir=tmp_path / "capture",
+        capture_port=free_port(), public_url=nowhere, sandbox_options={"e2b": e2b},
+    )  # fmt: skip
+    runtime = RolloutRuntime(config)
+    await runtime.start()
+    try:
+        with pytest.raises(SandboxStartError, match=f"cannot reach the capture proxy at {nowhere}/health"):
+            await runtime.prepare([task], "e2b")
+    finally:
+        await runtime.aclose()
+    assert all(sandbox.killed for sandbox in cloud.sandboxes) and cloud.sandboxes

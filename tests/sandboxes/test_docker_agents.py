@@ -6,6 +6,7 @@ bundle's own Node."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
@@ -13,7 +14,8 @@ import pytest
 from harness_trainer.harnesses import claude_code, codex, mini_swe_agent, opencode
 from harness_trainer.harnesses.bundles import ensure_bundle, install_agent, provision
 from harness_trainer.harnesses.tools import ToolPackage
-from harness_trainer.sandboxes.base import SandboxStartError
+from harness_trainer.net import free_port
+from harness_trainer.sandboxes.base import SandboxStartError, fetch_command
 from harness_trainer.sandboxes.docker import DockerSandboxBackend
 from tests.sandboxes.conftest import TaskFactory
 
@@ -87,3 +89,34 @@ async def test_an_npm_agent_without_a_native_build_runs_on_the_bundles_own_node(
         assert ran.stdout == "1.3.0\n2.0.0\n" and ran.exit_code == 1, ran.stderr  # no node on PATH besides
     finally:
         await sandbox.close()
+
+
+async def test_a_url_is_fetched_from_inside_an_image_without_curl_or_python(
+    make_task: TaskFactory,
+) -> None:
+    """What preparation and the Jobs warm-up use to see a sandbox reach the capture proxy: in an image with
+    neither curl nor Python, bash's own ``/dev/tcp`` (an unreachable port still fails)."""
+    server = await asyncio.start_server(_answer_ok, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    backend = DockerSandboxBackend(kill_grace_s=0.5, proxy_url=f"http://127.0.0.1:{port}")
+    try:
+        sandbox = await backend.start(make_task(NO_PYTHON), lifetime_s=120)
+        try:
+            assert (await sandbox.exec("command -v curl python3")).exit_code == 1
+            fetched = await sandbox.exec(fetch_command(f"http://127.0.0.1:{port}/health"), timeout_s=60)
+            assert fetched.exit_code == 0 and fetched.stdout.strip() == "ok", fetched.stderr
+            closed = await sandbox.exec(fetch_command(f"http://127.0.0.1:{free_port()}/health"), timeout_s=60)
+            assert closed.exit_code != 0
+        finally:
+            await sandbox.close()
+    finally:
+        await backend.aclose()
+        server.close()
+        await server.wait_closed()
+
+
+async def _answer_ok(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await reader.readuntil(b"\r\n\r\n")
+    writer.write(b'HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n{"status": "ok"}')
+    await writer.drain()
+    writer.close()

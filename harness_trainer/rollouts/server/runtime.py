@@ -32,7 +32,7 @@ from harness_trainer.rollouts.result import RolloutOptions, RolloutResult
 from harness_trainer.rollouts.server.proxy_process import ProxyProcess
 from harness_trainer.rollouts.server.run import run_rollout
 from harness_trainer.sandboxes import SandboxSupervisor, capabilities, make_backend, missing_credentials
-from harness_trainer.sandboxes.base import SandboxBackend, SandboxStartError
+from harness_trainer.sandboxes.base import SandboxBackend, SandboxStartError, fetch_command
 from harness_trainer.tasks.task import HarborTask
 
 log = logging.getLogger(__name__)
@@ -322,6 +322,7 @@ class RolloutRuntime:
                 agent bundle that could not be built, naming it and the command that failed.
         """
         backend = self.backend(sandbox)
+        remote = capabilities(sandbox).remote and self.capture is not None
         harnesses = [*self.config.agents, *harnesses]
         packages = {n: p for n in dict.fromkeys(harnesses) if (p := HARNESSES[n].package) is not None}
         for name, package in packages.items():
@@ -335,8 +336,8 @@ class RolloutRuntime:
             async with gate:
                 try:
                     await backend.prepare(task)
-                    if packages:
-                        await self._probe(backend, task, packages)
+                    if packages or remote:
+                        await self._probe(backend, task, packages, reach=remote)
                 except (SandboxStartError, HarnessError) as exc:
                     return f"{task.name}: {exc}"
                 return None
@@ -363,10 +364,20 @@ class RolloutRuntime:
             return
         self._provided.add(sandbox)
 
-    async def _probe(self, backend: SandboxBackend, task: HarborTask, packages: Mapping[str, Any]) -> None:
-        """Each agent of ``packages`` started once in a sandbox of ``task``'s environment."""
+    async def _probe(
+        self, backend: SandboxBackend, task: HarborTask, packages: Mapping[str, Any], *, reach: bool
+    ) -> None:
+        """In one sandbox of ``task``'s environment: each agent of ``packages`` started once, and with
+        ``reach`` (a remote backend) the capture proxy's ``/health`` fetched at its public URL."""
         sandbox = await backend.start(task, lifetime_s=300)
         try:
+            if reach:
+                assert self.capture is not None
+                url = self.capture.public_url.rstrip("/") + "/health"
+                fetched = await sandbox.exec(fetch_command(url), timeout_s=60)
+                if fetched.exit_code != 0:
+                    why = (fetched.stderr or fetched.stdout).strip()[-500:] or "timed out"
+                    raise SandboxStartError(f"a sandbox cannot reach the capture proxy at {url}: {why}")
             for name, package in packages.items():
                 try:
                     await probe_agent(sandbox, package)
