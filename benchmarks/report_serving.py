@@ -228,3 +228,24 @@ def e2b_starts_section(result: dict[str, Any]) -> Section:
     )
     headline += f"{statistics.median(r['ratio'] for r in runs):.2f}x slowest build + creates"
     return Section("e2b_starts", headline, rows, notes=notes)
+
+
+def docker_prepare_section(result: dict[str, Any]) -> Section:
+    """Cold preparation of N environments on Docker against the slowest one alone."""
+    runs, c = result["runs"], result["config"]
+    alone = statistics.median(r["alone_s"] for r in runs)
+    together = statistics.median(r["all_s"] for r in runs)
+    rows = [
+        Row(
+            f"{c['environments']} environments prepared at once ({c['at_once']} builds at a time) vs the "
+            "slowest alone",
+            f"{together:.1f} s",
+            f"{alone:.1f} s",
+            [r["ratio"] for r in runs],
+        )
+    ]
+    builds = ", ".join(f"{s:.1f}" for s in c["build_s"])
+    notes = [f"each build's RUN step waits its time (s): {builds}; every build cold (a fresh salt each run)"]
+    headline = f"{c['environments']} cold builds ready in {statistics.median(r['ratio'] for r in runs):.2f}x "
+    headline += "the slowest alone"
+    return Section("docker_prepare", headline, rows, notes=notes)

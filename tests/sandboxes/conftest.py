@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from harness_trainer.sandboxes.docker import DockerSandboxBackend
 from harness_trainer.tasks.task import EnvironmentSpec, HarborTask
 
 # Every local sandbox (and every fake E2B sandbox) is launched by a process with this in its command line;
@@ -112,3 +113,13 @@ def make_task(tmp_path: Path) -> TaskFactory:
         )
 
     return build
+
+
+@pytest.fixture
+async def docker_backend() -> AsyncIterator[DockerSandboxBackend]:
+    """A docker backend on the real daemon; the test must close what it started."""
+    started = DockerSandboxBackend(kill_grace_s=0.5)
+    yield started
+    leaked = started.live
+    await started.aclose()
+    assert not leaked, f"the test left sandboxes open: {[s.id for s in leaked]}"

@@ -9,7 +9,6 @@ import asyncio
 import logging
 import re
 import socket
-from collections.abc import AsyncIterator
 
 import pytest
 
@@ -32,12 +31,8 @@ FETCH = (
 
 
 @pytest.fixture
-async def backend() -> AsyncIterator[DockerSandboxBackend]:
-    started = DockerSandboxBackend(kill_grace_s=0.5)
-    yield started
-    leaked = started.live
-    await started.aclose()
-    assert not leaked, f"the test left sandboxes open: {[s.id for s in leaked]}"
+def backend(docker_backend: DockerSandboxBackend) -> DockerSandboxBackend:
+    return docker_backend
 
 
 async def test_the_image_is_built_once_per_content_from_the_dockerfile_with_a_missing_base_mapped(

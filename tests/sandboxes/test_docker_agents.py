@@ -7,7 +7,6 @@ bundle's own Node."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import pytest
 
@@ -28,21 +27,12 @@ RUN apt-get purge -y --auto-remove python3 python3-minimal python3.11 python3.11
 """A real-world shape: a slim image with neither Node nor Python (the stand-in's Python purged)."""
 
 
-@pytest.fixture
-async def backend() -> AsyncIterator[DockerSandboxBackend]:
-    started = DockerSandboxBackend(kill_grace_s=0.5)
-    yield started
-    leaked = started.live
-    await started.aclose()
-    assert not leaked, f"the test left sandboxes open: {[s.id for s in leaked]}"
-
-
 async def test_npm_agents_run_from_their_bundles_where_there_is_no_node_nor_python(
-    backend: DockerSandboxBackend, make_task: TaskFactory
+    docker_backend: DockerSandboxBackend, make_task: TaskFactory
 ) -> None:
     packages = [opencode.PACKAGE, codex.PACKAGE, claude_code.PACKAGE]
-    backend.provide([await provision(package) for package in packages])
-    sandbox = await backend.start(make_task(NO_PYTHON), lifetime_s=120)
+    docker_backend.provide([await provision(package) for package in packages])
+    sandbox = await docker_backend.start(make_task(NO_PYTHON), lifetime_s=120)
     try:
         assert (await sandbox.exec("command -v node npm python3 python")).exit_code == 1
         for package in packages:
@@ -56,17 +46,17 @@ async def test_npm_agents_run_from_their_bundles_where_there_is_no_node_nor_pyth
 
 
 async def test_the_pip_agent_is_set_up_per_image_and_an_image_without_python_fails_at_prepare(
-    backend: DockerSandboxBackend, make_task: TaskFactory
+    docker_backend: DockerSandboxBackend, make_task: TaskFactory
 ) -> None:
-    backend.provide([await provision(mini_swe_agent.PACKAGE)])
+    docker_backend.provide([await provision(mini_swe_agent.PACKAGE)])
     with pytest.raises(SandboxStartError) as refused:
-        await backend.prepare(make_task(NO_PYTHON, name="no-python"))
+        await docker_backend.prepare(make_task(NO_PYTHON, name="no-python"))
     message = str(refused.value)
     assert "no-python: setting up agent mini-swe-agent-2.4.6-litellm-1.76.0-pip" in message
     assert "the task's image (debian:bookworm-slim" in message and "exited with 127" in message
     assert "mini-swe-agent==2.4.6 needs python3 in this image, which has none" in message
 
-    sandbox = await backend.start(make_task("FROM python:3.12-slim\n"), lifetime_s=120)
+    sandbox = await docker_backend.start(make_task("FROM python:3.12-slim\n"), lifetime_s=120)
     try:
         path = await install_agent(sandbox, mini_swe_agent.PACKAGE)
         ran = await sandbox.exec(f"{path} --help", env={"MSWEA_CONFIGURED": "true"})
@@ -76,13 +66,13 @@ async def test_the_pip_agent_is_set_up_per_image_and_an_image_without_python_fai
 
 
 async def test_an_npm_agent_without_a_native_build_runs_on_the_bundles_own_node(
-    backend: DockerSandboxBackend, make_task: TaskFactory
+    docker_backend: DockerSandboxBackend, make_task: TaskFactory
 ) -> None:
     semver = ToolPackage("npm", "semver", "7.6.3", "node_modules/semver/bin/semver.js")
     folder = await ensure_bundle(semver)
     assert (folder / "node" / "bin" / "node").is_file()
-    backend.provide([await provision(semver)])
-    sandbox = await backend.start(make_task(NO_PYTHON), lifetime_s=120)
+    docker_backend.provide([await provision(semver)])
+    sandbox = await docker_backend.start(make_task(NO_PYTHON), lifetime_s=120)
     try:
         path = await install_agent(sandbox, semver)
         ran = await sandbox.exec(f"{path} -r '>=1.2' 1.0.0 1.3.0 2.0.0; command -v node")
@@ -98,9 +88,9 @@ async def test_a_url_is_fetched_from_inside_an_image_without_curl_or_python(
     neither curl nor Python, bash's own ``/dev/tcp`` (an unreachable port still fails)."""
     server = await asyncio.start_server(_answer_ok, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    backend = DockerSandboxBackend(kill_grace_s=0.5, proxy_url=f"http://127.0.0.1:{port}")
+    relaying = DockerSandboxBackend(kill_grace_s=0.5, proxy_url=f"http://127.0.0.1:{port}")
     try:
-        sandbox = await backend.start(make_task(NO_PYTHON), lifetime_s=120)
+        sandbox = await relaying.start(make_task(NO_PYTHON), lifetime_s=120)
         try:
             assert (await sandbox.exec("command -v curl python3")).exit_code == 1
             fetched = await sandbox.exec(fetch_command(f"http://127.0.0.1:{port}/health"), timeout_s=60)
@@ -110,7 +100,7 @@ async def test_a_url_is_fetched_from_inside_an_image_without_curl_or_python(
         finally:
             await sandbox.close()
     finally:
-        await backend.aclose()
+        await relaying.aclose()
         server.close()
         await server.wait_closed()
 
