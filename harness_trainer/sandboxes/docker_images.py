@@ -189,7 +189,13 @@ class DockerImages:
 
     def _run_build(self, context: bytes, tag: str, timeout: float) -> str | None:
         """Build ``tag``; the log's tail on failure, None on success."""
-        lines: list[str] = []
+        # The daemon's stream events cut its output anywhere, a line too (under load, `/bin/sh: 1: ` in one
+        # event and `file: not found` in the next): the text is joined first, then cut into lines.
+        stream: list[str] = []
+
+        def tail(last: str) -> str:
+            return "\n".join([*"".join(stream).splitlines()[-40:], last])
+
         try:
             events = self._client().api.build(
                 fileobj=io.BytesIO(context), custom_context=True, tag=tag, rm=True, forcerm=True,
@@ -197,11 +203,11 @@ class DockerImages:
                 labels={"harness-trainer": "env"}, buildargs=dict(self.trust.proxy),
             )  # fmt: skip
             for event in events:
-                lines += str(event.get("stream", "")).splitlines()
+                stream.append(str(event.get("stream", "")))
                 if "error" in event:
-                    return "\n".join([*lines[-40:], str(event["error"])])
+                    return tail(str(event["error"]))
         except Exception as exc:
-            return "\n".join([*lines[-40:], f"{type(exc).__name__}: {exc}"])
+            return tail(f"{type(exc).__name__}: {exc}")
         return None
 
 

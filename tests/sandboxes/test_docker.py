@@ -9,11 +9,13 @@ import asyncio
 import logging
 import re
 import socket
+from types import SimpleNamespace
 
 import pytest
 
 from harness_trainer.sandboxes.base import SandboxError, SandboxStartError
-from harness_trainer.sandboxes.docker import LABEL, DockerSandboxBackend, remove_leftovers
+from harness_trainer.sandboxes.docker import BASE_IMAGE, LABEL, DockerSandboxBackend, remove_leftovers
+from harness_trainer.sandboxes.docker_images import DockerImages, _missing_command_hint
 from tests.sandboxes.conftest import TaskFactory
 
 pytestmark = pytest.mark.docker
@@ -225,3 +227,23 @@ async def test_the_sandbox_tools_work_in_a_docker_sandbox(
         assert tools.metrics()["tool_failures_by_name"] == {"bash": 1, "read_file": 1}
     finally:
         await sandbox.close()
+
+
+def test_a_line_the_daemon_streams_in_two_events_is_one_line_of_the_builds_log() -> None:
+    """The daemon's build events cut its output anywhere (seen under load: ``/bin/sh: 1: `` in one event,
+    ``file: not found`` in the next); the log's tail, and the missing-command hint read from it, see the
+    line whole. The events are the daemon's shapes (``stream``, then ``error``)."""
+    events = [
+        {"stream": "Step 3/3 : RUN file --version\n"},
+        {"stream": " ---> Running in 0123456789ab\n/bin/sh: 1: "},
+        {"stream": "file: not found\n"},
+        {"error": "The command '/bin/sh -c file --version' returned a non-zero code: 127"},
+    ]
+    client = SimpleNamespace(api=SimpleNamespace(build=lambda **_: iter(events)))
+    images = DockerImages(
+        lambda: client, None, base_image=BASE_IMAGE, map_missing_images=True, build_network=None,  # type: ignore[arg-type]
+        build_timeout_s=10.0,
+    )  # fmt: skip
+    tail = images._run_build(b"", "ht-env:test", 10.0)
+    assert tail is not None and "/bin/sh: 1: file: not found\n" in tail
+    assert "`file` is not in the stand-in" in _missing_command_hint(("ubuntu:24.04 stood in for by x",), tail)
