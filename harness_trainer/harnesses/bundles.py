@@ -254,7 +254,8 @@ async def install_agent(sandbox: Sandbox, package: ToolPackage) -> str:
         if recipe(package) == "pip":
             path = await install_tool(sandbox, package)
         else:
-            path = str(await ensure_bundle(package) / "bin" / executable(package))
+            await ensure_bundle(package)
+            path = host_entry(package)
     else:
         path = bundle_entry(package)
         check = f"test -x {shlex.quote(path)}"
@@ -303,4 +304,9 @@ def agent_path(sandbox: Sandbox, package: ToolPackage) -> str:
         return bundle_entry(package)
     if recipe(package) == "pip":
         return tool_path(sandbox, package)
+    return host_entry(package)
+
+
+def host_entry(package: ToolPackage) -> str:
+    """The agent's executable in its bundle on this machine (as a sandbox on this machine's files runs it)."""
     return str(host_bundles_dir() / bundle_name(package) / "bin" / executable(package))
