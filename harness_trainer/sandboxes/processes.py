@@ -105,6 +105,30 @@ class Namespace:
             argv += [ROOTLESS_INIT, "ht-init", str(new_root), pivot, *new_root_ops(binds)]
         else:
             argv += [_INIT_SCRIPT, "ht-init", *(part for host, path in binds for part in (str(host), path))]
+        namespace = await cls.launch(
+            argv, env, mode=mode, timeout_s=timeout_s, private_network=private_network
+        )
+        if private_network:
+            try:
+                await namespace._bring_up_loopback(env, timeout_s)
+            except BaseException:
+                await namespace.kill()
+                raise
+        return namespace
+
+    @classmethod
+    async def launch(
+        cls,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        *,
+        mode: Mode,
+        timeout_s: float = 10.0,
+        private_network: bool = False,
+    ) -> Namespace:
+        """Run ``argv`` (``unshare`` … an init that prints ``ready`` once its namespaces are set up, then
+        stays) as the namespace's launcher; raises SandboxStartError with the launcher's stderr when no
+        ``ready`` comes within ``timeout_s``."""
         try:
             launcher = await asyncio.create_subprocess_exec(
                 *argv,
@@ -125,14 +149,7 @@ class Namespace:
             await _reap(launcher)
             err = (await launcher.stderr.read()).decode(errors="replace").strip()
             raise SandboxStartError(f"the sandbox namespace did not start: {err or 'no output'}")
-        namespace = cls(launcher, _only_child(launcher.pid), mode, private_network)
-        if private_network:
-            try:
-                await namespace._bring_up_loopback(env, timeout_s)
-            except BaseException:
-                await namespace.kill()
-                raise
-        return namespace
+        return cls(launcher, _only_child(launcher.pid), mode, private_network)
 
     async def _bring_up_loopback(self, env: Mapping[str, str], timeout_s: float) -> None:
         # -I -S: the host's Python with its standard library only (no site, no PYTHON* variables).

@@ -20,7 +20,6 @@ the host trusts. Commands enter it with ``nsenter -r`` (the init's root). Needs 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import fcntl
 import json
 import os
@@ -32,7 +31,7 @@ from pathlib import Path
 from harness_trainer.sandboxes.docker_daemon import BASE_IMAGE
 from harness_trainer.sandboxes.docker_images import PYTHON_STAND_IN
 from harness_trainer.sandboxes.host_trust import CA_ENV, host_ca_bundle
-from harness_trainer.sandboxes.processes import Namespace, _only_child, tool
+from harness_trainer.sandboxes.processes import Namespace, tool
 from harness_trainer.sandboxes.rootless import Mode
 
 CA_PATH = "/etc/ssl/harness-trainer-host-ca.crt"
@@ -153,23 +152,7 @@ class RootFs:
         argv += [":".join(map(str, self.layers)), str(self.upper), str(self.folder / "work")]
         argv += [str(self.folder / "merged"), str(ca or "")]
         env = {"PATH": os.environ.get("PATH", os.defpath), "CA_PATH": CA_PATH}
-        launcher = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, env=env, start_new_session=True,
-        )  # fmt: skip
-        assert launcher.stdout is not None and launcher.stderr is not None
-        try:
-            line = await asyncio.wait_for(launcher.stdout.readline(), timeout_s)
-        except TimeoutError:
-            line = b""
-        if line != b"ready\n":
-            with contextlib.suppress(ProcessLookupError):
-                launcher.kill()
-            await launcher.wait()
-            raise RuntimeError(
-                f"fake E2B: the sandbox root did not start: {(await launcher.stderr.read()).decode()}"
-            )
-        self.namespace = Namespace(launcher, _only_child(launcher.pid), CHROOT)
+        self.namespace = await Namespace.launch(argv, env, mode=CHROOT, timeout_s=timeout_s)
         return self.namespace
 
     def host(self, path: str) -> Path:
