@@ -189,12 +189,10 @@ class DockerImages:
 
     def _run_build(self, context: bytes, tag: str, timeout: float) -> str | None:
         """Build ``tag``; the log's tail on failure, None on success."""
-        # The daemon's stream events cut its output anywhere, a line too (under load, `/bin/sh: 1: ` in one
-        # event and `file: not found` in the next): the text is joined first, then cut into lines.
         stream: list[str] = []
 
         def tail(last: str) -> str:
-            return "\n".join([*"".join(stream).splitlines()[-40:], last])
+            return "\n".join([*build_log_lines(stream)[-40:], last])
 
         try:
             events = self._client().api.build(
@@ -209,6 +207,17 @@ class DockerImages:
         except Exception as exc:
             return tail(f"{type(exc).__name__}: {exc}")
         return None
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def build_log_lines(chunks: list[str]) -> list[str]:
+    """A build's log as lines, from the daemon's ``stream`` events. The events cut the output anywhere, a
+    line too (under load, ``/bin/sh: 1: `` in one event and ``file: not found`` in the next), and wrap each
+    stderr chunk in colour codes, which then sit mid-line: the codes are dropped and the text joined before
+    it is cut into lines."""
+    return _ANSI.sub("", "".join(chunks)).splitlines()
 
 
 def _missing_command_hint(stood_in: tuple[str, ...], log_tail: str) -> str:

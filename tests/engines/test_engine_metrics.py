@@ -133,7 +133,8 @@ def test_the_dev_engine_serves_its_queue_and_context_under_vllms_names(engine: E
     assert queued, f"never saw one running and others waiting: {busy[:5]}"
     for load in busy:
         held = load.kv_cache_usage * max_model_len  # the running request's prompt and tokens so far
-        assert load.running in (0, 1) and load.waiting <= 2 and load.preemptions_total == 0
+        # One runs at a time; before the engine takes the first, all three may be waiting.
+        assert load.running in (0, 1) and load.running + load.waiting <= 3 and load.preemptions_total == 0
         assert held == 0 or (load.running == 1 and len(prompt) <= round(held) <= len(prompt) + 50)
     assert dev_metrics(engine)[1] == idle
 

@@ -231,12 +231,14 @@ async def test_the_sandbox_tools_work_in_a_docker_sandbox(
 
 def test_a_line_the_daemon_streams_in_two_events_is_one_line_of_the_builds_log() -> None:
     """The daemon's build events cut its output anywhere (seen under load: ``/bin/sh: 1: `` in one event,
-    ``file: not found`` in the next); the log's tail, and the missing-command hint read from it, see the
-    line whole. The events are the daemon's shapes (``stream``, then ``error``)."""
+    ``file: not found`` in the next), each stderr chunk in colour codes; the log's tail, and the
+    missing-command hint read from it, see the line whole and plain. The events are the daemon's shapes
+    (``stream``, then ``error``)."""
     events = [
         {"stream": "Step 3/3 : RUN file --version\n"},
-        {"stream": " ---> Running in 0123456789ab\n/bin/sh: 1: "},
-        {"stream": "file: not found\n"},
+        {"stream": " ---> Running in 0123456789ab\n"},
+        {"stream": "\x1b[91m/bin/sh: 1: \x1b[0m"},
+        {"stream": "\x1b[91mfile: not found\n\x1b[0m"},
         {"error": "The command '/bin/sh -c file --version' returned a non-zero code: 127"},
     ]
     client = SimpleNamespace(api=SimpleNamespace(build=lambda **_: iter(events)))
