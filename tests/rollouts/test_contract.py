@@ -189,3 +189,20 @@ def test_a_foreign_sync_session_without_an_id_reads_as_none_through_the_thread_a
         session = ThreadedSession(ForeignSession(), executor)  # type: ignore[arg-type]
         assert session.session_id is None
         assert asyncio.run(session.wait()) == 0
+
+
+def test_a_threaded_session_finalised_after_its_loop_closed_is_closed_on_the_finalising_thread() -> None:
+    """A stop that outwaits its drain closes the scheduler's loop with rollouts pending; their coroutines
+    are finalised later, with no loop, and the session's close still runs (it used to raise there)."""
+
+    class Counted:
+        closed = 0
+
+        def close(self) -> None:
+            Counted.closed += 1
+
+    with concurrent.futures.ThreadPoolExecutor(1) as executor:
+        closing = ThreadedSession(Counted(), executor).aclose()  # type: ignore[arg-type]
+        with pytest.raises(StopIteration):
+            closing.send(None)  # driven as a finaliser drives it: no running loop
+        assert Counted.closed == 1

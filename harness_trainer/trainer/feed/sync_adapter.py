@@ -64,6 +64,11 @@ class ThreadedSession:
         return await _on(self.executor, self.session.verify, completion)
 
     async def aclose(self) -> None:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # finalised after its loop closed (a stop that outwaited its drain): close here
+            self.session.close()
+            return
         await _on(self.executor, self.session.close)
 
     def close(self) -> None:
