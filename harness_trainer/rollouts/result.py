@@ -53,6 +53,19 @@ class RolloutOptions(BaseModel):
         return {self.auth_header: self.api_key}
 
 
+class StepResult(BaseModel):
+    """One step of a multi-step task's rollout (:mod:`harness_trainer.tasks.steps`): its agent run and its
+    verifier's reward (None: the verifier wrote none, or timed out)."""
+
+    name: str
+    reward: float | None = None
+    rewards: dict[str, float] = Field(default_factory=dict)
+    reward_detail: str = ""
+    exit_code: int | None = None
+    timed_out: bool = False
+    seconds: float = 0.0
+
+
 class RolloutResult(BaseModel):
     """The outcome of one rollout. ``reward`` None means ungraded (never coerced to 0).
 
@@ -85,6 +98,9 @@ class RolloutResult(BaseModel):
     """With ``error_kind == "capture_contract"``: the trace rules the capture broke."""
     trace: dict[str, Any] | None = None
     """The TrainingTrace JSON (``{"schema_version": 1, "turns": []}`` when nothing was captured)."""
+    steps: list[StepResult] = Field(default_factory=list)
+    """A multi-step task's steps that ran, in order (the rest were not run: a step missed its
+    ``min_reward``, or the rollout was stopped); ``reward`` is their roll-up. Empty for other tasks."""
 
     @property
     def unscorable(self) -> bool:

@@ -5,10 +5,10 @@ is one of:
 
 - **refused** (:func:`refusals`; the loader raises :class:`~harness_trainer.tasks.task.TaskError` naming
   the field): what no sandbox backend here can run, so a rollout would measure something else than the
-  task means: multi-step tasks (``[[steps]]``), a verifier in a separate sandbox (``[verifier]
-  environment_mode = "separate"``, ``[verifier.environment]``), a ``docker-compose.yaml`` environment
-  without a Dockerfile to run instead, an OS other than Linux, GPUs or TPUs, MCP servers given to the
-  agent;
+  task means: a verifier in a separate sandbox (``[verifier] environment_mode = "separate"``,
+  ``[verifier.environment]``, the same in a step's ``[steps.verifier]``), a ``docker-compose.yaml``
+  environment without a Dockerfile to run instead, an OS other than Linux, GPUs or TPUs, MCP servers
+  given to the agent;
 - **ignored with a reason** (:func:`ignored`; the loader logs each field once per process, naming the first
   task that sets it): what changes nothing a rollout measures, or what a rollout here does its own way:
   the users agents and verifiers run as, the reference solution's environment, the GPU types of a task that
@@ -36,14 +36,16 @@ def refusals(config: dict[str, Any], folder: Path) -> list[str]:
     """Why the task at ``folder`` (its parsed ``config``) cannot run here, one line per field; empty when
     it can."""
     found = []
-    if config.get("steps"):
-        found.append("[[steps]]: multi-step tasks are not run here (one instruction, one verifier per task)")
-    verifier = config.get("verifier") if isinstance(config.get("verifier"), dict) else {}
-    if verifier.get("environment_mode", "shared") != "shared" or "environment" in verifier:
-        found.append(
-            "[verifier] environment_mode / [verifier.environment]: a verifier in a sandbox of its own is "
-            "not run here (the verifier runs in the agent's sandbox, after it)"
-        )
+    steps = config.get("steps") if isinstance(config.get("steps"), list) else []
+    tables = [("verifier", config), *(("steps.verifier", s) for s in steps if isinstance(s, dict))]
+    for where, table in tables:
+        verifier = table.get("verifier") if isinstance(table.get("verifier"), dict) else {}
+        if verifier.get("environment_mode", "shared") != "shared" or "environment" in verifier:
+            found.append(
+                f"[{where}] environment_mode / [{where}.environment]: a verifier in a sandbox of its own is "
+                "not run here (the verifier runs in the agent's sandbox, after it)"
+            )
+            break
     environment = config.get("environment") if isinstance(config.get("environment"), dict) else {}
     system = environment.get("os")
     if system not in (None, "linux"):
@@ -68,12 +70,13 @@ def refusals(config: dict[str, Any], folder: Path) -> list[str]:
 def ignored(config: dict[str, Any], known_environment: frozenset[str]) -> dict[str, str]:
     """The fields of ``config`` a rollout here ignores, each with the reason (see the module docstring)."""
     found: dict[str, str] = {}
+    steps = config.get("steps") if isinstance(config.get("steps"), list) else []
     for section, reason in (
         ("agent", "the agent runs as the sandbox image's user"),
         ("verifier", "the verifier runs as the sandbox image's user"),
     ):
-        table = config.get(section)
-        if isinstance(table, dict) and "user" in table:
+        tables = [config.get(section)] + [s.get(section) for s in steps if isinstance(s, dict)]
+        if any(isinstance(table, dict) and "user" in table for table in tables):
             found[f"[{section}] user"] = reason
     if config.get("solution"):
         found["[solution]"] = "reference solutions are not run in rollouts"

@@ -15,17 +15,25 @@ Contract:
 - The name is ``[task].name``, else ``[metadata].name``, else the folder's name.
 - ``instruction.md`` is kept verbatim (the prompt is exactly its text) and must not be blank.
 - ``tests/test.sh`` must exist; ``solution/solve.sh`` is optional.
+- A multi-step task (``[[steps]]``, :mod:`.steps`): each step's ``name`` is a folder ``steps/<name>`` with
+  an ``instruction.md`` and a ``test.sh`` in its ``tests/`` or the task's; ``[steps.agent]`` and
+  ``[steps.verifier]`` are checked as the task's and fall back to them; ``min_reward`` is a number or a
+  table of numbers, ``contributes_to_mean`` a bool (not false for every step);
+  ``multi_step_reward_strategy`` is ``mean`` (the default) or ``final``. The task's own instruction.md and
+  tests/ are then optional.
 - Anything else raises :class:`TaskError` naming the file and what is wrong with it.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import tomllib
 from pathlib import Path
 from typing import Any
 
 from harness_trainer.tasks.fields import ignored, refusals
+from harness_trainer.tasks.steps import REWARD_STRATEGIES, RewardStrategy, TaskStep
 from harness_trainer.tasks.task import EnvironmentSpec, HarborTask, TaskError
 
 log = logging.getLogger(__name__)
@@ -45,6 +53,7 @@ _ENVIRONMENT_KEYS = {
     "allow_internet",
     "build_timeout_sec",
 }
+_STEP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _SIZE_UNITS_MB = {"K": 1 / 1024, "M": 1, "G": 1024, "T": 1024 * 1024}
 """Docker's size suffixes (powers of 1024, as ``docker run --memory 2g``), in megabytes."""
 
@@ -61,16 +70,22 @@ def load_task(path: str | Path, *, split: str = "", index: int = 0) -> HarborTas
         raise TaskError(f"{folder}: no such task folder")
     toml_path = folder / "task.toml"
     config = _read_toml(toml_path)
-    instruction = _read_instruction(folder / "instruction.md")
-    if not (folder / "tests" / "test.sh").is_file():
-        raise TaskError(f"{folder / 'tests' / 'test.sh'}: missing (every task needs a verifier script)")
-
     agent = _table(config, "agent", toml_path)
     verifier = _table(config, "verifier", toml_path)
     where = str(toml_path)
     refused = refusals(config, folder)
     if refused:
         raise TaskError(f"{toml_path}: cannot be run here: " + "; ".join(refused))
+    agent_timeout = _positive(agent, "timeout_sec", f"{where} [agent]", DEFAULT_AGENT_TIMEOUT_SEC)
+    verifier_timeout = _positive(verifier, "timeout_sec", f"{where} [verifier]", DEFAULT_VERIFIER_TIMEOUT_SEC)
+    verifier_env = _string_table(verifier, "env", f"{where} [verifier]")
+    steps = _steps(config, folder, agent_timeout, verifier_timeout, verifier_env)
+    if steps and not (folder / "instruction.md").is_file():
+        instruction = steps[0].instruction
+    else:
+        instruction = _read_instruction(folder / "instruction.md")
+    if not steps and not (folder / "tests" / "test.sh").is_file():
+        raise TaskError(f"{folder / 'tests' / 'test.sh'}: missing (every task needs a verifier script)")
     for name, reason in ignored(config, frozenset(_ENVIRONMENT_KEYS)).items():
         if name not in _logged:
             _logged.add(name)
@@ -80,15 +95,77 @@ def load_task(path: str | Path, *, split: str = "", index: int = 0) -> HarborTas
         path=folder,
         instruction=instruction,
         config=config,
-        agent_timeout_sec=_positive(agent, "timeout_sec", f"{where} [agent]", DEFAULT_AGENT_TIMEOUT_SEC),
-        verifier_timeout_sec=_positive(
-            verifier, "timeout_sec", f"{where} [verifier]", DEFAULT_VERIFIER_TIMEOUT_SEC
-        ),
+        agent_timeout_sec=agent_timeout,
+        verifier_timeout_sec=verifier_timeout,
         environment=_environment(_table(config, "environment", toml_path), f"{where} [environment]"),
         split=split,
         index=index,
-        verifier_env=_string_table(verifier, "env", f"{where} [verifier]"),
+        verifier_env=verifier_env,
+        steps=steps,
+        reward_strategy=_strategy(config, where) if steps else "mean",
     )
+
+
+def _steps(
+    config: dict[str, Any], folder: Path, agent_timeout: float, verifier_timeout: float, env: dict[str, str]
+) -> tuple[TaskStep, ...]:
+    tables = config.get("steps", [])
+    if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
+        raise TaskError(f"{folder / 'task.toml'} steps: expected [[steps]] tables, got {tables!r}")
+    steps: list[TaskStep] = []
+    for number, table in enumerate(tables, 1):
+        where = f"{folder / 'task.toml'} [[steps]] #{number}"
+        name = table.get("name")
+        if not isinstance(name, str) or not _STEP_NAME.fullmatch(name):
+            raise TaskError(f"{where} name: expected a folder name (letters, digits, . _ -), got {name!r}")
+        if name in (step.name for step in steps):
+            raise TaskError(f"{where} name: {name!r} is the name of an earlier step too")
+        path = folder / "steps" / name
+        instruction = _read_instruction(path / "instruction.md")
+        if not (path / "tests" / "test.sh").is_file() and not (folder / "tests" / "test.sh").is_file():
+            raise TaskError(f"{path / 'tests' / 'test.sh'}: missing, and the task has no tests/test.sh")
+        agent, verifier = _table(table, "agent", where), _table(table, "verifier", where)
+        contributes = table.get("contributes_to_mean", True)
+        if not isinstance(contributes, bool):
+            raise TaskError(f"{where} contributes_to_mean: expected true or false, got {contributes!r}")
+        steps.append(
+            TaskStep(
+                name=name,
+                path=path,
+                instruction=instruction,
+                agent_timeout_sec=_positive(agent, "timeout_sec", f"{where} [steps.agent]", agent_timeout),
+                verifier_timeout_sec=_positive(
+                    verifier, "timeout_sec", f"{where} [steps.verifier]", verifier_timeout
+                ),
+                verifier_env={**env, **_string_table(verifier, "env", f"{where} [steps.verifier]")},
+                min_reward=_min_reward(table.get("min_reward"), where),
+                contributes_to_mean=contributes,
+            )
+        )
+    if steps and not any(step.contributes_to_mean for step in steps):
+        raise TaskError(f"{folder / 'task.toml'}: every step has contributes_to_mean = false (no reward)")
+    return tuple(steps)
+
+
+def _min_reward(value: Any, where: str) -> float | dict[str, float] | None:
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        if value and all(isinstance(v, int | float) and not isinstance(v, bool) for v in value.values()):
+            return {str(k): float(v) for k, v in value.items()}
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    raise TaskError(f"{where} min_reward: expected a number or a table of numbers, got {value!r}")
+
+
+def _strategy(config: dict[str, Any], where: str) -> RewardStrategy:
+    strategy = config.get("multi_step_reward_strategy", "mean")
+    if strategy not in REWARD_STRATEGIES:
+        raise TaskError(
+            f"{where} multi_step_reward_strategy: expected one of {', '.join(REWARD_STRATEGIES)}, got "
+            f"{strategy!r}"
+        )
+    return strategy  # type: ignore[no-any-return]
 
 
 def _read_toml(path: Path) -> dict[str, Any]:

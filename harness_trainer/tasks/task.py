@@ -7,6 +7,8 @@ Folder layout::
     <task>/environment/         Dockerfile (+ files it COPYs)
     <task>/tests/test.sh        the verifier: writes /logs/verifier/reward.txt or reward.json
     <task>/solution/solve.sh    optional reference solution
+    <task>/steps/<name>/        a multi-step task's steps (``[[steps]]``; :mod:`.steps`): then the task's
+                                instruction.md and tests/ are optional
 
 :func:`harness_trainer.tasks.loader.load_task` builds a :class:`HarborTask` from a folder and raises
 :class:`TaskError` for anything it cannot use; a loaded task is immutable.
@@ -17,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from harness_trainer.tasks.steps import RewardStrategy, TaskStep
 
 
 class TaskError(ValueError):
@@ -45,6 +49,8 @@ class HarborTask:
     name: str
     path: Path
     instruction: str
+    """What the agent is told; a multi-step task's own instruction.md (never sent: each step's is), else
+    its first step's, so that lists and look-ups by instruction still work."""
     config: dict[str, Any]
     agent_timeout_sec: float
     verifier_timeout_sec: float
@@ -52,6 +58,10 @@ class HarborTask:
     split: str = ""
     index: int = 0
     verifier_env: dict[str, str] = field(default_factory=dict)  # ``[verifier] env``, given to test.sh
+    steps: tuple[TaskStep, ...] = ()
+    """A multi-step task's steps, in order (:mod:`.steps`); empty for a task of one instruction."""
+    reward_strategy: RewardStrategy = "mean"
+    """How a multi-step task's step rewards make its reward (``multi_step_reward_strategy``)."""
 
     @property
     def dockerfile(self) -> Path | None:

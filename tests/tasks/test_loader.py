@@ -184,7 +184,11 @@ def test_the_older_size_form_reads_as_megabytes(
 @pytest.mark.parametrize(
     ("toml", "files", "field"),
     [
-        ('[[steps]]\nname = "one"\n', {}, "[[steps]]: multi-step tasks are not run here"),
+        (
+            '[[steps]]\nname = "one"\n[steps.verifier]\nenvironment_mode = "separate"\n',
+            {},
+            "[steps.verifier] environment_mode",
+        ),
         ('[verifier]\nenvironment_mode = "separate"\n', {}, "a verifier in a sandbox of its own"),
         ("[verifier.environment]\ncpus = 2\n", {}, "[verifier] environment_mode / [verifier.environment]"),
         ('[environment]\nos = "windows"\n', {}, "os = 'windows': only Linux sandboxes"),

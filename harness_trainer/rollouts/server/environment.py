@@ -59,12 +59,18 @@ class EpisodeOver(RuntimeError):
 class Environment:
     """One white-box session's sandbox and tools; see the module docstring for the contract.
 
-    Raises ValueError for ``options.tool_limits`` that :class:`ToolLimits` refuses, ImportError without the
-    ``openenv`` extra.
+    Raises ValueError for ``options.tool_limits`` that :class:`ToolLimits` refuses or a multi-step task
+    (an episode here is one instruction and one verdict), ImportError without the ``openenv`` extra.
     """
 
     def __init__(self, task: HarborTask, options: EnvironmentOptions, backend: SandboxBackend) -> None:
         from harness_trainer.sandboxes.tools import ToolLimits
+
+        if task.steps:
+            raise ValueError(
+                f"{task.name} is a multi-step task ({len(task.steps)} steps): a white-box episode is one "
+                "instruction and one verdict; run it as a black-box rollout"
+            )
 
         try:
             self.limits = ToolLimits(**options.tool_limits)

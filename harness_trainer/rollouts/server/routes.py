@@ -14,7 +14,8 @@ Routes (JSON):
 - ``GET /splits`` → ``{"splits": ["DATASET:SPLIT", ...], "datasets": [{"name", "splits": [{"name",
   "split", "num_tasks"}]}]}`` (split names: :mod:`harness_trainer.tasks.catalog`);
   ``GET /splits/{split}/tasks`` → ``{"split": "DATASET:SPLIT", "tasks": [{"index", "name",
-  "instruction", "agent_timeout_sec", "verifier_timeout_sec"}]}`` (404 naming the known splits).
+  "instruction", "agent_timeout_sec", "verifier_timeout_sec", "steps"}]}`` (``steps``: a multi-step
+  task's step names, else empty; 404 naming the known splits).
 - ``POST /sessions`` → 201 ``{"session_id"}`` (429 when full).
 - ``POST /sessions/{id}/rollout`` with ``{"split", "index" | "instruction", **RolloutOptions}`` → 202
   (404 unknown task, 409 already started, 400 bad options, an ``llm_url`` this server was not allowed
@@ -215,6 +216,7 @@ class RolloutServer:
                 "instruction": t.instruction,
                 "agent_timeout_sec": t.agent_timeout_sec,
                 "verifier_timeout_sec": t.verifier_timeout_sec,
+                "steps": [step.name for step in t.steps],
             }
             for t in tasks
         ]

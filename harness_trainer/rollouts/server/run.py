@@ -1,4 +1,5 @@
-"""One rollout, start to finish: capture session → sandbox → agent → verifier → trace → cleanup.
+"""One rollout, start to finish: capture session → sandbox → agent → verifier → trace → cleanup (for a
+multi-step task, agent → verifier once per step, in one sandbox and one capture session).
 
 ``run_rollout`` never raises for what an agent or sandbox does: a crash, a hang past the timeout (the
 agent is killed, its captured turns kept, ``timed_out`` set) or a spent step budget are results, and a
@@ -24,9 +25,10 @@ from harness_trainer.harnesses import make_harness
 from harness_trainer.harnesses.base import AgentEndpoint, AgentRun, Harness, HarnessError
 from harness_trainer.harnesses.bundles import provision
 from harness_trainer.rollouts.errors import ErrorKind
-from harness_trainer.rollouts.result import RolloutOptions, RolloutResult
+from harness_trainer.rollouts.result import RolloutOptions, RolloutResult, StepResult
 from harness_trainer.rollouts.server.verifier import run_verifier, upload_tests
 from harness_trainer.sandboxes.base import Sandbox, SandboxBackend, SandboxError
+from harness_trainer.tasks.steps import SETUP_SCRIPT, TaskStep, rolled_up, stops_after
 from harness_trainer.tasks.task import HarborTask
 from harness_trainer.trace import CaptureContractError, load_trace
 
@@ -42,8 +44,9 @@ def _phase(result: RolloutResult, name: str) -> Iterator[None]:
     started = time.monotonic()
     try:
         yield
-    finally:
-        result.phase_seconds[name] = round(time.monotonic() - started, 4)
+    finally:  # a multi-step task's steps add up
+        spent = result.phase_seconds.get(name, 0.0) + time.monotonic() - started
+        result.phase_seconds[name] = round(spent, 4)
 
 
 async def run_rollout(
@@ -86,38 +89,17 @@ async def run_rollout(
             limit = options.agent_step_limit or None
             session = await capture.mint(options.sampling, limit, metadata, engine=engine)
         session_id = result.capture_session_id = session.session_id
-        timeout = options.agent_timeout_sec or task.agent_timeout_sec
         with _phase(result, "sandbox_start"):
             if harness.package is not None:  # its bundle (built once per machine) into the sandboxes
                 backend.provide([await provision(harness.package)])
-            lifetime = timeout + task.verifier_timeout_sec + _SANDBOX_SLACK_S
-            sandbox = await backend.start(task, lifetime_s=lifetime)
+            sandbox = await backend.start(task, lifetime_s=_lifetime(task, options))
         with _phase(result, "install"):
             await harness.install(sandbox)
         endpoint = AgentEndpoint(session.root_url, session.session_id, model)
-        with _phase(result, "agent"):
-            agent = harness.run(
-                sandbox, task.instruction, endpoint, step_limit=options.agent_step_limit, timeout_s=timeout
-            )
-            run = await _until_stopped(agent, stop)
-        if run is None:
-            result.timed_out = True
+        if task.steps:
+            await _run_steps(task, options, harness, sandbox, endpoint, stop, result)
         else:
-            result.exit_code, result.timed_out = run.result.exit_code, run.result.timed_out
-            result.tool_calls_by_name, result.tool_failure_count = (
-                dict(run.tools.calls_by_name),
-                run.tools.failures,
-            )
-            result.log_tail = run.log[-_LOG_TAIL:]
-        with _phase(result, "upload"):
-            await upload_tests(sandbox, task)
-        with _phase(result, "verifier"):
-            outcome = await run_verifier(sandbox, task, reward_key=options.reward_key, upload=False)
-        result.reward, result.rewards, result.reward_detail = (
-            outcome.reward,
-            dict(outcome.rewards),
-            outcome.detail,
-        )
+            await _run_once(task, options, harness, sandbox, endpoint, stop, result)
         with _phase(result, "trace"):
             result.trace = await _export(capture, session.session_id)
             summary = await capture.summary(session.session_id)
@@ -147,6 +129,116 @@ async def run_rollout(
     if result.error is not None:
         result.reward, result.trace = None, None
     return result
+
+
+def _lifetime(task: HarborTask, options: RolloutOptions) -> float:
+    """The sandbox's lifetime: every agent and verifier timeout it may have to wait out, and some slack."""
+    parts = task.steps or (task,)
+    agents = sum(options.agent_timeout_sec or part.agent_timeout_sec for part in parts)
+    return agents + sum(part.verifier_timeout_sec for part in parts) + _SANDBOX_SLACK_S
+
+
+async def _run_once(
+    task: HarborTask,
+    options: RolloutOptions,
+    harness: Harness,
+    sandbox: Sandbox,
+    endpoint: AgentEndpoint,
+    stop: asyncio.Event | None,
+    result: RolloutResult,
+) -> None:
+    """The agent on the task's instruction, then its verifier: the rollout of a task of one instruction."""
+    timeout = options.agent_timeout_sec or task.agent_timeout_sec
+    with _phase(result, "agent"):
+        agent = harness.run(
+            sandbox, task.instruction, endpoint, step_limit=options.agent_step_limit, timeout_s=timeout
+        )
+        _record_agent(result, await _until_stopped(agent, stop))
+    with _phase(result, "upload"):
+        await upload_tests(sandbox, task)
+    with _phase(result, "verifier"):
+        outcome = await run_verifier(sandbox, task, reward_key=options.reward_key, upload=False)
+    result.reward, result.rewards = outcome.reward, dict(outcome.rewards)
+    result.reward_detail = outcome.detail
+
+
+async def _run_steps(
+    task: HarborTask,
+    options: RolloutOptions,
+    harness: Harness,
+    sandbox: Sandbox,
+    endpoint: AgentEndpoint,
+    stop: asyncio.Event | None,
+    result: RolloutResult,
+) -> None:
+    """A multi-step task's steps in order, each a new agent run on the step's instruction followed by the
+    step's verifier (:mod:`harness_trainer.tasks.steps`); the reward is their roll-up. The steps end early
+    when one misses its ``min_reward`` or ``stop`` is set; a step the verifier gave no reward leaves the
+    rollout ungraded (reward None, ``reward_detail`` naming the step)."""
+    rewards: list[float] = []
+    for step in task.steps:
+        started = time.monotonic()
+        with _phase(result, "setup"):
+            await _set_up(sandbox, step)
+        with _phase(result, "agent"):
+            agent = harness.run(
+                sandbox,
+                step.instruction,
+                endpoint,
+                step_limit=options.agent_step_limit,
+                timeout_s=options.agent_timeout_sec or step.agent_timeout_sec,
+            )
+            run = await _until_stopped(agent, stop)
+        _record_agent(result, run)
+        with _phase(result, "verifier"):
+            outcome = await run_verifier(sandbox, task, reward_key=options.reward_key, step=step)
+        done = StepResult(
+            name=step.name, reward=outcome.reward, rewards=dict(outcome.rewards),
+            reward_detail=outcome.detail, exit_code=result.exit_code, timed_out=result.timed_out,
+            seconds=round(time.monotonic() - started, 4),
+        )  # fmt: skip
+        result.steps.append(done)
+        if outcome.reward is None:
+            result.reward_detail = f"step {step.name!r}: {outcome.detail}"
+            return
+        rewards.append(outcome.reward)
+        if stops_after(step, outcome.reward, outcome.rewards) or (stop is not None and stop.is_set()):
+            break
+    result.reward = rolled_up(task.reward_strategy, task.steps, rewards)
+    ran = ", ".join(f"{s.name} {s.reward:g}" for s in result.steps)
+    result.reward_detail = f"{task.reward_strategy} of {len(task.steps)} steps ({ran}; the rest not run: 0)"
+
+
+async def _set_up(sandbox: Sandbox, step: TaskStep) -> None:
+    """Copy ``step``'s ``workdir/`` into the working directory and run its ``setup.sh`` there (then remove
+    it: it is the task's hook, not the agent's material).
+
+    Raises:
+        SandboxError: the copy failed, or the setup script did (the task is broken, not the agent).
+    """
+    if not step.workdir_dir.is_dir():
+        return
+    await sandbox.upload_dir(step.workdir_dir, sandbox.workdir)
+    if not (step.workdir_dir / SETUP_SCRIPT).is_file():
+        return
+    ran = await sandbox.exec(
+        f"bash {SETUP_SCRIPT} && rm -f {SETUP_SCRIPT}", timeout_s=step.agent_timeout_sec, cwd=sandbox.workdir
+    )
+    if ran.exit_code != 0:
+        output = (ran.stdout + ran.stderr)[-_LOG_TAIL:]
+        raise SandboxError(f"step {step.name!r}: {SETUP_SCRIPT} exited with {ran.exit_code}: {output}")
+
+
+def _record_agent(result: RolloutResult, run: AgentRun | None) -> None:
+    """What an agent run did, added to ``result`` (a multi-step task's runs add up; the last exit wins)."""
+    if run is None:  # stopped before it ended
+        result.timed_out = True
+        return
+    result.exit_code, result.timed_out = run.result.exit_code, run.result.timed_out
+    for name, count in run.tools.calls_by_name.items():
+        result.tool_calls_by_name[name] = result.tool_calls_by_name.get(name, 0) + count
+    result.tool_failure_count += run.tools.failures
+    result.log_tail = (result.log_tail + run.log)[-_LOG_TAIL:]
 
 
 def _kind(exc: SandboxError | HarnessError | CaptureError) -> ErrorKind:

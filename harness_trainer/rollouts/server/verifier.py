@@ -2,7 +2,9 @@
 
 Contract of :func:`run_verifier`: clears ``/logs/verifier``, replaces ``/tests`` with the task's
 ``tests/`` (so nothing the agent wrote there is run or read), runs ``bash /tests/test.sh`` with the
-verifier timeout and ``[verifier] env``, then parses what it wrote. The verifier's own failures (non-zero
+verifier timeout and ``[verifier] env``, then parses what it wrote. For a step of a multi-step task
+(``step``), ``/tests`` is the task's ``tests/`` (where it has one) with the step's copied over it, and the
+timeout and env are the step's. The verifier's own failures (non-zero
 exit, timeout → ``timed_out`` and reward None, garbage or no reward file) are results; only a
 :class:`~harness_trainer.sandboxes.base.SandboxError` (the sandbox itself failed) propagates.
 """
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 
 from harness_trainer.sandboxes.base import Sandbox, SandboxError
 from harness_trainer.tasks.reward import parse_reward
+from harness_trainer.tasks.steps import TaskStep
 from harness_trainer.tasks.task import HarborTask
 
 VERIFIER_LOG_DIR = "/logs/verifier"
@@ -37,9 +40,9 @@ class VerifierOutcome:
     duration_s: float = 0.0
 
 
-async def upload_tests(sandbox: Sandbox, task: HarborTask) -> None:
+async def upload_tests(sandbox: Sandbox, task: HarborTask, step: TaskStep | None = None) -> None:
     """Empty the verifier's folders in ``sandbox`` and copy ``task``'s ``tests/`` in (only now: the agent
-    never sees them).
+    never sees them), then ``step``'s over them.
 
     Raises:
         SandboxError: the sandbox could not run commands or copy files (not the verifier's fault).
@@ -52,7 +55,9 @@ async def upload_tests(sandbox: Sandbox, task: HarborTask) -> None:
     if prepared.exit_code != 0:
         output = _tail(prepared.stdout + prepared.stderr)
         raise SandboxError(f"could not prepare {VERIFIER_LOG_DIR} and {TESTS_DIR}: {output}")
-    await sandbox.upload_dir(task.tests_dir, TESTS_DIR)
+    for tests in [task.tests_dir] if step is None else [task.tests_dir, step.tests_dir]:
+        if step is None or tests.is_dir():
+            await sandbox.upload_dir(tests, TESTS_DIR)
 
 
 async def run_verifier(
@@ -62,6 +67,7 @@ async def run_verifier(
     timeout_s: float | None = None,
     reward_key: str = "",
     upload: bool = True,
+    step: TaskStep | None = None,
 ) -> VerifierOutcome:
     """Run ``task``'s verifier in ``sandbox`` and read its reward; see the module docstring. ``upload``:
     copy the tests in first (:func:`upload_tests`); False when the caller did, to time it on its own.
@@ -70,12 +76,12 @@ async def run_verifier(
         SandboxError: the sandbox could not run commands or copy files (not the verifier's fault).
     """
     if upload:
-        await upload_tests(sandbox, task)
-    limit = task.verifier_timeout_sec if timeout_s is None else timeout_s
+        await upload_tests(sandbox, task, step)
+    own = step or task
+    limit = own.verifier_timeout_sec if timeout_s is None else timeout_s
     started = time.monotonic()
-    result = await sandbox.exec(
-        f"bash {TESTS_DIR}/test.sh", timeout_s=limit, env=dict(task.verifier_env) or None
-    )
+    env = dict(own.verifier_env) or None
+    result = await sandbox.exec(f"bash {TESTS_DIR}/test.sh", timeout_s=limit, env=env)
     duration = time.monotonic() - started
     output_tail = _tail(result.stdout + result.stderr)
     if result.timed_out:
