@@ -78,6 +78,7 @@ from typing import Any
 if not __package__:  # run as a script (python benchmarks/learning.py): its siblings import from the package
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks import learning_search
 from benchmarks.common import finish, print_table, print_verdicts, run_dev_loop
 from benchmarks.intervals import Interval, mean_interval, paired_difference
 from harness_trainer.devloop.run import EXAMPLE_TASKS, reward_windows, step_rewards
@@ -146,6 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    parser.add_argument(
+        "--search-log", default=None,
+        help="append each run to this log (default benchmarks/learning_search.jsonl; with --quick, none)",
+    )  # fmt: skip
+    parser.add_argument("--no-search-log", action="store_true", help="log the runs nowhere")
+    parser.add_argument("--search-note", default="", help="why this configuration is tried (logged)")
     return parser
 
 
@@ -180,7 +187,9 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[s
         parser.error(f"--tasks {folder} has no split {', '.join(missing)} (it needs {', '.join(SPLITS)})")
     # Absolute: the dev loops run in the repository root, not where the benchmark was started.
     values["tasks"] = str(folder.resolve())
+    log = args.search_log or (None if args.quick else str(learning_search.SEARCH_LOG))
     return {"quick": args.quick, "seeds": seeds, "engines": engines, "first_run": args.first_run, **values,
+            "search_log": None if args.no_search_log else log, "search_note": args.search_note,
             "eval_steps": eval_steps, "frozen_lr": FROZEN_LR,
             "first_run_minutes": FIRST_RUN_MINUTES}  # fmt: skip
 
@@ -247,6 +256,19 @@ def dev_run(config: dict[str, Any], engine: str, kind: str, seed: int, tmp: Path
     print(f"{name}: held-out pass@1 {start:.2f} -> {end:.2f}; reward {run['first']:.2f} -> "
           f"{run['last']:.2f}; {run['seconds'] / 60:.1f} min ({how})", flush=True)  # fmt: skip
     return {"engine": engine, "kind": kind, "seed": seed, **run, "start": start, "end": end, "cache": how}
+
+
+def log_run(config: dict[str, Any], engine: str, run: dict[str, Any]) -> None:
+    """Put the finished ``run`` on the search's record (:mod:`benchmarks.learning_search`), unless the
+    configuration logs nowhere (``--quick``'s default: the test's runs are no try)."""
+    if config["search_log"] is None:
+        return
+    head, dirty = learning_search.commit()
+    entry = learning_search.run_entry(
+        learning_search.configuration_of(config, engine), run, commit=head, dirty=dirty,
+        when=learning_search.now(), note=config["search_note"],
+    )  # fmt: skip
+    learning_search.append([entry], Path(config["search_log"]))
 
 
 def first_run(config: dict[str, Any], tmp: Path) -> dict[str, Any]:
@@ -368,9 +390,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             if config["first_run"]:  # first, on a machine no arm has loaded yet
                 result["first_run"] = first_run(config, tmp)
             for engine in config["engines"]:
-                runs = [
-                    dev_run(config, engine, kind, seed, tmp) for seed in config["seeds"] for kind in RUN_KINDS
-                ]
+                runs = []
+                for seed in config["seeds"]:
+                    for kind in RUN_KINDS:
+                        runs.append(dev_run(config, engine, kind, seed, tmp))
+                        log_run(config, engine, runs[-1])
                 result["arms"][engine] = {"runs": runs, "summary": summarize(runs)}
             result["leftover_processes"] = leftovers(tmp)
     except KeyboardInterrupt:

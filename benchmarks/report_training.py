@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from benchmarks import learning_search
 from benchmarks.intervals import Interval
 from benchmarks.report_rows import Row, Section, spread_of
 
@@ -67,7 +68,8 @@ def learning_section(result: dict[str, Any]) -> Section:
         notes.append(f"first run: the default harness-trainer dev in an empty cache, {minutes:.1f} min "
                      f"({first_run_shows(first)})")  # fmt: skip
     rows.append(Row("all runs, end to end", f"{result['elapsed_s'] / 60:.1f} min"))
-    return Section("learning", "; ".join(headlines), rows, notes=notes)
+    search = learning_search.block(learning_search.read())  # every try so far, this run's included
+    return Section("learning", "; ".join(headlines), rows, notes=notes, extra=search + "\n")
 
 
 def learning_arm(engine: str, summary: dict[str, Any], steps: int) -> tuple[list[Row], str]:
