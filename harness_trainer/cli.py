@@ -101,6 +101,20 @@ def _proxy_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_sft(args: argparse.Namespace) -> int:
+    from harness_trainer.trainer.sft_export import ExportError, export_sft
+
+    try:
+        out, summary = export_sft(
+            args.run_dir, min_reward=args.min_reward, fmt=args.format, output=args.output, source=args.source
+        )
+    except (ExportError, OSError) as exc:  # OSError: the output could not be written (nothing was)
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"export-sft: {summary.line(args.min_reward)} -> {out} ({args.format})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every subcommand's flags, ``train`` first; a parsed namespace's ``func`` runs the command."""
     parser = argparse.ArgumentParser(
@@ -178,6 +192,47 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("--out", type=Path, default=None, help="write here instead of stdout")
     export.set_defaults(func=_proxy_trace)
+
+    sft = sub.add_parser(
+        "export-sft",
+        help="write a run's rollouts with a reward >= --min-reward as a dataset TRL's SFTTrainer loads",
+        description=(
+            "Write the accepted rollouts of a run (reward >= --min-reward, with a trace) as an SFT dataset: "
+            "conversational `messages` and `tools` for TRL's SFTTrainer, the engine's exact `prompt_ids`, "
+            "`completion_ids` and `completion_mask` beside them, and `task_name`, `reward`, `rollout_id`; "
+            "each trajectory once. Columns: docs/training.md."
+        ),
+    )
+    sft.add_argument(
+        "run_dir",
+        type=Path,
+        help="a run's output folder, or a rollouts.jsonl / eval_rollouts.jsonl file (read as its name says)",
+    )
+    sft.add_argument(
+        "--min-reward", type=float, required=True, help="accept rollouts whose reward is at least this"
+    )
+    sft.add_argument(
+        "--source",
+        choices=("rollouts", "eval"),
+        default=None,
+        help="in a run folder, read rollouts.jsonl (training, the default) or eval_rollouts.jsonl "
+        "(evaluation)",
+    )
+    sft.add_argument(
+        "--format",
+        choices=("jsonl", "parquet", "hf"),
+        default="jsonl",
+        help="jsonl: one JSON object a line; parquet: one Parquet file; hf: a datasets.Dataset's "
+        "save_to_disk folder (default: jsonl)",
+    )
+    sft.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        help="where to write (default: sft.jsonl, sft.parquet or sft/ beside the records; sft-eval... for "
+        "--source eval)",
+    )
+    sft.set_defaults(func=_export_sft)
 
     serve = sub.add_parser("serve", help="serve rollouts of Harbor tasks over HTTP, with the capture proxy")
     add_serve_arguments(serve)
