@@ -52,11 +52,11 @@ CONFIGURATION_KEYS = (
 """What decides a run but its seed and arm: a configuration."""
 
 
-def configuration_of(config: dict[str, Any], engine: str) -> dict[str, Any]:
-    """The configuration of the benchmark's runs on ``engine``: its :data:`CONFIGURATION_KEYS`, the task
-    folder by its name (the same family wherever the repository lies)."""
+def configuration_of(config: dict[str, Any], mode: str, engine: str) -> dict[str, Any]:
+    """The configuration of the benchmark's runs in ``mode`` on ``engine``: its :data:`CONFIGURATION_KEYS`,
+    the task folder by its name (the same family wherever the repository lies)."""
     chosen = {key: config[key] for key in CONFIGURATION_KEYS if key in config}
-    chosen["engine"] = engine
+    chosen["mode"], chosen["engine"] = mode, engine
     chosen["tasks"] = Path(str(config["tasks"])).name
     return chosen
 

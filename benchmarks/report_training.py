@@ -49,14 +49,14 @@ def learning_section(result: dict[str, Any]) -> Section:
         f"seeds {','.join(map(str, config['seeds']))}; {config['max_steps']} steps a run; held-out split "
         f"test of {config['tasks']} at step 0 and at the end ({samples}); 95 % Student t intervals over seeds"
     )
-    for engine, arm in result["arms"].items():
-        arm_rows, headline = learning_arm(engine, arm["summary"], config["max_steps"])
+    for name, arm in result["arms"].items():
+        arm_rows, headline = learning_arm(name, arm["summary"], config["max_steps"])
         rows += arm_rows
         headlines.append(headline)
         for run in arm["runs"]:
             rewards = ", ".join(f"{r:.2f}" for r in run["rewards"])
             notes.append(
-                f"{engine} {run['kind']} seed {run['seed']}: {run['seconds'] / 60:.1f} min ({run['cache']}); "
+                f"{name} {run['kind']} seed {run['seed']}: {run['seconds'] / 60:.1f} min ({run['cache']}); "
                 f"held-out pass@1 {run['start']:.2f} -> {run['end']:.2f}; reward per step: {rewards}"
             )
     if (first := result.get("first_run")) is not None:
@@ -72,9 +72,9 @@ def learning_section(result: dict[str, Any]) -> Section:
     return Section("learning", "; ".join(headlines), rows, notes=notes, extra=search + "\n")
 
 
-def learning_arm(engine: str, summary: dict[str, Any], steps: int) -> tuple[list[Row], str]:
-    """One arm of the learning benchmark: its held-out pass@1 rows and headline (named for it but ``dev``)."""
-    prefix = "" if engine == "dev" else f"{engine} "
+def learning_arm(name: str, summary: dict[str, Any], steps: int) -> tuple[list[Row], str]:
+    """One arm of the learning benchmark (a mode on an engine): its held-out pass@1 rows and headline."""
+    prefix = f"{name} "
     trained, frozen, difference = (
         Interval(**summary[kind]["end"]) for kind in ("trained", "frozen", "difference")
     )
@@ -87,6 +87,9 @@ def learning_arm(engine: str, summary: dict[str, Any], steps: int) -> tuple[list
         Row(f"{prefix}held-out pass@1 at step 0 (the warm model): trained vs frozen", start["trained"],
             start["frozen"]),
     ]  # fmt: skip
+    if at_k := summary.get("pass_at_k"):  # reported beside pass@1, no target
+        trained_k, frozen_k = (Interval(**at_k[kind]["end"]).text() for kind in ("trained", "frozen"))
+        rows.append(Row(f"{prefix}held-out pass@k at step {steps}: trained vs frozen", trained_k, frozen_k))
     headline = f"{prefix}held-out pass@1 trained {trained.text()} vs frozen {frozen.text()}; "
     return rows, headline + f"diff {difference.text(signed=True)}"
 

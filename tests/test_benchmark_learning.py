@@ -22,13 +22,20 @@ def test_reward_windows_are_a_quarter_of_the_steps() -> None:
     assert reward_windows([0.5, 1.0]) == (1, 0.5, 1.0)
 
 
-def runs_of(engine: str, trained_end: list[float], frozen_end: list[float], start: float = 0.5) -> list[dict]:
+def runs_of(
+    engine: str,
+    trained_end: list[float],
+    frozen_end: list[float],
+    start: float = 0.5,
+    mode: str = "black-box",
+) -> list[dict]:
     """Hand-made runs of one arm: seed i's trained run ends at ``trained_end[i]``, its frozen one at
-    ``frozen_end[i]``."""
+    ``frozen_end[i]`` (pass@k: the same plus 0.125)."""
     runs = []
     for seed, (trained, frozen) in enumerate(zip(trained_end, frozen_end, strict=True)):
         for kind, end in (("trained", trained), ("frozen", frozen)):
-            runs.append({"engine": engine, "kind": kind, "seed": seed, "start": start, "end": end,
+            runs.append({"mode": mode, "engine": engine, "kind": kind, "seed": seed, "start": start,
+                         "end": end, "pass_at_k_start": start + 0.125, "pass_at_k_end": end + 0.125,
                          "rewards": [0.5, 0.75], "k": 1, "first": 0.5, "last": 0.75, "seconds": 480.0,
                          "cache": "cached"})  # fmt: skip
     return runs
@@ -36,7 +43,8 @@ def runs_of(engine: str, trained_end: list[float], frozen_end: list[float], star
 
 def result_of(arms: dict[str, list[dict]], first_run_s: float = 600.0) -> dict[str, Any]:
     config = {"quick": False, "seeds": [0, 1, 2], "max_steps": 20, "tasks": "harness_trainer/examples/tasks",
-              "eval_num_generations": 4, "eval_temperature": 0.7, "first_run_minutes": 12.0}  # fmt: skip
+              "eval_num_generations": 4, "eval_temperature": 0.7, "first_run_minutes": 12.0,
+              "modes": ["black-box"]}  # fmt: skip
     return {
         "config": config,
         "arms": {
@@ -50,27 +58,40 @@ def result_of(arms: dict[str, list[dict]], first_run_s: float = 600.0) -> dict[s
 
 def test_a_difference_interval_above_zero_passes_the_target() -> None:
     # Differences +0.25, +0.25, +0.375: mean +0.29, t(2) half-width 0.18.
-    result = result_of({"dev": runs_of("dev", [0.75, 0.75, 0.875], [0.5, 0.5, 0.5])})
-    difference = result["arms"]["dev"]["summary"]["difference"]["end"]
+    result = result_of({"black-box dev": runs_of("dev", [0.75, 0.75, 0.875], [0.5, 0.5, 0.5])})
+    difference = result["arms"]["black-box dev"]["summary"]["difference"]["end"]
     assert difference["mean"] == pytest.approx(0.2917, abs=1e-4) and difference["low"] > 0
+    names = benchmark_learning.TARGET_NAMES
     assert [(v["target"], v["pass"]) for v in benchmark_learning.verdicts(result)] == [
-        (benchmark_learning.TARGET_NAMES[0], True),
-        (benchmark_learning.TARGET_NAMES[1], True),
+        (f"black-box dev: {names[0]}", True),
+        (f"black-box dev: {names[2]}", True),  # 0.79 against 0.5: 1.58x
+        (names[1], True),
     ]
+
+
+def test_trained_must_end_at_least_one_and_a_half_times_frozen() -> None:
+    # +0.2 on every seed: the interval passes, 0.6 against 0.4 (1.5x) passes, 0.59 against 0.4 does not.
+    passing = result_of({"black-box dev": runs_of("dev", [0.6, 0.6, 0.6], [0.4, 0.4, 0.4])})
+    ratio = benchmark_learning.verdicts(passing)[1]
+    assert ratio["pass"] is True and ratio["measured"] == "0.600 vs 0.400: 1.50x"
+    missing = result_of({"black-box dev": runs_of("dev", [0.59, 0.59, 0.59], [0.4, 0.4, 0.4])})
+    assert [v["pass"] for v in benchmark_learning.verdicts(missing)[:2]] == [True, False]
+    nothing = result_of({"black-box dev": runs_of("dev", [0.0, 0.0, 0.0], [0.0, 0.0, 0.0])})
+    assert benchmark_learning.verdicts(nothing)[1]["pass"] is False  # 0 against 0 is no transfer
 
 
 def test_a_positive_mean_difference_whose_interval_straddles_zero_misses() -> None:
     # Differences +0.5, 0, +0.25: mean +0.25, but over 3 seeds its interval is [-0.37, +0.87].
-    result = result_of({"dev": runs_of("dev", [1.0, 0.5, 0.75], [0.5, 0.5, 0.5])})
+    result = result_of({"black-box dev": runs_of("dev", [1.0, 0.5, 0.75], [0.5, 0.5, 0.5])})
     verdict = benchmark_learning.verdicts(result)[0]
     assert verdict["pass"] is False
     assert verdict["measured"] == "+0.25 [-0.37, +0.87] over 3 seeds"
 
 
 def test_the_first_run_must_take_under_twelve_minutes() -> None:
-    arms = {"dev": runs_of("dev", [0.75, 0.75, 0.875], [0.5, 0.5, 0.5])}
-    assert benchmark_learning.verdicts(result_of(arms, first_run_s=11.5 * 60))[1]["pass"] is True
-    missed = benchmark_learning.verdicts(result_of(arms, first_run_s=12.5 * 60))[1]
+    arms = {"black-box dev": runs_of("dev", [0.75, 0.75, 0.875], [0.5, 0.5, 0.5])}
+    assert benchmark_learning.verdicts(result_of(arms, first_run_s=11.5 * 60))[-1]["pass"] is True
+    missed = benchmark_learning.verdicts(result_of(arms, first_run_s=12.5 * 60))[-1]
     assert missed["pass"] is False and missed["measured"] == "12.5 min (the default harness-trainer dev)"
 
 
@@ -84,6 +105,7 @@ def test_step_zero_and_the_end_are_summarized_per_kind_and_paired() -> None:
     )
     assert summary["difference"]["start"]["mean"] == 0.0
     assert summary["frozen"]["end"]["mean"] == 0.5
+    assert summary["pass_at_k"]["trained"]["end"]["mean"] == pytest.approx(0.9167, abs=1e-4)
 
 
 def test_runs_that_do_not_pair_by_seed_are_refused() -> None:
@@ -100,43 +122,51 @@ def test_a_run_without_an_evaluation_at_its_end_is_an_error() -> None:
         benchmark_learning.start_and_end([], [], 2, "run")
 
 
-def test_each_vllm_arm_has_its_own_difference_target_and_report_rows() -> None:
+def test_each_arm_mode_and_engine_has_its_own_targets_and_report_rows() -> None:
     from benchmarks import report
 
     result = result_of({
-        "dev": runs_of("dev", [0.75, 0.75, 0.875], [0.5, 0.5, 0.5]),
-        "vllm-lora": runs_of("vllm-lora", [1.0, 0.5, 0.75], [0.5, 0.5, 0.5]),
+        "black-box dev": runs_of("dev", [0.75, 0.75, 0.875], [0.5, 0.5, 0.5]),
+        "white-box vllm-lora": runs_of("vllm-lora", [1.0, 0.5, 0.75], [0.5, 0.5, 0.5], mode="white-box"),
     })  # fmt: skip
     verdicts = benchmark_learning.verdicts(result)
     names = benchmark_learning.TARGET_NAMES
-    assert [v["target"] for v in verdicts] == [names[0], f"vllm-lora: {names[0]}", names[1]]
-    assert [v["pass"] for v in verdicts] == [True, False, True]
+    assert [v["target"] for v in verdicts] == [
+        f"black-box dev: {names[0]}", f"black-box dev: {names[2]}",
+        f"white-box vllm-lora: {names[0]}", f"white-box vllm-lora: {names[2]}", names[1],
+    ]  # fmt: skip
+    assert [v["pass"] for v in verdicts] == [True, True, False, True, True]
     section = report.section("learning", result)
     measures = [row.measure for row in section.rows]
-    assert "vllm-lora held-out pass@1 at step 20: trained - frozen, paired by seed" in measures
+    assert "white-box vllm-lora held-out pass@1 at step 20: trained - frozen, paired by seed" in measures
+    assert "black-box dev held-out pass@k at step 20: trained vs frozen" in measures
     assert (
-        "vllm-lora held-out pass@1 trained 0.75 [0.13, 1.37] vs frozen 0.50 [0.50, 0.50]" in section.headline
+        "white-box vllm-lora held-out pass@1 trained 0.75 [0.13, 1.37] vs frozen 0.50 [0.50, 0.50]"
+        in section.headline
     )
 
 
 def test_the_report_headline_gives_both_arms_the_difference_and_the_first_run() -> None:
     from benchmarks import report
 
-    result = result_of({"dev": runs_of("dev", [0.75, 0.75, 0.875], [0.5, 0.5, 0.5])}, first_run_s=672.0)
+    result = result_of(
+        {"black-box dev": runs_of("dev", [0.75, 0.75, 0.875], [0.5, 0.5, 0.5])}, first_run_s=672.0
+    )
     section = report.section("learning", result, seconds=3600.0)
     assert section.headline == (
-        "held-out pass@1 trained 0.79 [0.61, 0.97] vs frozen 0.50 [0.50, 0.50]; diff +0.29 [+0.11, +0.47]; "
-        "first run 11.2 min"
+        "black-box dev held-out pass@1 trained 0.79 [0.61, 0.97] vs frozen 0.50 [0.50, 0.50]; diff +0.29 "
+        "[+0.11, +0.47]; first run 11.2 min"
     )
     rows = {row.measure: row for row in section.rows}
-    assert rows["held-out pass@1 at step 0 (the warm model): trained vs frozen"].value == "0.50 [0.50, 0.50]"
+    warm = rows["black-box dev held-out pass@1 at step 0 (the warm model): trained vs frozen"]
+    assert warm.value == "0.50 [0.50, 0.50]"
     assert rows["first run (fresh cache, warm-up included)"].cells()[1:4] == (
         "11.2 min",
         "12 min target",
         "0.93x",
     )
     assert any(
-        note.startswith("dev trained seed 0: 8.0 min (cached); held-out pass@1 0.50 -> 0.75")
+        note.startswith("black-box dev trained seed 0: 8.0 min (cached); held-out pass@1 0.50 -> 0.75")
         for note in section.notes
     )
     assert (
@@ -162,22 +192,22 @@ def test_the_default_configuration_is_the_reported_one_and_quick_is_the_plumbing
         ["dev"],
     )
     assert (config["eval_num_generations"], config["eval_temperature"]) == (8, 0.7)
-    assert (config["tasks"], config["mode"], config["recipe"]) == (
+    assert (config["tasks"], config["modes"], config["recipe"]) == (
         str(TOY_SKILLS),
-        "white-box",
+        ["black-box", "white-box"],
         benchmark_learning.RECIPE,
     )
     assert config["first_run"] is True and parse("--no-first-run")["first_run"] is False
     quick = parse("--quick")
     assert (quick["seeds"], quick["max_steps"], quick["eval_steps"]) == ([0, 1], 2, 2)
-    assert (quick["tasks"], quick["mode"], quick["recipe"]) == (str(EXAMPLE_TASKS), "black-box", "")
+    assert (quick["tasks"], quick["modes"], quick["recipe"]) == (str(EXAMPLE_TASKS), ["black-box"], "")
     assert parse("--quick", "--seeds", "3,4,5")["seeds"] == [3, 4, 5]
 
 
 def test_the_recipe_reaches_both_arms_and_the_frozen_learning_rate_comes_last() -> None:
     config = parse("--recipe", "--groups-per-step 2 --learning-rate 0.5 --config 'my file.toml'")
-    trained = benchmark_learning.run_flags(config, "dev", "trained", 0)
-    frozen = benchmark_learning.run_flags(config, "dev", "frozen", 0)
+    trained = benchmark_learning.run_flags(config, "white-box", "dev", "trained", 0)
+    frozen = benchmark_learning.run_flags(config, "white-box", "dev", "frozen", 0)
     recipe = ["--groups-per-step", "2", "--learning-rate", "0.5", "--config", "my file.toml"]
     for flags in (trained, frozen):
         assert flags[flags.index("--groups-per-step") : flags.index("--groups-per-step") + 6] == recipe
@@ -225,7 +255,7 @@ def test_a_task_folder_without_a_test_split_is_refused(
 
 def test_a_run_gets_the_seed_the_evaluation_the_arm_and_for_frozen_the_tiny_learning_rate() -> None:
     config = parse("--quick", "--eval-num-generations", "2", "--eval-temperature", "0.5")
-    flags = benchmark_learning.run_flags(config, "vllm-lora", "frozen", 1)
+    flags = benchmark_learning.run_flags(config, "black-box", "vllm-lora", "frozen", 1)
     assert flags[:6] == ["--seed", "1", "--tasks", config["tasks"], "--max-steps", "2"]
     assert flags[6:12] == ["--eval-steps", "2", "--eval-num-generations", "2", "--eval-temperature", "0.5"]
     assert flags[12:] == [
@@ -238,16 +268,21 @@ def test_a_run_gets_the_seed_the_evaluation_the_arm_and_for_frozen_the_tiny_lear
         "--learning-rate",
         "1e-09",
     ]
-    assert benchmark_learning.run_flags(config, "dev", "trained", 1)[-2:] == ["--mode", "black-box"]
+    assert benchmark_learning.run_flags(config, "black-box", "dev", "trained", 1)[-2:] == [
+        "--mode",
+        "black-box",
+    ]
 
 
-def test_the_mode_reaches_every_arms_run() -> None:
-    config = parse("--quick", "--mode", "white-box")
-    for engine, kind in (("dev", "trained"), ("vllm", "frozen")):
-        flags = benchmark_learning.run_flags(config, engine, kind, 0)
-        assert flags[flags.index("--mode") + 1] == "white-box" and flags.count("--mode") == 1
-    with pytest.raises(SystemExit):
-        parse("--mode", "grey-box")
+def test_each_mode_is_an_arm_and_reaches_its_runs() -> None:
+    config = parse("--quick", "--mode", "white-box,black-box")
+    assert config["modes"] == ["white-box", "black-box"]
+    for mode, engine, kind in (("white-box", "dev", "trained"), ("black-box", "vllm", "frozen")):
+        flags = benchmark_learning.run_flags(config, mode, engine, kind, 0)
+        assert flags[flags.index("--mode") + 1] == mode and flags.count("--mode") == 1
+    for bad in ("grey-box", "black-box,black-box", ","):
+        with pytest.raises(SystemExit):
+            parse("--mode", bad)
 
 
 def test_the_fresh_cache_is_empty_but_for_a_link_to_the_machines_tool_cache(
@@ -270,12 +305,17 @@ def test_quick_learning_benchmark_runs_both_arms_over_two_seeds_and_leaves_nothi
 
     assert run.returncode == 0, run.stdout[-4000:]
     lines = run.stdout.splitlines()
-    for label in ("dev trained", "dev frozen (lr 1e-09)", "dev trained - frozen, paired by seed"):
+    labels = (
+        "black-box dev trained",
+        "black-box dev frozen (lr 1e-09)",
+        "black-box dev trained - frozen, paired",
+    )
+    for label in labels:
         assert any(line.startswith(label) for line in lines), label
     for name in benchmark_learning.TARGET_NAMES:
         assert any(line.split()[:1] in (["PASS"], ["MISS"]) and name in line for line in lines), name
     result = json.loads(out.read_text())
-    runs = result["arms"]["dev"]["runs"]
+    runs = result["arms"]["black-box dev"]["runs"]
     assert [(r["seed"], r["kind"]) for r in runs] == [
         (0, "trained"),
         (0, "frozen"),
@@ -291,5 +331,5 @@ def test_quick_learning_benchmark_runs_both_arms_over_two_seeds_and_leaves_nothi
     assert first["flags"] == [*benchmark_learning.QUICK_FLAGS, "--max-steps", "2"] and first["seconds"] > 0
     assert first["eval_steps"] == [0] and len(first["pass_at_1"]) == 1 and first["built_warmup"] is False
     assert any(line.startswith("first run (the default dev loop, fresh cache") for line in lines)
-    assert result["arms"]["dev"]["summary"]["difference"]["end"]["n"] == 2
+    assert result["arms"]["black-box dev"]["summary"]["difference"]["end"]["n"] == 2
     assert result["leftover_processes"] == []

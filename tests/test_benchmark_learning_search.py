@@ -17,6 +17,8 @@ benchmark_learning = load_benchmark("learning")
 
 def a_run(seed: int, kind: str, start: float, end: float) -> dict:
     return {
+        "mode": "white-box",
+        "engine": "dev",
         "seed": seed,
         "kind": kind,
         "start": start,
@@ -37,8 +39,8 @@ def test_each_run_of_the_benchmark_is_appended_with_its_configuration_commit_and
 ) -> None:
     log = tmp_path / "search.jsonl"
     config = configured(tmp_path, "--seeds", "0,1", "--search-log", str(log), "--search-note", "why not")
-    benchmark_learning.log_run(config, "dev", a_run(0, "trained", 0.1, 0.3))
-    benchmark_learning.log_run(config, "dev", a_run(0, "frozen", 0.1, 0.1))
+    benchmark_learning.log_run(config, a_run(0, "trained", 0.1, 0.3))
+    benchmark_learning.log_run(config, a_run(0, "frozen", 0.1, 0.1))
     entries = learning_search.read(log)
     assert [(e["kind"], e["arm"], e["seed"]) for e in entries] == [
         ("run", "trained", 0),
@@ -52,7 +54,7 @@ def test_each_run_of_the_benchmark_is_appended_with_its_configuration_commit_and
     assert len(first["commit"]) >= 7 and isinstance(first["dirty"], bool)
     other = configured(tmp_path, "--seeds", "0,1", "--max-steps", "20", "--search-log", str(log))
     assert (
-        learning_search.configuration_id(learning_search.configuration_of(other, "dev"))
+        learning_search.configuration_id(learning_search.configuration_of(other, "white-box", "dev"))
         != first["configuration_id"]
     )
 
@@ -61,7 +63,7 @@ def test_the_quick_configuration_logs_nowhere_unless_told_and_no_search_log_wins
     assert configured(tmp_path, "--quick")["search_log"] is None
     assert configured(tmp_path)["search_log"] == str(learning_search.SEARCH_LOG)
     assert configured(tmp_path, "--no-search-log")["search_log"] is None
-    benchmark_learning.log_run(configured(tmp_path, "--quick"), "dev", a_run(0, "trained", 0, 0))  # nothing
+    benchmark_learning.log_run(configured(tmp_path, "--quick"), a_run(0, "trained", 0, 0))  # nothing
 
 
 def test_the_rendering_counts_configurations_and_shows_runs_decisions_notes_and_history(
@@ -70,8 +72,8 @@ def test_the_rendering_counts_configurations_and_shows_runs_decisions_notes_and_
     log = tmp_path / "search.jsonl"
     config = configured(tmp_path, "--seeds", "0,1", "--search-log", str(log))
     for seed, (trained, frozen) in enumerate([(0.25, 0.125), (0.5, 0.25)]):
-        benchmark_learning.log_run(config, "dev", a_run(seed, "trained", 0.0, trained))
-        benchmark_learning.log_run(config, "dev", a_run(seed, "frozen", 0.0, frozen))
+        benchmark_learning.log_run(config, a_run(seed, "trained", 0.0, trained))
+        benchmark_learning.log_run(config, a_run(seed, "frozen", 0.0, frozen))
     cid = learning_search.read(log)[0]["configuration_id"]
     assert learning_search.main(["--log", str(log), "decide", cid, "dropped", "the frozen arm drifted"]) == 0
     assert learning_search.main(["--log", str(log), "note", "a warm-up probe: held-out 0.03"]) == 0
