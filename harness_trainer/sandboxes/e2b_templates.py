@@ -291,7 +291,7 @@ class TemplateBuilder:
         self.rebuild = rebuild
         self.logs: dict[str, list[str]] = {}
         self.agents: tuple[AgentProvision, ...] = ()
-        self._specs: dict[Path, TemplateSpec] = {}
+        self._specs: dict[tuple[Path, str], TemplateSpec] = {}
         self._ready: dict[str, TemplateBuild] = {}
         self._failed: dict[str, _Failure] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -305,10 +305,11 @@ class TemplateBuilder:
             self._specs.clear()
 
     def spec(self, task: HarborTask) -> TemplateSpec:
-        """The task's :class:`TemplateSpec`, hashed once per task folder (a loaded task is immutable)."""
-        if task.path not in self._specs:
-            self._specs[task.path] = template_spec(task, self.agent_layer, self.agents)
-        return self._specs[task.path]
+        """The task's :class:`TemplateSpec`, hashed once per task (folder and name: a verifier's is its own)."""
+        key = (task.path, task.name)
+        if key not in self._specs:
+            self._specs[key] = template_spec(task, self.agent_layer, self.agents)
+        return self._specs[key]
 
     @property
     def _sdk(self) -> Any:

@@ -323,7 +323,9 @@ class LocalSandboxBackend:
         base_env = self._base_env()
         plan = _plan(task, base_env)
         workdir = task.environment.workdir or plan.workdir  # the task's own beats the Dockerfile's
-        mounts = self._private_paths(task, [workdir, *plan.written_dirs, *FIXED_PATHS, self.home])
+        mounts = self._private_paths(
+            task, [workdir, *plan.written_dirs, *task.artifact_dirs, *FIXED_PATHS, self.home]
+        )
         root = self.base_dir / f"ht-{uuid.uuid4().hex[:12]}"
         offline = not task.environment.allow_internet
         lock_fd = -1

@@ -5,14 +5,14 @@ is one of:
 
 - **refused** (:func:`refusals`; the loader raises :class:`~harness_trainer.tasks.task.TaskError` naming
   the field): what no sandbox backend here can run, so a rollout would measure something else than the
-  task means: a verifier in a separate sandbox (``[verifier] environment_mode = "separate"``,
-  ``[verifier.environment]``, the same in a step's ``[steps.verifier]``), a ``docker-compose.yaml``
-  environment without a Dockerfile to run instead, an OS other than Linux, GPUs or TPUs, MCP servers
-  given to the agent;
+  task means: a step's verifier in a sandbox of its own (``[steps.verifier] environment_mode``), a
+  ``docker-compose.yaml`` environment without a Dockerfile to run instead, an OS other than Linux, GPUs or
+  TPUs, MCP servers given to the agent (a task-level separate verifier runs: :mod:`.loader`);
 - **ignored with a reason** (:func:`ignored`; the loader logs each field once per process, naming the first
   task that sets it): what changes nothing a rollout measures, or what a rollout here does its own way:
   the users agents and verifiers run as, the reference solution's environment, the GPU types of a task that
-  asks for no GPU, skills folders, health checks, keys of ``[environment]`` nobody here knows.
+  asks for no GPU, skills folders, health checks, keys of ``[environment]`` nobody here knows, the
+  ``artifacts`` of a task whose verifier shares the agent's sandbox (nothing is copied out of it).
 
 Everything else of the schema is honoured where it is read (:mod:`.loader`; the backends document how
 they apply ``cpus``, ``memory_mb``, ``storage_mb``, ``allow_internet`` and ``workdir``).
@@ -37,13 +37,14 @@ def refusals(config: dict[str, Any], folder: Path) -> list[str]:
     it can."""
     found = []
     steps = config.get("steps") if isinstance(config.get("steps"), list) else []
-    tables = [("verifier", config), *(("steps.verifier", s) for s in steps if isinstance(s, dict))]
-    for where, table in tables:
-        verifier = table.get("verifier") if isinstance(table.get("verifier"), dict) else {}
+    for step in steps:
+        verifier = (
+            step.get("verifier") if isinstance(step, dict) and isinstance(step.get("verifier"), dict) else {}
+        )
         if verifier.get("environment_mode", "shared") != "shared" or "environment" in verifier:
             found.append(
-                f"[{where}] environment_mode / [{where}.environment]: a verifier in a sandbox of its own is "
-                "not run here (the verifier runs in the agent's sandbox, after it)"
+                "[steps.verifier] environment_mode / [steps.verifier.environment]: a step's verifier in a "
+                "sandbox of its own is not run here (a step is verified in the agent's sandbox, after it)"
             )
             break
     environment = config.get("environment") if isinstance(config.get("environment"), dict) else {}
@@ -80,6 +81,15 @@ def ignored(config: dict[str, Any], known_environment: frozenset[str]) -> dict[s
             found[f"[{section}] user"] = reason
     if config.get("solution"):
         found["[solution]"] = "reference solutions are not run in rollouts"
+    verifier = config.get("verifier") if isinstance(config.get("verifier"), dict) else {}
+    if (
+        config.get("artifacts")
+        and verifier.get("environment_mode") != "separate"
+        and "environment" not in verifier
+    ):
+        found["artifacts"] = (
+            "copied out only to a separate verifier's sandbox; this verifier shares the agent's"
+        )
     environment = config.get("environment") if isinstance(config.get("environment"), dict) else {}
     for key in environment:
         if key in known_environment or key in ("gpus", "tpu", "mcp_servers"):

@@ -34,7 +34,7 @@ from typing import Any
 
 from harness_trainer.tasks.fields import ignored, refusals
 from harness_trainer.tasks.steps import REWARD_STRATEGIES, RewardStrategy, TaskStep
-from harness_trainer.tasks.task import EnvironmentSpec, HarborTask, TaskError
+from harness_trainer.tasks.task import ARTIFACTS_DIR, EnvironmentSpec, HarborTask, SeparateVerifier, TaskError
 
 log = logging.getLogger(__name__)
 _logged: set[str] = set()  # the ignored fields already logged by this process
@@ -79,6 +79,10 @@ def load_task(path: str | Path, *, split: str = "", index: int = 0) -> HarborTas
     agent_timeout = _positive(agent, "timeout_sec", f"{where} [agent]", DEFAULT_AGENT_TIMEOUT_SEC)
     verifier_timeout = _positive(verifier, "timeout_sec", f"{where} [verifier]", DEFAULT_VERIFIER_TIMEOUT_SEC)
     verifier_env = _string_table(verifier, "env", f"{where} [verifier]")
+    environment = _environment(_table(config, "environment", toml_path), f"{where} [environment]")
+    separate = _separate_verifier(config, verifier, folder, where, environment)
+    if separate is not None and config.get("steps"):
+        raise TaskError(f"{where}: cannot be run here: a separate verifier sandbox for a multi-step task")
     steps = _steps(config, folder, agent_timeout, verifier_timeout, verifier_env)
     if steps and not (folder / "instruction.md").is_file():
         instruction = steps[0].instruction
@@ -97,12 +101,43 @@ def load_task(path: str | Path, *, split: str = "", index: int = 0) -> HarborTas
         config=config,
         agent_timeout_sec=agent_timeout,
         verifier_timeout_sec=verifier_timeout,
-        environment=_environment(_table(config, "environment", toml_path), f"{where} [environment]"),
+        environment=environment,
         split=split,
         index=index,
         verifier_env=verifier_env,
         steps=steps,
         reward_strategy=_strategy(config, where) if steps else "mean",
+        separate_verifier=separate,
+    )
+
+
+def _separate_verifier(
+    config: dict[str, Any], verifier: dict[str, Any], folder: Path, where: str, environment: EnvironmentSpec
+) -> SeparateVerifier | None:
+    """``[verifier] environment_mode`` and ``[verifier.environment]`` as Harbor reads them: the table
+    implies ``separate``; ``shared`` with a table is refused; ``separate`` without one runs the verifier in a
+    fresh sandbox of the task's own environment."""
+    mode, table = verifier.get("environment_mode"), verifier.get("environment")
+    if mode not in (None, "shared", "separate"):
+        raise TaskError(f"{where} [verifier] environment_mode: expected shared or separate, got {mode!r}")
+    if mode == "shared" and table is not None:
+        raise TaskError(
+            f'{where} [verifier]: environment_mode = "shared" with a [verifier.environment] (a shared '
+            "verifier runs in the agent's sandbox: drop one of them)"
+        )
+    if mode != "separate" and table is None:
+        return None
+    if table is not None and not isinstance(table, dict):
+        raise TaskError(f"{where} [verifier.environment]: expected a table, got {table!r}")
+    artifacts = config.get("artifacts", [])
+    if not isinstance(artifacts, list) or not all(
+        isinstance(a, str) and a.startswith("/") for a in artifacts
+    ):
+        raise TaskError(f"{where} artifacts: expected a list of absolute paths, got {artifacts!r}")
+    return SeparateVerifier(
+        environment=environment if table is None else _environment(table, f"{where} [verifier.environment]"),
+        artifacts=tuple(dict.fromkeys([ARTIFACTS_DIR, *artifacts])),
+        from_tests=(folder / "tests" / "Dockerfile").is_file(),
     )
 
 

@@ -16,7 +16,8 @@ Folder layout::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import posixpath
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,26 @@ class EnvironmentSpec:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+ARTIFACTS_DIR = "/logs/artifacts"
+"""Always copied from the agent's sandbox to a separate verifier's (Harbor's rule), besides ``artifacts``."""
+
+
+@dataclass(frozen=True)
+class SeparateVerifier:
+    """``[verifier] environment_mode = "separate"`` (or a ``[verifier.environment]``): the verifier runs in
+    a sandbox of its own, which sees of the agent's work only the artifacts copied over."""
+
+    environment: EnvironmentSpec
+    """``[verifier.environment]``; without one, the task's ``[environment]``."""
+    artifacts: tuple[str, ...]
+    """Absolute paths copied from the agent's sandbox (those that exist): :data:`ARTIFACTS_DIR` and the
+    task's top-level ``artifacts``."""
+    from_tests: bool
+    """The task's ``tests/`` holds a Dockerfile: it defines the verifier's image, ``tests/`` its build
+    context, and the image holds ``/tests`` itself (Harbor uploads nothing). Without one, the verifier's
+    sandbox is a fresh one of the task's own environment, with ``tests/`` copied in."""
+
+
 @dataclass(frozen=True)
 class HarborTask:
     """One task. Paths are absolute; ``config`` is the whole parsed task.toml (unknown keys kept)."""
@@ -62,15 +83,39 @@ class HarborTask:
     """A multi-step task's steps, in order (:mod:`.steps`); empty for a task of one instruction."""
     reward_strategy: RewardStrategy = "mean"
     """How a multi-step task's step rewards make its reward (``multi_step_reward_strategy``)."""
+    separate_verifier: SeparateVerifier | None = None
+    """Set when the verifier runs in a sandbox of its own; None: in the agent's, after it."""
+    environment_folder: str = "environment"
+    """The folder of the task holding its Dockerfile and build context (``tests`` for a verifier's)."""
+    artifact_dirs: tuple[str, ...] = ()
+    """Folders a separate verifier's sandbox gets the agent's artifacts in: a sandbox that shares this
+    machine's filesystem (the local one) keeps them private."""
 
     @property
     def dockerfile(self) -> Path | None:
-        candidate = self.path / "environment" / "Dockerfile"
+        candidate = self.environment_dir / "Dockerfile"
         return candidate if candidate.is_file() else None
 
     @property
     def environment_dir(self) -> Path:
-        return self.path / "environment"
+        return self.path / self.environment_folder
+
+    def verifier_task(self) -> HarborTask:
+        """The task as its separate verifier's sandbox starts it: its own environment (``tests/``'s
+        Dockerfile, or a fresh copy of the task's), under its own name (images and templates are per
+        name and content).
+
+        Raises:
+            ValueError: the task's verifier is not separate.
+        """
+        if self.separate_verifier is None:
+            raise ValueError(f"{self.name}: its verifier runs in the agent's sandbox, not one of its own")
+        folder = "tests" if self.separate_verifier.from_tests else self.environment_folder
+        folders = {posixpath.dirname(path.rstrip("/")) or "/" for path in self.separate_verifier.artifacts}
+        return replace(
+            self, name=f"{self.name}-verifier", environment=self.separate_verifier.environment,
+            environment_folder=folder, separate_verifier=None, artifact_dirs=tuple(sorted(folders - {"/"})),
+        )  # fmt: skip
 
     @property
     def tests_dir(self) -> Path:

@@ -34,6 +34,18 @@ TASK = Path(__file__).resolve().parents[1] / "harbor_shaped" / "steps" / "servic
 Replies = list[dict[str, Any]]
 
 
+def for_the_local_sandbox(task: Path, tmp_path: Path) -> Path:
+    """A copy of ``task`` whose Dockerfile has no ``RUN`` line: the local sandbox runs a Dockerfile's
+    commands on this machine (its ``/var`` and ``/usr`` are the host's), so an image's ``apt-get`` would
+    install on the host, and two tests doing it at once collide on apt's lock."""
+    copy = tmp_path / task.name
+    shutil.copytree(task, copy)
+    dockerfile = copy / "environment" / "Dockerfile"
+    lines = dockerfile.read_text().replace("\\\n", " ").splitlines()
+    dockerfile.write_text("\n".join(line for line in lines if not line.startswith("RUN ")) + "\n")
+    return copy
+
+
 def solve(task: HarborTask, step: int) -> str:
     solution = task.steps[step].solution
     assert solution is not None
@@ -99,9 +111,9 @@ def assert_stopped_after_the_first_step(result: RolloutResult) -> None:
 
 
 async def test_the_steps_run_in_turn_in_one_sandbox_and_a_missed_minimum_ends_the_rollout(
-    runtime_for: Callable[[Replies], Any],
+    runtime_for: Callable[[Replies], Any], tmp_path: Path
 ) -> None:
-    task = load_task(TASK, split="steps")
+    task = load_task(for_the_local_sandbox(TASK, tmp_path), split="steps")
     runtime = await runtime_for(
         [*replay("toy", solve(task, 0)), *replay("toy", solve(task, 1)), *give_up("toy")]
     )
@@ -117,8 +129,7 @@ async def test_a_step_whose_setup_hook_fails_makes_the_rollout_unscorable(
     runtime_for: Callable[[Replies], Any], tmp_path: Path
 ) -> None:
     """A broken ``setup.sh`` is the task's fault, never the agent's: no reward, the error names the step."""
-    broken = tmp_path / "broken"
-    shutil.copytree(TASK, broken)
+    broken = for_the_local_sandbox(TASK, tmp_path)
     (broken / "steps" / "02-overrides" / "workdir" / "setup.sh").write_text("echo no overrides >&2; exit 3\n")
     task = load_task(broken, split="steps")
     runtime = await runtime_for([*replay("toy", solve(task, 0))])

@@ -5,6 +5,7 @@ with real local sandboxes; the test is the trainer, calling the session's tools 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import os
 import random
@@ -183,7 +184,10 @@ def test_tool_limits_reach_the_sandbox_tools(factory: WhiteBoxSessionFactory, se
         assert long.metadata["cut_chars"] > 0
 
 
-def test_bad_requests_get_clear_http_errors(server: Server) -> None:
+def test_bad_requests_get_clear_http_errors(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Refusals come at once, but on two busy cores a reply can take longer than httpx's 5 s default.
+    for verb in ("get", "post", "delete", "request"):
+        monkeypatch.setattr(httpx, verb, functools.partial(getattr(httpx, verb), timeout=60))
     url = server.url
     assert httpx.get(f"{url}/sessions/nope/tools").status_code == 404
     assert httpx.post(f"{url}/sessions/nope/tools/call", json={"name": "bash"}).status_code == 404
@@ -208,7 +212,7 @@ def test_bad_requests_get_clear_http_errors(server: Server) -> None:
             message = reply.json()["error"]["message"]
             assert reply.status_code == status and says in message, (body, reply.text)
         assert server.sandbox_roots() == []
-        assert httpx.post(start, json={"split": "train", "index": 0}, timeout=60).status_code == 201
+        assert httpx.post(start, json={"split": "train", "index": 0}).status_code == 201
         again = httpx.post(start, json={"split": "train", "index": 0})
         assert again.status_code == 409 and "already started" in again.json()["error"]["message"]
         rollout = httpx.post(f"{url}/sessions/{session_id}/rollout", json={"split": "train", "index": 0})

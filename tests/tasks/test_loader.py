@@ -189,8 +189,11 @@ def test_the_older_size_form_reads_as_megabytes(
             {},
             "[steps.verifier] environment_mode",
         ),
-        ('[verifier]\nenvironment_mode = "separate"\n', {}, "a verifier in a sandbox of its own"),
-        ("[verifier.environment]\ncpus = 2\n", {}, "[verifier] environment_mode / [verifier.environment]"),
+        (
+            '[verifier]\nenvironment_mode = "separate"\n[[steps]]\nname = "one"\n',
+            {},
+            "a separate verifier sandbox for a multi-step task",
+        ),
         ('[environment]\nos = "windows"\n', {}, "os = 'windows': only Linux sandboxes"),
         ("[environment]\ngpus = 1\n", {}, "[environment] gpus / tpu: sandboxes here have no accelerator"),
         ('[environment.tpu]\ntype = "v6e"\n', {}, "[environment] gpus / tpu"),

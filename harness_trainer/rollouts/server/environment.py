@@ -59,13 +59,19 @@ class EpisodeOver(RuntimeError):
 class Environment:
     """One white-box session's sandbox and tools; see the module docstring for the contract.
 
-    Raises ValueError for ``options.tool_limits`` that :class:`ToolLimits` refuses or a multi-step task
-    (an episode here is one instruction and one verdict), ImportError without the ``openenv`` extra.
+    Raises ValueError for ``options.tool_limits`` that :class:`ToolLimits` refuses, a multi-step task or
+    one whose verifier is separate (an episode here is one instruction and one verdict, in its sandbox),
+    ImportError without the ``openenv`` extra.
     """
 
     def __init__(self, task: HarborTask, options: EnvironmentOptions, backend: SandboxBackend) -> None:
         from harness_trainer.sandboxes.tools import ToolLimits
 
+        if task.separate_verifier is not None:
+            raise ValueError(
+                f"{task.name} has a separate verifier: a white-box episode is verified in its own sandbox; "
+                "run it as a black-box rollout"
+            )
         if task.steps:
             raise ValueError(
                 f"{task.name} is a multi-step task ({len(task.steps)} steps): a white-box episode is one "

@@ -26,7 +26,7 @@ from harness_trainer.harnesses.base import AgentEndpoint, AgentRun, Harness, Har
 from harness_trainer.harnesses.bundles import provision
 from harness_trainer.rollouts.errors import ErrorKind
 from harness_trainer.rollouts.result import RolloutOptions, RolloutResult, StepResult
-from harness_trainer.rollouts.server.verifier import run_verifier, upload_tests
+from harness_trainer.rollouts.server.verifier import run_separate_verifier, run_verifier, upload_tests
 from harness_trainer.sandboxes.base import Sandbox, SandboxBackend, SandboxError
 from harness_trainer.tasks.steps import SETUP_SCRIPT, TaskStep, rolled_up, stops_after
 from harness_trainer.tasks.task import HarborTask
@@ -99,7 +99,7 @@ async def run_rollout(
         if task.steps:
             await _run_steps(task, options, harness, sandbox, endpoint, stop, result)
         else:
-            await _run_once(task, options, harness, sandbox, endpoint, stop, result)
+            await _run_once(task, options, harness, sandbox, endpoint, stop, result, backend)
         with _phase(result, "trace"):
             result.trace = await _export(capture, session.session_id)
             summary = await capture.summary(session.session_id)
@@ -146,18 +146,24 @@ async def _run_once(
     endpoint: AgentEndpoint,
     stop: asyncio.Event | None,
     result: RolloutResult,
+    backend: SandboxBackend,
 ) -> None:
-    """The agent on the task's instruction, then its verifier: the rollout of a task of one instruction."""
+    """The agent on the task's instruction, then its verifier: the rollout of a task of one instruction. A
+    separate verifier runs in a sandbox of its own from ``backend``, the agent's artifacts copied in."""
     timeout = options.agent_timeout_sec or task.agent_timeout_sec
     with _phase(result, "agent"):
         agent = harness.run(
             sandbox, task.instruction, endpoint, step_limit=options.agent_step_limit, timeout_s=timeout
         )
         _record_agent(result, await _until_stopped(agent, stop))
-    with _phase(result, "upload"):
-        await upload_tests(sandbox, task)
-    with _phase(result, "verifier"):
-        outcome = await run_verifier(sandbox, task, reward_key=options.reward_key, upload=False)
+    if task.separate_verifier is not None:
+        with _phase(result, "verifier"):
+            outcome = await run_separate_verifier(sandbox, task, backend, reward_key=options.reward_key)
+    else:
+        with _phase(result, "upload"):
+            await upload_tests(sandbox, task)
+        with _phase(result, "verifier"):
+            outcome = await run_verifier(sandbox, task, reward_key=options.reward_key, upload=False)
     result.reward, result.rewards = outcome.reward, dict(outcome.rewards)
     result.reward_detail = outcome.detail
 

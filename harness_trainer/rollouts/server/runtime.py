@@ -336,6 +336,8 @@ class RolloutRuntime:
             async with gate:
                 try:
                     await backend.prepare(task)
+                    if task.separate_verifier is not None:  # its own environment, built beside
+                        await backend.prepare(task.verifier_task())
                     if packages or remote:
                         await self._probe(backend, task, packages, reach=remote)
                 except (SandboxStartError, HarnessError) as exc:

@@ -4,17 +4,24 @@ Contract of :func:`run_verifier`: clears ``/logs/verifier``, replaces ``/tests``
 ``tests/`` (so nothing the agent wrote there is run or read), runs ``bash /tests/test.sh`` with the
 verifier timeout and ``[verifier] env``, then parses what it wrote. For a step of a multi-step task
 (``step``), ``/tests`` is the task's ``tests/`` (where it has one) with the step's copied over it, and the
-timeout and env are the step's. The verifier's own failures (non-zero
+timeout and env are the step's.
+
+A task whose verifier is separate (:class:`~harness_trainer.tasks.task.SeparateVerifier`) is verified by
+:func:`run_separate_verifier` in a sandbox of its own, started from the verifier's environment, which sees
+of the agent's work only the artifacts copied over (Harbor's ``/logs/artifacts`` and the task's
+``artifacts``); where ``tests/`` defines that environment, its image holds ``/tests`` and nothing is
+uploaded. The verifier's own failures (non-zero
 exit, timeout → ``timed_out`` and reward None, garbage or no reward file) are results; only a
 :class:`~harness_trainer.sandboxes.base.SandboxError` (the sandbox itself failed) propagates.
 """
 
 from __future__ import annotations
 
+import shlex
 import time
 from dataclasses import dataclass
 
-from harness_trainer.sandboxes.base import Sandbox, SandboxError
+from harness_trainer.sandboxes.base import Sandbox, SandboxBackend, SandboxError
 from harness_trainer.tasks.reward import parse_reward
 from harness_trainer.tasks.steps import TaskStep
 from harness_trainer.tasks.task import HarborTask
@@ -105,3 +112,58 @@ async def _read_optional(sandbox: Sandbox, path: str) -> bytes | None:
 
 def _tail(text: str, limit: int = OUTPUT_TAIL_CHARS) -> str:
     return text if len(text) <= limit else text[-limit:]
+
+
+ARTIFACTS_ARCHIVE = "/logs/.harness-trainer-artifacts.tgz"  # /logs: a sandbox's own in every backend
+_SEPARATE_SLACK_S = 120.0  # a separate verifier sandbox's lifetime beyond its timeout: start, copy, close
+
+
+async def collect_artifacts(sandbox: Sandbox, paths: tuple[str, ...]) -> bytes:
+    """The ``paths`` of ``sandbox`` that exist, as one gzipped tar archive rooted at ``/`` (``tar`` is in
+    every image Harbor tasks start from; one that lacks it is a sandbox failure, named).
+
+    Raises:
+        SandboxError: the archive could not be made or read.
+    """
+    listed = " ".join(shlex.quote(path) for path in paths)
+    existing = f'for p in {listed}; do [ -e "$p" ] && printf \'%s\\n\' "${{p#/}}"; done'
+    made = await sandbox.exec(
+        f"mkdir -p /logs && {{ {existing}; }} > {ARTIFACTS_ARCHIVE}.list; "
+        f"tar -czf {ARTIFACTS_ARCHIVE} -C / -T {ARTIFACTS_ARCHIVE}.list && rm -f {ARTIFACTS_ARCHIVE}.list",
+        timeout_s=_SETUP_TIMEOUT_S,
+    )
+    if made.exit_code != 0:
+        raise SandboxError(
+            f"could not archive the artifacts {list(paths)}: {_tail(made.stdout + made.stderr)}"
+        )
+    return await sandbox.read_file(ARTIFACTS_ARCHIVE)
+
+
+async def run_separate_verifier(
+    agent_sandbox: Sandbox, task: HarborTask, backend: SandboxBackend, *, reward_key: str = ""
+) -> VerifierOutcome:
+    """``task``'s verifier in a sandbox of its own (``task.separate_verifier``): the artifacts of
+    ``agent_sandbox`` copied in, ``tests/`` too where the verifier's image does not hold them, then
+    :func:`run_verifier`. The verifier's sandbox is closed on every path.
+
+    Raises:
+        SandboxError: either sandbox failed (starting the verifier's, copying the artifacts).
+    """
+    separate = task.separate_verifier
+    if separate is None:
+        raise ValueError(f"{task.name}: its verifier shares the agent's sandbox")
+    archive = await collect_artifacts(agent_sandbox, separate.artifacts)
+    verifier_task = task.verifier_task()
+    sandbox = await backend.start(verifier_task, lifetime_s=task.verifier_timeout_sec + _SEPARATE_SLACK_S)
+    try:
+        await sandbox.write_file(ARTIFACTS_ARCHIVE, archive)
+        unpacked = await sandbox.exec(
+            f"mkdir -p {VERIFIER_LOG_DIR} && tar -xzf {ARTIFACTS_ARCHIVE} -C / && rm -f {ARTIFACTS_ARCHIVE}",
+            timeout_s=_SETUP_TIMEOUT_S,
+        )
+        if unpacked.exit_code != 0:
+            output = _tail(unpacked.stdout + unpacked.stderr)
+            raise SandboxError(f"could not unpack the artifacts in the verifier's sandbox: {output}")
+        return await run_verifier(sandbox, task, reward_key=reward_key, upload=not separate.from_tests)
+    finally:
+        await sandbox.close()
