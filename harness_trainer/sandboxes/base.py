@@ -158,7 +158,9 @@ class Capabilities:
     by a public URL; ``builds`` is what it makes, once per content, from a task's environment
     (``"templates"``, ``"images"``), or None when it prepares the environment at every start;
     ``wants_proxy_url`` means it takes the capture proxy's URL as agents are told it (its ``proxy_url``
-    option, which the rollout runtime fills in) to make that URL reachable inside its sandboxes."""
+    option, which the rollout runtime fills in) to make that URL reachable inside its sandboxes;
+    ``sidecars`` means it starts a compose task's other services beside the agent's (a backend that does not
+    refuses such a task at start)."""
 
     summary: str
     isolation: Isolation
@@ -166,6 +168,7 @@ class Capabilities:
     remote: bool = False
     builds: str | None = None
     wants_proxy_url: bool = False
+    sidecars: bool = False
 
 
 class SandboxBackend(Protocol):
@@ -219,3 +222,17 @@ def fetch_command(url: str, timeout_s: int = 30) -> str:
     else:
         command += "else echo 'neither curl nor python3 here to fetch an https URL' >&2; exit 127; "
     return command + "fi"
+
+
+def refuse_sidecars(task: HarborTask, backend: str) -> None:
+    """For a backend without ``sidecars``: refuse a compose task whose services it would not start.
+
+    Raises:
+        SandboxStartError: ``task``'s ``docker-compose.yaml`` has services beside ``main``.
+    """
+    if task.compose is not None and task.compose.sidecars:
+        names = ", ".join(service.name for service in task.compose.sidecars)
+        raise SandboxStartError(
+            f"{task.name}: its {task.compose.path.name} runs services beside the agent's ({names}); the "
+            f"{backend} backend starts none: run it on the docker backend"
+        )

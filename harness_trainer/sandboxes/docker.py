@@ -62,6 +62,7 @@ from harness_trainer.sandboxes.base import (
     sandbox_lifetime,
 )
 from harness_trainer.sandboxes.docker_agents import DockerAgents
+from harness_trainer.sandboxes.docker_compose import DockerSidecars, Sidecars
 from harness_trainer.sandboxes.docker_daemon import (
     BASE_IMAGE,
     LABEL,
@@ -75,38 +76,13 @@ from harness_trainer.sandboxes.docker_daemon import (
     unavailable,
 )
 from harness_trainer.sandboxes.docker_images import DockerImages
+from harness_trainer.sandboxes.docker_scripts import BASH_PROFILE, EXEC_DIR, KILL, WRAP
 from harness_trainer.sandboxes.host_trust import NO_TRUST, HostTrust
 from harness_trainer.sandboxes.netns_relay import NetnsRelay
 from harness_trainer.tasks.task import HarborTask
 
 log = logging.getLogger(__name__)
 
-MAX_OUTPUT_BYTES = 16 << 20
-EXEC_DIR = "/run/ht-exec"
-# $1 = exec id, $2 = command. The command runs in its own process group (job control), its output in
-# files, so a background child that keeps them open cannot hold the exec open; at its end the wrapper
-# prints its exit code on a line of its own, then the tails of its stdout and stderr.
-_WRAP = f"""d={EXEC_DIR}/$1; mkdir -p "$d" || exit 125
-set -m
-/bin/bash -lc "$2" >"$d/out" 2>"$d/err" </dev/null &
-p=$!; set +m; echo $p >"$d/pid"
-wait $p; rc=$?
-echo $rc; tail -c {MAX_OUTPUT_BYTES} "$d/out"; tail -c {MAX_OUTPUT_BYTES} "$d/err" >&2; rm -rf "$d"; exit $rc
-"""
-# $1 = exec id, $2 = grace in 50 ms ticks: SIGTERM to the command's group, SIGKILL when it outlives it.
-_KILL = f"""f={EXEC_DIR}/$1/pid; i=0
-while [ ! -s "$f" ] && [ $i -lt 40 ]; do sleep 0.05; i=$((i+1)); done
-p=$(cat "$f" 2>/dev/null) || exit 0
-kill -TERM -- "-$p" 2>/dev/null || exit 0
-i=0; while kill -0 -- "-$p" 2>/dev/null && [ $i -lt "$2" ]; do sleep 0.05; i=$((i+1)); done
-kill -KILL -- "-$p" 2>/dev/null; exit 0
-"""
-_BASH_PROFILE = """\
-# Written by harness-trainer's docker sandbox: /etc/profile resets PATH in a login shell; restore ours.
-if [ -n "${__HT_PATH-}" ]; then PATH=$__HT_PATH; export PATH; fi
-unset __HT_PATH
-if [ -f "$HOME/.profile" ]; then . "$HOME/.profile"; fi
-"""
 LOOPBACK = ("127.0.0.1", "localhost")
 
 
@@ -123,8 +99,11 @@ class DockerSandbox:
         workdir: str,
         env: dict[str, str],
         provisioned: frozenset[str] = frozenset(),
+        sidecars: Sidecars | None = None,
     ):
         self.id = container[:12]
+        self.sidecars = sidecars
+        """A compose task's network and sidecar containers (:mod:`.docker_compose`), removed with it."""
         self.provisioned = provisioned
         """The agents mounted into this container (:mod:`.docker_agents`), by bundle name."""
         self.container = container
@@ -163,7 +142,7 @@ class DockerSandbox:
         )
         tag = uuid.uuid4().hex[:16]
         workdir = self.sandbox_path(cwd) if cwd else self.workdir
-        argv = ["/bin/bash", "-c", _WRAP, "ht", tag, command]
+        argv = ["/bin/bash", "-c", WRAP, "ht", tag, command]
         try:
             created = await self._api(
                 "exec_create", self.container, argv, environment=full_env, workdir=workdir
@@ -203,7 +182,7 @@ class DockerSandbox:
         ticks = str(max(1, int(self._backend.kill_grace_s / 0.05)))
         try:
             created = await self._api(
-                "exec_create", self.container, ["/bin/bash", "-c", _KILL, "ht", tag, ticks]
+                "exec_create", self.container, ["/bin/bash", "-c", KILL, "ht", tag, ticks]
             )
             await self._api("exec_start", created["Id"])
         except Exception as exc:  # the container is gone: so is the command
@@ -265,6 +244,8 @@ class DockerSandbox:
         self._relay.close()
         try:
             await self._backend.remove(self.container)
+            if self.sidecars is not None:
+                await self._backend.sidecars.remove(self.sidecars)
         finally:
             for callback in self.on_close:
                 callback(self)
@@ -290,6 +271,7 @@ class DockerSandboxBackend:
         isolation=Isolation(network=True, filesystem=True, user=False, limits=True),
         builds="images",
         wants_proxy_url=True,
+        sidecars=True,
     )
 
     def __init__(
@@ -326,6 +308,7 @@ class DockerSandboxBackend:
             lambda: self.client, self.call, network=build_network or network, env=self.images.trust.proxy,
             timeout_s=build_timeout_s,
         )  # fmt: skip
+        self.sidecars = DockerSidecars(self)
 
     @property
     def client(self) -> Any:
@@ -382,6 +365,7 @@ class DockerSandboxBackend:
         try:
             image = await self.images.resolve(task)
             await self.agents.set_up(task, image)
+            await self.sidecars.prepare(task)
             return image
         except SandboxStartError:
             raise
@@ -392,7 +376,13 @@ class DockerSandboxBackend:
         self, task: HarborTask, *, lifetime_s: float, env: dict[str, str] | None = None
     ) -> DockerSandbox:
         image = await self._image(task)
-        sandbox = await self._create(task, image, env or {})
+        sidecars = await self.sidecars.start(task) if task.compose and task.compose.sidecars else None
+        try:
+            sandbox = await self._create(task, image, env or {}, sidecars)
+        except BaseException:
+            if sidecars is not None:
+                await self.sidecars.remove(sidecars)
+            raise
         self._live.add(sandbox)
         sandbox.on_close.append(self._live.discard)
         try:
@@ -403,7 +393,9 @@ class DockerSandboxBackend:
         sandbox.expire_after(sandbox_lifetime(task, lifetime_s, self.lifetime_margin_s))
         return sandbox
 
-    async def _create(self, task: HarborTask, image: str, env: Mapping[str, str]) -> DockerSandbox:
+    async def _create(
+        self, task: HarborTask, image: str, env: Mapping[str, str], sidecars: Sidecars | None
+    ) -> DockerSandbox:
         api = self.client.api
         spec = task.environment
         limits: dict[str, Any] = {}
@@ -412,6 +404,8 @@ class DockerSandboxBackend:
         if spec.memory_mb:
             limits["mem_limit"] = f"{int(spec.memory_mb)}m"
         network = self.network if spec.allow_internet else "none"
+        network = sidecars.network if sidecars is not None else network
+        proxy = sidecars.proxy_env(self.images.trust.proxy) if sidecars else self.images.trust.proxy
         binds = self.agents.binds
         host_config = api.create_host_config(init=True, network_mode=network, binds=binds or None, **limits)
         try:
@@ -419,9 +413,10 @@ class DockerSandboxBackend:
             workdir = spec.workdir or config.get("WorkingDir") or "/app"
             created = await self.call(
                 api.create_container, image, entrypoint=["sleep", "infinity"], command=[],
-                environment={"HOME": self.home, **self.images.trust.proxy, **env}, working_dir=workdir,
+                environment={"HOME": self.home, **proxy, **env}, working_dir=workdir,
                 labels={LABEL: RUN_ID}, host_config=host_config, stop_signal="SIGKILL",
                 volumes=[bind["bind"] for bind in binds.values()],
+                networking_config=sidecars.endpoint(api) if sidecars is not None else None,
             )  # fmt: skip
             inspected = await self.call(api.inspect_container, created["Id"])
         except Exception as exc:
@@ -429,14 +424,15 @@ class DockerSandboxBackend:
         container_env = dict(item.partition("=")[::2] for item in inspected["Config"].get("Env") or [])
         provisioned = frozenset(self.agents.agents)
         return DockerSandbox(
-            self, created["Id"], workdir=workdir, env={**container_env, **env}, provisioned=provisioned
-        )
+            self, created["Id"], workdir=workdir, env={**container_env, **env}, provisioned=provisioned,
+            sidecars=sidecars,
+        )  # fmt: skip
 
     async def _start(self, task: HarborTask, sandbox: DockerSandbox) -> None:
         api = self.client.api
         dirs = ["/logs", "/logs/agent", "/logs/verifier", "/tests", "/solution", EXEC_DIR, sandbox.workdir]
         entries: list[tuple[str, bytes | None, int]] = [(d, None, 0o755) for d in dict.fromkeys(dirs)]
-        entries += [(self.home, None, 0o755), (f"{self.home}/.bash_profile", _BASH_PROFILE.encode(), 0o644)]
+        entries += [(self.home, None, 0o755), (f"{self.home}/.bash_profile", BASH_PROFILE.encode(), 0o644)]
         try:
             await self.call(api.put_archive, sandbox.container, "/", tar_of(entries))
             await self.call(api.start, sandbox.container)

@@ -82,17 +82,27 @@ def unavailable(base_image: str = BASE_IMAGE) -> str | None:
 
 
 def remove_leftovers(client: Any) -> list[str]:
-    """Remove the containers of harness-trainer processes of this host that are no longer running."""
+    """Remove the containers of harness-trainer processes of this host that are no longer running, then
+    their networks (a compose task's, :mod:`.docker_compose`)."""
     removed = []
-    host = socket.gethostname()
     for container in client.api.containers(all=True, filters={"label": LABEL}):
-        owner_host, _, rest = container["Labels"].get(LABEL, "").partition(":")
-        pid, _, started = rest.partition(":")
-        if owner_host == host and pid.isdigit() and _process_start(int(pid)) != started:
+        if _orphaned(container["Labels"]):
             with contextlib.suppress(Exception):
                 client.api.remove_container(container["Id"], force=True, v=True)
                 removed.append(container["Id"])
+    for network in client.api.networks(filters={"label": LABEL}):
+        if _orphaned(network.get("Labels") or {}):
+            with contextlib.suppress(Exception):
+                client.api.remove_network(network["Id"])
+                removed.append(network["Id"])
     return removed
+
+
+def _orphaned(labels: dict[str, str]) -> bool:
+    """Made by a harness-trainer process of this host that is no longer running."""
+    owner_host, _, rest = labels.get(LABEL, "").partition(":")
+    pid, _, started = rest.partition(":")
+    return owner_host == socket.gethostname() and pid.isdigit() and _process_start(int(pid)) != started
 
 
 def as_root(info: tarfile.TarInfo) -> tarfile.TarInfo:

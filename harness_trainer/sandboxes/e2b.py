@@ -59,6 +59,7 @@ from harness_trainer.sandboxes.base import (
     Isolation,
     SandboxError,
     SandboxStartError,
+    refuse_sidecars,
     resolve_path,
     sandbox_lifetime,
 )
@@ -367,12 +368,14 @@ class E2BSandboxBackend:
 
     async def prepare(self, task: HarborTask) -> None:
         """The run's orphans reaped (once) and ``task``'s template ready (built once per name)."""
+        refuse_sidecars(task, self.name)
         await self.reap_orphans()
         await self.template_for(task)
 
     async def start(
         self, task: HarborTask, *, lifetime_s: float, env: dict[str, str] | None = None
     ) -> E2BSandbox:
+        refuse_sidecars(task, self.name)
         await self.reap_orphans()
         template = await self.template_for(task)
         workdir = self.workdir or task.environment.workdir or _dockerfile_workdir(task)

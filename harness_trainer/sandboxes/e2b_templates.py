@@ -305,7 +305,7 @@ class TemplateBuilder:
             self._specs.clear()
 
     def spec(self, task: HarborTask) -> TemplateSpec:
-        """The task's :class:`TemplateSpec`, hashed once per task (folder and name: a verifier's is its own)."""
+        """The task's :class:`TemplateSpec`, hashed once per task (folder and name: a verifier's own)."""
         key = (task.path, task.name)
         if key not in self._specs:
             self._specs[key] = template_spec(task, self.agent_layer, self.agents)

@@ -90,6 +90,7 @@ from harness_trainer.sandboxes.base import (
     Lifetime,
     SandboxError,
     SandboxStartError,
+    refuse_sidecars,
     resolve_path,
     sandbox_lifetime,
 )
@@ -311,11 +312,14 @@ class LocalSandboxBackend:
         """Nothing: a local sandbox sees this machine's files, where the bundles are."""
 
     async def prepare(self, task: HarborTask) -> None:
-        """Nothing: starts share nothing here (each runs the task's ``RUN`` steps in its own root)."""
+        """Nothing but refusing a task with sidecars: starts share nothing here (each runs the task's
+        ``RUN`` steps in its own root)."""
+        refuse_sidecars(task, self.name)
 
     async def start(
         self, task: HarborTask, *, lifetime_s: float, env: dict[str, str] | None = None
     ) -> LocalSandbox:
+        refuse_sidecars(task, self.name)
         mode = await asyncio.to_thread(choose_mode, self.requested_mode)
         if not self._swept:
             self._swept = True

@@ -5,9 +5,9 @@ is one of:
 
 - **refused** (:func:`refusals`; the loader raises :class:`~harness_trainer.tasks.task.TaskError` naming
   the field): what no sandbox backend here can run, so a rollout would measure something else than the
-  task means: a step's verifier in a sandbox of its own (``[steps.verifier] environment_mode``), a
-  ``docker-compose.yaml`` environment without a Dockerfile to run instead, an OS other than Linux, GPUs or
-  TPUs, MCP servers given to the agent (a task-level separate verifier runs: :mod:`.loader`);
+  task means: a step's verifier in a sandbox of its own (``[steps.verifier] environment_mode``), an OS
+  other than Linux, GPUs or TPUs, MCP servers given to the agent (a task-level separate verifier runs:
+  :mod:`.loader`; what of a ``docker-compose.yaml`` runs and what is refused: :mod:`.compose`);
 - **ignored with a reason** (:func:`ignored`; the loader logs each field once per process, naming the first
   task that sets it): what changes nothing a rollout measures, or what a rollout here does its own way:
   the users agents and verifiers run as, the reference solution's environment, the GPU types of a task that
@@ -23,7 +23,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-COMPOSE_FILES = ("docker-compose.yaml", "docker-compose.yml", "compose.yaml", "compose.yml")
 IGNORED_ENVIRONMENT = {
     "gpu_types": "no task asking for no GPU needs a GPU type",
     "skills_dir": "agents get no skills folder here (their prompts are the harness's)",
@@ -55,16 +54,6 @@ def refusals(config: dict[str, Any], folder: Path) -> list[str]:
         found.append("[environment] gpus / tpu: sandboxes here have no accelerator")
     if environment.get("mcp_servers"):
         found.append("[environment] mcp_servers: agents are given no MCP servers here")
-    compose = [name for name in COMPOSE_FILES if (folder / "environment" / name).is_file()]
-    if (
-        compose
-        and not (folder / "environment" / "Dockerfile").is_file()
-        and not environment.get("docker_image")
-    ):
-        found.append(
-            f"environment/{compose[0]}: docker-compose environments are not run here (give the main service "
-            "a Dockerfile or [environment] docker_image)"
-        )
     return found
 
 

@@ -29,9 +29,11 @@ from __future__ import annotations
 import logging
 import re
 import tomllib
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from harness_trainer.tasks.compose import ComposeError, ComposeSpec, compose_file, read_compose
 from harness_trainer.tasks.fields import ignored, refusals
 from harness_trainer.tasks.steps import REWARD_STRATEGIES, RewardStrategy, TaskStep
 from harness_trainer.tasks.task import ARTIFACTS_DIR, EnvironmentSpec, HarborTask, SeparateVerifier, TaskError
@@ -80,6 +82,7 @@ def load_task(path: str | Path, *, split: str = "", index: int = 0) -> HarborTas
     verifier_timeout = _positive(verifier, "timeout_sec", f"{where} [verifier]", DEFAULT_VERIFIER_TIMEOUT_SEC)
     verifier_env = _string_table(verifier, "env", f"{where} [verifier]")
     environment = _environment(_table(config, "environment", toml_path), f"{where} [environment]")
+    compose, environment = _compose(folder, environment)
     separate = _separate_verifier(config, verifier, folder, where, environment)
     if separate is not None and config.get("steps"):
         raise TaskError(f"{where}: cannot be run here: a separate verifier sandbox for a multi-step task")
@@ -108,7 +111,31 @@ def load_task(path: str | Path, *, split: str = "", index: int = 0) -> HarborTas
         steps=steps,
         reward_strategy=_strategy(config, where) if steps else "mean",
         separate_verifier=separate,
+        compose=compose,
     )
+
+
+def _compose(folder: Path, environment: EnvironmentSpec) -> tuple[ComposeSpec | None, EnvironmentSpec]:
+    """The environment's compose file, read (its ignored keys logged once), and the environment with
+    ``main``'s ``image`` as its ``docker_image`` where the task has no Dockerfile of its own."""
+    path = compose_file(folder / "environment")
+    if path is None:
+        return None, environment
+    try:
+        spec = read_compose(path)
+    except ComposeError as exc:
+        raise TaskError(f"cannot be run here: {exc}") from exc
+    for key, reason in spec.ignored.items():
+        if f"compose {key}" not in _logged:
+            _logged.add(f"compose {key}")
+            log.warning("%s: %s: %s is ignored: %s (not logged again)", folder.name, path.name, key, reason)
+    if not (folder / "environment" / "Dockerfile").is_file() and environment.docker_image is None:
+        if spec.main.image is None:
+            raise TaskError(
+                f"{path}: cannot be run here: service main has no image and the task no Dockerfile"
+            )
+        environment = replace(environment, docker_image=spec.main.image)
+    return spec, environment
 
 
 def _separate_verifier(

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from harness_trainer.tasks.compose import ComposeSpec
 from harness_trainer.tasks.steps import RewardStrategy, TaskStep
 
 
@@ -87,6 +88,9 @@ class HarborTask:
     """Set when the verifier runs in a sandbox of its own; None: in the agent's, after it."""
     environment_folder: str = "environment"
     """The folder of the task holding its Dockerfile and build context (``tests`` for a verifier's)."""
+    compose: ComposeSpec | None = None
+    """The environment's ``docker-compose.yaml``: the agent runs in its ``main`` service (this task's
+    image), its sidecars beside it (:mod:`.compose`)."""
     artifact_dirs: tuple[str, ...] = ()
     """Folders a separate verifier's sandbox gets the agent's artifacts in: a sandbox that shares this
     machine's filesystem (the local one) keeps them private."""
@@ -115,6 +119,7 @@ class HarborTask:
         return replace(
             self, name=f"{self.name}-verifier", environment=self.separate_verifier.environment,
             environment_folder=folder, separate_verifier=None, artifact_dirs=tuple(sorted(folders - {"/"})),
+            compose=self.compose if folder == self.environment_folder else None,
         )  # fmt: skip
 
     @property

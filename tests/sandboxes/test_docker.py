@@ -6,6 +6,7 @@ proxy's loopback URL still works, and leftovers of dead processes removed."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import socket
@@ -197,9 +198,14 @@ async def test_containers_left_by_a_dead_process_are_removed(backend: DockerSand
         created = await backend.call(
             api.create_container, "ht-debian:bookworm", ["true"], labels={LABEL: dead}
         )
-        assert created["Id"] in await backend.call(remove_leftovers, backend.client)
+        network = await backend.call(api.create_network, "ht-leftover-test", labels={LABEL: dead})
+        removed = await backend.call(remove_leftovers, backend.client)
+        assert created["Id"] in removed and network["Id"] in removed  # a compose sandbox's network too
+        assert not api.networks(names=["ht-leftover-test"])
     finally:
         await backend.remove(created["Id"])
+        with contextlib.suppress(Exception):
+            api.remove_network("ht-leftover-test")
 
 
 async def test_the_sandbox_tools_work_in_a_docker_sandbox(

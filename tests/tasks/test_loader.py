@@ -198,7 +198,6 @@ def test_the_older_size_form_reads_as_megabytes(
         ("[environment]\ngpus = 1\n", {}, "[environment] gpus / tpu: sandboxes here have no accelerator"),
         ('[environment.tpu]\ntype = "v6e"\n', {}, "[environment] gpus / tpu"),
         ('[environment]\nmcp_servers = [{name = "x"}]\n', {}, "[environment] mcp_servers"),
-        ("", {"docker-compose.yaml": "services: {}\n"}, "environment/docker-compose.yaml: docker-compose"),
     ],
 )
 def test_what_no_backend_here_can_run_is_refused_naming_the_field(
@@ -213,12 +212,13 @@ def test_what_no_backend_here_can_run_is_refused_naming_the_field(
     assert field in str(refused.value) and str(folder / "task.toml") in str(refused.value)
 
 
-def test_a_compose_file_beside_a_dockerfile_runs_the_dockerfile(task_writer: TaskWriter) -> None:
+def test_a_compose_file_beside_a_dockerfile_runs_the_dockerfile_as_main(task_writer: TaskWriter) -> None:
     folder = task_writer("t")
     (folder / "environment").mkdir()
-    (folder / "environment" / "docker-compose.yaml").write_text("services: {}\n")
+    (folder / "environment" / "docker-compose.yaml").write_text("services:\n  main: {build: .}\n")
     (folder / "environment" / "Dockerfile").write_text("FROM debian:bookworm-slim\n")
-    assert load_task(folder).dockerfile is not None
+    task = load_task(folder)
+    assert task.dockerfile is not None and task.compose is not None and task.compose.sidecars == ()
 
 
 def test_what_a_rollout_ignores_is_logged_once_per_field_with_its_reason(
