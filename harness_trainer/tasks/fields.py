@@ -5,9 +5,9 @@ is one of:
 
 - **refused** (:func:`refusals`; the loader raises :class:`~harness_trainer.tasks.task.TaskError` naming
   the field): what no sandbox backend here can run, so a rollout would measure something else than the
-  task means: a step's verifier in a sandbox of its own (``[steps.verifier] environment_mode``), an OS
-  other than Linux, GPUs or TPUs, MCP servers given to the agent (a task-level separate verifier runs:
-  :mod:`.loader`; what of a ``docker-compose.yaml`` runs and what is refused: :mod:`.compose`);
+  task means: an OS other than Linux, GPUs or TPUs, MCP servers given to the agent (what of a
+  ``docker-compose.yaml`` runs and what is refused: :mod:`.compose`; a verifier's mode:
+  :mod:`.verifier_mode`);
 - **ignored with a reason** (:func:`ignored`; the loader logs each field once per process, naming the first
   task that sets it): what changes nothing a rollout measures, or what a rollout here does its own way:
   the users agents and verifiers run as, the reference solution's environment, the GPU types of a task that
@@ -35,17 +35,6 @@ def refusals(config: dict[str, Any], folder: Path) -> list[str]:
     """Why the task at ``folder`` (its parsed ``config``) cannot run here, one line per field; empty when
     it can."""
     found = []
-    steps = config.get("steps") if isinstance(config.get("steps"), list) else []
-    for step in steps:
-        verifier = (
-            step.get("verifier") if isinstance(step, dict) and isinstance(step.get("verifier"), dict) else {}
-        )
-        if verifier.get("environment_mode", "shared") != "shared" or "environment" in verifier:
-            found.append(
-                "[steps.verifier] environment_mode / [steps.verifier.environment]: a step's verifier in a "
-                "sandbox of its own is not run here (a step is verified in the agent's sandbox, after it)"
-            )
-            break
     environment = config.get("environment") if isinstance(config.get("environment"), dict) else {}
     system = environment.get("os")
     if system not in (None, "linux"):
@@ -70,15 +59,11 @@ def ignored(config: dict[str, Any], known_environment: frozenset[str]) -> dict[s
             found[f"[{section}] user"] = reason
     if config.get("solution"):
         found["[solution]"] = "reference solutions are not run in rollouts"
-    verifier = config.get("verifier") if isinstance(config.get("verifier"), dict) else {}
-    if (
-        config.get("artifacts")
-        and verifier.get("environment_mode") != "separate"
-        and "environment" not in verifier
-    ):
-        found["artifacts"] = (
-            "copied out only to a separate verifier's sandbox; this verifier shares the agent's"
-        )
+    verifiers = [config.get("verifier")] + [s.get("verifier") for s in steps if isinstance(s, dict)]
+    separate = [v for v in verifiers if isinstance(v, dict) and (v.get("environment_mode") == "separate"
+                                                                 or "environment" in v)]  # fmt: skip
+    if config.get("artifacts") and not separate:
+        found["artifacts"] = "copied only into a separate verifier's sandbox; every verifier here is shared"
     environment = config.get("environment") if isinstance(config.get("environment"), dict) else {}
     for key in environment:
         if key in known_environment or key in ("gpus", "tpu", "mcp_servers"):

@@ -36,7 +36,8 @@ from typing import Any
 from harness_trainer.tasks.compose import ComposeError, ComposeSpec, compose_file, read_compose
 from harness_trainer.tasks.fields import ignored, refusals
 from harness_trainer.tasks.steps import REWARD_STRATEGIES, RewardStrategy, TaskStep
-from harness_trainer.tasks.task import ARTIFACTS_DIR, EnvironmentSpec, HarborTask, SeparateVerifier, TaskError
+from harness_trainer.tasks.task import EnvironmentSpec, HarborTask, SeparateVerifier, TaskError
+from harness_trainer.tasks.verifier_mode import artifacts_of, image_folder, separate_verifier
 
 log = logging.getLogger(__name__)
 _logged: set[str] = set()  # the ignored fields already logged by this process
@@ -83,10 +84,12 @@ def load_task(path: str | Path, *, split: str = "", index: int = 0) -> HarborTas
     verifier_env = _string_table(verifier, "env", f"{where} [verifier]")
     environment = _environment(_table(config, "environment", toml_path), f"{where} [environment]")
     compose, environment = _compose(folder, environment)
-    separate = _separate_verifier(config, verifier, folder, where, environment)
-    if separate is not None and config.get("steps"):
-        raise TaskError(f"{where}: cannot be run here: a separate verifier sandbox for a multi-step task")
-    steps = _steps(config, folder, agent_timeout, verifier_timeout, verifier_env)
+    task_artifacts = artifacts_of(config, where)
+    separate = separate_verifier(
+        verifier, where, environment=environment, artifacts=task_artifacts, parse_environment=_environment,
+        image=image_folder(folder, "tests"),
+    )  # fmt: skip
+    steps = _steps(config, folder, agent_timeout, verifier_timeout, verifier_env, environment, separate)
     if steps and not (folder / "instruction.md").is_file():
         instruction = steps[0].instruction
     else:
@@ -138,38 +141,14 @@ def _compose(folder: Path, environment: EnvironmentSpec) -> tuple[ComposeSpec | 
     return spec, environment
 
 
-def _separate_verifier(
-    config: dict[str, Any], verifier: dict[str, Any], folder: Path, where: str, environment: EnvironmentSpec
-) -> SeparateVerifier | None:
-    """``[verifier] environment_mode`` and ``[verifier.environment]`` as Harbor reads them: the table
-    implies ``separate``; ``shared`` with a table is refused; ``separate`` without one runs the verifier in a
-    fresh sandbox of the task's own environment."""
-    mode, table = verifier.get("environment_mode"), verifier.get("environment")
-    if mode not in (None, "shared", "separate"):
-        raise TaskError(f"{where} [verifier] environment_mode: expected shared or separate, got {mode!r}")
-    if mode == "shared" and table is not None:
-        raise TaskError(
-            f'{where} [verifier]: environment_mode = "shared" with a [verifier.environment] (a shared '
-            "verifier runs in the agent's sandbox: drop one of them)"
-        )
-    if mode != "separate" and table is None:
-        return None
-    if table is not None and not isinstance(table, dict):
-        raise TaskError(f"{where} [verifier.environment]: expected a table, got {table!r}")
-    artifacts = config.get("artifacts", [])
-    if not isinstance(artifacts, list) or not all(
-        isinstance(a, str) and a.startswith("/") for a in artifacts
-    ):
-        raise TaskError(f"{where} artifacts: expected a list of absolute paths, got {artifacts!r}")
-    return SeparateVerifier(
-        environment=environment if table is None else _environment(table, f"{where} [verifier.environment]"),
-        artifacts=tuple(dict.fromkeys([ARTIFACTS_DIR, *artifacts])),
-        from_tests=(folder / "tests" / "Dockerfile").is_file(),
-    )
-
-
 def _steps(
-    config: dict[str, Any], folder: Path, agent_timeout: float, verifier_timeout: float, env: dict[str, str]
+    config: dict[str, Any],
+    folder: Path,
+    agent_timeout: float,
+    verifier_timeout: float,
+    env: dict[str, str],
+    environment: EnvironmentSpec,
+    separate: SeparateVerifier | None,
 ) -> tuple[TaskStep, ...]:
     tables = config.get("steps", [])
     if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
@@ -190,6 +169,12 @@ def _steps(
         contributes = table.get("contributes_to_mean", True)
         if not isinstance(contributes, bool):
             raise TaskError(f"{where} contributes_to_mean: expected true or false, got {contributes!r}")
+        own = separate_verifier(
+            verifier, where, environment=environment, inherited=separate,
+            artifacts=[*artifacts_of(config, where), *artifacts_of(table, where)],
+            image=image_folder(folder, f"steps/{name}/tests", "tests"), parse_environment=_environment,
+            section="steps.verifier",
+        )  # fmt: skip
         steps.append(
             TaskStep(
                 name=name,
@@ -202,6 +187,7 @@ def _steps(
                 verifier_env={**env, **_string_table(verifier, "env", f"{where} [steps.verifier]")},
                 min_reward=_min_reward(table.get("min_reward"), where),
                 contributes_to_mean=contributes,
+                separate_verifier=own,
             )
         )
     if steps and not any(step.contributes_to_mean for step in steps):

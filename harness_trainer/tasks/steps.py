@@ -27,7 +27,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from harness_trainer.tasks.task import SeparateVerifier
 
 RewardStrategy = Literal["mean", "final"]
 REWARD_STRATEGIES: tuple[RewardStrategy, ...] = ("mean", "final")
@@ -46,6 +49,9 @@ class TaskStep:
     verifier_env: dict[str, str] = field(default_factory=dict)
     min_reward: float | dict[str, float] | None = None
     contributes_to_mean: bool = True
+    separate_verifier: SeparateVerifier | None = None
+    """Set when the step is verified in a sandbox of its own: its ``[steps.verifier]`` mode, else the
+    task's (Harbor lets a task mix shared and separate steps)."""
 
     @property
     def tests_dir(self) -> Path:

@@ -58,10 +58,15 @@ class SeparateVerifier:
     artifacts: tuple[str, ...]
     """Absolute paths copied from the agent's sandbox (those that exist): :data:`ARTIFACTS_DIR` and the
     task's top-level ``artifacts``."""
-    from_tests: bool
-    """The task's ``tests/`` holds a Dockerfile: it defines the verifier's image, ``tests/`` its build
-    context, and the image holds ``/tests`` itself (Harbor uploads nothing). Without one, the verifier's
-    sandbox is a fresh one of the task's own environment, with ``tests/`` copied in."""
+    image_folder: str | None
+    """The task's folder whose Dockerfile defines the verifier's image (``tests``, or a step's
+    ``steps/<name>/tests``): its build context, and the image holds ``/tests`` itself (Harbor uploads
+    nothing). None: the verifier's sandbox is a fresh one of the task's own environment, with the tests
+    copied in."""
+
+    @property
+    def from_tests(self) -> bool:
+        return self.image_folder is not None
 
 
 @dataclass(frozen=True)
@@ -104,20 +109,22 @@ class HarborTask:
     def environment_dir(self) -> Path:
         return self.path / self.environment_folder
 
-    def verifier_task(self) -> HarborTask:
-        """The task as its separate verifier's sandbox starts it: its own environment (``tests/``'s
-        Dockerfile, or a fresh copy of the task's), under its own name (images and templates are per
-        name and content).
+    def verifier_task(self, step: TaskStep | None = None) -> HarborTask:
+        """The task as its (or ``step``'s) separate verifier's sandbox starts it: its own environment (a
+        tests folder's Dockerfile, or a fresh copy of the task's), under its own name (images and templates
+        are per name and content).
 
         Raises:
-            ValueError: the task's verifier is not separate.
+            ValueError: that verifier is not separate.
         """
-        if self.separate_verifier is None:
+        separate = self.separate_verifier if step is None else step.separate_verifier
+        if separate is None:
             raise ValueError(f"{self.name}: its verifier runs in the agent's sandbox, not one of its own")
-        folder = "tests" if self.separate_verifier.from_tests else self.environment_folder
-        folders = {posixpath.dirname(path.rstrip("/")) or "/" for path in self.separate_verifier.artifacts}
+        folder = separate.image_folder or self.environment_folder
+        folders = {posixpath.dirname(path.rstrip("/")) or "/" for path in separate.artifacts}
+        name = f"{self.name}-verifier" if step is None else f"{self.name}-{step.name}-verifier"
         return replace(
-            self, name=f"{self.name}-verifier", environment=self.separate_verifier.environment,
+            self, name=name, environment=separate.environment, steps=(),
             environment_folder=folder, separate_verifier=None, artifact_dirs=tuple(sorted(folders - {"/"})),
             compose=self.compose if folder == self.environment_folder else None,
         )  # fmt: skip

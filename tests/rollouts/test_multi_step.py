@@ -156,6 +156,28 @@ async def test_real_agents_work_through_the_steps_on_the_docker_backend(
     assert_stopped_after_the_first_step(await runtime.rollout(task, options))
 
 
+async def test_each_step_can_be_verified_in_a_sandbox_of_its_own(
+    runtime_for: Callable[[Replies], Any], tmp_path: Path
+) -> None:
+    """The task made separate (``[verifier] environment_mode``, its one artifact the env file): each step's
+    verifier starts a fresh sandbox of the task's environment with the task's and the step's tests copied
+    in, and sees the agent's work only through the artifact; the steps still build on each other."""
+    folder = for_the_local_sandbox(TASK, tmp_path)
+    toml = (
+        (folder / "task.toml")
+        .read_text()
+        .replace("[verifier]\n", '[verifier]\nenvironment_mode = "separate"\n')
+    )
+    (folder / "task.toml").write_text('artifacts = ["/app/service.env"]\n' + toml)
+    task = load_task(folder, split="steps")
+    assert all(step.separate_verifier is not None for step in task.steps)
+    runtime = await runtime_for([*replay("toy", solve(task, 0)), *replay("toy", solve(task, 1))])
+    result = await runtime.rollout(
+        task, RolloutOptions(harness="toy", sandbox="local", agent_timeout_sec=120)
+    )
+    assert_solved(result, "toy")
+
+
 def test_a_white_box_episode_refuses_a_multi_step_task_naming_it(tmp_path: Path) -> None:
     """A white-box episode is one instruction and one verdict: the server answers 400 with this."""
     from harness_trainer.rollouts.result import EnvironmentOptions

@@ -184,16 +184,6 @@ def test_the_older_size_form_reads_as_megabytes(
 @pytest.mark.parametrize(
     ("toml", "files", "field"),
     [
-        (
-            '[[steps]]\nname = "one"\n[steps.verifier]\nenvironment_mode = "separate"\n',
-            {},
-            "[steps.verifier] environment_mode",
-        ),
-        (
-            '[verifier]\nenvironment_mode = "separate"\n[[steps]]\nname = "one"\n',
-            {},
-            "a separate verifier sandbox for a multi-step task",
-        ),
         ('[environment]\nos = "windows"\n', {}, "os = 'windows': only Linux sandboxes"),
         ("[environment]\ngpus = 1\n", {}, "[environment] gpus / tpu: sandboxes here have no accelerator"),
         ('[environment.tpu]\ntype = "v6e"\n', {}, "[environment] gpus / tpu"),

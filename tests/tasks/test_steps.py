@@ -120,3 +120,48 @@ def test_the_roll_up_counts_steps_not_run_as_zero_and_leaves_out_what_does_not_c
     assert rolled_up("final", steps, [1.0, 1.0]) == 0.0
     with pytest.raises(ValueError, match="4 rewards for 3 steps"):
         rolled_up("mean", steps, [1.0] * 4)
+
+
+def test_a_steps_verifier_takes_the_tasks_mode_unless_it_has_its_own(task_writer: TaskWriter) -> None:
+    toml = """artifacts = ["/app/out.txt"]
+[verifier]
+environment_mode = "separate"
+[verifier.environment]
+memory_mb = 512
+
+[[steps]]
+name = "inherits"
+artifacts = ["/app/more.txt"]
+
+[[steps]]
+name = "own-image"
+
+[[steps]]
+name = "shared"
+[steps.verifier]
+environment_mode = "shared"
+"""
+    folder = task_writer("t", toml=toml, instruction=None, test_sh=None)
+    for name in ("inherits", "own-image", "shared"):
+        add_step(folder, name)
+    (folder / "steps" / "own-image" / "tests" / "Dockerfile").write_text("FROM python:3.12-slim\n")
+    inherits, own_image, shared = load_task(folder).steps
+    assert inherits.separate_verifier is not None and own_image.separate_verifier is not None
+    assert inherits.separate_verifier.artifacts == ("/logs/artifacts", "/app/out.txt", "/app/more.txt")
+    assert inherits.separate_verifier.environment.memory_mb == 512  # the task's [verifier.environment]
+    assert inherits.separate_verifier.image_folder is None  # no Dockerfile: a fresh sandbox, tests copied in
+    assert own_image.separate_verifier.image_folder == "steps/own-image/tests"
+    assert shared.separate_verifier is None
+    verifier = load_task(folder).verifier_task(own_image)
+    assert (
+        verifier.name == "t-own-image-verifier" and verifier.dockerfile == own_image.tests_dir / "Dockerfile"
+    )
+
+
+def test_a_step_verifier_mode_harbor_refuses_is_refused(task_writer: TaskWriter) -> None:
+    toml = '[[steps]]\nname = "a"\n[steps.verifier]\nenvironment_mode = "shared"\n'
+    toml += "[steps.verifier.environment]\ncpus = 1\n"
+    folder = task_writer("t", toml=toml, instruction=None, test_sh=None)
+    add_step(folder, "a")
+    with pytest.raises(TaskError, match=r'\[steps.verifier\]: environment_mode = "shared" with a'):
+        load_task(folder)

@@ -97,7 +97,7 @@ async def run_rollout(
             await harness.install(sandbox)
         endpoint = AgentEndpoint(session.root_url, session.session_id, model)
         if task.steps:
-            await _run_steps(task, options, harness, sandbox, endpoint, stop, result)
+            await _run_steps(task, options, harness, sandbox, endpoint, stop, result, backend)
         else:
             await _run_once(task, options, harness, sandbox, endpoint, stop, result, backend)
         with _phase(result, "trace"):
@@ -176,6 +176,7 @@ async def _run_steps(
     endpoint: AgentEndpoint,
     stop: asyncio.Event | None,
     result: RolloutResult,
+    backend: SandboxBackend,
 ) -> None:
     """A multi-step task's steps in order, each a new agent run on the step's instruction followed by the
     step's verifier (:mod:`harness_trainer.tasks.steps`); the reward is their roll-up. The steps end early
@@ -197,7 +198,12 @@ async def _run_steps(
             run = await _until_stopped(agent, stop)
         _record_agent(result, run)
         with _phase(result, "verifier"):
-            outcome = await run_verifier(sandbox, task, reward_key=options.reward_key, step=step)
+            if step.separate_verifier is not None:
+                outcome = await run_separate_verifier(
+                    sandbox, task, backend, reward_key=options.reward_key, step=step
+                )
+            else:
+                outcome = await run_verifier(sandbox, task, reward_key=options.reward_key, step=step)
         done = StepResult(
             name=step.name, reward=outcome.reward, rewards=dict(outcome.rewards),
             reward_detail=outcome.detail, exit_code=result.exit_code, timed_out=result.timed_out,

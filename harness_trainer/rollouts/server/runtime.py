@@ -338,6 +338,8 @@ class RolloutRuntime:
                     await backend.prepare(task)
                     if task.separate_verifier is not None:  # its own environment, built beside
                         await backend.prepare(task.verifier_task())
+                    for step in (s for s in task.steps if s.separate_verifier is not None):
+                        await backend.prepare(task.verifier_task(step))
                     if packages or remote:
                         await self._probe(backend, task, packages, reach=remote)
                 except (SandboxStartError, HarnessError) as exc:

@@ -140,21 +140,27 @@ async def collect_artifacts(sandbox: Sandbox, paths: tuple[str, ...]) -> bytes:
 
 
 async def run_separate_verifier(
-    agent_sandbox: Sandbox, task: HarborTask, backend: SandboxBackend, *, reward_key: str = ""
+    agent_sandbox: Sandbox,
+    task: HarborTask,
+    backend: SandboxBackend,
+    *,
+    reward_key: str = "",
+    step: TaskStep | None = None,
 ) -> VerifierOutcome:
-    """``task``'s verifier in a sandbox of its own (``task.separate_verifier``): the artifacts of
-    ``agent_sandbox`` copied in, ``tests/`` too where the verifier's image does not hold them, then
-    :func:`run_verifier`. The verifier's sandbox is closed on every path.
+    """``task``'s (or ``step``'s) verifier in a sandbox of its own (its ``separate_verifier``): the
+    artifacts of ``agent_sandbox`` copied in, the tests too where the verifier's image does not hold them,
+    then :func:`run_verifier`. The verifier's sandbox is closed on every path.
 
     Raises:
         SandboxError: either sandbox failed (starting the verifier's, copying the artifacts).
     """
-    separate = task.separate_verifier
+    separate = task.separate_verifier if step is None else step.separate_verifier
     if separate is None:
         raise ValueError(f"{task.name}: its verifier shares the agent's sandbox")
     archive = await collect_artifacts(agent_sandbox, separate.artifacts)
-    verifier_task = task.verifier_task()
-    sandbox = await backend.start(verifier_task, lifetime_s=task.verifier_timeout_sec + _SEPARATE_SLACK_S)
+    verifier_task = task.verifier_task(step)
+    timeout = (step or task).verifier_timeout_sec
+    sandbox = await backend.start(verifier_task, lifetime_s=timeout + _SEPARATE_SLACK_S)
     try:
         await sandbox.write_file(ARTIFACTS_ARCHIVE, archive)
         unpacked = await sandbox.exec(
@@ -164,6 +170,7 @@ async def run_separate_verifier(
         if unpacked.exit_code != 0:
             output = _tail(unpacked.stdout + unpacked.stderr)
             raise SandboxError(f"could not unpack the artifacts in the verifier's sandbox: {output}")
-        return await run_verifier(sandbox, task, reward_key=reward_key, upload=not separate.from_tests)
+        upload = not separate.from_tests
+        return await run_verifier(sandbox, task, reward_key=reward_key, upload=upload, step=step)
     finally:
         await sandbox.close()
