@@ -195,8 +195,7 @@ async def _run_steps(
                 step_limit=options.agent_step_limit,
                 timeout_s=options.agent_timeout_sec or step.agent_timeout_sec,
             )
-            run = await _until_stopped(agent, stop)
-        _record_agent(result, run)
+            exit_code, timed_out = _record_agent(result, await _until_stopped(agent, stop))
         with _phase(result, "verifier"):
             if step.separate_verifier is not None:
                 outcome = await run_separate_verifier(
@@ -206,7 +205,7 @@ async def _run_steps(
                 outcome = await run_verifier(sandbox, task, reward_key=options.reward_key, step=step)
         done = StepResult(
             name=step.name, reward=outcome.reward, rewards=dict(outcome.rewards),
-            reward_detail=outcome.detail, exit_code=result.exit_code, timed_out=result.timed_out,
+            reward_detail=outcome.detail, exit_code=exit_code, timed_out=timed_out,
             seconds=round(time.monotonic() - started, 4),
         )  # fmt: skip
         result.steps.append(done)
@@ -241,16 +240,18 @@ async def _set_up(sandbox: Sandbox, step: TaskStep) -> None:
         raise SandboxError(f"step {step.name!r}: {SETUP_SCRIPT} exited with {ran.exit_code}: {output}")
 
 
-def _record_agent(result: RolloutResult, run: AgentRun | None) -> None:
-    """What an agent run did, added to ``result`` (a multi-step task's runs add up; the last exit wins)."""
+def _record_agent(result: RolloutResult, run: AgentRun | None) -> tuple[int | None, bool]:
+    """What an agent run did, added to ``result`` (a multi-step task's runs add up: its last exit code, and
+    ``timed_out`` if any run timed out); returns the run's own exit code and timeout."""
     if run is None:  # stopped before it ended
         result.timed_out = True
-        return
-    result.exit_code, result.timed_out = run.result.exit_code, run.result.timed_out
+        return None, True
+    result.exit_code, result.timed_out = run.result.exit_code, result.timed_out or run.result.timed_out
     for name, count in run.tools.calls_by_name.items():
         result.tool_calls_by_name[name] = result.tool_calls_by_name.get(name, 0) + count
     result.tool_failure_count += run.tools.failures
     result.log_tail = (result.log_tail + run.log)[-_LOG_TAIL:]
+    return run.result.exit_code, run.result.timed_out
 
 
 def _kind(exc: SandboxError | HarnessError | CaptureError) -> ErrorKind:
