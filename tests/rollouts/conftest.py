@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,3 +64,29 @@ def live_sandbox_processes() -> list[str]:
         return False
 
     return [f"{pid} {cmd}" for pid, cmd in commands.items() if "toy_agent.py" in cmd and descends(pid)]
+
+
+@pytest.fixture
+async def runtime_for(
+    scripted_engine: Callable[[list[dict[str, Any]]], EngineProcess], tmp_path: Path
+) -> AsyncIterator[Callable[[list[dict[str, Any]]], Any]]:
+    """``await runtime_for(replies)``: a started in-process rollout runtime (capture proxy on a free port)
+    whose engine replies with ``replies``; every one is checked to leave no capture session open, then
+    closed."""
+    from harness_trainer.net import free_port
+    from harness_trainer.rollouts.server.runtime import RolloutRuntime, RuntimeConfig
+
+    started: list[RolloutRuntime] = []
+
+    async def start(script: list[dict[str, Any]]) -> RolloutRuntime:
+        engine = scripted_engine(script)
+        config = RuntimeConfig(upstream=engine.url, data_dir=tmp_path / "capture", capture_port=free_port())
+        runtime = RolloutRuntime(config)
+        started.append(runtime)
+        await runtime.start()
+        return runtime
+
+    yield start
+    for runtime in started:
+        assert await runtime.open_capture_sessions() == 0
+        await runtime.aclose()

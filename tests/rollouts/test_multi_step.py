@@ -14,19 +14,16 @@ Node). A rollout that fails the first step stops there: the second does not run 
 from __future__ import annotations
 
 import shutil
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from harness_trainer.harnesses.mini_swe_agent import SUBMIT_COMMAND
-from harness_trainer.net import free_port
 from harness_trainer.rollouts.result import RolloutOptions, RolloutResult
-from harness_trainer.rollouts.server.runtime import RolloutRuntime, RuntimeConfig
 from harness_trainer.tasks.loader import load_task
 from harness_trainer.tasks.task import HarborTask
-from tests.conftest import EngineProcess
 from tests.rollouts.conftest import bash_call
 
 TASK = Path(__file__).resolve().parents[1] / "harbor_shaped" / "steps" / "service-env-export"
@@ -72,26 +69,6 @@ def give_up(agent: str) -> Replies:
     if agent == "mini-swe-agent":
         return [call("bash", command=SUBMIT_COMMAND)]
     return [{"content": "I will not change anything."}]
-
-
-@pytest.fixture
-async def runtime_for(
-    scripted_engine: Callable[[Replies], EngineProcess], tmp_path: Path
-) -> AsyncIterator[Callable[[Replies], Any]]:
-    started: list[RolloutRuntime] = []
-
-    async def start(script: Replies) -> RolloutRuntime:
-        engine = scripted_engine(script)
-        config = RuntimeConfig(upstream=engine.url, data_dir=tmp_path / "capture", capture_port=free_port())
-        runtime = RolloutRuntime(config)
-        started.append(runtime)
-        await runtime.start()
-        return runtime
-
-    yield start
-    for runtime in started:
-        assert await runtime.open_capture_sessions() == 0
-        await runtime.aclose()
 
 
 def assert_solved(result: RolloutResult, agent: str) -> None:

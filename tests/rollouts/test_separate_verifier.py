@@ -14,7 +14,7 @@ built from ``tests/`` (``FROM python:3.12-slim``, stood in for by the local base
 from __future__ import annotations
 
 import shutil
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,27 +33,6 @@ TASK = Path(__file__).resolve().parents[1] / "harbor_shaped" / "separate" / "pri
 
 def solution(folder: Path = TASK) -> str:
     return (folder / "solution" / "solve.sh").read_text()
-
-
-@pytest.fixture
-async def runtime_for(
-    scripted_engine: Callable[[Replies], EngineProcess], tmp_path: Path
-) -> AsyncIterator[Callable[[Replies], Any]]:
-    started: list[RolloutRuntime] = []
-
-    async def start(script: Replies) -> RolloutRuntime:
-        config = RuntimeConfig(
-            upstream=scripted_engine(script).url, data_dir=tmp_path / "capture", capture_port=free_port()
-        )
-        runtime = RolloutRuntime(config)
-        started.append(runtime)
-        await runtime.start()
-        return runtime
-
-    yield start
-    for runtime in started:
-        assert await runtime.open_capture_sessions() == 0
-        await runtime.aclose()
 
 
 def test_the_task_loads_with_its_verifiers_environment_and_artifacts() -> None:

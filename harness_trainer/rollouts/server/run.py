@@ -18,6 +18,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Coroutine, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from capture_proxy.admin_client import CaptureClient, CaptureError, NothingTrainable
@@ -26,7 +27,12 @@ from harness_trainer.harnesses.base import AgentEndpoint, AgentRun, Harness, Har
 from harness_trainer.harnesses.bundles import provision
 from harness_trainer.rollouts.errors import ErrorKind
 from harness_trainer.rollouts.result import RolloutOptions, RolloutResult, StepResult
-from harness_trainer.rollouts.server.verifier import run_separate_verifier, run_verifier, upload_tests
+from harness_trainer.rollouts.server.verifier import (
+    VerifierOutcome,
+    run_separate_verifier,
+    run_verifier,
+    upload_tests,
+)
 from harness_trainer.sandboxes.base import Sandbox, SandboxBackend, SandboxError
 from harness_trainer.tasks.steps import SETUP_SCRIPT, TaskStep, rolled_up, stops_after
 from harness_trainer.tasks.task import HarborTask
@@ -96,10 +102,8 @@ async def run_rollout(
         with _phase(result, "install"):
             await harness.install(sandbox)
         endpoint = AgentEndpoint(session.root_url, session.session_id, model)
-        if task.steps:
-            await _run_steps(task, options, harness, sandbox, endpoint, stop, result, backend)
-        else:
-            await _run_once(task, options, harness, sandbox, endpoint, stop, result, backend)
+        episode = _Episode(task, options, harness, sandbox, endpoint, stop, result, backend)
+        await (episode.run_steps() if task.steps else episode.run_once())
         with _phase(result, "trace"):
             result.trace = await _export(capture, session.session_id)
             summary = await capture.summary(session.session_id)
@@ -138,86 +142,79 @@ def _lifetime(task: HarborTask, options: RolloutOptions) -> float:
     return agents + sum(part.verifier_timeout_sec for part in parts) + _SANDBOX_SLACK_S
 
 
-async def _run_once(
-    task: HarborTask,
-    options: RolloutOptions,
-    harness: Harness,
-    sandbox: Sandbox,
-    endpoint: AgentEndpoint,
-    stop: asyncio.Event | None,
-    result: RolloutResult,
-    backend: SandboxBackend,
-) -> None:
-    """The agent on the task's instruction, then its verifier: the rollout of a task of one instruction. A
-    separate verifier runs in a sandbox of its own from ``backend``, the agent's artifacts copied in."""
-    timeout = options.agent_timeout_sec or task.agent_timeout_sec
-    with _phase(result, "agent"):
-        agent = harness.run(
-            sandbox, task.instruction, endpoint, step_limit=options.agent_step_limit, timeout_s=timeout
-        )
-        _record_agent(result, await _until_stopped(agent, stop))
-    if task.separate_verifier is not None:
-        with _phase(result, "verifier"):
-            outcome = await run_separate_verifier(sandbox, task, backend, reward_key=options.reward_key)
-    else:
-        with _phase(result, "upload"):
-            await upload_tests(sandbox, task)
-        with _phase(result, "verifier"):
-            outcome = await run_verifier(sandbox, task, reward_key=options.reward_key, upload=False)
-    result.reward, result.rewards = outcome.reward, dict(outcome.rewards)
-    result.reward_detail = outcome.detail
+@dataclass
+class _Episode:
+    """What a rollout's agent runs and verifier runs share: the task, its options and harness, the sandbox,
+    the capture endpoint, the stop signal, the result being filled in, and the backend (for a separate
+    verifier's sandbox)."""
 
+    task: HarborTask
+    options: RolloutOptions
+    harness: Harness
+    sandbox: Sandbox
+    endpoint: AgentEndpoint
+    stop: asyncio.Event | None
+    result: RolloutResult
+    backend: SandboxBackend
 
-async def _run_steps(
-    task: HarborTask,
-    options: RolloutOptions,
-    harness: Harness,
-    sandbox: Sandbox,
-    endpoint: AgentEndpoint,
-    stop: asyncio.Event | None,
-    result: RolloutResult,
-    backend: SandboxBackend,
-) -> None:
-    """A multi-step task's steps in order, each a new agent run on the step's instruction followed by the
-    step's verifier (:mod:`harness_trainer.tasks.steps`); the reward is their roll-up. The steps end early
-    when one misses its ``min_reward`` or ``stop`` is set; a step the verifier gave no reward leaves the
-    rollout ungraded (reward None, ``reward_detail`` naming the step)."""
-    rewards: list[float] = []
-    for step in task.steps:
-        started = time.monotonic()
-        with _phase(result, "setup"):
-            await _set_up(sandbox, step)
-        with _phase(result, "agent"):
-            agent = harness.run(
-                sandbox,
-                step.instruction,
-                endpoint,
-                step_limit=options.agent_step_limit,
-                timeout_s=options.agent_timeout_sec or step.agent_timeout_sec,
-            )
-            exit_code, timed_out = _record_agent(result, await _until_stopped(agent, stop))
-        with _phase(result, "verifier"):
-            if step.separate_verifier is not None:
-                outcome = await run_separate_verifier(
-                    sandbox, task, backend, reward_key=options.reward_key, step=step
+    async def agent(self, instruction: str, timeout_s: float) -> tuple[int | None, bool]:
+        """One agent run on ``instruction`` (:func:`_record_agent`'s exit code and timeout)."""
+        with _phase(self.result, "agent"):
+            run = self.harness.run(
+                self.sandbox, instruction, self.endpoint, step_limit=self.options.agent_step_limit,
+                timeout_s=self.options.agent_timeout_sec or timeout_s,
+            )  # fmt: skip
+            return _record_agent(self.result, await _until_stopped(run, self.stop))
+
+    async def verify(self, step: TaskStep | None = None) -> VerifierOutcome:
+        """The task's (or ``step``'s) verifier: in the agent's sandbox, or in one of its own."""
+        task, key = self.task, self.options.reward_key
+        if (task.separate_verifier if step is None else step.separate_verifier) is not None:
+            with _phase(self.result, "verifier"):
+                return await run_separate_verifier(
+                    self.sandbox, task, self.backend, reward_key=key, step=step
                 )
-            else:
-                outcome = await run_verifier(sandbox, task, reward_key=options.reward_key, step=step)
-        done = StepResult(
-            name=step.name, reward=outcome.reward, rewards=dict(outcome.rewards),
-            reward_detail=outcome.detail, exit_code=exit_code, timed_out=timed_out,
-            seconds=round(time.monotonic() - started, 4),
-        )  # fmt: skip
-        result.steps.append(done)
-        if outcome.reward is None:
-            result.reward_detail = f"step {step.name!r}: {outcome.detail}"
-            return
-        rewards.append(outcome.reward)
-        if stops_after(step, outcome.reward, outcome.rewards) or (stop is not None and stop.is_set()):
-            break
-    result.reward = rolled_up(task.reward_strategy, task.steps, rewards)
-    ran = ", ".join(f"{s.name} {s.reward:g}" for s in result.steps)
-    result.reward_detail = f"{task.reward_strategy} of {len(task.steps)} steps ({ran}; the rest not run: 0)"
+        with _phase(self.result, "upload"):
+            await upload_tests(self.sandbox, task, step)
+        with _phase(self.result, "verifier"):
+            return await run_verifier(self.sandbox, task, reward_key=key, upload=False, step=step)
+
+    async def run_once(self) -> None:
+        """The agent on the task's instruction, then its verifier: a task of one instruction."""
+        await self.agent(self.task.instruction, self.task.agent_timeout_sec)
+        outcome = await self.verify()
+        self.result.reward, self.result.rewards = outcome.reward, dict(outcome.rewards)
+        self.result.reward_detail = outcome.detail
+
+    async def run_steps(self) -> None:
+        """A multi-step task's steps in order, each a new agent run on the step's instruction followed by
+        the step's verifier (:mod:`harness_trainer.tasks.steps`); the reward is their roll-up. The steps end
+        early when one misses its ``min_reward`` or ``stop`` is set; a step the verifier gave no reward
+        leaves the rollout ungraded (reward None, ``reward_detail`` naming the step)."""
+        result, rewards = self.result, []
+        for step in self.task.steps:
+            started = time.monotonic()
+            with _phase(result, "setup"):
+                await _set_up(self.sandbox, step)
+            exit_code, timed_out = await self.agent(step.instruction, step.agent_timeout_sec)
+            outcome = await self.verify(step)
+            done = StepResult(
+                name=step.name, reward=outcome.reward, rewards=dict(outcome.rewards),
+                reward_detail=outcome.detail, exit_code=exit_code, timed_out=timed_out,
+                seconds=round(time.monotonic() - started, 4),
+            )  # fmt: skip
+            result.steps.append(done)
+            if outcome.reward is None:
+                result.reward_detail = f"step {step.name!r}: {outcome.detail}"
+                return
+            rewards.append(outcome.reward)
+            if stops_after(step, outcome.reward, outcome.rewards) or (
+                self.stop is not None and self.stop.is_set()
+            ):
+                break
+        strategy, ran = self.task.reward_strategy, ", ".join(f"{s.name} {s.reward:g}" for s in result.steps)
+        result.reward = rolled_up(strategy, self.task.steps, rewards)
+        result.reward_detail = f"{strategy} of {len(self.task.steps)} steps ({ran}; the rest not run: 0)"
 
 
 async def _set_up(sandbox: Sandbox, step: TaskStep) -> None:
