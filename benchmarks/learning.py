@@ -9,10 +9,12 @@ trained one first:
 - **trained**: the dev loop with that ``--seed`` and the benchmark's recipe (``--recipe``, default
   :data:`RECIPE`: rows shuffled per seed, equal-reward groups dropped and refilled, 4 groups of 4 rollouts a
   step, SGD at 0.02) for ``--max-steps`` (default 10) on the ``train`` split of ``--tasks`` (default the
-  generated toy-skills family, whose ``test`` split holds unseen pairings of the same skills' values and
-  wordings), in the arm's mode (``black-box``: the dev loop's real agent, mini-swe-agent; ``white-box``: the
-  built-in ``ReActAdapter`` on the sandbox's tools, the trainer sampling every turn, about 3x the rollouts
-  per minute of mini-swe-agent here), from the warm tiny model;
+  generated toy-skills family, whose ``test`` split holds values never seen in training and two-skill tasks
+  whose skills training shows only alone; a family whose test split a training solution, verifier or value
+  could solve is refused, naming the pairs: :mod:`harness_trainer.tasks.held_out`), in the arm's mode
+  (``black-box``: the dev loop's real agent, mini-swe-agent; ``white-box``: the built-in ``ReActAdapter`` on
+  the sandbox's tools, the trainer sampling every turn, about 3x the rollouts per minute of mini-swe-agent
+  here), from the warm tiny model;
 - **frozen** (the baseline): the same command with ``--learning-rate 1e-9`` last: the same rollouts and
   weight pushes, but the weights do not move.
 
@@ -172,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
 def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
     """The benchmark's configuration: the flags given, else ``--quick``'s or the full defaults; exits through
     ``parser.error`` on a configuration that could not give a verdict."""
+    from harness_trainer.tasks.held_out import check_held_out
     from harness_trainer.tasks.sources import LocalTaskSource
     from harness_trainer.tasks.task import TaskError
 
@@ -201,6 +204,10 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[s
         parser.error(f"--tasks {folder}: {exc}")
     if missing := [split for split in SPLITS if split not in splits]:
         parser.error(f"--tasks {folder} has no split {', '.join(missing)} (it needs {', '.join(SPLITS)})")
+    try:  # a test split a training solution solves measures recall, not transfer: no verdict on it
+        check_held_out(folder)
+    except ValueError as exc:
+        parser.error(f"--tasks {folder}: its test split is not held out: {exc}")
     # Absolute: the dev loops run in the repository root, not where the benchmark was started.
     values["tasks"] = str(folder.resolve())
     log = args.search_log or (None if args.quick else str(learning_search.SEARCH_LOG))

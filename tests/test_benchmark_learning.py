@@ -333,3 +333,22 @@ def test_quick_learning_benchmark_runs_both_arms_over_two_seeds_and_leaves_nothi
     assert any(line.startswith("first run (the default dev loop, fresh cache") for line in lines)
     assert result["arms"]["black-box dev"]["summary"]["difference"]["end"]["n"] == 2
     assert result["leftover_processes"] == []
+
+
+def test_a_family_whose_test_split_leaks_is_refused_naming_the_pair(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    from harness_trainer.examples import TOY_SKILLS
+
+    leaky = tmp_path / "leaky"
+    shutil.copytree(TOY_SKILLS, leaky)
+    copied = sorted((leaky / "train").iterdir())[0]
+    shutil.copytree(copied, leaky / "test" / "reworded-copy")
+    (leaky / "test" / "reworded-copy" / "instruction.md").write_text("Say it another way.\n")
+    with pytest.raises(SystemExit):
+        parse("--tasks", str(leaky))
+    said = capsys.readouterr().err
+    assert "its test split is not held out" in said and "'reworded-copy'" in said and copied.name in said
+    assert parse("--tasks", str(TOY_SKILLS))["tasks"] == str(TOY_SKILLS)  # the shipped family is held out

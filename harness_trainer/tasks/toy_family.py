@@ -1,38 +1,51 @@
-"""A generated family of toy Harbor tasks with a held-out split: the same skills on unseen instances.
+"""A generated family of toy Harbor tasks with a held-out split that no training solution solves.
 
 The bundled ``harness_trainer/examples/tasks`` are five different tasks, each one of a kind, so a model
 trained on them can only be asked about them. This family is a few shell *skills*, each with one solution
-template, a closed set of values for its one slot, and several wordings:
+template with one slot, and two wordings:
 
 - ``make-dir``: create the directory ``/app/VALUE`` → ``mkdir -p /app/VALUE``;
 - ``write-word``: ``/app/status.txt`` holds the word ``VALUE`` → ``echo VALUE > /app/status.txt``;
 - ``touch-file``: create the empty file ``/app/VALUE.txt`` → ``touch /app/VALUE.txt``;
-- ``delete-ext``: delete every ``.VALUE`` file in ``/app``, keeping ``/app/keep.txt`` → ``rm /app/*.VALUE``.
+- ``delete-ext``: delete every ``*.VALUE`` file in ``/app``, keeping ``/app/keep.txt`` → ``rm /app/*.VALUE``.
 
-Each skill has four values (plain words, none shared between skills) and three wordings: twelve instances.
+Every value comes from one pool (:data:`WORDS`, 69 words), and every task has its own: at the default counts
+``train`` holds 48 one-skill tasks (12 per skill, 48 values) and ``test`` 12 one-skill tasks (3 per skill)
+and 4 *two-step* tasks (two skills, two values: the two instructions one after the other, the solution
+``CMD1 && CMD2``, a verifier checking both), 20 values in all.
 
 Contract of :func:`toy_family` (pure: a function of its arguments, no filesystem, no global randomness):
 
-1. Splits ``train`` and ``test``; an instance is ``(skill, value, wording)``, and ``per_skill`` says how
-   many instances of every skill each split holds.
-2. Held out: no test instance's ``(skill, value, wording)``, and so no test instruction, occurs in
-   ``train``. A test instance is an unseen pairing of a value and a wording that ``train`` holds for that
-   skill, each with other partners: solving it means putting together what the instruction asks (its
-   wording) with its value, not recalling an instruction seen in training. Test instances of a skill have
-   different values, and (at the default counts) every value and every wording of every skill occurs in
-   ``train``.
-3. The same arguments give the same tasks, byte for byte; the seed picks which pairings are held out.
+1. Splits ``train`` and ``test``; ``per_skill`` says how many one-skill tasks of every skill each split
+   holds, ``combined`` how many two-step tasks ``test`` holds (``train`` holds none).
+2. Held out for real: no value of a test task occurs anywhere in ``train`` (the pool is shuffled from
+   ``seed`` and cut), so no test task's solution, verifier or expected outcome equals a training task's
+   (:mod:`harness_trainer.tasks.held_out` checks a task folder for that, and a test checks the shipped
+   copy); replaying a training solution never solves a test task. A two-step task combines two skills that
+   ``train`` holds only alone. Solving a test task means copying its value from the instruction into the
+   skill's command (and, for a two-step one, doing two skills in one command line).
+3. Wordings are taken in turn per skill, so every wording of every skill occurs in both splits.
+4. The same arguments give the same tasks, byte for byte; the seed picks the cut of the pool, the wordings'
+   start and the two-step pairs.
 
-Why closed sets of values, and not unseen file names: an earlier version of this family held out names
-never seen in training (``notes.md`` from ``notes`` and ``md``), so a solution had to copy several tokens
-from the instruction. The dev loop's tiny model, warmed up on the train split for as long as a CPU run
-allows, did not learn to copy (its solver transcripts stayed near probability 0 on train and test alike);
-with one word from a closed set its test split rises with its train split, lagging it (see
-``docs/getting-started.md``).
+Why single-token values in one pool: an earlier version held out names never seen in training
+(``notes.md`` from ``notes`` and ``md``) that took several tokens to copy, and the tiny model did not learn
+to copy them in a CPU warm-up (solver share of probability 0.006 train / 0.000 test after 100 steps); the
+version after it held out only unseen (value, wording) pairings of four values per skill, so its test
+solutions were training solutions. Here each value is one token of the tiny model's tokenizer in every
+place it stands (``/app/VALUE``, ``*.VALUE``, `` VALUE``), in the same place in the instruction and the
+command, and training has 48 of them, one per task, so that a warm model cannot solve the training tasks by
+pairing a skill with a few memorised values. Measured (``docs/getting-started.md``): that was not enough.
+The warm-up's fine-tune on this train split, 150 full-batch steps (the CPU time a session had), learned the
+format and about one value per skill and wording, and gave held-out values below probability 0.0005 at their
+slot, ranked no better than chance among the unseen words: no held-out sample solved its task (0/128 at steps
+30 to 150). The tiny model starts from random weights, and copying an unseen token did not emerge from 48
+examples at that budget.
 
-:func:`write_family` writes them as Harbor task folders (``ROOT/<split>/<skill>-<value>-w<wording>/``:
-instruction.md, task.toml, environment/Dockerfile, solution/solve.sh, tests/test.sh). The committed copy is
-``harness_trainer/examples/toy-skills`` (``python -m harness_trainer.tasks.toy_family
+:func:`write_family` writes them as Harbor task folders (``ROOT/<split>/<skill>-<value>-w<wording>/``, a
+two-step one ``<skill>-<value>-then-<skill>-<value>-w<wording>``: instruction.md, task.toml with the skills
+and values under ``[metadata]``, environment/Dockerfile, solution/solve.sh, tests/test.sh). The committed
+copy is ``harness_trainer/examples/toy-skills`` (``python -m harness_trainer.tasks.toy_family
 harness_trainer/examples/toy-skills`` rewrites it; a test checks that it equals the generator's output). The
 verifiers check the workspace for real in the sandbox and never pass an untouched one, so the dev loop's
 distractor (``ls -la``) is graded 0.
@@ -41,6 +54,7 @@ distractor (``ls -la``) is graded 0.
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import shutil
 from dataclasses import dataclass
@@ -49,37 +63,41 @@ from pathlib import Path
 SPLITS = ("train", "test")
 SKILLS = ("make-dir", "write-word", "touch-file", "delete-ext")
 DEFAULT_SEED = 0
-DEFAULT_PER_SKILL = {"train": 8, "test": 4}
+DEFAULT_PER_SKILL = {"train": 12, "test": 3}
+DEFAULT_COMBINED = 4
 KEEP_FILE = "keep.txt"
 KEEP_LINE = "do not delete me"
 STATUS_FILE = "status.txt"
+THEN = " && "
+"""How a two-step task's solution joins its two commands (one shell command line)."""
 
-VALUES: dict[str, tuple[str, ...]] = {
-    "make-dir": ("build", "cache", "logs", "output"),
-    "write-word": ("ready", "done", "failed", "pending"),
-    "touch-file": ("notes", "todo", "report", "draft"),
-    "delete-ext": ("log", "tmp", "bak", "md"),
-}
+WORDS: tuple[str, ...] = (
+    "act", "add", "around", "ask", "bai", "bou", "cai", "cause", "cou", "dai", "default", "demo", "dou",
+    "early", "end", "error", "fai", "fejou", "fer", "format", "fou", "gai", "gou", "hai", "hou", "huti",
+    "jai", "jou", "kai", "kou", "kuwi", "lai", "lose", "lou", "low", "mai", "mou", "move", "old", "pai",
+    "place", "pou", "question", "rai", "repo", "resi", "rou", "sai", "saidu", "server", "sou", "space",
+    "tai", "ted", "tem", "term", "thing", "top", "vai", "version", "vou", "wai", "way", "wegu", "wou",
+    "xai", "xou", "zai", "zou",
+)  # fmt: skip
+"""The values, one pool for every skill: each is one token of the tiny model's tokenizer wherever a value
+stands (after ``/app/``, after ``*.``, before ``.txt``, after a space), so copying a value is copying one
+token; none is a command, a word of the wordings, or a name the task already uses."""
 WORDINGS: dict[str, tuple[str, ...]] = {
     "make-dir": (
         "Create the directory `/app/{value}`.",
         "Make a new folder at `/app/{value}`.",
-        "`/app/{value}` should exist as a directory; create it.",
     ),
     "write-word": (
-        f"Write the word `{{value}}` to `/app/{STATUS_FILE}`.",
-        f"Set the contents of `/app/{STATUS_FILE}` to `{{value}}`.",
-        f"`/app/{STATUS_FILE}` must hold just `{{value}}`; write it.",
+        f"Write the word {{value}} to `/app/{STATUS_FILE}`.",
+        f"Set the contents of `/app/{STATUS_FILE}` to the word {{value}}.",
     ),
     "touch-file": (
         "Create an empty file `/app/{value}.txt`.",
-        "Make a new empty file named `{value}.txt` in `/app`.",
         "`/app/{value}.txt` should exist (empty is fine); create it.",
     ),
     "delete-ext": (
-        "Delete every `.{value}` file in `/app`.",
+        "Delete every `*.{value}` file in `/app`.",
         "Remove all the `*.{value}` files from `/app`; keep the rest.",
-        "The `.{value}` files in `/app` are no longer needed: delete them.",
     ),
 }
 SOLUTIONS = {
@@ -105,48 +123,82 @@ SETUP = {
     "delete-ext": f"RUN echo one > /app/one.{{value}} && echo two > /app/two.{{value}} "
     f"&& echo '{KEEP_LINE}' > /app/{KEEP_FILE}\n",
 }
+PAIRS: tuple[tuple[str, str], ...] = tuple(itertools.combinations(SKILLS, 2))
+"""The two-step tasks' skill pairs (in :data:`SKILLS` order): every pair of two different skills."""
 
 
 @dataclass(frozen=True)
 class ToyTask:
-    """One generated task: ``skill`` applied to ``value``, told in wording ``wording``."""
+    """One generated task: each of ``skills`` applied to its value (``values``, in the same order), told
+    in wording ``wording``. One skill: a task of the kind training holds; two: a two-step task (held out
+    only), the two instructions one after the other, one command line doing both, a verifier checking
+    both."""
 
     split: str
-    skill: str
-    value: str
+    skills: tuple[str, ...]
+    values: tuple[str, ...]
     wording: int
 
     @property
     def folder(self) -> str:
-        return f"{self.skill}-{self.value}-w{self.wording}"
+        return "-then-".join(f"{s}-{v}" for s, v in zip(self.skills, self.values, strict=True)) + (
+            f"-w{self.wording}"
+        )
+
+    @property
+    def parts(self) -> list[tuple[str, str]]:
+        return list(zip(self.skills, self.values, strict=True))
 
     @property
     def instruction(self) -> str:
-        return WORDINGS[self.skill][self.wording].format(value=self.value) + "\n"
+        return " ".join(WORDINGS[s][self.wording].format(value=v) for s, v in self.parts) + "\n"
+
+    @property
+    def solution(self) -> str:
+        """The one command line that solves it."""
+        return THEN.join(SOLUTIONS[s].format(value=v) for s, v in self.parts)
+
+    @property
+    def expected(self) -> tuple[str, ...]:
+        """What its verifier checks, in words: the expected outcome, one line per step."""
+        return tuple(WHAT_IS_CHECKED[s].format(value=v) for s, v in self.parts)
 
     def files(self) -> dict[str, str]:
         """The task folder's files, relative path → text (``.sh`` files are executable)."""
         return {
             "instruction.md": self.instruction,
-            "task.toml": _TOML.format(skill=self.skill, split=self.split),
+            "task.toml": _TOML.format(
+                tags=", ".join(f'"{s}"' for s in self.skills),
+                skills=_list(self.skills),
+                values=_list(self.values),
+                split=self.split,
+                difficulty="easy" if len(self.skills) == 1 else "medium",
+            ),
             "environment/Dockerfile": "FROM ubuntu:24.04\nWORKDIR /app\n"
-            + SETUP.get(self.skill, "").format(value=self.value),
-            "solution/solve.sh": _SOLVE.format(command=SOLUTIONS[self.skill].format(value=self.value)),
+            + "".join(SETUP.get(s, "").format(value=v) for s, v in self.parts),
+            "solution/solve.sh": _SOLVE.format(command=self.solution),
             "tests/test.sh": _TEST.format(
-                what=WHAT_IS_CHECKED[self.skill].format(value=self.value),
-                check=CHECKS[self.skill].format(value=self.value),
+                what="; ".join(self.expected),
+                check=" && ".join(f"{{ {CHECKS[s].format(value=v)}; }}" for s, v in self.parts)
+                if len(self.skills) > 1
+                else CHECKS[self.skills[0]].format(value=self.values[0]),
             ),
         }
+
+
+def _list(items: tuple[str, ...]) -> str:
+    return "[" + ", ".join(f'"{item}"' for item in items) + "]"
 
 
 _TOML = """version = "1.0"
 
 [metadata]
 author_name = "harness-trainer"
-difficulty = "easy"
+difficulty = "{difficulty}"
 category = "shell"
-tags = ["toy", "toy-skills", "{skill}"]
-skill = "{skill}"
+tags = ["toy", "toy-skills", {tags}]
+skills = {skills}
+values = {values}
 split = "{split}"
 
 [verifier]
@@ -178,43 +230,49 @@ fi
 """
 
 
-def _held_out(skill: str, count: int, rng: random.Random) -> set[tuple[str, int]]:
-    """``count`` (value, wording) pairings of ``skill`` for the test split: different values, and wordings
-    taken in turn from a seeded start, so that each value and wording keeps other pairings in train."""
-    values = list(VALUES[skill])
-    rng.shuffle(values)
-    start = rng.randrange(len(WORDINGS[skill]))
-    return {(value, (start + i) % len(WORDINGS[skill])) for i, value in enumerate(values[:count])}
-
-
-def toy_family(seed: int = DEFAULT_SEED, per_skill: dict[str, int] | None = None) -> dict[str, list[ToyTask]]:
+def toy_family(
+    seed: int = DEFAULT_SEED, per_skill: dict[str, int] | None = None, combined: int = DEFAULT_COMBINED
+) -> dict[str, list[ToyTask]]:
     """Every task of the family, by split (contract in the module docstring).
 
     Raises:
-        ValueError: ``per_skill`` asks for more test instances of a skill than it has values, or for more
-            instances in all than it has pairings.
+        ValueError: the counts need more values than :data:`WORDS` holds, or more two-step tasks than
+            :data:`PAIRS` has pairs.
     """
     per_skill = {**DEFAULT_PER_SKILL, **(per_skill or {})}
+    needed = len(SKILLS) * (per_skill["train"] + per_skill["test"]) + 2 * combined
+    if needed > len(WORDS) or combined > len(PAIRS):
+        raise ValueError(
+            f"too few values or pairs for {per_skill} and {combined} two-step tasks: {needed} values needed, "
+            f"{len(WORDS)} in WORDS; {len(PAIRS)} skill pairs"
+        )
     rng = random.Random(seed)
+    words = list(WORDS)
+    rng.shuffle(words)
+    trained = len(SKILLS) * per_skill["train"]
+    train_words, test_words = iter(words[:trained]), iter(words[trained:needed])
+    wordings = len(WORDINGS[SKILLS[0]])
     family: dict[str, list[ToyTask]] = {split: [] for split in SPLITS}
     for skill in SKILLS:
-        values, wordings = VALUES[skill], range(len(WORDINGS[skill]))
-        if per_skill["test"] > len(values) or sum(per_skill.values()) > len(values) * len(wordings):
-            raise ValueError(
-                f"skill {skill!r} has too few instances for {per_skill}: {len(values)} values, "
-                f"{len(values) * len(wordings)} pairings"
-            )
-        test = _held_out(skill, per_skill["test"], rng)
-        train = [(v, w) for v in values for w in wordings if (v, w) not in test]
-        rng.shuffle(train)
-        family["test"] += [ToyTask("test", skill, v, w) for v, w in sorted(test)]
-        family["train"] += [ToyTask("train", skill, v, w) for v, w in train[: per_skill["train"]]]
+        start = rng.randrange(wordings)  # wordings in turn: every one of them in each split
+        for split, words_left in (("train", train_words), ("test", test_words)):
+            family[split] += [
+                ToyTask(split, (skill,), (next(words_left),), (start + i) % wordings)
+                for i in range(per_skill[split])
+            ]
+    for i, pair in enumerate(rng.sample(PAIRS, combined)):
+        family["test"].append(ToyTask("test", pair, (next(test_words), next(test_words)), i % wordings))
     return {split: sorted(tasks, key=lambda t: t.folder) for split, tasks in family.items()}
 
 
-def write_family(root: Path, seed: int = DEFAULT_SEED, per_skill: dict[str, int] | None = None) -> None:
+def write_family(
+    root: Path,
+    seed: int = DEFAULT_SEED,
+    per_skill: dict[str, int] | None = None,
+    combined: int = DEFAULT_COMBINED,
+) -> None:
     """Write :func:`toy_family` under ``root`` as ``root/<split>/<task>/``, replacing those split folders."""
-    for split, tasks in toy_family(seed, per_skill).items():
+    for split, tasks in toy_family(seed, per_skill, combined).items():
         shutil.rmtree(root / split, ignore_errors=True)
         for task in tasks:
             for relative, text in task.files().items():
