@@ -2,17 +2,17 @@
 
 Contract of :func:`run_verifier`: clears ``/logs/verifier``, replaces ``/tests`` with the task's
 ``tests/`` (so nothing the agent wrote there is run or read), runs ``bash /tests/test.sh`` with the
-verifier timeout and ``[verifier] env``, then parses what it wrote. For a step of a multi-step task
-(``step``), ``/tests`` is the task's ``tests/`` (where it has one) with the step's copied over it, and the
-timeout and env are the step's.
-
-A task whose verifier is separate (:class:`~harness_trainer.tasks.task.SeparateVerifier`) is verified by
-:func:`run_separate_verifier` in a sandbox of its own, started from the verifier's environment, which sees
-of the agent's work only the artifacts copied over (Harbor's ``/logs/artifacts`` and the task's
-``artifacts``); where ``tests/`` defines that environment, its image holds ``/tests`` and nothing is
-uploaded. The verifier's own failures (non-zero
+verifier timeout and ``[verifier] env``, then parses what it wrote. The verifier's own failures (non-zero
 exit, timeout → ``timed_out`` and reward None, garbage or no reward file) are results; only a
-:class:`~harness_trainer.sandboxes.base.SandboxError` (the sandbox itself failed) propagates.
+:class:`~harness_trainer.sandboxes.base.SandboxError` (the sandbox itself failed) propagates. For a step of
+a multi-step task (``step``), ``/tests`` is the task's ``tests/`` (where it has one) with the step's copied
+over it, and the timeout and env are the step's.
+
+A task (or step) whose verifier is separate (:class:`~harness_trainer.tasks.task.SeparateVerifier`) is
+verified by :func:`run_separate_verifier` in a sandbox of its own, started from the verifier's environment,
+which sees of the agent's work only the artifacts copied over (Harbor's ``/logs/artifacts`` and the task's
+``artifacts``); where a tests folder defines that environment, its image holds ``/tests`` and nothing is
+uploaded.
 """
 
 from __future__ import annotations
