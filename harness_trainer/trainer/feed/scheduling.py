@@ -400,12 +400,8 @@ class RolloutScheduler:
             self._space.set()
         if self._main is not None:
             self._main.cancel()
-        # Every task of the loop, not only the groups': a group whose member failed has ended while its
-        # other members run on (gather does not cancel them), and one of them may hold a session it made
-        # but has not yet put among the live ones: stopping the loop then would leave it open.
-        running = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
-        if running:
-            await asyncio.wait(running, timeout=self.config.close_timeout_s)
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=self.config.close_timeout_s)
 
 
 def _died(what: str, error: BaseException | None) -> RolloutSchedulerError:
