@@ -36,6 +36,7 @@ weights are restored before sharding and the optimizer state after it, by parame
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from datetime import timedelta
@@ -206,6 +207,34 @@ class Collective:
 
 
 # -- accelerate: preparing, resuming, gathering -------------------------------------------------------
+
+
+def make_accelerator(mixed_precision: str | None) -> Any:
+    """This process's ``Accelerator`` with the mixed precision the run asked for.
+
+    accelerate keeps one mixed-precision setting per process, and an ``Accelerator`` given None silently
+    takes whatever an earlier one set: after TRL's ``SFTTrainer`` (its config turns ``bf16`` on) in the
+    same notebook, a run that asked for full precision would train under bfloat16 autocast. So None is
+    resolved here as accelerate itself resolves it for a fresh process (the launcher's
+    ``ACCELERATE_MIXED_PRECISION``, else ``"no"``) and a different setting already in force is refused.
+    """
+    from accelerate import Accelerator
+
+    wanted = mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    try:
+        return Accelerator(mixed_precision=wanted)
+    except ValueError as exc:
+        if "already been initialized" not in str(exc):
+            raise
+        from accelerate.state import AcceleratorState
+
+        in_force = AcceleratorState().mixed_precision
+        raise ValueError(
+            f"this process already runs accelerate with mixed_precision={in_force!r} "
+            f"(an earlier Accelerator, e.g. TRL's SFTTrainer, which turns bf16 on), and accelerate keeps "
+            f"one setting per process; this run asks for {wanted!r}: set bf16= to match, or train in a "
+            "fresh process"
+        ) from exc
 
 
 def is_sharded(accelerator: Any) -> bool:

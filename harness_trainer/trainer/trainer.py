@@ -31,7 +31,7 @@ from harness_trainer.engines.kinds import syncs_adapters
 from harness_trainer.engines.replicas import EngineReplicas
 from harness_trainer.trainer.checkpoint import TrainerState
 from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig
-from harness_trainer.trainer.distributed import Collective, StepShare
+from harness_trainer.trainer.distributed import Collective, StepShare, make_accelerator
 from harness_trainer.trainer.engine_link import engine_client, engine_kind
 from harness_trainer.trainer.export import upload
 from harness_trainer.trainer.feed.load_poller import ConcurrencyPoller
@@ -153,13 +153,11 @@ class HarnessAsyncGRPOTrainer:
         Every rank builds and (on resume) restores the policy; rank 0 alone builds the engine client,
         the factory and the metrics reporter, and starts the rollouts.
         """
-        from accelerate import Accelerator
-
         args = self.args
         if args.engine == "auto":  # the kind decides the weight path: tell it before anything else
             args.engine = engine_kind(self.engine, args.vllm_server_base_url)
         _seed_everything(args.seed)
-        self.accelerator = Accelerator(mixed_precision=args.mixed_precision)
+        self.accelerator = make_accelerator(args.mixed_precision)
         if args.fp16 and self.accelerator.device.type == "cpu":
             raise ValueError("fp16=True needs a GPU (float16 autocast, loss scaling): on CPU use bf16=True")
         args.check_processes(self.accelerator.num_processes)

@@ -74,18 +74,6 @@ def other_value(f: dataclasses.Field) -> typing.Any:
     return dataclasses.MISSING
 
 
-@pytest.fixture
-def fresh_accelerate():
-    """accelerate keeps one mixed-precision setting per process: start from none, and leave none behind."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
 # -- the tables ----------------------------------------------------------------------------------------
 
 
@@ -364,6 +352,27 @@ def test_bf16_trains_under_autocast_on_cpu(tmp_path, tiny_model_dir, fresh_accel
     assert dtypes and set(dtypes) == {torch.bfloat16}
     assert next(model.parameters()).dtype == torch.float32  # the weights stay in dtype
     assert trainer.last_metrics["loss"] == trainer.last_metrics["loss"]  # finite, not NaN
+
+
+def test_a_run_after_another_accelerator_s_bf16_in_the_same_process_is_refused_not_run_under_it(
+    tmp_path, tiny_model_dir, fresh_accelerate
+):
+    from accelerate import Accelerator
+
+    Accelerator(mixed_precision="bf16")  # as TRL's SFTTrainer leaves the process (its bf16 default)
+    trainer = HarnessAsyncGRPOTrainer(
+        str(tiny_model_dir), builder(HandmadeFactory()), config(tmp_path, max_steps=1)
+    )
+    with pytest.raises(
+        ValueError, match=r"already runs accelerate with mixed_precision='bf16'.*asks for 'no'"
+    ):
+        trainer.train()
+
+    matching = HarnessAsyncGRPOTrainer(
+        str(tiny_model_dir), builder(HandmadeFactory()), config(tmp_path / "b", max_steps=1, bf16=True)
+    )
+    matching.train()
+    assert matching.accelerator.mixed_precision == "bf16"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")

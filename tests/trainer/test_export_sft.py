@@ -342,7 +342,7 @@ def test_a_real_run_s_solved_rollouts_export_once_and_their_messages_render_to_t
 
 @pytest.mark.slow
 def test_sft_trainer_takes_a_step_on_the_exported_jsonl_and_hf_dataset_as_they_are(
-    real_run: Path, tiny_model_dir: Path, tmp_path: Path
+    real_run: Path, tiny_model_dir: Path, tmp_path: Path, fresh_accelerate: None
 ) -> None:
     import datasets
 
