@@ -325,7 +325,15 @@ class RolloutScheduler:
         task.add_done_callback(self._group_ended)
 
     async def _run_group(self, group: Group) -> None:
-        await asyncio.gather(*(self._run_member(group, rollout) for rollout in group.rollouts))
+        # Every member ends before its group does, a failed one's siblings too: the stop waits for group
+        # tasks only, and a sibling left running (its session made, not yet listed live) would be left
+        # open when the loop stops.
+        ended = await asyncio.gather(
+            *(self._run_member(group, rollout) for rollout in group.rollouts), return_exceptions=True
+        )
+        for outcome in ended:
+            if isinstance(outcome, BaseException):
+                raise outcome
         with self._cond:
             self._finished[group.index] = group
             self._cond.notify_all()
