@@ -1,9 +1,10 @@
 """The agent's answer to a model call: its reply rendered in its dialect, or an error, once the call's
 outcome is known (journaled first: see :mod:`capture_proxy.forward`).
 
-A streaming client whose call takes longer than ``keepalive_s`` gets its headers and a keepalive comment
-every ``keepalive_s``; an error after that arrives as an SSE error event. A call done sooner starts no
-task and no stream: its whole event stream goes out as one body, in one write.
+A streaming client whose call takes longer than ``keepalive_s`` gets its headers and its dialect's
+keepalive every ``keepalive_s``; an error after that arrives as an SSE error event. A dialect without one
+(Gemini: Google's clients cannot skip an SSE comment) gets nothing until its reply or error. A call done
+sooner starts no task and no stream: its whole event stream goes out as one body, in one write.
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ async def respond(
 ) -> web.StreamResponse:
     """Answer once ``pending`` is done; a streaming client gets keepalives while it is not."""
     keepalives = None
-    if call.stream and not pending.done():
-        keepalives = _Keepalives(request, pending, state.config.keepalive_s)
+    if call.stream and dialect.keepalive is not None and not pending.done():
+        keepalives = _Keepalives(request, pending, state.config.keepalive_s, dialect.keepalive)
     try:
         outcome = await pending
     except BaseException:
@@ -76,11 +77,14 @@ async def respond(
 
 
 class _Keepalives:
-    """``: keepalive`` comments to a streaming agent every ``interval`` seconds while ``pending`` is not
-    done, the first of which opens the event stream. A call done within one interval starts nothing."""
+    """The dialect's keepalive (an SSE comment) to a streaming agent every ``interval`` seconds while
+    ``pending`` is not done, the first of which opens the event stream. A call done within one interval
+    starts nothing."""
 
-    def __init__(self, request: web.Request, pending: asyncio.Future[Outcome], interval: float) -> None:
-        self.request = request
+    def __init__(
+        self, request: web.Request, pending: asyncio.Future[Outcome], interval: float, frame: bytes
+    ) -> None:
+        self.request, self.frame = request, frame
         self.pending = pending
         self.interval = interval
         self.stream: web.StreamResponse | None = None
@@ -98,7 +102,7 @@ class _Keepalives:
                 if self.stream is None:
                     self.stream = web.StreamResponse(headers=SSE_HEADERS)
                     await self.stream.prepare(self.request)
-                await self.stream.write(b": keepalive\n\n")
+                await self.stream.write(self.frame)
             except (ConnectionError, RuntimeError):
                 self.gone = True
                 return

@@ -3,11 +3,14 @@
 Routes:
 - ``GET /health``; ``GET /metrics`` (Prometheus text).
 - Admin (see :mod:`capture_proxy.admin`): ``/sessions`` …
-- Agent routes, keyed by the session id given as the API key (``Authorization: Bearer <id>`` or
-  ``x-api-key: <id>``) or as a path prefix ``/s/{session_id}/v1/…`` (for a gateway that keeps the
-  Authorization header for itself): ``POST /v1/chat/completions`` (OpenAI Chat), ``POST /v1/messages``
-  (Anthropic), ``POST /v1/messages/count_tokens`` (answered locally, never journaled), ``POST /v1/responses``
-  (OpenAI Responses), ``GET /v1/models``. An unknown or missing key is a 401.
+- Agent routes, keyed by the session id given as the API key (``Authorization: Bearer <id>``,
+  ``x-api-key: <id>``, ``x-goog-api-key: <id>`` or ``?key=<id>``) or as a path prefix
+  ``/s/{session_id}/v1/…`` (for a gateway that keeps the Authorization header for itself):
+  ``POST /v1/chat/completions`` (OpenAI Chat), ``POST /v1/messages`` (Anthropic),
+  ``POST /v1/messages/count_tokens`` (answered locally, never journaled), ``POST /v1/responses`` (OpenAI
+  Responses), ``GET /v1/models``; and, prefixed the same way, Gemini's
+  ``POST /v1beta/models/{model}:generateContent``, ``…:streamGenerateContent?alt=sse`` and
+  ``…:countTokens`` (answered locally, never journaled). An unknown or missing key is a 401.
 Errors are answered in the route's dialect; bodies over ``max_body_bytes`` get 413; invalid JSON 400.
 """
 
@@ -24,7 +27,7 @@ from aiohttp import web
 from capture_proxy import admin
 from capture_proxy.answer import json_response
 from capture_proxy.config import ProxyConfig
-from capture_proxy.dialects import anthropic, chat, responses
+from capture_proxy.dialects import anthropic, chat, gemini, responses
 from capture_proxy.dialects.base import Dialect, DialectError
 from capture_proxy.dialects.count_tokens import count_tokens
 from capture_proxy.forward import model_call
@@ -37,13 +40,19 @@ DIALECTS: dict[str, Dialect] = {
     "chat": chat.DIALECT,
     "anthropic": anthropic.DIALECT,
     "responses": responses.DIALECT,
+    "gemini": gemini.DIALECT,
 }
 # Agent route suffix (after /v1) → the dialect its errors and replies speak.
 MODEL_ROUTES = {"/chat/completions": "chat", "/messages": "anthropic", "/responses": "responses"}
+# Gemini's methods (after /v1beta/models/{model}:) → whether the reply streams; countTokens is local.
+GEMINI_METHODS = {"generateContent": False, "streamGenerateContent": True}
+GEMINI_PREFIX = "/v1beta/"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _dialect_of(path: str) -> Dialect:
+    if GEMINI_PREFIX in path:  # first: the substring tests below could match a path under it
+        return DIALECTS["gemini"]
     if "/messages" in path:
         return DIALECTS["anthropic"]
     if path.endswith("/responses"):
@@ -85,6 +94,8 @@ def _session_of(request: web.Request, state: ProxyState) -> Session:
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         key = token.strip() if scheme.lower() == "bearer" else None
         key = key or request.headers.get("x-api-key", "").strip()
+        # Google's SDKs send the API key as x-goog-api-key; its REST examples put it in ?key=.
+        key = key or request.headers.get("x-goog-api-key", "").strip() or request.query.get("key", "").strip()
     session = state.store.get(key) if key else None
     if session is None:
         raise DialectError("unknown or missing API key (the capture session id)", status=401)
@@ -116,6 +127,27 @@ def _model_handler(dialect_name: str) -> Handler:
         return await model_call(request, state, session, dialect, body)
 
     return handle
+
+
+def _gemini_handler(method: str) -> Handler:
+    stream = GEMINI_METHODS[method]
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        state = request.app[STATE]
+        session = _session_of(request, state)
+        # Google answers streamGenerateContent without alt=sse as one JSON array; the SDKs never ask
+        # for that, and the proxy only replays SSE.
+        if stream and request.query.get("alt") != "sse":
+            raise DialectError("streamGenerateContent: only alt=sse is supported by this proxy", param="alt")
+        body = gemini.route_body(await _read_json(request), request.match_info["model"], stream)
+        return await model_call(request, state, session, DIALECTS["gemini"], body)
+
+    return handle
+
+
+async def _gemini_count_tokens(request: web.Request) -> web.Response:
+    _session_of(request, request.app[STATE])
+    return json_response(gemini.count_tokens(await _read_json(request)))
 
 
 async def _count_tokens(request: web.Request) -> web.Response:
@@ -181,4 +213,9 @@ def build_app(config: ProxyConfig) -> web.Application:
             app.router.add_post(f"{prefix}/v1{suffix}", _model_handler(name))
         app.router.add_post(f"{prefix}/v1/messages/count_tokens", _count_tokens)
         app.router.add_get(f"{prefix}/v1/models", _models)
+        # A model name holds no "/" or ":" (the SDKs send "gemini-x"; "models/" is part of the path).
+        gemini_route = prefix + GEMINI_PREFIX + "models/{model:[^/:]+}:"
+        for method in GEMINI_METHODS:
+            app.router.add_post(gemini_route + method, _gemini_handler(method))
+        app.router.add_post(gemini_route + "countTokens", _gemini_count_tokens)
     return app

@@ -39,7 +39,7 @@ from typing import Any
 
 import orjson
 
-from capture_proxy.dialects.base import ChatCall, DialectError, Reply, required_string
+from capture_proxy.dialects.base import SSE_KEEPALIVE, ChatCall, DialectError, Reply, required_string
 
 TEXT_JOIN = "\n\n"
 RAW_ARGUMENTS_KEY = "_raw"
@@ -75,6 +75,7 @@ class AnthropicDialect:
     """The Messages API; see the module docstring for the translation contract."""
 
     name = "anthropic"
+    keepalive = SSE_KEEPALIVE
 
     def parse_request(self, body: dict[str, Any]) -> ChatCall:
         """Translate a Messages request; raise :class:`DialectError` (400) for what cannot be forwarded."""

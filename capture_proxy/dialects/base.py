@@ -13,6 +13,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+SSE_KEEPALIVE = b": keepalive\n\n"
+"""An SSE comment: OpenAI's and Anthropic's clients skip it."""
+
 # Sampling and length fields an agent may send; recorded as the agent's request, then overridden.
 OUTPUT_CAP_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
@@ -88,6 +91,9 @@ class Dialect(Protocol):
     """One agent-facing API shape. Implementations live beside this module, one file each."""
 
     name: str
+    keepalive: bytes | None
+    """What a streaming client is sent while its call is slow (the first one opens the event stream);
+    None: nothing until the reply, for clients whose frame parser cannot skip an SSE comment."""
 
     def parse_request(self, body: dict[str, Any]) -> ChatCall:
         """Translate a request body; raise :class:`DialectError` for what cannot be forwarded."""

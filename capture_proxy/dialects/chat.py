@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 
 from capture_proxy.constraints import refuse_constrained
-from capture_proxy.dialects.base import ChatCall, DialectError, Reply
+from capture_proxy.dialects.base import SSE_KEEPALIVE, ChatCall, DialectError, Reply
 
 # Fields that shape the upstream prompt or stopping, as opposed to sampling.
 _FORWARDED = ("tools", "tool_choice", "stop")
@@ -61,6 +61,7 @@ class ChatDialect:
     """OpenAI Chat Completions in and out."""
 
     name = "chat"
+    keepalive = SSE_KEEPALIVE
 
     def parse_request(self, body: dict[str, Any]) -> ChatCall:
         messages = body.get("messages")

@@ -1,4 +1,5 @@
-"""Anthropic ``POST /v1/messages/count_tokens``, answered locally and never forwarded.
+"""Anthropic ``POST /v1/messages/count_tokens`` (and Gemini's ``:countTokens``, through
+:func:`estimate_tokens`), answered locally and never forwarded.
 
 The answer is an **estimate**, not the engine tokenizer's count: the UTF-8 size of the request's
 ``system``, ``messages`` and ``tools`` serialized as compact JSON, divided by four (rounded up, at least
@@ -31,5 +32,11 @@ def count_tokens(body: dict[str, Any]) -> dict[str, int]:
     if not isinstance(body.get("messages"), list):
         raise DialectError("messages: required, a list", param="messages")
     counted = [body[key] for key in COUNTED_FIELDS if body.get(key) is not None]
+    return {"input_tokens": estimate_tokens(counted)}
+
+
+def estimate_tokens(counted: list[Any]) -> int:
+    """``ceil(len(orjson.dumps(counted)) / 4)``, at least 1: the estimate, over the request fields a
+    dialect counts."""
     size = len(orjson.dumps(counted))
-    return {"input_tokens": max(1, -(-size // BYTES_PER_TOKEN))}
+    return max(1, -(-size // BYTES_PER_TOKEN))

@@ -35,7 +35,7 @@ from typing import Any
 
 import orjson
 
-from capture_proxy.dialects.base import ChatCall, DialectError, Reply, required_string
+from capture_proxy.dialects.base import SSE_KEEPALIVE, ChatCall, DialectError, Reply, required_string
 
 TEXT_JOIN = "\n\n"
 DELTA_CHARS = 64  # characters per streamed delta; any split is valid, this keeps frames small and few
@@ -72,6 +72,7 @@ class ResponsesDialect:
     """The Responses API; see the module docstring for the translation contract."""
 
     name = "responses"
+    keepalive = SSE_KEEPALIVE
 
     def parse_request(self, body: dict[str, Any]) -> ChatCall:
         """Translate a Responses request; raise :class:`DialectError` (400) for what cannot be forwarded."""
