@@ -133,10 +133,12 @@ async def job_body(
     prompt_ids: list[int],
     params: GenerationParams,
     scripted_ids: Callable[[dict[str, Any]], list[int]],
+    skip_script: bool = False,
 ) -> Callable[[Job], int]:
-    """What a request's job runs: sampling, or in scripted mode the script's next reply (its ids from
-    ``scripted_ids``) replayed with the model's logprobs. A script that has run out is a 400."""
-    if state.script is None:
+    """What a request's job runs: sampling, or in scripted mode (unless the request asks to
+    ``skip_script``) the script's next reply (its ids from ``scripted_ids``) replayed with the model's
+    logprobs. A script that has run out is a 400."""
+    if state.script is None or skip_script:
         return lambda job: state.worker.generate(job, prompt_ids, params)
     try:
         fixed = await asyncio.to_thread(scripted_ids, state.script.take())
@@ -164,6 +166,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         prompt_ids,
         params,
         functools.partial(completion_ids, state.worker.tokenizer, req.messages, req.tools),
+        req.skip_script,
     )
 
     name = responses.TokenNamer(
@@ -216,7 +219,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if max(prompt_ids) >= len(tokenizer):
         raise EngineError(400, f"token id {max(prompt_ids)} is out of vocabulary (size {len(tokenizer)})")
     params = generation_params(state, req, len(prompt_ids), req.max_tokens, req.logprobs or 0)
-    body = await job_body(state, prompt_ids, params, functools.partial(reply_ids, tokenizer))
+    body = await job_body(state, prompt_ids, params, functools.partial(reply_ids, tokenizer), req.skip_script)
 
     events, version = [], 0
     async for item in run_job(state, body):

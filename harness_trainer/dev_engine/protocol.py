@@ -59,6 +59,10 @@ class SamplingFields(BaseModel):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    skip_script: bool = False
+    """A scripted engine samples this request instead of handing it the script's next reply (the
+    launcher's behavioural probes, :mod:`harness_trainer.launch.probes`, must not eat a script's replies);
+    no effect on an engine that is not scripted. vLLM ignores the field."""
 
     @model_validator(mode="after")
     def _refuse_what_is_not_sampled(self) -> SamplingFields:

@@ -339,6 +339,13 @@ def _run_dev_loop(
                 started=engines.append,
             )  # fmt: skip
         _say(f"engine up: {options.engine} at {engine.url} serving {model_dir.name}")
+        from harness_trainer.launch.probes import ProbeError, run_probes
+
+        try:  # the engine does what the trainer assumes, before the first rollout samples from it
+            for verdict in run_probes(engine.url, str(model_dir)):
+                _say(f"probe {verdict}")
+        except ProbeError as exc:
+            raise RuntimeError(f"probe {exc}") from None
         config = dataclasses.replace(config, vllm_server_base_url=engine.url)
         write_resolved(output, {**resolved, TRAINER: config.to_dict()})
         white: dict[str, Any] = {}

@@ -93,6 +93,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--preflight-only", action="store_true", help="run the checks, print what they found, and exit"
     )
+    parser.add_argument(
+        "--skip-probes", action="store_true",
+        help="do not probe the engine's behaviour in preflight (processed logprobs, tool-call rendering, "
+        "the model and tokenizer it serves); logged as a warning",
+    )  # fmt: skip
     add_trainer_arguments(
         parser,
         defaults=TRAINER_DEFAULTS,
@@ -216,6 +221,7 @@ def preflight_options(args: argparse.Namespace, config: AsyncGRPOConfig) -> Pref
         fingerprint={key: settings[key] for key in FINGERPRINT_FIELDS},
         weight_sync=config.weight_sync,
         trainer_config=config,
+        skip_probes=args.skip_probes,
     )
 
 

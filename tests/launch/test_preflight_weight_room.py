@@ -198,7 +198,7 @@ def preflight(
     )
     return PreflightOptions(
         engine_url=engine_url, server_url=server_url, model=str(model), harness="toy", sandbox="local",
-        output_dir=tmp_path / "out", trainer_config=config,
+        output_dir=tmp_path / "out", trainer_config=config, skip_probes=True,  # the fake engine only says
     )  # fmt: skip
 
 
