@@ -1,4 +1,5 @@
-"""Training curves from a run's ``metrics.jsonl`` as one PNG: reward (± reward_std), held-out eval
+"""Training curves from a run's ``metrics.jsonl`` as one PNG: reward (± reward_std; in a run that mixes
+harnesses, each harness's reward too, joined across the steps it had groups in), held-out eval
 (``eval/pass@1`` and ``eval/pass@k``, at the steps that evaluated), completion length, tool calls per
 rollout, loss and seconds per step.
 
@@ -110,6 +111,8 @@ def plot_metrics(metrics_path: str | os.PathLike[str], out: str | os.PathLike[st
             lower = [value - width for value, width in zip(values, spread, strict=True)]
             upper = [value + width for value, width in zip(values, spread, strict=True)]
             axes.fill_between(steps, lower, upper, alpha=0.25, linewidth=0)
+        if name == "reward":
+            _draw_harnesses(axes, lines)
     target.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(target, format="png")
     return target
@@ -132,6 +135,21 @@ def _draw_sparse(axes: Any, lines: list[dict[str, Any]], name: str) -> None:
     if second_steps:
         axes.plot(second_steps, second, marker="o", linestyle="--", linewidth=1.0, label=SPARSE[name])
     axes.set_ylim(-0.05, 1.05)
+
+
+def _draw_harnesses(axes: Any, lines: list[dict[str, Any]]) -> None:
+    """Each harness's reward (``harness/<name>/reward``), where a run mixes harnesses."""
+    from harness_trainer.trainer.step.harness_metrics import harness_names
+
+    names = sorted({name for line in lines for name in harness_names(line)})
+    if not names:
+        return
+    axes.lines[0].set_label("all")
+    for name in names:
+        steps, values = logged_points(lines, f"harness/{name}/reward")
+        if steps:
+            axes.plot(steps, values, linewidth=1.0, linestyle="--", marker=".", label=name)
+    axes.legend(fontsize=8)
 
 
 def _series(lines: list[dict[str, Any]], name: str) -> list[float]:

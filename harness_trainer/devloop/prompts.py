@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from harness_trainer.harnesses.mini_swe_agent import SUBMIT_COMMAND, MiniSweAgentHarness
+from harness_trainer.rollouts.harness_mix import HarnessValue, harness_mix
 
 MINI_SWE_AGENT_COMPACT: dict[str, Any] = {
     "agent": {
@@ -34,7 +35,10 @@ COMPACT_HARNESS_OPTIONS: dict[str, dict[str, Any]] = {
 }
 
 
-def dev_harness_options(harness: str, *, stock_prompt: bool = False) -> dict[str, Any]:
+def dev_harness_options(harness: HarnessValue, *, stock_prompt: bool = False) -> dict[str, Any]:
     """The harness options the dev loop runs ``harness`` with: its compact prompt, unless ``stock_prompt``
-    or it has none."""
-    return {} if stock_prompt else COMPACT_HARNESS_OPTIONS.get(harness, {})
+    or it has none; for several harnesses, each one's under its name."""
+    mix = harness_mix(harness)
+    if mix.mixed:
+        return {name: dev_harness_options(name, stock_prompt=stock_prompt) for name in mix.names}
+    return {} if stock_prompt else COMPACT_HARNESS_OPTIONS.get(mix.first, {})

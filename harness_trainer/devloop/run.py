@@ -365,7 +365,7 @@ def _run_dev_loop(
                 agent_step_limit=options.run.agent_step_limit,
                 agent_timeout_sec=options.run.agent_timeout_sec, data_dir=output / "capture",
             )  # fmt: skip
-        what = "the white-box ReActAdapter" if white_box else options.run.harness
+        what = "the white-box ReActAdapter" if white_box else str(options.run.harness_mix)
         _say(
             f"training {what} on {len(rows)} toy "
             f"tasks: {config.max_steps} steps, {config.num_generations} rollouts per group, "

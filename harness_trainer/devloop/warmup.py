@@ -40,6 +40,7 @@ import torch
 from harness_trainer.dev_engine.process import start_engine
 from harness_trainer.devloop.solver import WHITE_BOX, distractor_replies, solver_replies
 from harness_trainer.rollouts.client.local_factory import LocalSessionFactory
+from harness_trainer.rollouts.harness_mix import HarnessValue, harness_mix
 from harness_trainer.tasks.sources import LocalTaskSource
 from harness_trainer.trace import TrainingTrace
 from harness_trainer.trainer.step.rows import Row, build_rows
@@ -57,10 +58,11 @@ one of theirs."""
 class WarmupRecipe:
     """What decides the warm model; its fingerprint names the cache folder."""
 
-    harness: str
+    harness: HarnessValue
+    """The harness the transcripts go through; several (a run that mixes them): each task's through each."""
     harness_options: dict[str, Any] = field(default_factory=dict)
-    """The harness's options (:func:`~harness_trainer.devloop.prompts.dev_harness_options`): its prompts
-    are in every transcript."""
+    """The harness's options (:func:`~harness_trainer.devloop.prompts.dev_harness_options`; keyed by
+    harness name for several): its prompts are in every transcript."""
     target_probability: float = 0.3
     learning_rate: float = 1e-3
     max_steps: int = 300
@@ -206,6 +208,14 @@ def _factory(
     )  # fmt: skip
 
 
+def _recipe_harnesses(recipe: WarmupRecipe) -> list[tuple[str, dict[str, Any]]]:
+    """Each harness the recipe's transcripts go through, with its own options."""
+    if recipe.harness == WHITE_BOX:
+        return [(WHITE_BOX, dict(recipe.harness_options))]
+    mix = harness_mix(recipe.harness)
+    return [(name, mix.options_for(recipe.harness_options, name)) for name in mix.names]
+
+
 def _rows(traces: dict[str, TrainingTrace]) -> tuple[list[Row], dict[int, float], dict[int, str]]:
     rows: list[Row] = []
     names: dict[int, str] = {}
@@ -336,11 +346,17 @@ def _build_warm_model(
 ) -> Path:
     with tempfile.TemporaryDirectory(prefix="warmup-") as work:
         extra = " and as many distractors" if recipe.distractors else ""
-        log(f"warm-up: recording {len(tasks)} solver transcripts{extra} through {recipe.harness}")
-        traces = collect_transcripts(
-            source, split, recipe.harness, base_model, Path(work), distractors=recipe.distractors,
-            harness_options=recipe.harness_options,
-        )  # fmt: skip
+        traces: dict[str, TrainingTrace] = {}
+        for harness, options in _recipe_harnesses(recipe):
+            log(f"warm-up: recording {len(tasks)} solver transcripts{extra} through {harness}")
+            folder = Path(work) / harness
+            folder.mkdir()
+            recorded = collect_transcripts(
+                source, split, harness, base_model, folder, distractors=recipe.distractors,
+                harness_options=options,
+            )  # fmt: skip
+            mixed = isinstance(recipe.harness, list | dict)
+            traces.update({f"{name} via {harness}" if mixed else name: t for name, t in recorded.items()})
         log(f"warm-up: fine-tuning until each transcript has probability {recipe.target_probability:.0%}")
 
         def progress(step: int, probability: float) -> None:

@@ -71,11 +71,13 @@ class ToolCounts:
 
 @dataclass
 class AgentRun:
-    """One run of the agent: its exit, whether it was killed on timeout, its log, its tool counts."""
+    """One run of the agent: its exit, whether it was killed on timeout, its log, its tool counts, and its
+    own record of its model calls (the messages each sent), for an agent that writes one."""
 
     result: ExecResult
     log: str
     tools: ToolCounts
+    record: list[list[dict[str, Any]]] | None = None
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,9 @@ its trajectory, ``/logs/agent/mini-swe-agent.traj.json``, gives the tool counts:
 assistant message is one ``bash`` call, failed when its observation has a non-zero return code or an
 exception (the stand-in observation of an action that never ran because the agent submitted is not a
 failure); a reply whose tool calls mini could not parse (a ``FormatError``) counts each of those calls,
-by the name the model gave, as failed.
+by the name the model gave, as failed. It is also the agent's own record of its model calls
+(:func:`recorded_calls`), checked against the capture after the rollout
+(:mod:`harness_trainer.rollouts.agreement`).
 """
 
 from __future__ import annotations
@@ -156,6 +158,29 @@ def parse_trajectory(text: str) -> ToolCounts:
     return counts
 
 
+def recorded_calls(text: str) -> list[list[dict[str, Any]]] | None:
+    """The messages mini sent in each model call, from its trajectory (None: unreadable or absent).
+
+    Every call's raw response is kept on the message it produced (``extra.response``): the assistant's
+    reply, or, when mini could not parse the reply's tool calls, the format error it answers with (the
+    reply itself is then left out of the history). A call sent the messages before that one, without
+    their ``extra`` (what mini strips before sending).
+    """
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    messages = data.get("messages") if isinstance(data, dict) else None
+    if not isinstance(messages, list):
+        return None
+    calls = []
+    for index, message in enumerate(messages):
+        if isinstance(message, dict) and (message.get("extra") or {}).get("response") is not None:
+            sent = messages[:index]
+            calls.append([{k: v for k, v in m.items() if k != "extra"} for m in sent if isinstance(m, dict)])
+    return calls
+
+
 def _raw_tool_names(response: Any) -> list[str]:
     """The tool names in a raw chat completion the agent could not use."""
     try:
@@ -224,4 +249,6 @@ class MiniSweAgentHarness:
             trajectory = (await sandbox.read_file(trajectory_path)).decode("utf-8", errors="replace")
         except FileNotFoundError:
             trajectory = ""
-        return AgentRun(result=result, log=log, tools=parse_trajectory(trajectory))
+        return AgentRun(
+            result=result, log=log, tools=parse_trajectory(trajectory), record=recorded_calls(trajectory)
+        )

@@ -29,7 +29,14 @@ from pathlib import Path
 from typing import Any
 
 from harness_trainer.harnesses import HARNESSES
-from harness_trainer.launch.dataclass_flags import CommaList, add_dataclass_arguments, describe, json_object
+from harness_trainer.launch.dataclass_flags import (
+    CommaList,
+    ConfigValue,
+    add_dataclass_arguments,
+    describe,
+    json_object,
+)
+from harness_trainer.rollouts.harness_mix import harness_mix, parse_harness_text
 from harness_trainer.rollouts.run_options import CHOICES as RUN_CHOICES
 from harness_trainer.rollouts.run_options import DEFAULT_RUN, RunOptions
 from harness_trainer.sandboxes import describe_backends
@@ -190,21 +197,29 @@ def add_run_arguments(
     reads them back."""
     group = parser.add_argument_group("tasks and agents", "RunOptions: the rollouts' knobs")
     sandbox, harness = (defaults.get(name, getattr(DEFAULT_RUN, name)) for name in ("sandbox", "harness"))
+    narrowed_harnesses = choices.get("harness")  # a command's own subset; else preflight checks the names
+    names = tuple(narrowed_harnesses or HARNESSES)
+
+    def known_harnesses(value: Any) -> Any:
+        """A harness value (one name, a list, weights) whose every name the command takes."""
+        mix = harness_mix(value)
+        unknown = [name for name in mix.names if narrowed_harnesses and name not in narrowed_harnesses]
+        if unknown:
+            raise ValueError(f"unknown harness {', '.join(map(repr, unknown))} (known: {', '.join(names)})")
+        return mix.value()
+
     # The registries' own words: the rollout client, where RunOptions lives, imports neither registry.
     described = {
         "sandbox": {"help": f"where agents run: {describe_backends()} (default: {sandbox})"},
         "harness": {
-            "help": f"the agent (black-box mode): {', '.join(choices.get('harness', HARNESSES))} "
-            f"(default: {harness})"
+            "help": f"the agent (black-box mode): {', '.join(names)}; several, each GRPO group using one: "
+            f"a,b (round-robin over groups) or a=2,b=1 (weighted) (default: {harness})",
+            "type": ConfigValue(lambda text: known_harnesses(parse_harness_text(text)), known_harnesses),
         },
     }
+    narrowed = {name: values for name, values in {**RUN_CHOICES, **choices}.items() if name != "harness"}
     add_dataclass_arguments(
-        group,
-        RunOptions,
-        defaults=defaults,
-        exclude=exclude,
-        choices={**RUN_CHOICES, **choices},
-        extra=described,
+        group, RunOptions, defaults=defaults, exclude=exclude, choices=narrowed, extra=described
     )
 
 
@@ -356,6 +371,8 @@ def _option_value(action: argparse.Action, value: Any) -> Any:
         return value
     if isinstance(action, CommaList):
         return action.items(value if isinstance(value, list) else [value])
+    if isinstance(action.type, ConfigValue):
+        return action.type.value(value) if isinstance(value, dict | list) else action.type(str(value))
     if action.type is json_object and isinstance(value, dict):
         return value
     if isinstance(action, argparse._AppendAction) or action.nargs in ("+", "*"):

@@ -46,15 +46,20 @@ def add_dataclass_arguments(
         default = defaults.get(f.name, field_default(f))
         help_text = f"{f.metadata.get('help', '')} (default: {_shown_default(default)})".replace("%", "%%")
         options = [f"--{f.name.replace('_', '-')}", *aliases.get(f.name, ())]
+        own = dict(f.metadata.get("flag", {}))
+        if "config_value" in own:  # the field reads a config file's list or mapping too
+            own["type"] = ConfigValue(own["type"], own.pop("config_value"))
         kwargs: dict[str, Any] = {
             "dest": dest_prefix + f.name,
             "default": argparse.SUPPRESS if suppress else default,
             "help": help_text,
-            **flag_kwargs(hints[f.name], f.name),
+            # A ConfigValue reads the field's whole value itself: no kind of flag is derived from its type.
+            **({"metavar": f.name.upper()} if isinstance(own.get("type"), ConfigValue) else {}),
+            **({} if isinstance(own.get("type"), ConfigValue) else flag_kwargs(hints[f.name], f.name)),
         }
         if f.name in choices:
             kwargs["choices"] = choices[f.name]
-        kwargs.update(f.metadata.get("flag", {}))  # the field's own flag keywords (a stricter type)
+        kwargs.update(own)  # the field's own flag keywords (a stricter type)
         actions.append(group.add_argument(*options, **{**kwargs, **extra.get(f.name, {})}))
     return actions
 
@@ -81,6 +86,22 @@ def field_default(f: dataclasses.Field[Any]) -> Any:
 
 def _shown_default(default: Any) -> Any:
     return json.dumps(default) if isinstance(default, dict) else default
+
+
+class ConfigValue:
+    """A field's flag type that reads its flag's text (``text``) and, for a config file's key, a list or
+    mapping too (``value``): a field whose value takes several shapes (``--harness a=2,b=1`` on the command
+    line, ``harness: {a: 2, b: 1}`` in a file)."""
+
+    def __init__(self, text: Callable[[str], Any], value: Callable[[Any], Any]) -> None:
+        self.text, self.value = text, value
+        self.__name__ = getattr(text, "__name__", "value")  # argparse names the type in its errors
+
+    def __call__(self, text: str) -> Any:
+        try:
+            return self.text(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 class CommaList(argparse.Action):

@@ -3,7 +3,7 @@
 :func:`run_preflight` checks, in this order, and raises :class:`PreflightError` (one line: what is wrong
 and how to fix it) at the first failure:
 
-1. the harness and sandbox names are registered (``HARNESSES``, ``SANDBOXES``);
+1. the harness names (each of a mix) and the sandbox name are registered (``HARNESSES``, ``SANDBOXES``);
 2. the sandbox backend's credentials (``E2B_API_KEY`` for ``e2b``: its class's ``capabilities``) are set;
 3. the output directory: a fresh run refuses a directory that already holds a checkpoint; ``--resume``
    needs a complete checkpoint there, made from the same ``--model`` (``launch.json``, written by the
@@ -61,6 +61,7 @@ from harness_trainer.launch.preflight_engine import (
     span,
 )
 from harness_trainer.launch.probes import ProbeError, run_probes
+from harness_trainer.rollouts.harness_mix import HarnessValue, harness_mix
 
 if TYPE_CHECKING:
     from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig
@@ -80,7 +81,7 @@ class PreflightOptions:
     engine_url: str
     server_url: str
     model: str
-    harness: str
+    harness: HarnessValue
     sandbox: str
     output_dir: Path
     engine: str = "auto"
@@ -212,13 +213,18 @@ def check_servers(
     return sum(limits), sum(opened), counts[0]
 
 
-def check_names(harness: str, sandbox: str) -> None:
-    """Both names are registered."""
+def check_names(harness: HarnessValue, sandbox: str) -> None:
+    """The harness names (one, or each of a mix) and the sandbox's are registered."""
     from harness_trainer.harnesses import HARNESSES
     from harness_trainer.sandboxes import SANDBOXES
 
-    if harness not in HARNESSES:
-        raise PreflightError(f"unknown harness {harness!r}; known: {', '.join(sorted(HARNESSES))}")
+    try:
+        names = harness_mix(harness).names
+    except ValueError as exc:
+        raise PreflightError(str(exc)) from None
+    for name in names:
+        if name not in HARNESSES:
+            raise PreflightError(f"unknown harness {name!r}; known: {', '.join(sorted(HARNESSES))}")
     if sandbox not in SANDBOXES:
         raise PreflightError(f"unknown sandbox {sandbox!r}; known: {', '.join(sorted(SANDBOXES))}")
 

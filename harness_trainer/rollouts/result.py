@@ -6,6 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from harness_trainer.rollouts.agreement import Agreement
 from harness_trainer.rollouts.errors import ErrorKind
 
 
@@ -98,6 +99,9 @@ class RolloutResult(BaseModel):
     """With ``error_kind == "capture_contract"``: the trace rules the capture broke."""
     trace: dict[str, Any] | None = None
     """The TrainingTrace JSON (``{"schema_version": 1, "turns": []}`` when nothing was captured)."""
+    agreement: Agreement | None = None
+    """The agent's own record of its model calls against the capture (:mod:`..agreement`); None when the
+    rollout ended before its trace was read."""
     steps: list[StepResult] = Field(default_factory=list)
     """A multi-step task's steps that ran, in order (the rest were not run: a step missed its
     ``min_reward``, or the rollout was stopped); ``reward`` is their roll-up. Empty for other tasks."""

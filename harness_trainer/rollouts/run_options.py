@@ -18,6 +18,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from harness_trainer.rollouts.harness_mix import HarnessMix, HarnessValue, harness_mix, parse_harness_text
+
 MODES = ("black-box", "white-box")
 """black-box: the agent owns its loop behind the capture proxy; white-box: the trainer samples each turn."""
 WAIT_MARGIN_S = 600.0
@@ -54,8 +56,15 @@ class RunOptions:
     """
 
     split: str = field(default="train", metadata=_help("the task split to run"))
-    harness: str = field(
-        default="opencode", metadata=_help("the agent (black-box mode): a registered harness")
+    harness: HarnessValue = field(
+        default="opencode",
+        metadata={
+            **_help(
+                "the agent (black-box mode): a registered harness, or several, each GRPO group using one: "
+                "a,b (round-robin over groups) or a=2,b=1 (weighted); a list or a mapping in a config file"
+            ),
+            "flag": {"type": parse_harness_text, "config_value": lambda value: harness_mix(value).value()},
+        },
     )
     mode: str = field(
         default="black-box",
@@ -93,6 +102,11 @@ class RunOptions:
             raise ValueError("; ".join(problems))
 
     @property
+    def harness_mix(self) -> HarnessMix:
+        """The run's harnesses and how groups are dealt to them."""
+        return harness_mix(self.harness)
+
+    @property
     def white_box(self) -> bool:
         return self.mode == "white-box"
 
@@ -125,6 +139,13 @@ def run_options_problems(options: RunOptions) -> list[str]:
         problems.append(f"task_indices must be task indices ≥ 0, got {options.task_indices!r}")
     if not isinstance(options.harness_options, dict):
         problems.append(f"harness_options must be a mapping, got {options.harness_options!r}")
+    try:
+        mix = harness_mix(options.harness)
+    except ValueError as exc:
+        problems.append(str(exc))
+    else:
+        if isinstance(options.harness_options, dict):
+            problems.extend(mix.options_problems(options.harness_options))
     return problems
 
 

@@ -17,6 +17,7 @@ from typing import Any
 from harness_trainer.trainer.checkpoint import TrainerState
 from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig
 from harness_trainer.trainer.feed.concurrency import AdaptiveConcurrency, ConcurrencyRule
+from harness_trainer.trainer.feed.coverage import Coverage
 from harness_trainer.trainer.feed.curriculum import PassRateCurriculum, PassRateRule
 from harness_trainer.trainer.feed.evaluation import Evaluator, overlapping_tasks
 from harness_trainer.trainer.feed.load_poller import ConcurrencyPoller
@@ -137,6 +138,7 @@ class RolloutFeed:
         self.groups = StepGroups(
             args, self.scheduler, counters, trained_groups, curriculum=self.curriculum, poller=self.poller,
             rollout_log=self.rollout_log, reward_name=_reward_name(self.reward_fn), world_size=world_size,
+            coverage=Coverage(state.extra.get("coverage")), output_dir=self.output_dir,
         )  # fmt: skip
 
     def evaluate(self, state: TrainerState, stop: threading.Event) -> dict[str, float]:

@@ -30,6 +30,7 @@ from harness_trainer.trainer.export import (
     tokenizer_source,
     write_model_folder,
 )
+from harness_trainer.trainer.feed.coverage import Coverage
 from harness_trainer.trainer.feed.curriculum import PassRateCurriculum
 from harness_trainer.trainer.feed.load_poller import ConcurrencyPoller
 from harness_trainer.trainer.policy import is_peft
@@ -50,11 +51,12 @@ def write_checkpoint(
     model_source: Any,
     curriculum: PassRateCurriculum | None,
     poller: ConcurrencyPoller | None,
+    coverage: Coverage | None = None,
 ) -> Path | None:
     """Write ``checkpoint-{step}`` on rank 0 (every rank takes part: FSDP gathers); its path there.
 
     ``state.extra`` takes the config, ``counters``, the model's source (what ``harness-trainer eval`` takes
-    a tokenizer from), the curriculum's state and the concurrency limit.
+    a tokenizer from), the curriculum's state, the concurrency limit and the harness coverage.
     """
     path = output_dir / f"checkpoint-{state.step}"
     if collective.broadcast(collective.is_main and path.exists()):
@@ -66,6 +68,8 @@ def write_checkpoint(
         state.extra["curriculum"] = curriculum.state_dict(state.groups_consumed)
     if poller is not None:  # rank 0 only, which alone writes the state
         state.extra["concurrency_limit"] = poller.limit
+    if coverage is not None and coverage.tasks:
+        state.extra["coverage"] = coverage.state_dict()
     model_part, optimizer_part = checkpoint_parts(accelerator, trained, model, optimizer)
     if not collective.is_main:
         return None

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import logging
 import threading
+from pathlib import Path
 
 from harness_trainer.trainer.checkpoint import TrainerState
 from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig
 from harness_trainer.trainer.distributed import StepShare, split_step
+from harness_trainer.trainer.feed.coverage import Coverage
 from harness_trainer.trainer.feed.curriculum import PassRateCurriculum
 from harness_trainer.trainer.feed.load_poller import ConcurrencyPoller
 from harness_trainer.trainer.feed.rollout_log import RolloutLog
@@ -21,6 +23,7 @@ from harness_trainer.trainer.feed.rollout_records import step_outcomes
 from harness_trainer.trainer.feed.scheduling import RolloutScheduler
 from harness_trainer.trainer.step.batch import StepBatch, assemble, rollout_metrics
 from harness_trainer.trainer.step.groups import Group
+from harness_trainer.trainer.step.harness_metrics import harness_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +48,7 @@ class StepGroups:
         rollout_log: where each step writes what it did with each rollout of the groups it took.
         reward_name: the reward function's name, for the ``rewards/<name>/…`` metrics.
         world_size: how many ranks share each step.
+        coverage: the task × harness counts (a run that mixes harnesses), written to ``output_dir``.
     """
 
     def __init__(
@@ -59,6 +63,8 @@ class StepGroups:
         rollout_log: RolloutLog,
         reward_name: str | None,
         world_size: int,
+        coverage: Coverage,
+        output_dir: Path,
     ) -> None:
         self.args = args
         self.scheduler = scheduler
@@ -69,6 +75,7 @@ class StepGroups:
         self.rollout_log = rollout_log
         self.reward_name = reward_name
         self.world_size = world_size
+        self.coverage, self.output_dir = coverage, output_dir
         self.dropped: list[Group] = []  # taken and dropped since the last step wrote their outcomes
         self.zero_variance: list[Group] = []  # the step's groups dropped for equal rewards (metrics)
         self.stop_reason: str | None = None
@@ -89,6 +96,10 @@ class StepGroups:
         metrics = rollout_metrics(
             [*self.zero_variance, *groups], policy_version=state.policy_version, reward_name=self.reward_name
         )
+        # Per harness over every group the step took, dropped ones too: a harness that fails shows it.
+        metrics.update(harness_metrics([*self.dropped, *groups]))
+        if self.coverage.add([*self.dropped, *groups]):
+            self.coverage.write(self.output_dir)
         self.trained_groups.extend(group.index for group in groups)
         batch = assemble(
             groups, advantage_epsilon=args.loss.advantage_epsilon, keep_zero_advantage=args.loss.beta > 0,

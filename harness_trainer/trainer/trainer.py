@@ -360,6 +360,7 @@ class HarnessAsyncGRPOTrainer:
             state=self.state, output_dir=self.output_dir, args=self.args, counters=self._counters,
             model_source=self.model_source, curriculum=feed.curriculum if feed is not None else None,
             poller=feed.poller if feed is not None else None,
+            coverage=feed.groups.coverage if feed is not None and feed.groups is not None else None,
         )  # fmt: skip
 
     def save_model(self, output_dir: str | Path | None = None) -> None:

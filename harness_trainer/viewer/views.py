@@ -60,6 +60,8 @@ class GroupView:
     task_name: str | None
     task_index: int | None
     rollouts: list[RolloutView]
+    harness: str | None = None
+    """The agent its members ran, in a run that mixes harnesses."""
 
 
 @dataclass
@@ -122,7 +124,9 @@ def step_views(
         groups = by_step.setdefault(record.step, {})
         group = groups.get(record.group)
         if group is None:
-            group = groups[record.group] = GroupView(record.group, record.task_name, record.task_index, [])
+            group = groups[record.group] = GroupView(
+                record.group, record.task_name, record.task_index, [], harness=record.harness
+            )
         view = _view(record, text if budget > 0 else None, capture_dir)
         budget -= view.roles.total()
         group.rollouts.append(view)

@@ -109,6 +109,44 @@ def test_the_config_file_holds_the_run_options_by_field_name(tmp_path: Path) -> 
     ]
 
 
+def test_several_harnesses_read_from_flags_and_config_files_in_each_shape(tmp_path: Path) -> None:
+    parser = build_parser()
+    flags = {
+        "opencode": "opencode",
+        "opencode,mini-swe-agent": ["opencode", "mini-swe-agent"],
+        "opencode=3,codex=1": {"opencode": 3.0, "codex": 1.0},
+    }
+    for text, value in flags.items():
+        options = run_options_from(apply_config(parser.parse_args(["--model", "m", "--harness", text])))
+        assert options.harness == value
+    path = tmp_path / "run.yaml"
+    for value in (["opencode", "codex"], {"opencode": 2, "codex": 1}):
+        path.write_text(yaml.safe_dump({"run": {"model": "m", "harness": value, "harness_options": {}}}))
+        options = run_options_from(resolve(["--config", str(path)])[0])
+        assert options.harness == value and options.harness_mix.mixed
+    # Options keyed by harness in a mix; bad weights and options for no harness of the mix refused.
+    keyed = {"codex": {"x": 1}}
+    path.write_text(
+        yaml.safe_dump({"run": {"model": "m", "harness": ["opencode", "codex"], "harness_options": keyed}})
+    )
+    assert run_options_from(resolve(["--config", str(path)])[0]).harness_options == keyed
+    path.write_text(yaml.safe_dump({"run": {"model": "m", "harness": {"opencode": 0, "codex": 1}}}))
+    with pytest.raises(ConfigFileError, match="the weight of 'opencode' must be positive"):
+        resolve(["--config", str(path)])
+    with pytest.raises(ValueError, match="'x' is not one of them"):
+        RunOptions(harness=["opencode", "codex"], harness_options={"x": {}})
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--harness", "opencode=2,codex=lots"])
+    # The dev loop takes only harnesses it can script, in a mix too.
+    dev = parser_with(add_dev_arguments)
+    assert options_from(apply_config(dev.parse_args(["--harness", "toy,mini-swe-agent"]))).run.harness == [
+        "toy",
+        "mini-swe-agent",
+    ]
+    with pytest.raises(SystemExit):
+        dev.parse_args(["--harness", "toy,codex"])
+
+
 @pytest.mark.parametrize("command", ["run", "dev"])
 def test_the_trainers_wait_is_not_a_knob_of_its_own(tmp_path: Path, command: str) -> None:
     path = tmp_path / "run.yaml"

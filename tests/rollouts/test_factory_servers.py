@@ -165,9 +165,10 @@ def serve(tmp_path: Path) -> Iterator[Callable[..., list[Serve]]]:
 
 
 def factory(*servers: Serve, **options: object) -> HarborSessionFactory:
+    options = {"harness": "toy", **options}
     return HarborSessionFactory(
-        [s.url for s in servers], split="train", harness="toy", sandbox="local", agent_step_limit=1,
-        agent_timeout_sec=120, **options,
+        [s.url for s in servers], split="train", sandbox="local", agent_step_limit=1, agent_timeout_sec=120,
+        **options,
     )  # fmt: skip
 
 
@@ -326,3 +327,30 @@ def _command(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return ""
+
+
+@pytest.mark.slow
+def test_a_factory_of_several_harnesses_runs_each_group_on_its_harness(scripted_engine, serve) -> None:
+    engine = scripted_engine([SOLVE] * 4)
+    (server,) = serve(engine.url, 3)
+    made = factory(server, harness=["toy", "mini-swe-agent"])
+    try:
+        assert [made.harness_for_group(g) for g in range(3)] == ["toy", "mini-swe-agent", "toy"]
+        ran = {}
+        for group in (0, 1):
+            session = made.create(HELLO_FILE, episode_id=f"group{group}-member0")
+            session.wait_for_completion(timeout_s=120)
+            ran[group] = session.verify().metrics["harness"]  # what the server ran
+            session.close()
+        assert ran == {0: "toy", 1: "mini-swe-agent"}
+    finally:
+        made.close()
+    assert server.health()["sessions"] == 0
+
+
+def test_options_for_a_harness_the_mix_does_not_have_are_refused_before_any_request() -> None:
+    unreachable = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(RolloutConfigError, match="'codex' is not one of them"):
+        HarborSessionFactory(unreachable, harness=["toy", "mini-swe-agent"], harness_options={"codex": {}})
+    with pytest.raises(RolloutConfigError, match="the weight of 'toy' must be positive"):
+        HarborSessionFactory(unreachable, harness={"toy": -1, "mini-swe-agent": 1})

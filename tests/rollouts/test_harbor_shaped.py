@@ -30,6 +30,7 @@ import pytest
 
 from harness_trainer.harnesses.mini_swe_agent import SUBMIT_COMMAND
 from harness_trainer.net import free_port, wait_until_healthy
+from harness_trainer.rollouts.agreement import Agreement
 from harness_trainer.rollouts.client.factory import HarborSessionFactory
 from harness_trainer.rollouts.result import RolloutOptions
 from harness_trainer.rollouts.server.runtime import RolloutRuntime, RuntimeConfig
@@ -69,6 +70,14 @@ def give_up(agent: str) -> list[dict[str, Any]]:
     if agent == "mini-swe-agent":
         return [call("bash", command=SUBMIT_COMMAND)]
     return [{"content": "I will not change anything."}]
+
+
+def expected_agreement(agent: str, calls: int) -> Agreement:
+    """mini-swe-agent's trajectory records every call, which the capture must have seen as sent; the
+    others keep no record this project reads."""
+    if agent == "mini-swe-agent":
+        return Agreement(status="match", agent_calls=calls, captured_calls=calls)
+    return Agreement(status="not_available", captured_calls=calls)
 
 
 def replays() -> tuple[list[dict[str, Any]], list[tuple[str, str, float]]]:
@@ -117,6 +126,7 @@ def test_every_agent_solves_harbor_shaped_tasks_in_images_without_node(
                     assert result is not None and result.error is None, (agent, task, result)
                     assert result.reward == reward, (agent, task, result.log_tail[-6000:])
                     assert result.model_calls == len(replay(agent, "x") if reward else give_up(agent))
+                    assert result.agreement == expected_agreement(agent, result.model_calls)
                 finally:
                     session.close()
             finally:
@@ -186,6 +196,7 @@ async def test_every_agent_solves_harbor_shaped_tasks_in_the_fake_e2b_cloud(
                     task,
                     result.log_tail[-3000:],
                 )
+                assert result.agreement == expected_agreement(agent, result.model_calls)
             assert await runtime.open_capture_sessions() == 0
         finally:
             await runtime.aclose()

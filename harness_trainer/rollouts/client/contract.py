@@ -31,6 +31,7 @@ __all__ = [
     "AsyncSession",
     "AsyncSessionFactory",
     "CapturedTrace",
+    "MixesHarnesses",
     "RolloutFactory",
     "Session",
     "SessionFactory",
@@ -137,6 +138,18 @@ class AsyncSessionFactory(Protocol[AsyncSessionT_co]):
         self, task: Any, seed: int | None = None, episode_id: str | None = None
     ) -> AsyncSessionT_co:
         """:meth:`SessionFactory.create` without blocking the loop."""
+        ...
+
+
+@runtime_checkable
+class MixesHarnesses(Protocol):
+    """Optional, on a factory that deals several harnesses over GRPO groups
+    (:mod:`harness_trainer.rollouts.harness_mix`): which harness a group's rollouts use, so the trainer
+    can count and plot each harness apart. A factory of one harness need not have it."""
+
+    def harness_for_group(self, group: int) -> str | None:
+        """The harness group ``group``'s members run (its episode ids are ``group{group}-member{m}``);
+        None when the factory runs one harness."""
         ...
 
 

@@ -14,8 +14,12 @@ Keywords keep OpenEnv's meanings:
   ``api_key`` / ``auth_header``: that engine's credential (``Authorization: Bearer KEY``, or ``KEY``
   under ``auth_header``), sent by the capture proxy, never shown to the agent.
 - ``agent_timeout_sec``: 0 (the default) = each task file's ``[agent] timeout_sec``.
+- ``harness``: a registered harness, or several (a list: round-robin; a mapping of weights: weighted),
+  each GRPO group's members all using one (:mod:`harness_trainer.rollouts.harness_mix`; the group comes
+  from the trainer's episode id, and other episodes use the first harness); ``harness_for_group(g)`` says
+  which, for the trainer's per-harness metrics.
 - ``harness_options``: keyword options of the harness's class (e.g. mini-swe-agent's ``agent_config``:
-  other prompts), checked here and by the server.
+  other prompts), checked here and by the server; with several harnesses, keyed by harness name.
 - ``reward_key``: which named score of ``reward.json`` is the reward: a key, or a comma-separated
   preference list; checked against the first verifier result that writes scores (a key it does not
   hold stops the run with a :class:`RolloutConfigError` naming the keys it wrote).
@@ -62,6 +66,7 @@ from harness_trainer.rollouts.client.servers import (
     RolloutServerError,
     Server,
     ServerPool,
+    group_index,
     group_of,
 )
 from harness_trainer.rollouts.client.session import (
@@ -74,6 +79,7 @@ from harness_trainer.rollouts.client.session import (
     verify_result,
 )
 from harness_trainer.rollouts.errors import RolloutConfigError, error_for
+from harness_trainer.rollouts.harness_mix import HarnessMix, HarnessValue, harness_mix
 from harness_trainer.rollouts.result import RolloutResult
 from harness_trainer.rollouts.run_options import DEFAULT_RUN
 from harness_trainer.trace import TrainingTrace
@@ -102,7 +108,7 @@ class HarborSessionFactory:
         server_url: str | Sequence[str],
         *,
         split: str = DEFAULT_RUN.split,
-        harness: str = DEFAULT_RUN.harness,
+        harness: HarnessValue | HarnessMix = DEFAULT_RUN.harness,
         harness_options: dict[str, Any] | None = None,
         sandbox: str = DEFAULT_RUN.sandbox,
         llm_url: str | None = None,
@@ -151,17 +157,27 @@ class HarborSessionFactory:
             )
         self.server_url = self.server_urls[0]
         """The (first) server's URL; ``server_urls`` holds them all."""
-        if harness_options:
+        try:
+            self.harness_mix = harness_mix(harness)
+        except ValueError as exc:
+            raise RolloutConfigError(str(exc)) from None
+        self.harness_options = dict(harness_options or {})
+        problems = self.harness_mix.options_problems(self.harness_options)
+        if problems:
+            raise RolloutConfigError("; ".join(problems))
+        if self.harness_options:
             # The server checks them too; here a bad one fails before any rollout is asked for. Only when
             # given: the client otherwise needs none of the server side (the harnesses import sandboxes).
             from harness_trainer.harnesses import make_harness
 
-            try:
-                make_harness(harness, **harness_options)
-            except ValueError as exc:
-                raise RolloutConfigError(str(exc)) from None
-        self.split, self.harness, self.sandbox = split, harness, sandbox
-        self.harness_options = dict(harness_options or {})
+            for name in self.harness_mix.names:
+                try:
+                    make_harness(name, **self.harness_mix.options_for(self.harness_options, name))
+                except ValueError as exc:
+                    raise RolloutConfigError(str(exc)) from None
+        self.split, self.sandbox = split, sandbox
+        self.harness = self.harness_mix.value()
+        """The harness value as given: a name, a list or a mapping of weights."""
         self.llm_url, self.model = llm_url or None, model or None
         self.api_key, self.auth_header = api_key or None, auth_header or None
         self.agent_timeout_sec, self.agent_step_limit, self.reward_key = (
@@ -336,18 +352,23 @@ class HarborSessionFactory:
         agent = self.agent_timeout_sec or float(listed.get("agent_timeout_sec", 600.0))
         return agent + float(listed.get("verifier_timeout_sec", 600.0)) + self.setup_timeout_sec
 
+    def harness_for_group(self, group: int) -> str | None:
+        """The harness GRPO group ``group`` runs on when this factory mixes harnesses, else None."""
+        return self.harness_mix.for_group(group) if self.harness_mix.mixed else None
+
     def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> HarborSession:
         index = self.task_index(task)
+        harness = self.harness_mix.for_group(group_index(episode_id))
         wait_timeout_s = self.wait_timeout_s(index)  # lists tasks first: placing counts the metadata session
         sampling = None if self.sampling is None else self.sampling.wire_json()
         body = {
-            "split": self.split, "index": index, "harness": self.harness, "sandbox": self.sandbox,
+            "split": self.split, "index": index, "harness": harness, "sandbox": self.sandbox,
             "sampling": sampling, "agent_timeout_sec": self.agent_timeout_sec or None,
             "agent_step_limit": self.agent_step_limit, "reward_key": self.reward_key, "seed": seed,
             "episode_id": episode_id,
         }  # fmt: skip
-        if self.harness_options:
-            body["harness_options"] = self.harness_options
+        if options := self.harness_mix.options_for(self.harness_options, harness):
+            body["harness_options"] = options
         engine = {"llm_url": self.llm_url, "model": self.model}
         engine.update(api_key=self.api_key, auth_header=self.auth_header)
         body.update({k: v for k, v in engine.items() if v is not None})

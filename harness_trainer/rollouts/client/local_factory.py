@@ -4,11 +4,12 @@ For the local dev loop and tests: a background thread runs a :class:`RolloutRunt
 sandboxes) in its own event loop; ``create`` submits a rollout to it and returns a session with the same
 sync API, the same keywords' meanings and the same exceptions (one mapping,
 :func:`~harness_trainer.rollouts.errors.error_for`) as a server-backed one: ``split`` names a dataset of
-``tasks`` (:mod:`harness_trainer.tasks.catalog`), ``harness_options`` are the harness class's keyword
-options (checked here), ``agent_timeout_sec`` None or 0 means each task's own,
-``reward_key`` is a key or a comma-separated preference list checked on the first verifier result, and a
-session's wait without a timeout covers its agent, verifier and ``setup_timeout_sec``. ``close()``
-cancels what still runs and shuts the runtime down; the factory is also a context manager. With
+``tasks`` (:mod:`harness_trainer.tasks.catalog`), ``harness`` one harness or several dealt per GRPO
+group (:mod:`harness_trainer.rollouts.harness_mix`), ``harness_options`` the harness class's keyword
+options (checked here; keyed by harness name for several), ``agent_timeout_sec`` None or 0 means each
+task's own, ``reward_key`` is a key or a comma-separated preference list checked on the first verifier
+result, and a session's wait without a timeout covers its agent, verifier and ``setup_timeout_sec``.
+``close()`` cancels what still runs and shuts the runtime down; the factory is also a context manager. With
 ``capture_url`` (and its ``admin_key``) the rollouts go through an already-running capture proxy
 (``python -m capture_proxy``), which the factory neither starts nor stops.
 """
@@ -25,6 +26,7 @@ from typing import Any
 
 from capture_proxy.sampling import SamplingPolicy
 from harness_trainer.harnesses import make_harness
+from harness_trainer.rollouts.client.servers import group_index
 from harness_trainer.rollouts.client.session import (
     RewardKeyCheck,
     VerifyResult,
@@ -35,6 +37,7 @@ from harness_trainer.rollouts.client.session import (
     verify_result,
 )
 from harness_trainer.rollouts.errors import RolloutConfigError
+from harness_trainer.rollouts.harness_mix import HarnessMix, HarnessValue, harness_mix
 from harness_trainer.rollouts.result import RolloutOptions, RolloutResult
 from harness_trainer.rollouts.run_options import DEFAULT_RUN
 from harness_trainer.rollouts.server.runtime import RolloutRuntime, RuntimeConfig
@@ -55,7 +58,7 @@ class LocalSessionFactory:
         *,
         upstream: str,
         split: str = DEFAULT_RUN.split,
-        harness: str = DEFAULT_RUN.harness,
+        harness: HarnessValue | HarnessMix = DEFAULT_RUN.harness,
         harness_options: dict[str, Any] | None = None,
         sandbox: str = "local",
         model: str | None = None,
@@ -86,13 +89,19 @@ class LocalSessionFactory:
         self.check_reward_key = RewardKeyCheck(reward_key)
         """Called by each session's ``verify`` (checks once)."""
         try:
-            make_harness(harness, **(harness_options or {}))
+            self.harness_mix = harness_mix(harness)
+            problems = self.harness_mix.options_problems(harness_options or {})
+            if problems:
+                raise ValueError("; ".join(problems))
+            for name in self.harness_mix.names:
+                make_harness(name, **self.harness_mix.options_for(harness_options or {}, name))
         except ValueError as exc:
             raise RolloutConfigError(str(exc)) from None
+        self.harness_options = dict(harness_options or {})
         agent_timeout_sec = agent_timeout_sec or None
         policy = sampling_policy(sampling)
         self.options = RolloutOptions(
-            harness=harness, harness_options=harness_options or {}, sandbox=sandbox,
+            harness=self.harness_mix.first, sandbox=sandbox,
             sampling=None if policy is None else policy.wire_json(), agent_timeout_sec=agent_timeout_sec,
             agent_step_limit=agent_step_limit, reward_key=reward_key,
         )  # fmt: skip
@@ -145,7 +154,11 @@ class LocalSessionFactory:
         if self._closed:
             raise RuntimeError("the factory is closed")
         harbor_task = self._task(task)
-        options = self.options.model_copy(update={"seed": seed, "episode_id": episode_id})
+        harness = self.harness_mix.for_group(group_index(episode_id))
+        options = self.options.model_copy(update={
+            "seed": seed, "episode_id": episode_id, "harness": harness,
+            "harness_options": self.harness_mix.options_for(self.harness_options, harness),
+        })  # fmt: skip
         stop = asyncio.Event()
         future = asyncio.run_coroutine_threadsafe(
             self.runtime.rollout(harbor_task, options, stop), self._loop
@@ -155,6 +168,10 @@ class LocalSessionFactory:
         session = LocalSession(self, future, stop, wait_timeout_s=bound)
         self._sessions.add(session)
         return session
+
+    def harness_for_group(self, group: int) -> str | None:
+        """The harness GRPO group ``group`` runs on when this factory mixes harnesses, else None."""
+        return self.harness_mix.for_group(group) if self.harness_mix.mixed else None
 
     async def acreate(
         self, task: Any, seed: int | None = None, episode_id: str | None = None

@@ -61,6 +61,8 @@ def verify_result(result: RolloutResult) -> VerifyResult:
         "phase_seconds": dict(result.phase_seconds),
         "rewards": dict(result.rewards),
         "capture_session_id": result.capture_session_id,
+        "harness": result.harness,
+        "agreement": None if result.agreement is None else result.agreement.model_dump(),
     }
     artifacts = {
         "reward_detail": result.reward_detail,

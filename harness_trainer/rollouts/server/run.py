@@ -18,13 +18,14 @@ import contextlib
 import logging
 import time
 from collections.abc import Coroutine, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from capture_proxy.admin_client import CaptureClient, CaptureError, NothingTrainable
 from harness_trainer.harnesses import make_harness
 from harness_trainer.harnesses.base import AgentEndpoint, AgentRun, Harness, HarnessError
 from harness_trainer.harnesses.bundles import provision
+from harness_trainer.rollouts.agreement import agreement
 from harness_trainer.rollouts.errors import ErrorKind
 from harness_trainer.rollouts.result import RolloutOptions, RolloutResult, StepResult
 from harness_trainer.rollouts.server.verifier import (
@@ -107,6 +108,8 @@ async def run_rollout(
         with _phase(result, "trace"):
             result.trace = await _export(capture, session.session_id)
             summary = await capture.summary(session.session_id)
+        turns = result.trace.get("turns", [])
+        result.agreement = agreement(episode.agent_calls, [turn.get("request") for turn in turns])
         result.findings, result.model_calls = (
             list(summary.get("findings", [])),
             int(summary.get("model_calls", 0)),
@@ -156,6 +159,8 @@ class _Episode:
     stop: asyncio.Event | None
     result: RolloutResult
     backend: SandboxBackend
+    agent_calls: list[list[dict[str, Any]]] | None = field(default_factory=list)
+    """The agent's own record of its model calls, over its runs (None once a run kept none)."""
 
     async def agent(self, instruction: str, timeout_s: float) -> tuple[int | None, bool]:
         """One agent run on ``instruction`` (:func:`_record_agent`'s exit code and timeout)."""
@@ -164,7 +169,12 @@ class _Episode:
                 self.sandbox, instruction, self.endpoint, step_limit=self.options.agent_step_limit,
                 timeout_s=self.options.agent_timeout_sec or timeout_s,
             )  # fmt: skip
-            return _record_agent(self.result, await _until_stopped(run, self.stop))
+            ran = await _until_stopped(run, self.stop)
+            if self.agent_calls is not None:
+                self.agent_calls = (
+                    None if ran is None or ran.record is None else self.agent_calls + ran.record
+                )
+            return _record_agent(self.result, ran)
 
     async def verify(self, step: TaskStep | None = None) -> VerifierOutcome:
         """The task's (or ``step``'s) verifier: in the agent's sandbox, or in one of its own."""

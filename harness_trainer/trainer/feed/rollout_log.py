@@ -10,16 +10,19 @@ Three kinds of line, one JSON object each, appended and synced to disk (``fsync`
   id its factory was given, ``group{G}-member{M}``), ``capture_session_id`` (the capture session its model
   calls went through, unscorable rollouts included when they got one, else null; its journal is
   ``DATA_DIR/sessions/ID`` in the capture proxy's data folder, read by ``harness-trainer proxy-trace``),
-  ``task_name``, ``task_index``, ``reward`` (after ``rollout_reward_fn``), ``env_reward`` (the
+  ``task_name``, ``task_index``, ``harness`` (the agent its group ran, in a run that mixes harnesses;
+  else null), ``reward`` (after ``rollout_reward_fn``), ``env_reward`` (the
   verifier's), ``advantage`` and ``not_trained`` (null when written: the step's outcome line sets them),
   ``unscorable`` (the reason, or null), ``timed_out``, ``seconds`` (the scheduler's wall time), ``llm_s``,
   ``env_s``, ``other_s`` (that time split: trainer/step/timesplit.py), ``policy_version`` (when it started),
   ``dispatch_version_min`` / ``_max`` and ``return_version_min`` / ``_max`` (over its turns: the policy
   version the capture proxy knew when it sent each call, and the version that answered; null without
   any), ``tool_call_count``, ``tool_failure_count``, ``tool_calls_by_name``, ``phase_seconds``,
-  ``findings`` (the verifier's, dicts or strings), ``trace_logged`` (whether its trace is written) and
-  ``trace`` (the TrainingTrace JSON; null when nothing was captured, or when ``rollout_log_steps`` leaves
-  this group's trace out).
+  ``findings`` (the verifier's, dicts or strings), ``agreement`` and ``agreement_detail`` (the agent's own
+  record of its model calls against the capture: ``match``, ``mismatch`` with the first difference, or
+  ``not_available``; null when not checked: harness_trainer/rollouts/agreement.py), ``trace_logged``
+  (whether its trace is written) and ``trace`` (the TrainingTrace JSON; null when nothing was captured,
+  or when ``rollout_log_steps`` leaves this group's trace out).
 - **An outcome** (:class:`RolloutOutcome`, ``{"kind": "outcome", "step", "group", "member", "advantage",
   "not_trained"}``), written by the trainer when a step takes the rollout's group: the step, and either
   the advantage it trained with or why it did not train (:data:`.rollout_records.NOT_TRAINED_REASONS`).

@@ -47,6 +47,7 @@ class RolloutRecord(BaseModel):
     capture_session_id: str | None = None
     task_name: str | None = None
     task_index: int | None = None
+    harness: str | None = None
     reward: float | None = None
     env_reward: float | None = None
     advantage: float | None = None
@@ -68,6 +69,10 @@ class RolloutRecord(BaseModel):
     phase_seconds: dict[str, float] = Field(default_factory=dict)
     """Where the rollout's time went, by phase (``verify.metrics["phase_seconds"]``), when reported."""
     findings: list[dict[str, Any] | str] = Field(default_factory=list)
+    agreement: str | None = None
+    """The agent's own record against the capture: match, mismatch or not_available; None: not checked."""
+    agreement_detail: str | None = None
+    """A mismatch's first difference."""
     trace_logged: bool = True
     trace: TrainingTrace | None = None
 
@@ -103,6 +108,7 @@ def rollout_record(
     task_index: int | None,
     verify_metrics: dict[str, Any] | None,
     findings: list[Any] | None,
+    harness: str | None = None,
     step: int | None = None,
     advantage: float | None = None,
     with_trace: bool = True,
@@ -135,6 +141,7 @@ def rollout_record(
         capture_session_id=rollout.capture_session_id,
         task_name=None if task_name is None else str(task_name),
         task_index=task_index,
+        harness=harness,
         reward=rollout.reward,
         env_reward=outcome.env_reward if outcome is not None else None,
         advantage=advantage,
@@ -154,6 +161,8 @@ def rollout_record(
         tool_calls_by_name=calls_by_name,
         phase_seconds=phases,
         findings=[item if isinstance(item, dict | str) else str(item) for item in findings or []],
+        agreement=verdict.get("status") if isinstance(verdict := metrics.get("agreement"), dict) else None,
+        agreement_detail=verdict.get("first_difference") if isinstance(verdict, dict) else None,
         trace_logged=with_trace,
         trace=rollout.trace if with_trace else None,
     )
@@ -167,7 +176,8 @@ def member_record(
     record alike)."""
     return rollout_record(
         rollout, task_name=group.row.get("task_name"), task_index=group.row.get("task_index"),
-        verify_metrics=rollout.verify_metrics, findings=rollout.findings, step=step, with_trace=with_trace,
+        verify_metrics=rollout.verify_metrics, findings=rollout.findings, harness=group.harness, step=step,
+        with_trace=with_trace,
     )  # fmt: skip
 
 

@@ -56,7 +56,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from harness_trainer.rollouts.client.contract import RolloutFactory
+from harness_trainer.rollouts.client.contract import MixesHarnesses, RolloutFactory
 from harness_trainer.rollouts.errors import RolloutUnscorable
 from harness_trainer.trainer.feed.failures import FailureKind, judge
 from harness_trainer.trainer.feed.first_rollouts import FirstRollouts
@@ -160,6 +160,7 @@ class RolloutScheduler:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             config.max_concurrent_rollouts, thread_name_prefix="rollout"
         )
+        self._harness_for_group = factory.harness_for_group if isinstance(factory, MixesHarnesses) else None
         self.factory = as_async(factory, self._pool, self._stopping)
         """The factory as the async contract (a sync one's calls on the pool's threads)."""
         self._settings = RolloutSettings(
@@ -316,7 +317,8 @@ class RolloutScheduler:
             position = self.row_chooser.choose(index)
         else:
             position = row_order(len(self.rows), index, seed=self.config.seed, shuffle=self.config.shuffle)
-        group = Group(index, self.rows[position], self.config.seed + index, [])
+        harness = self._harness_for_group(index) if self._harness_for_group is not None else None
+        group = Group(index, self.rows[position], self.config.seed + index, [], harness=harness)
         members = [Rollout(index, m) for m in range(self.config.num_generations)]
         group.rollouts = members
         task = asyncio.ensure_future(self._run_group(group))

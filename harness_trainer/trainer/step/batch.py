@@ -14,6 +14,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from harness_trainer.rollouts.agreement import MATCH, MISMATCH, NOT_AVAILABLE
 from harness_trainer.trainer.step.advantages import group_advantages, scored
 from harness_trainer.trainer.step.groups import Group, Rollout
 from harness_trainer.trainer.step.rows import Row
@@ -76,6 +77,9 @@ def assemble(
     return batch
 
 
+AGREEMENT_STATUSES = (MATCH, MISMATCH, NOT_AVAILABLE)
+
+
 def _mean(values: Sequence[float]) -> float:
     return statistics.fmean(values) if values else 0.0
 
@@ -130,6 +134,7 @@ def rollout_metrics(
     }
     metrics |= phase_metrics(rollouts)
     metrics |= whitebox_metrics(rollouts)
+    metrics |= agreement_metrics(rollouts)
     if rollouts:
         splits = [rollout_time_split(r) for r in rollouts]
         metrics["perf/rollout_llm_s"] = _mean([s.llm_s for s in splits])
@@ -176,6 +181,16 @@ def whitebox_metrics(rollouts: Sequence[Rollout]) -> dict[str, float]:
             ):
                 values.setdefault(str(name), []).append(float(value))
     return {name: _mean(found) for name, found in sorted(values.items())}
+
+
+def agreement_metrics(rollouts: Sequence[Rollout], prefix: str = "agreement/") -> dict[str, float]:
+    """How many rollouts' agents kept a record of their model calls that ``match`` the capture, did not
+    (``mismatch``), or kept none (``not_available``): :mod:`harness_trainer.rollouts.agreement`. Nothing
+    when no rollout was checked (a factory that does not report it)."""
+    verdicts = [v.get("status") for r in rollouts if isinstance(v := r.verify_metrics.get("agreement"), dict)]
+    if not verdicts:
+        return {}
+    return {f"{prefix}{status}": float(verdicts.count(status)) for status in AGREEMENT_STATUSES}
 
 
 def phase_metrics(rollouts: Sequence[Rollout]) -> dict[str, float]:

@@ -51,6 +51,8 @@ class Group:
     row: dict[str, Any]
     seed: int
     rollouts: list[Rollout]
+    harness: str | None = None
+    """The harness every member ran, when the factory mixes harnesses (else None: the run has one)."""
 
     @property
     def scored(self) -> list[Rollout]:

@@ -1,7 +1,7 @@
 import sys
 
 sys.path.insert(0, "/tests")
-from common import env_lines, expect  # noqa: E402
+from common import env_lines, expect
 
 expect(
     env_lines(),

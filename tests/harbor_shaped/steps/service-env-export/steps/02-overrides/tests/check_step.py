@@ -2,7 +2,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, "/tests")
-from common import env_lines, expect  # noqa: E402
+from common import env_lines, expect
 
 if Path("/app/setup.sh").exists():
     sys.exit("the step's setup hook was left in the working directory")
