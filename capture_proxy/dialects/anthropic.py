@@ -39,7 +39,14 @@ from typing import Any
 
 import orjson
 
-from capture_proxy.dialects.base import SSE_KEEPALIVE, ChatCall, DialectError, Reply, required_string
+from capture_proxy.dialects.base import (
+    SSE_KEEPALIVE,
+    ChatCall,
+    DialectError,
+    Reply,
+    optional_list,
+    required_string,
+)
 
 TEXT_JOIN = "\n\n"
 RAW_ARGUMENTS_KEY = "_raw"
@@ -272,12 +279,8 @@ def _refuse_block(kind: str, at: str, context: str) -> None:
 
 
 def _tools(raw: Any) -> list[dict[str, Any]]:
-    if raw is None:
-        return []
-    if not isinstance(raw, list):
-        raise DialectError("tools: must be a list", param="tools")
     out: list[dict[str, Any]] = []
-    for i, tool in enumerate(raw):
+    for i, tool in enumerate(optional_list(raw, "tools")):
         at = f"tools[{i}]"
         if not isinstance(tool, dict):
             raise DialectError(f"{at}: must be an object", param=at)

@@ -79,6 +79,15 @@ class Reply:
     stop_sequence: str | None = None
 
 
+def optional_list(raw: Any, name: str) -> list[Any]:
+    """A request's optional list field: [] when absent, else the list; a 400 naming it when not a list."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise DialectError(f"{name}: must be a list", param=name)
+    return raw
+
+
 def required_string(obj: dict[str, Any], key: str, at: str) -> str:
     """``obj[key]`` when it is a string, else a 400 naming the field by its path (``at.key``)."""
     value = obj.get(key)

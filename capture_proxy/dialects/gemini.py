@@ -54,7 +54,7 @@ from typing import Any
 import orjson
 
 from capture_proxy.dialects.anthropic import tool_arguments, tool_input
-from capture_proxy.dialects.base import ChatCall, DialectError, Reply, required_string
+from capture_proxy.dialects.base import ChatCall, DialectError, Reply, optional_list, required_string
 from capture_proxy.dialects.count_tokens import estimate_tokens
 from capture_proxy.dialects.gemini_fields import camel, get_field, json_schema, snake
 
@@ -358,12 +358,8 @@ def _refuse_part(part: dict[str, Any], at: str) -> None:
 
 
 def _tools(raw: Any) -> list[dict[str, Any]]:
-    if raw is None:
-        return []
-    if not isinstance(raw, list):
-        raise DialectError("tools: must be a list", param="tools")
     out: list[dict[str, Any]] = []
-    for i, tool in enumerate(raw):
+    for i, tool in enumerate(optional_list(raw, "tools")):
         at = f"tools[{i}]"
         tool = _object(tool, at)
         for key in tool:

@@ -35,7 +35,14 @@ from typing import Any
 
 import orjson
 
-from capture_proxy.dialects.base import SSE_KEEPALIVE, ChatCall, DialectError, Reply, required_string
+from capture_proxy.dialects.base import (
+    SSE_KEEPALIVE,
+    ChatCall,
+    DialectError,
+    Reply,
+    optional_list,
+    required_string,
+)
 
 TEXT_JOIN = "\n\n"
 DELTA_CHARS = 64  # characters per streamed delta; any split is valid, this keeps frames small and few
@@ -275,12 +282,8 @@ def _text(content: Any, path: str) -> str:
 
 
 def _tools(raw: Any) -> list[dict[str, Any]]:
-    if raw is None:
-        return []
-    if not isinstance(raw, list):
-        raise DialectError("tools: must be a list", param="tools")
     out: list[dict[str, Any]] = []
-    for i, tool in enumerate(raw):
+    for i, tool in enumerate(optional_list(raw, "tools")):
         at = f"tools[{i}]"
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind != "function":
