@@ -54,14 +54,12 @@ async def upload_tests(sandbox: Sandbox, task: HarborTask, step: TaskStep | None
     Raises:
         SandboxError: the sandbox could not run commands or copy files (not the verifier's fault).
     """
-    prepared = await sandbox.exec(
+    await _setup(
+        sandbox,
         # empty rather than remove: either folder may be a mount point in the sandbox
         f"mkdir -p {VERIFIER_LOG_DIR} {TESTS_DIR} && find {VERIFIER_LOG_DIR} {TESTS_DIR} -mindepth 1 -delete",
-        timeout_s=_SETUP_TIMEOUT_S,
+        f"could not prepare {VERIFIER_LOG_DIR} and {TESTS_DIR}",
     )
-    if prepared.exit_code != 0:
-        output = _tail(prepared.stdout + prepared.stderr)
-        raise SandboxError(f"could not prepare {VERIFIER_LOG_DIR} and {TESTS_DIR}: {output}")
     for tests in [task.tests_dir] if step is None else [task.tests_dir, step.tests_dir]:
         if step is None or tests.is_dir():
             await sandbox.upload_dir(tests, TESTS_DIR)
@@ -110,6 +108,14 @@ async def _read_optional(sandbox: Sandbox, path: str) -> bytes | None:
         return None
 
 
+async def _setup(sandbox: Sandbox, command: str, failure: str) -> None:
+    """Run a setup command of the verifier's; its failure is the sandbox's (``failure``: its output's
+    tail), not the verifier's."""
+    ran = await sandbox.exec(command, timeout_s=_SETUP_TIMEOUT_S)
+    if ran.exit_code != 0:
+        raise SandboxError(f"{failure}: {_tail(ran.stdout + ran.stderr)}")
+
+
 def _tail(text: str, limit: int = OUTPUT_TAIL_CHARS) -> str:
     return text if len(text) <= limit else text[-limit:]
 
@@ -127,15 +133,12 @@ async def collect_artifacts(sandbox: Sandbox, paths: tuple[str, ...]) -> bytes:
     """
     listed = " ".join(shlex.quote(path) for path in paths)
     existing = f'for p in {listed}; do [ -e "$p" ] && printf \'%s\\n\' "${{p#/}}"; done'
-    made = await sandbox.exec(
+    await _setup(
+        sandbox,
         f"mkdir -p /logs && {{ {existing}; }} > {ARTIFACTS_ARCHIVE}.list; "
         f"tar -czf {ARTIFACTS_ARCHIVE} -C / -T {ARTIFACTS_ARCHIVE}.list && rm -f {ARTIFACTS_ARCHIVE}.list",
-        timeout_s=_SETUP_TIMEOUT_S,
+        f"could not archive the artifacts {list(paths)}",
     )
-    if made.exit_code != 0:
-        raise SandboxError(
-            f"could not archive the artifacts {list(paths)}: {_tail(made.stdout + made.stderr)}"
-        )
     return await sandbox.read_file(ARTIFACTS_ARCHIVE)
 
 
@@ -163,13 +166,11 @@ async def run_separate_verifier(
     sandbox = await backend.start(verifier_task, lifetime_s=timeout + _SEPARATE_SLACK_S)
     try:
         await sandbox.write_file(ARTIFACTS_ARCHIVE, archive)
-        unpacked = await sandbox.exec(
+        await _setup(
+            sandbox,
             f"mkdir -p {VERIFIER_LOG_DIR} && tar -xzf {ARTIFACTS_ARCHIVE} -C / && rm -f {ARTIFACTS_ARCHIVE}",
-            timeout_s=_SETUP_TIMEOUT_S,
+            "could not unpack the artifacts in the verifier's sandbox",
         )
-        if unpacked.exit_code != 0:
-            output = _tail(unpacked.stdout + unpacked.stderr)
-            raise SandboxError(f"could not unpack the artifacts in the verifier's sandbox: {output}")
         upload = not separate.from_tests
         return await run_verifier(sandbox, task, reward_key=reward_key, upload=upload, step=step)
     finally:
