@@ -311,6 +311,7 @@ class E2BSandboxBackend:
             log_dir=build_log_dir,
         )
         self._live: set[E2BSandbox] = set()
+        self._unclaimed: set[asyncio.Future[None]] = set()  # kills of what cancelled starts' creates made
         self.run_id = run_id
         self.owner = new_owner()
         self._reaping: asyncio.Future[None] | None = None
@@ -415,8 +416,16 @@ class E2BSandboxBackend:
         if not task.environment.allow_internet:
             kwargs["network"] = {"deny_out": ["0.0.0.0/0"], "allow_out": list(self.allow_out)}
         for attempt in itertools.count(1):
+            made = asyncio.ensure_future(create(template=template, timeout=timeout, **kwargs))
             try:
-                return await create(template=template, timeout=timeout, **kwargs)
+                # Shielded: a rollout cancelled while its create is in flight (the run stopping) must not
+                # leave the sandbox E2B made meanwhile; the create runs to its end and what it made is killed.
+                return await asyncio.shield(made)
+            except asyncio.CancelledError:
+                reclaim = asyncio.ensure_future(self._reclaim(made))
+                self._unclaimed.add(reclaim)
+                reclaim.add_done_callback(self._unclaimed.discard)
+                raise
             except Exception as exc:  # every failure is classified; unknown ones get one more try
                 kind = classify(exc)
                 if attempt >= tries_allowed(kind, self.create_attempts):
@@ -436,9 +445,22 @@ class E2BSandboxBackend:
                 await asyncio.sleep(delay)
         raise AssertionError("unreachable")
 
+    async def _reclaim(self, made: asyncio.Future[Any]) -> None:
+        """Once a create whose caller was cancelled ends, kill the sandbox it made, if it made one."""
+        try:
+            sdk_sandbox = await made
+        except Exception:
+            return  # it made nothing
+        try:
+            await sdk_sandbox.kill()
+        except Exception as exc:  # the orphan reaper (the run's metadata) finds it on a later start
+            log.warning("could not kill sandbox %s, made for a cancelled start: %s", sdk_sandbox, exc)
+
     async def aclose(self) -> None:
-        """Kill every sandbox this backend started that is still open."""
+        """Kill every sandbox this backend started that is still open, and those cancelled starts made."""
         await asyncio.gather(*(sandbox.close() for sandbox in self.live))
+        if self._unclaimed:
+            await asyncio.wait(list(self._unclaimed), timeout=60)
 
 
 def _create_failure(task: HarborTask, template: str, tries: int, kind: Kind, exc: Exception) -> str:

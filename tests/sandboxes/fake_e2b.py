@@ -162,6 +162,13 @@ class FakeE2BCloud:
             self.fail_creates -= 1
             raise self.failure
         await self._admit()
+        # A create the API accepted completes on its side whatever the client does meanwhile (as a real
+        # request's does): a client that stops waiting leaves a running sandbox it never heard of.
+        return await asyncio.shield(self._create_admitted(template, metadata, envs))
+
+    async def _create_admitted(
+        self, template: str | None, metadata: dict[str, str] | None, envs: dict[str, str] | None
+    ) -> FakeAsyncSandbox:
         low, high = self.latency.create_s
         if high > 0:
             await asyncio.sleep(random.uniform(low, high))

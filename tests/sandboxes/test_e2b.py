@@ -34,7 +34,7 @@ from harness_trainer.sandboxes.e2b_errors import (
     tries_allowed,
 )
 from tests.sandboxes.conftest import TaskFactory
-from tests.sandboxes.fake_e2b import FakeE2BCloud, api_error
+from tests.sandboxes.fake_e2b import FakeE2BCloud, FakeLatency, api_error
 
 pytestmark = pytest.mark.docker  # the fake E2B cloud runs images exported from the Docker daemon
 
@@ -372,3 +372,19 @@ def test_the_smoke_test_needs_an_api_key(
     monkeypatch.delenv("E2B_API_KEY", raising=False)
     assert smoke_main(["--smoke"]) == 2
     assert "E2B_API_KEY" in capsys.readouterr().err
+
+
+async def test_a_start_cancelled_while_e2b_creates_its_sandbox_kills_what_the_create_made(
+    backend: E2BSandboxBackend, cloud: FakeE2BCloud, make_task: TaskFactory
+) -> None:
+    """The run stops while a create is in flight: E2B makes the sandbox anyway (the request was sent), and
+    nobody would kill it; the backend waits for the create and kills what it made."""
+    cloud.latency = FakeLatency(create_s=(0.5, 0.5))
+    start = asyncio.ensure_future(backend.start(make_task(), lifetime_s=60))
+    await asyncio.sleep(0.1)  # the create is in flight
+    start.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await start
+    await backend.aclose()  # waits for the create it let run on, and its kill
+    (made,) = cloud.sandboxes
+    assert made.killed and not backend.live
