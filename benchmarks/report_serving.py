@@ -249,3 +249,33 @@ def docker_prepare_section(result: dict[str, Any]) -> Section:
     headline = f"{c['environments']} cold builds ready in {statistics.median(r['ratio'] for r in runs):.2f}x "
     headline += "the slowest alone"
     return Section("docker_prepare", headline, rows, notes=notes)
+
+
+def agents_section(result: dict[str, Any]) -> Section:
+    """Each agent's start-up to its first model call (against the toy agent's) and the proxy's cost."""
+    agents, c = result["agents"], result["config"]
+    base = agents.get("toy", {}).get("startup_s")
+
+    def seconds(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f} s"
+
+    rows = []
+    for name, a in agents.items():
+        ratio = [a["startup_s"] / base] if a["startup_s"] is not None and base else []
+        cpu = "-" if a["proxy_cpu_ms_per_call"] is None else f"{a['proxy_cpu_ms_per_call']:.2f} ms"
+        own = "-" if a["proxy_ms_per_call"] is None else f"{a['proxy_ms_per_call']:.2f} ms"
+        rows.append(
+            Row(
+                f"{name}: start-up to its first model call (worst {seconds(a['startup_worst_s'])}); agent "
+                f"phase {seconds(a['agent_s'])}, {a['model_calls']:g} calls; proxy CPU {cpu} per call, its "
+                f"own time {own}; solved {a['solved']}/{a['runs']}",
+                seconds(a["startup_s"]),
+                seconds(base),
+                ratio,
+            )
+        )
+    slowest = max((a["startup_s"] or 0.0, n) for n, a in agents.items())
+    headline = f"{len(agents)} agents, {c['runs']} run(s) each on {c['task']}; slowest start-up {slowest[1]} "
+    headline += f"{slowest[0]:.2f} s"
+    notes = ["no speed targets: a table to choose agents by their cost; medians over the runs"]
+    return Section("agents", headline, rows, notes=notes)

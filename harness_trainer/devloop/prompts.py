@@ -8,14 +8,19 @@ submit command, with prompts that keep only the rules the agent enforces. The ru
 so every task's prompt starts with the same ids (a warm-up forwards them once; an engine's prefix cache
 keeps them). ``harness-trainer dev --stock-prompt`` runs mini.yaml's own prompts instead.
 
-Harnesses without an entry run with their own prompts.
+qwen-code's and gemini-cli's own system prompts and default tools take about 15,000 of the tiny model's
+16,000-token context, so the dev loop offers each its shell tool alone and a smaller output cap
+(:data:`COMPACT_HARNESS_OPTIONS`).
+Harnesses without an entry run with their own prompts and tools.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from harness_trainer.harnesses.gemini_cli import GeminiCliHarness
 from harness_trainer.harnesses.mini_swe_agent import SUBMIT_COMMAND, MiniSweAgentHarness
+from harness_trainer.harnesses.qwen_code import QwenCodeHarness
 from harness_trainer.rollouts.harness_mix import HarnessValue, harness_mix
 
 MINI_SWE_AGENT_COMPACT: dict[str, Any] = {
@@ -32,6 +37,8 @@ MINI_SWE_AGENT_COMPACT: dict[str, Any] = {
 
 COMPACT_HARNESS_OPTIONS: dict[str, dict[str, Any]] = {
     MiniSweAgentHarness.name: {"agent_config": MINI_SWE_AGENT_COMPACT},
+    QwenCodeHarness.name: {"tools": [QwenCodeHarness.dialect.shell_tool], "max_output_tokens": 1024},
+    GeminiCliHarness.name: {"tools": [GeminiCliHarness.dialect.shell_tool], "max_output_tokens": 1024},
 }
 
 

@@ -2,7 +2,8 @@
 
 Each task's reference ``solution/solve.sh`` becomes one shell command (its comments, shebang and ``set``
 line dropped); the transcript is that command as the harness's own shell tool call, then the harness's way
-of finishing, both as its class's :class:`~harness_trainer.harnesses.base.Dialect` says (in white-box mode,
+of finishing (for an agent without tool calls, aider: one text reply with the command in a fenced block),
+both as its class's :class:`~harness_trainer.harnesses.base.Dialect` says (in white-box mode,
 the sandbox's ``bash`` tool, then its ``submit`` tool). Served by the dev
 engine in scripted mode, these make a real agent solve the task, and the capture proxy records them as the
 agent's own token ids (in white-box mode, the trainer's own model step does): warm-up data in exactly the
@@ -13,6 +14,7 @@ rewards.
 
 from __future__ import annotations
 
+import shlex
 from typing import Any
 
 from harness_trainer.harnesses import HARNESSES
@@ -61,6 +63,15 @@ def distractor_replies(harness: str) -> list[dict[str, Any]]:
     return command_replies(harness, DISTRACTOR)
 
 
+def one_line(command: str) -> str:
+    """``command`` as one ``sh`` line (an agent that runs each line of a fenced block on its own, aider,
+    would break a here-document or a loop): ``bash -c`` of its lines, each quoted, printed back."""
+    lines = command.splitlines()
+    if len(lines) < 2:
+        return command
+    return f"bash -c \"$(printf '%s\\n' {' '.join(shlex.quote(line) for line in lines)})\""
+
+
 def command_replies(harness: str, command: str) -> list[dict[str, Any]]:
     """``command`` as ``harness``'s shell tool call, then the harness's way of finishing."""
     if harness == WHITE_BOX:  # the sandbox's bash tool, then its submit tool
@@ -71,6 +82,12 @@ def command_replies(harness: str, command: str) -> list[dict[str, Any]]:
             f"no solver transcript format for harness {harness!r} (known: {', '.join(SCRIPTED_HARNESSES)}, "
             f"{WHITE_BOX})"
         )
+
+    if dialect.shell_fence is not None:  # no tool calls: the command as a fenced block of a text reply
+        return [{"content": f"```{dialect.shell_fence}\n{one_line(command)}\n```"}]
+
+    def shell(line: str) -> dict[str, Any]:
+        return _call(dialect.shell_tool, **{dialect.command_key: line, **dict(dialect.bash_arguments)})
+
     submit = dialect.submit_command
-    finish = dict(FINISHED) if submit is None else _bash(command=submit)
-    return [_bash(command=command, **dict(dialect.bash_arguments)), finish]
+    return [shell(command), dict(FINISHED) if submit is None else shell(submit)]

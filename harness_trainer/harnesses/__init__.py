@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from harness_trainer.harnesses.aider import AiderHarness
 from harness_trainer.harnesses.base import (
     AgentEndpoint,
     AgentRun,
@@ -20,8 +21,11 @@ from harness_trainer.harnesses.base import (
 )
 from harness_trainer.harnesses.claude_code import ClaudeCodeHarness
 from harness_trainer.harnesses.codex import CodexHarness
+from harness_trainer.harnesses.gemini_cli import GeminiCliHarness
 from harness_trainer.harnesses.mini_swe_agent import MiniSweAgentHarness
 from harness_trainer.harnesses.opencode import OpencodeHarness
+from harness_trainer.harnesses.pi_agent import PiHarness
+from harness_trainer.harnesses.qwen_code import QwenCodeHarness
 from harness_trainer.harnesses.toy import ToyHarness
 
 HARNESSES: dict[str, type[Harness]] = {
@@ -29,6 +33,10 @@ HARNESSES: dict[str, type[Harness]] = {
     "mini-swe-agent": MiniSweAgentHarness,
     "claude-code": ClaudeCodeHarness,
     "codex": CodexHarness,
+    "gemini-cli": GeminiCliHarness,
+    "pi": PiHarness,
+    "qwen-code": QwenCodeHarness,
+    "aider": AiderHarness,
     "toy": ToyHarness,  # a stdlib agent for tests, benchmarks and the dev loop
 }
 
@@ -54,13 +62,17 @@ __all__ = [
     "HARNESSES",
     "AgentEndpoint",
     "AgentRun",
+    "AiderHarness",
     "ClaudeCodeHarness",
     "CodexHarness",
     "Dialect",
+    "GeminiCliHarness",
     "Harness",
     "HarnessError",
     "MiniSweAgentHarness",
     "OpencodeHarness",
+    "PiHarness",
+    "QwenCodeHarness",
     "ToolCounts",
     "ToyHarness",
     "make_harness",

@@ -83,12 +83,18 @@ class AgentRun:
 @dataclass(frozen=True)
 class Dialect:
     """How a scripted model's replies drive a harness's agent (the dev loop's solver transcripts, its
-    warm-up): the arguments the agent's ``bash`` tool requires beside ``command`` (``(name, value)``, with a
-    value that will do), and how a reply ends the run: the shell command the agent takes as its submission
-    (``submit_command``), or, without one, a reply with no tool call."""
+    warm-up, the agents benchmark): the agent's shell tool (``shell_tool``, the command under
+    ``command_key``) and the arguments it requires beside the command (``bash_arguments``: ``(name,
+    value)``, with a value that will do), and how a reply ends the run: the shell command the agent takes as
+    its submission (``submit_command``), or, without one, a reply with no tool call. An agent without tool
+    calls (``shell_fence``) takes a text reply with the command in a fenced block of that info string, and
+    answers that one reply, then exits (no finishing reply)."""
 
     bash_arguments: tuple[tuple[str, str], ...] = ()
     submit_command: str | None = None
+    shell_tool: str = "bash"
+    command_key: str = "command"
+    shell_fence: str | None = None
 
 
 class Harness(Protocol):

@@ -28,6 +28,7 @@ from harness_trainer.harnesses.base import (
     AGENT_LOG_DIR,
     AgentEndpoint,
     AgentRun,
+    Dialect,
     ToolCounts,
     json_lines,
     run_logged,
@@ -117,7 +118,7 @@ class ClaudeCodeHarness:
 
     name = "claude-code"
     package = PACKAGE
-    dialect = None  # no scripted transcript is written for it
+    dialect = Dialect(shell_tool="Bash", bash_arguments=(("description", "Solve the task"),))
 
     def __init__(
         self,

@@ -26,6 +26,7 @@ from harness_trainer.harnesses.base import (
     AGENT_LOG_DIR,
     AgentEndpoint,
     AgentRun,
+    Dialect,
     ToolCounts,
     json_lines,
     run_logged,
@@ -118,7 +119,7 @@ class CodexHarness:
 
     name = "codex"
     package = PACKAGE
-    dialect = None  # no scripted transcript is written for it
+    dialect = Dialect(shell_tool="exec_command", command_key="cmd")
 
     def __init__(self, *, context_tokens: int | None = None) -> None:
         """``context_tokens``: the served model's context window as Codex should believe it."""

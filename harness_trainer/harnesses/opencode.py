@@ -14,6 +14,16 @@ fixed title means no title-generation call; ``--auto`` approves what the config 
 sandbox is the boundary). Its JSON event log goes to ``/logs/agent/opencode.jsonl``; each ``tool_use``
 event is one tool call, failed when its ``state.status`` is ``error``.
 
+Its own record of its model calls (:func:`recorded_calls`): opencode keeps a run's messages and their parts
+in its SQLite database (``~/.local/share/opencode/opencode.db``); after the run ``opencode export
+<sessionID>`` (the id is on every JSON event) prints them as JSON, ``{"info": …, "messages": [{"info":
+{"role", "error", …}, "parts": [...]}]}``. Each model call is one step of an assistant message (its parts
+from a ``step-start`` to the ``step-finish``: text, ``tool`` parts with ``callID``, ``tool``,
+``state.input`` and ``state.output`` or ``state.error``); the call sent the user's text and every earlier
+step's reply and tool results. The record holds no system prompt. Nor does it hold the assistant
+message opencode appends to the call it makes at its step limit (its fixed "maximum steps reached"
+instruction, with tools off): that call reads as a mismatch of one message.
+
 Before the first start, opencode installs ``@opencode-ai/plugin`` from npm into its config folder (64 MB,
 in the background, at every start with a fresh ``HOME``). The run writes that folder's
 ``package.json``, ``package-lock.json`` and an empty ``node_modules`` first, which opencode takes as
@@ -23,6 +33,7 @@ in the background, at every start with a fresh ``HOME``). The run writes that fo
 from __future__ import annotations
 
 import json
+import shlex
 from typing import Any
 
 from harness_trainer.harnesses.base import (
@@ -46,6 +57,9 @@ PROVIDER_ID = "harness"
 TITLE = "harness-trainer rollout"
 NO_TRAINING_TOOLS = ("task", "webfetch", "websearch", "codesearch")
 LOG_NAME = "opencode.jsonl"
+EXPORT_TIMEOUT_S = 60.0
+INTERRUPTED = "[Tool execution was interrupted]"  # what opencode sends for a tool that never finished
+CLEARED = "[Old tool result content cleared]"  # what it sends for an output it compacted away
 ENV = {
     "OPENCODE_DISABLE_AUTOUPDATE": "1",
     "OPENCODE_DISABLE_SHARE": "1",
@@ -154,11 +168,127 @@ class OpencodeHarness:
         for name, text in plugin_stub_files().items():
             await sandbox.write_file(f"{home}/.config/opencode/{name}", text)
         await sandbox.write_file(f"{home}/.config/opencode/node_modules/.keep", b"")
+        binary = agent_path(sandbox, PACKAGE)
+        env = {**ENV, "OPENCODE_CONFIG": config_path}
         result, log = await run_logged(
             sandbox,
-            build_command(agent_path(sandbox, PACKAGE), instruction),
-            env={**ENV, "OPENCODE_CONFIG": config_path},
+            build_command(binary, instruction),
+            env=env,
             log_path=f"{AGENT_LOG_DIR}/{LOG_NAME}",
             timeout_s=timeout_s,
         )
-        return AgentRun(result=result, log=log, tools=parse_tool_counts(log))
+        record = recorded_calls(await _export(sandbox, binary, env, log))
+        return AgentRun(result=result, log=log, tools=parse_tool_counts(log), record=record)
+
+
+def session_id(log: str) -> str | None:
+    """The opencode session of a run, from its JSON events."""
+    return next((str(e["sessionID"]) for e in json_lines(log) if e.get("sessionID")), None)
+
+
+async def _export(sandbox: Sandbox, binary: str, env: dict[str, str], log: str) -> str | None:
+    """``opencode export`` of the run's session (its stdout), or None where it cannot be had."""
+    session = session_id(log)
+    if session is None:
+        return None
+    try:
+        exported = await sandbox.exec(
+            f"{shlex.join([binary, 'export', session])} < /dev/null",
+            timeout_s=EXPORT_TIMEOUT_S,
+            env=env,
+            cwd=sandbox.workdir,
+        )
+    except Exception:  # no record is a verdict of its own, never a failed rollout
+        return None
+    return exported.stdout if exported.exit_code == 0 and not exported.timed_out else None
+
+
+def recorded_calls(export: str | None) -> list[list[dict[str, Any]]] | None:
+    """The messages opencode sent in each model call, from ``opencode export`` (module docstring), in
+    Chat Completions' shape; None without a readable export. Each ``step-start`` begins a call, which sent
+    the user's text and every earlier step's reply (text and tool calls) and tool results. An assistant
+    message opencode leaves out of later calls (one that failed with nothing to show) still was a call."""
+    try:
+        data = json.loads(export[export.index("{") :]) if export else None
+    except ValueError:
+        return None
+    messages = data.get("messages") if isinstance(data, dict) else None
+    if not isinstance(messages, list):
+        return None
+    history: list[dict[str, Any]] = []
+    calls: list[list[dict[str, Any]]] = []
+    for message in messages:
+        info, parts = _info_and_parts(message)
+        if info.get("role") == "user":
+            text = "".join(
+                str(p.get("text") or "") for p in parts if p.get("type") == "text" and not p.get("ignored")
+            )
+            if text:
+                history.append({"role": "user", "content": text})
+            continue
+        if info.get("role") != "assistant":
+            continue
+        kept = _kept_in_history(info, parts)
+        steps: list[list[dict[str, Any]]] = []
+        for part in parts:
+            if part.get("type") == "step-start":
+                if kept and steps:
+                    history.extend(_step(steps[-1]))
+                calls.append(list(history))
+                steps.append([])
+            elif steps:
+                steps[-1].append(part)
+        if kept and steps:
+            history.extend(_step(steps[-1]))
+    return calls
+
+
+def _info_and_parts(message: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    if not isinstance(message, dict):
+        return {}, []
+    info = message.get("info") if isinstance(message.get("info"), dict) else {}
+    parts = message.get("parts") if isinstance(message.get("parts"), list) else []
+    return info, [p for p in parts if isinstance(p, dict)]
+
+
+def _kept_in_history(info: dict[str, Any], parts: list[dict[str, Any]]) -> bool:
+    """Whether opencode sends this assistant message again: not one that failed, unless it was aborted
+    after it had said or done something."""
+    error = info.get("error")
+    if not error:
+        return True
+    aborted = isinstance(error, dict) and error.get("name") == "MessageAbortedError"
+    return aborted and any(p.get("type") not in ("step-start", "reasoning") for p in parts)
+
+
+def _step(parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One step's reply and its tool results, as Chat Completions messages."""
+    text = "".join(str(p.get("text") or "") for p in parts if p.get("type") == "text")
+    tools = [p for p in parts if p.get("type") == "tool"]
+    calls = [
+        {"id": p.get("callID"), "type": "function",
+         "function": {"name": p.get("tool"), "arguments": json.dumps(_input(p))}}
+        for p in tools
+    ]  # fmt: skip
+    reply = {"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}
+    results = [{"role": "tool", "tool_call_id": p.get("callID"), "content": _tool_output(p)} for p in tools]
+    return [reply, *results]
+
+
+def _tool_output(part: dict[str, Any]) -> str:
+    """A tool's result as opencode sends it."""
+    state = part.get("state") or {}
+    status = state.get("status")
+    if status == "completed":
+        return CLEARED if (state.get("time") or {}).get("compacted") else str(state.get("output") or "")
+    if status == "error":
+        metadata = state.get("metadata") or {}
+        if metadata.get("interrupted") is True and isinstance(metadata.get("output"), str):
+            return str(metadata["output"])
+        return str(state.get("error") or "")
+    return INTERRUPTED
+
+
+def _input(part: dict[str, Any]) -> Any:
+    input_ = (part.get("state") or {}).get("input")
+    return input_ if input_ is not None else {}

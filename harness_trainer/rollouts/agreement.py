@@ -10,6 +10,8 @@ it received (each trace turn's ``request``). :func:`agreement` compares the two 
   values: the same object spelled with other spaces is the same call), and a tool result's call id.
   What a client library adds or drops on the way (``None`` fields, a provider's extra keys, cache
   hints) is not part of a message's meaning and is not compared.
+- **System prompt.** An agent whose record leaves its system prompt out (pi's holds no system message)
+  is compared without the captured system messages: only what the record can say is checked.
 - **Verdict.** ``match``; ``mismatch`` with the first difference in words (the call, the message, what
   each side had); or ``not_available`` when the agent wrote no record (an agent that keeps none, or a
   run that died before writing it). A mismatch changes no training data: it is reported (the rollout's
@@ -50,6 +52,8 @@ def agreement(
     if agent_calls is None:
         return Agreement(status=NOT_AVAILABLE, captured_calls=len(captured))
     verdict = Agreement(status=MATCH, agent_calls=len(agent_calls), captured_calls=len(captured))
+    if not any(m.get("role") == "system" for call in agent_calls for m in call):
+        captured_messages = [[m for m in seen if m.get("role") != "system"] for seen in captured_messages]
     for number, (sent, seen) in enumerate(zip(agent_calls, captured_messages, strict=False), start=1):
         difference = _first_difference(list(sent), seen)
         if difference is not None:

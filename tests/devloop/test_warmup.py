@@ -35,8 +35,10 @@ def test_solver_transcripts_use_each_harness_shell_tool_and_way_of_finishing() -
     assert (
         wrong[0]["tool_calls"][0]["function"]["arguments"] == {"command": DISTRACTOR} and wrong[1] == mini[1]
     )
+    codex = solver_replies("codex", task)  # its own shell tool and argument
+    assert codex[0]["tool_calls"][0]["function"] == {"name": "exec_command", "arguments": {"cmd": command}}
     with pytest.raises(ValueError, match="no solver transcript format"):
-        solver_replies("codex", task)
+        solver_replies("no-such-agent", task)
 
 
 # About 100 s alone on 2 cores; past 300 s (the suite's default) when other work shared them.

@@ -27,6 +27,7 @@ from harness_trainer.harnesses import make_harness
 from harness_trainer.harnesses.base import AgentEndpoint, AgentRun
 from harness_trainer.harnesses.bundles import host_bundles_dir
 from harness_trainer.harnesses.tools import ToolPackage, host_tools_dir
+from harness_trainer.rollouts.agreement import agreement
 from harness_trainer.rollouts.server.verifier import run_verifier
 from harness_trainer.sandboxes.local import LocalSandboxBackend
 from harness_trainer.tasks import load_task
@@ -131,6 +132,64 @@ CASES = [
         {"exec_command": 3},
         failures=1,
     ),
+    Case(
+        "gemini-cli",
+        "test/sum-numbers",
+        [
+            call("read_file", file_path="/app/sum.txt"),
+            call("run_shell_command", command="awk '{s += $1} END {print s}' /app/numbers.txt"),
+            call("write_file", file_path="/app/sum.txt", content="145\n"),
+            {"content": "Wrote the sum, 145, to `/app/sum.txt`."},
+        ],
+        {"read_file": 1, "run_shell_command": 1, "write_file": 1},
+        failures=1,  # the sum file did not exist yet
+        options={"max_output_tokens": 512},  # its prompt alone is 15k of the tiny model's 16k tokens
+    ),
+    Case(
+        "pi",
+        "train/fix-calc-bug",
+        [
+            call("read", path="/app/calc.py"),
+            call("read", path="/app/test_calc.py"),
+            call(
+                "edit",
+                path="/app/calc.py",
+                edits=[
+                    {"oldText": "total(values) / (len(values) + 1)", "newText": "total(values) / len(values)"}
+                ],
+            ),
+            call("bash", command="python3 -c 'import calc; print(calc.mean([1, 2, 3, 4]))'"),
+            {"content": "Fixed: `mean` now divides by `len(values)`."},
+        ],
+        {"read": 2, "edit": 1, "bash": 1},
+        failures=1,  # there is no test_calc.py
+        options={"max_output_tokens": 1024},
+    ),
+    Case(
+        "qwen-code",
+        "train/count-lines",
+        [
+            call("run_shell_command", command="wc -l < /app/data/words.txt", description="Count the lines"),
+            call("read_file", file_path="/app/data/missing.txt"),
+            call("write_file", file_path="/app/count.txt", content="12\n"),
+            {"content": "Wrote the line count, 12, to `/app/count.txt`."},
+        ],
+        {"run_shell_command": 1, "read_file": 1, "write_file": 1},
+        failures=1,  # there is no missing.txt
+        # its own system prompt is 8k tokens of the tiny model's 16k: only the tools the script uses
+        options={"max_output_tokens": 1024, "tools": ("run_shell_command", "read_file", "write_file")},
+    ),
+    Case(  # no tool calls: a SEARCH/REPLACE block that creates the file, then a fenced shell command
+        "aider",
+        "train/hello-file",
+        [
+            {
+                "content": "hello.txt\n```\n<<<<<<< SEARCH\n=======\nHello, Harbor!\n>>>>>>> REPLACE\n```\n\n"
+                "```bash\ncat hello.txt\n```\n"
+            }
+        ],
+        {"edit": 1, "shell": 1},
+    ),
 ]
 
 
@@ -161,6 +220,9 @@ async def test_real_agent_solves_a_toy_task_and_trains_on_exactly_the_scripted_i
     assert not any(json.dumps(lacks)[1:-1] in first_prompt for lacks in case.not_prompt)
     trace = load_trace(stack.get(f"/sessions/{session_id}/trace"), session_id=session_id)
     assert len(calls) == len(trace.turns) == len(case.replies)
+    if case.harness == "opencode":  # its own record (opencode export) says what the proxy saw
+        verdict = agreement(run.record, [turn.request for turn in trace.turns])
+        assert (verdict.status, verdict.agent_calls) == ("match", len(case.replies)), verdict
     for turn, record, reply in zip(trace.turns, calls, case.replies, strict=True):
         request = record["upstream_request"]
         scripted = {"role": "assistant", **reply}

@@ -144,7 +144,7 @@ def test_several_harnesses_read_from_flags_and_config_files_in_each_shape(tmp_pa
         "mini-swe-agent",
     ]
     with pytest.raises(SystemExit):
-        dev.parse_args(["--harness", "toy,codex"])
+        dev.parse_args(["--harness", "toy,no-such-agent"])
 
 
 @pytest.mark.parametrize("command", ["run", "dev"])
@@ -167,7 +167,7 @@ def test_the_dev_loop_keeps_its_sandbox_and_its_own_defaults() -> None:
         4,
     )
     with pytest.raises(SystemExit):
-        parser_with(add_dev_arguments).parse_args(["--harness", "codex"])  # not one it can script
+        parser_with(add_dev_arguments).parse_args(["--harness", "no-such-agent"])  # not one it can script
 
 
 @pytest.mark.parametrize(

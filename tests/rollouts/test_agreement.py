@@ -103,3 +103,73 @@ def test_missing_calls_and_messages_are_mismatches_and_no_record_is_not_availabl
     assert agreement(calls, shorter).first_difference == "call 2: the agent sent 4 messages, the proxy saw 3"
     none = agreement(None, captured())
     assert (none.status, none.agent_calls, none.captured_calls) == ("not_available", None, 3)
+
+
+def test_pis_run_log_gives_each_calls_messages_without_a_system_prompt_compared_without_one() -> None:
+    from harness_trainer.harnesses.pi_agent import recorded_calls as pi_calls
+
+    task = {"role": "user", "content": [{"type": "text", "text": "Create /app/a.txt."}]}
+    tool_call = {"type": "toolCall", "id": "c1", "name": "bash", "arguments": {"command": "touch /app/a.txt"}}
+    messages = [
+        task,
+        {"role": "assistant", "content": [tool_call], "stopReason": "toolUse"},
+        {
+            "role": "toolResult",
+            "toolCallId": "c1",
+            "toolName": "bash",
+            "isError": False,
+            "content": [{"type": "text", "text": "(no output)"}],
+        },
+        {"role": "assistant", "content": [{"type": "text", "text": "Done."}], "stopReason": "stop"},
+    ]
+    log = "\n".join(
+        json.dumps(e) for e in ({"type": "agent_start"}, {"type": "agent_end", "messages": messages})
+    )
+    calls = pi_calls(log)
+    assert calls is not None and [len(call) for call in calls] == [1, 3]
+    sent_call = {"name": "bash", "arguments": '{"command":"touch /app/a.txt"}'}
+    first = [SYSTEM, {"role": "user", "content": "Create /app/a.txt."}]
+    reply = {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "function": sent_call}]}
+    second = [*first, reply, {"role": "tool", "tool_call_id": "c1", "content": "(no output)"}]
+    seen = [{"messages": first}, {"messages": second}]
+    assert agreement(calls, seen).status == "match"  # the record has no system prompt: none compared
+    seen[1]["messages"][3]["content"] = "other"
+    assert "message 2 (tool) differs in its content" in str(agreement(calls, seen).first_difference)
+    assert pi_calls('{"type": "agent_start"}') is None  # a run that did not end
+
+
+def test_opencodes_export_gives_one_call_per_step_with_tool_errors_as_it_sent_them() -> None:
+    from harness_trainer.harnesses.opencode import recorded_calls as opencode_calls
+
+    def step(*parts: dict[str, Any], finish: str = "tool-calls") -> dict[str, Any]:
+        start, end = {"type": "step-start"}, {"type": "step-finish", "reason": finish}
+        return {"info": {"role": "assistant", "finish": finish}, "parts": [start, *parts, end]}
+
+    def tool(call_id: str, name: str, arguments: dict[str, Any], **state: Any) -> dict[str, Any]:
+        return {"type": "tool", "tool": name, "callID": call_id, "state": {"input": arguments, **state}}
+
+    missing = tool(
+        "c1", "read", {"filePath": "/app/a.txt"}, status="error", error="File not found: /app/a.txt"
+    )
+    touch = tool("c2", "bash", {"command": "touch /app/a.txt"}, status="completed", output="", metadata={})
+    export = {
+        "info": {"id": "ses_1", "title": "harness-trainer rollout"},
+        "messages": [
+            {"info": {"role": "user"}, "parts": [{"type": "text", "text": '"Create /app/a.txt."'}]},
+            step(missing),
+            step({"type": "text", "text": "Creating it."}, touch),
+            step({"type": "text", "text": "Done."}, finish="stop"),
+        ],
+    }
+    calls = opencode_calls("Exporting session: ses_1\n" + json.dumps(export, indent=2))
+    assert calls is not None and [len(call) for call in calls] == [1, 3, 5]
+    task = {"role": "user", "content": '"Create /app/a.txt."'}
+    sent = {"name": "read", "arguments": '{"filePath":"/app/a.txt"}'}
+    first = {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "function": sent}]}
+    second = {**reply("touch /app/a.txt", "c2"), "content": "Creating it."}
+    history = [SYSTEM, task, first, result("c1", "File not found: /app/a.txt"), second, result("c2", "")]
+    seen = [{"messages": history[:2]}, {"messages": history[:4]}, {"messages": history}]
+    assert agreement(calls, seen).status == "match"  # no system prompt in the record: none compared
+    seen[2]["messages"][3] = result("c1", "Error: File not found")
+    assert "call 3: message 2 (tool) differs in its content" in str(agreement(calls, seen).first_difference)
+    assert opencode_calls(None) is None and opencode_calls("Error: session not found") is None

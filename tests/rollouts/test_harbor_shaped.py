@@ -10,11 +10,12 @@ installs at build time, several files under ``/app``, a pytest verifier writing 
 ``allow_internet = false``. None of their images has Node.
 
 ``serve --prepare test --prepare-harness …`` builds every image and every agent's bundle, and sets the pip
-agent up for each image's Python, before it answers. Then real mini-swe-agent, opencode, claude-code and
-codex each replay every task's ``solution/solve.sh`` through their own shell tool, driven by the scripted
-dev engine (reward 1), and give up at once on one task (reward 0). Asserted besides: no image has ``node``
-or ``npm``; every rollout's agent ran from its provisioned bundle (no per-rollout install); nothing is left
-open. The E2B run does the same with the templates carrying the bundles as their last layers.
+agent up for each image's Python, before it answers. Then each real agent (:data:`AGENTS`) replays every
+task's ``solution/solve.sh`` through its own shell tool, driven by the scripted dev engine (reward 1), and
+gives up at once on one task (reward 0). Asserted besides: no image has ``node`` or ``npm``; every
+rollout's agent ran from its provisioned bundle (no per-rollout install); the agents that keep their own
+record of their model calls agree with the capture; nothing is left open. The E2B run does the same with
+the templates carrying the bundles as their last layers.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from typing import Any
 
 import pytest
 
+from harness_trainer.devloop.prompts import dev_harness_options
+from harness_trainer.devloop.solver import command_replies
 from harness_trainer.harnesses.mini_swe_agent import SUBMIT_COMMAND
 from harness_trainer.net import free_port, wait_until_healthy
 from harness_trainer.rollouts.agreement import Agreement
@@ -43,7 +46,9 @@ pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(1800)]
 ROOT = Path(__file__).resolve().parents[2]
 DATASET = ROOT / "tests" / "harbor_shaped"
 TASKS = sorted(path.name for path in (DATASET / "test").iterdir())
-AGENTS = ("mini-swe-agent", "opencode", "claude-code", "codex")
+AGENTS = ("mini-swe-agent", "opencode", "claude-code", "codex", "pi", "qwen-code", "gemini-cli")
+RECORDING_AGENTS = ("mini-swe-agent", "pi", "opencode")
+"""The agents whose own record of their model calls is read and checked against the capture."""
 NODE_PROBE = "command -v node || command -v npm"
 GIVE_UP = "service-error-summary"  # the no-op's task (allow_internet = false)
 
@@ -56,13 +61,9 @@ def call(name: str, **arguments: Any) -> dict[str, Any]:
 
 
 def replay(agent: str, command: str) -> list[dict[str, Any]]:
-    """The replies with which ``agent`` runs ``command`` in its shell tool, then ends its run."""
-    return {
-        "mini-swe-agent": [call("bash", command=command), call("bash", command=SUBMIT_COMMAND)],
-        "opencode": [call("bash", command=command, description="Apply the fix"), {"content": "Done."}],
-        "claude-code": [call("Bash", command=command, description="Apply the fix"), {"content": "Done."}],
-        "codex": [call("exec_command", cmd=command), {"content": "Done."}],
-    }[agent]
+    """The replies with which ``agent`` runs ``command`` in its shell tool, then ends its run (its
+    harness's scripted dialect, as the dev loop's solver transcripts)."""
+    return command_replies(agent, command)
 
 
 def give_up(agent: str) -> list[dict[str, Any]]:
@@ -73,9 +74,9 @@ def give_up(agent: str) -> list[dict[str, Any]]:
 
 
 def expected_agreement(agent: str, calls: int) -> Agreement:
-    """mini-swe-agent's trajectory records every call, which the capture must have seen as sent; the
-    others keep no record this project reads."""
-    if agent == "mini-swe-agent":
+    """mini-swe-agent's trajectory, pi's run log and opencode's session export record every call, which the
+    capture must have seen as sent; the others keep no record this project reads."""
+    if agent in RECORDING_AGENTS:
         return Agreement(status="match", agent_calls=calls, captured_calls=calls)
     return Agreement(status="not_available", captured_calls=calls)
 
@@ -115,8 +116,9 @@ def test_every_agent_solves_harbor_shaped_tasks_in_images_without_node(
         assert _images_with_node() == []
         for agent, task, reward in plan:
             factory = HarborSessionFactory(
-                url, split="test", harness=agent, sandbox="docker", agent_timeout_sec=300
-            )
+                url, split="test", harness=agent, sandbox="docker", agent_timeout_sec=300,
+                harness_options=dev_harness_options(agent),  # the tiny context: some agents, shell alone
+            )  # fmt: skip
             try:
                 row = next(r for r in factory.prompt_rows() if r["task_name"] == task)
                 session = factory.create(row["prompt"])
@@ -189,7 +191,12 @@ async def test_every_agent_solves_harbor_shaped_tasks_in_the_fake_e2b_cloud(
         try:
             assert await runtime.prepare(list(tasks.values()), "e2b", harnesses=AGENTS) == len(TASKS)
             for agent, task, reward in plan:
-                options = RolloutOptions(harness=agent, sandbox="e2b", agent_timeout_sec=300)
+                options = RolloutOptions(
+                    harness=agent,
+                    sandbox="e2b",
+                    agent_timeout_sec=300,
+                    harness_options=dev_harness_options(agent),
+                )
                 result = await runtime.rollout(tasks[task], options)
                 assert result.error is None and result.reward == reward, (
                     agent,
