@@ -10,7 +10,8 @@ Routes:
   ``POST /v1/messages/count_tokens`` (answered locally, never journaled), ``POST /v1/responses`` (OpenAI
   Responses), ``GET /v1/models``; and, prefixed the same way, Gemini's
   ``POST /v1beta/models/{model}:generateContent``, ``…:streamGenerateContent?alt=sse`` and
-  ``…:countTokens`` (answered locally, never journaled). An unknown or missing key is a 401.
+  ``…:countTokens`` (answered locally, never journaled), under ``/v1/`` too (Google's stable version,
+  google-genai 3.x's default). An unknown or missing key is a 401.
 Errors are answered in the route's dialect; bodies over ``max_body_bytes`` get 413; invalid JSON 400.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -46,12 +48,14 @@ DIALECTS: dict[str, Dialect] = {
 MODEL_ROUTES = {"/chat/completions": "chat", "/messages": "anthropic", "/responses": "responses"}
 # Gemini's methods (after /v1beta/models/{model}:) → whether the reply streams; countTokens is local.
 GEMINI_METHODS = {"generateContent": False, "streamGenerateContent": True}
-GEMINI_PREFIX = "/v1beta/"
+# Google's API versions, both served: gemini-cli and google-genai 2.x send v1beta, google-genai 3.x v1.
+GEMINI_VERSIONS = ("v1beta", "v1")
+_GEMINI_PATH = re.compile(r"/v1(beta)?/models/[^/:]+:")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _dialect_of(path: str) -> Dialect:
-    if GEMINI_PREFIX in path:  # first: the substring tests below could match a path under it
+    if _GEMINI_PATH.search(path):  # first: the substring tests below could match a path under it
         return DIALECTS["gemini"]
     if "/messages" in path:
         return DIALECTS["anthropic"]
@@ -214,8 +218,9 @@ def build_app(config: ProxyConfig) -> web.Application:
         app.router.add_post(f"{prefix}/v1/messages/count_tokens", _count_tokens)
         app.router.add_get(f"{prefix}/v1/models", _models)
         # A model name holds no "/" or ":" (the SDKs send "gemini-x"; "models/" is part of the path).
-        gemini_route = prefix + GEMINI_PREFIX + "models/{model:[^/:]+}:"
-        for method in GEMINI_METHODS:
-            app.router.add_post(gemini_route + method, _gemini_handler(method))
-        app.router.add_post(gemini_route + "countTokens", _gemini_count_tokens)
+        for version in GEMINI_VERSIONS:
+            gemini_route = f"{prefix}/{version}/models/{{model:[^/:]+}}:"
+            for method in GEMINI_METHODS:
+                app.router.add_post(gemini_route + method, _gemini_handler(method))
+            app.router.add_post(gemini_route + "countTokens", _gemini_count_tokens)
     return app

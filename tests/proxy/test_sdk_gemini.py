@@ -248,6 +248,21 @@ def test_the_key_also_works_as_a_query_parameter_and_as_the_path_prefix(stack: S
     assert len(stack.calls(session["session_id"])) == 2
 
 
+@pytest.mark.parametrize("version", ["v1beta", "v1"])
+def test_both_api_versions_are_served_whichever_the_sdk_defaults_to(stack: Stack, version: str) -> None:
+    # gemini-cli and google-genai 2.x send v1beta; google-genai 3.x defaults to v1.
+    session = stack.new_session()
+    options = types.HttpOptions(base_url=session["root_url"], api_version=version, timeout=30_000)
+    client = genai.Client(api_key=session["session_id"], http_options=options)
+    for stream in (False, True):
+        assert _ask(client, stream, f"SAY:{version}").text == version
+    [first, _] = stack.calls(session["session_id"])
+    assert first["dialect"] == "gemini"
+    with pytest.raises(errors.ClientError) as refused:  # errors in Google's shape under either version
+        _ask(client, False, "SAY:x", response_mime_type="application/json")
+    assert refused.value.code == 400 and refused.value.status == "INVALID_ARGUMENT"
+
+
 def test_an_unknown_api_key_raises_a_401_client_error(stack: Stack) -> None:
     client = _client({"session_id": "no-such-session", "root_url": stack.url})
     with pytest.raises(errors.ClientError) as caught:
