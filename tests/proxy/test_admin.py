@@ -153,6 +153,15 @@ def test_binding_a_public_address_without_an_admin_key_is_refused(
     assert ProxyConfig(upstream="http://x", data_dir=tmp_path, host="0.0.0.0").resolved().admin_key == "k"  # type: ignore[arg-type]
 
 
+def upstream(stack: Stack, sent: int, timeout_s: float = 10.0) -> None:
+    """Wait until the engine has received a request beyond the first ``sent``: the call is in flight
+    upstream (a fixed sleep is not enough on a loaded machine)."""
+    deadline = time.monotonic() + timeout_s
+    while len(stack.engine.requests) <= sent:
+        assert time.monotonic() < deadline, "the call never reached the engine"
+        time.sleep(0.01)
+
+
 def test_deleting_a_session_while_a_call_is_in_flight_loses_nothing_else_and_leaks_nothing(
     stack: Stack,
 ) -> None:
@@ -161,9 +170,10 @@ def test_deleting_a_session_while_a_call_is_in_flight_loses_nothing_else_and_lea
     session = stack.new_session()
     httpx.post(stack.engine_url + "/_faults", json={"queue": [{"mode": "delay", "seconds": 0.5}]})
     answers: list[httpx.Response] = []
+    sent = len(stack.engine.requests)
     worker = threading.Thread(target=lambda: answers.append(call(session, timeout=30)))
     worker.start()
-    time.sleep(0.2)
+    upstream(stack, sent)
     assert stack.admin.delete(f"/sessions/{session['session_id']}").status_code == 200
     worker.join(10)
     assert answers[0].status_code == 200  # the agent still gets the reply it was waiting for
@@ -207,9 +217,10 @@ def test_a_version_only_policy_stamps_dispatch_and_return_versions_and_keeps_the
     # A push lands while a call is upstream: sent at version 1, answered at version 2.
     httpx.post(stack.engine_url + "/_faults", json={"queue": [{"mode": "delay", "seconds": 0.5}]})
     answers: list[httpx.Response] = []
+    sent = len(stack.engine.requests)
     worker = threading.Thread(target=lambda: answers.append(call(session, timeout=30)))
     worker.start()
-    time.sleep(0.2)
+    upstream(stack, sent)
     assert stack.admin.put("/policy", json={"version": 2}).status_code == 200
     worker.join(10)
     assert answers[0].status_code == 200
