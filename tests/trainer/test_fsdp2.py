@@ -319,12 +319,15 @@ def test_a_killed_fsdp2_rank_stops_the_run_with_an_error_and_a_rerun_resumes_fro
     tmp_path, tiny_model_dir
 ):
     started = time.monotonic()
-    # Torchrun checks its ranks every 2 s: time for the survivor to raise its own error before it is
-    # terminated (torchrun would stop it anyway, at its next check).
+    # Torchrun checks its ranks every 2 s: usually time for the survivor to raise its own error before it
+    # is terminated; on a loaded machine torchrun's check can come first and stop it (SIGTERM). Either
+    # way the survivor stops: it never waits on a dead peer.
     code, output = torchrun("kill", str(tiny_model_dir), str(tmp_path), timeout=120, monitor_s=2.0)
     assert code != 0
     assert "Signal 9 (SIGKILL) received" in output  # torchrun names the killed rank
-    assert re.search(r"\[rank0\]: RuntimeError: .*(closed|reset) by peer", output), output[-8000:]
+    raised = re.search(r"\[rank0\]: RuntimeError: .*(closed|reset) by peer", output)
+    stopped = re.search(r"rank\s*: 0 \(local_rank: 0\)\s+exitcode\s*: -15", output)
+    assert raised or stopped, output[-8000:]
     checkpoints = sorted(p.name for p in (tmp_path / "kill").glob("checkpoint-*"))
     assert checkpoints == [f"checkpoint-{step}" for step in range(1, KILLED_AT)]
     code, output = torchrun("resume", str(tiny_model_dir), str(tmp_path), timeout=120)
