@@ -176,8 +176,6 @@ class HarborSessionFactory:
                 except ValueError as exc:
                     raise RolloutConfigError(str(exc)) from None
         self.split, self.sandbox = split, sandbox
-        self.harness = self.harness_mix.value()
-        """The harness value as given: a name, a list or a mapping of weights."""
         self.llm_url, self.model = llm_url or None, model or None
         self.api_key, self.auth_header = api_key or None, auth_header or None
         self.agent_timeout_sec, self.agent_step_limit, self.reward_key = (
@@ -351,6 +349,11 @@ class HarborSessionFactory:
         listed = next((t for t in self.tasks() if t["index"] == index), {})
         agent = self.agent_timeout_sec or float(listed.get("agent_timeout_sec", 600.0))
         return agent + float(listed.get("verifier_timeout_sec", 600.0)) + self.setup_timeout_sec
+
+    @property
+    def harness(self) -> HarnessValue:
+        """The harness value as given: a name, a list or a mapping of weights."""
+        return self.harness_mix.value()
 
     def harness_for_group(self, group: int) -> str | None:
         """The harness GRPO group ``group`` runs on when this factory mixes harnesses, else None."""

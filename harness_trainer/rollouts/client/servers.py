@@ -39,7 +39,7 @@ POLL_S = 30.0
 """The longest long poll a session sends (the client's timeout is the request timeout plus this)."""
 _CLOSE_TIMEOUT_S = 5.0
 """Closing on a down server: one short try (it may be a blip), never the full request timeout."""
-_GROUP = re.compile(r"^(group(\d+))-member\d+$")
+_GROUP = re.compile(r"^group(\d+)-member\d+$")
 
 
 class RolloutServerError(RuntimeError):
@@ -52,14 +52,14 @@ class RolloutServerError(RuntimeError):
 
 def group_of(episode_id: str | None) -> str | None:
     """The GRPO group an episode id (``group{G}-member{M}``, the trainer's) belongs to; None for others."""
-    match = _GROUP.match(episode_id or "")
-    return match.group(1) if match else None
+    index = group_index(episode_id)
+    return None if index is None else f"group{index}"
 
 
 def group_index(episode_id: str | None) -> int | None:
     """The index of the GRPO group an episode id of the trainer's names; None for others."""
     match = _GROUP.match(episode_id or "")
-    return int(match.group(2)) if match else None
+    return int(match.group(1)) if match else None
 
 
 def pick_server(servers: Sequence[tuple[bool, int, int]]) -> int | None:
