@@ -169,17 +169,18 @@ def _weight(name: str, weight: Any) -> float:
     return float(weight)
 
 
-_orders: dict[tuple[float, ...], list[int]] = {}
+_orders: dict[tuple[float, ...], tuple[list[int], list[int]]] = {}
+"""Per weights: the order dealt so far and how many groups each harness got in it."""
 _orders_lock = threading.Lock()
 
 
 def _weighted_order(weights: tuple[float, ...], index: int) -> int:
     """Which harness (by position) weighted scheduling gives group ``index``: the one furthest below its
-    share ``weight / total × groups so far``, ties to the first; extended and kept per weights."""
+    share ``weight / total × groups so far``, ties to the first; extended and kept per weights (each group
+    once, however often it is asked for)."""
     total = sum(weights)
     with _orders_lock:
-        order = _orders.setdefault(weights, [])
-        counts = [order.count(i) for i in range(len(weights))] if index >= len(order) else []
+        order, counts = _orders.setdefault(weights, ([], [0] * len(weights)))
         while len(order) <= index:
             dealt = len(order) + 1
             # Compared as weight × dealt − count × total: the shares' fractions without a division.
