@@ -11,16 +11,24 @@ changes, server-side context management, adaptive thinking, effort), thinking is
 (``MAX_THINKING_TOKENS=0``), ``CLAUDE_CODE_MAX_OUTPUT_TOKENS`` caps ``max_tokens`` (32000 otherwise)
 and, when given, ``CLAUDE_CODE_MAX_CONTEXT_TOKENS`` is the context it plans for.
 
-Run: ``claude -p --output-format stream-json --verbose --dangerously-skip-permissions
---no-session-persistence --tools Bash,Read,Edit,Write [--max-turns N] -- <instruction>`` in the task's
-workdir. Only the file and shell tools are offered: the defaults add tools that spawn nested agents,
-schedule work or reach the web, and with them the prompt outgrows small contexts. The stream goes to
-``/logs/agent/claude-code.jsonl``; each ``tool_use`` block of an assistant message is one call, failed
-when its ``tool_result`` says ``is_error``.
+Run: ``claude -p --output-format stream-json --verbose --dangerously-skip-permissions --tools
+Bash,Read,Edit,Write [--max-turns N] -- <instruction>`` in the task's workdir. Only the file and shell
+tools are offered: the defaults add tools that spawn nested agents, schedule work or reach the web, and
+with them the prompt outgrows small contexts. The stream goes to ``/logs/agent/claude-code.jsonl``; each
+``tool_use`` block of an assistant message is one call, failed when its ``tool_result`` says
+``is_error``.
+
+Its own record of its model calls: the session transcript, which logs every request as sent
+(:mod:`.records_anthropic`; the stream holds neither the reminders Claude Code adds to the first user
+message nor a request's boundaries). It is written to the sandbox's own ``~/.claude/projects/``, where
+Claude Code keeps its config anyway; a ``CLAUDE_CONFIG_DIR`` elsewhere would change the prompt (the
+system prompt names the memory folder under it). After the run the transcript of the stream's session
+id is read back.
 """
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,6 +42,7 @@ from harness_trainer.harnesses.base import (
     run_logged,
 )
 from harness_trainer.harnesses.bundles import agent_path, install_agent
+from harness_trainer.harnesses.records_anthropic import recorded_calls
 from harness_trainer.harnesses.tools import NativeBinary, ToolPackage
 from harness_trainer.sandboxes.base import Sandbox
 
@@ -43,6 +52,7 @@ PACKAGE = ToolPackage(
 )  # fmt: skip
 DEFAULT_TOOLS = ("Bash", "Read", "Edit", "Write")
 LOG_NAME = "claude-code.jsonl"
+TRANSCRIPT_TIMEOUT_S = 30.0
 MODEL_VARIABLES = (
     "ANTHROPIC_MODEL",
     "ANTHROPIC_SMALL_FAST_MODEL",
@@ -84,7 +94,7 @@ def build_env(
 
 def build_command(binary: str, instruction: str, *, step_limit: int, tools: Sequence[str]) -> list[str]:
     argv = [binary, "-p", "--output-format", "stream-json", "--verbose"]
-    argv += ["--dangerously-skip-permissions", "--no-session-persistence", "--tools", ",".join(tools)]
+    argv += ["--dangerously-skip-permissions", "--tools", ",".join(tools)]
     if step_limit > 0:
         argv += ["--max-turns", str(step_limit)]
     return [*argv, "--", instruction]
@@ -158,4 +168,26 @@ class ClaudeCodeHarness:
             log_path=f"{AGENT_LOG_DIR}/{LOG_NAME}",
             timeout_s=timeout_s,
         )
-        return AgentRun(result=result, log=log, tools=parse_tool_counts(log))
+        record = recorded_calls(await _session_transcript(sandbox, log))
+        return AgentRun(result=result, log=log, tools=parse_tool_counts(log), record=record)
+
+
+def session_id(log: str) -> str | None:
+    """The Claude Code session of a run, from its stream's ``system``/``init`` event."""
+    return next((str(e["session_id"]) for e in json_lines(log) if e.get("session_id")), None)
+
+
+async def _session_transcript(sandbox: Sandbox, log: str) -> str | None:
+    """The run's session transcript (module docstring), or None where it cannot be had."""
+    session = session_id(log)
+    if session is None:
+        return None
+    projects = shlex.quote(f"{sandbox.home.rstrip('/')}/.claude/projects")
+    try:
+        found = await sandbox.exec(
+            f"ls -1 {projects}/*/{shlex.quote(session + '.jsonl')}", timeout_s=TRANSCRIPT_TIMEOUT_S
+        )
+        paths = found.stdout.splitlines()
+        return (await sandbox.read_file(paths[0])).decode("utf-8", errors="replace") if paths else None
+    except Exception:  # no record is a verdict of its own, never a failed rollout
+        return None

@@ -9,17 +9,22 @@ enabled = false``), goals, apps, plugins, hooks, memories, image tools, skill se
 skills' instructions, update checks and analytics. ``context_tokens``, when given, is written as
 ``model_context_window`` (the served model has no metadata in Codex otherwise).
 
-Run: ``codex exec --json --skip-git-repo-check --strict-config --ephemeral --color never -C <workdir> --
+Run: ``codex exec --json --skip-git-repo-check --strict-config --color never -C <workdir> --
 <instruction>``. Codex has no step limit of its own: the rollout's model-call budget (the capture
 session's ``max_model_calls``) is what bounds it. The JSONL events go to ``/logs/agent/codex.jsonl``;
 every completed tool item is one call, named as the model calls it (``command_execution`` →
 ``exec_command``, ``file_change`` → ``apply_patch``, an MCP call → ``server.tool``), failed when its
 status is ``failed`` or a command exits non-zero.
+
+Its own record of its model calls: the session's rollout file under ``$CODEX_HOME/sessions/``
+(:mod:`.records_responses`), which is why the run is not ``--ephemeral`` (the requests are the same
+either way); after the run the rollout of the ``thread.started`` event's thread id is read back.
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 from typing import Any
 
 from harness_trainer.harnesses.base import (
@@ -32,6 +37,7 @@ from harness_trainer.harnesses.base import (
     run_logged,
 )
 from harness_trainer.harnesses.bundles import agent_path, install_agent
+from harness_trainer.harnesses.records_responses import recorded_calls
 from harness_trainer.harnesses.tools import NativeBinary, ToolPackage
 from harness_trainer.sandboxes.base import Sandbox
 
@@ -42,6 +48,7 @@ PACKAGE = ToolPackage(
 PROVIDER_ID = "harness"
 API_KEY_VARIABLE = "HARNESS_TRAINER_API_KEY"
 LOG_NAME = "codex.jsonl"
+ROLLOUT_TIMEOUT_S = 30.0
 FEATURES_OFF = ("goals", "apps", "plugins", "hooks", "memories", "view_image", "image_generation")
 FEATURES_OFF += ("skill_search", "tool_suggest", "sleep_tool")
 TOOL_ITEMS = {"command_execution": "exec_command", "file_change": "apply_patch", "web_search": "web_search"}
@@ -80,7 +87,7 @@ def _toml(text: str) -> str:
 
 
 def build_command(binary: str, instruction: str, workdir: str) -> list[str]:
-    argv = [binary, "exec", "--json", "--skip-git-repo-check", "--strict-config", "--ephemeral"]
+    argv = [binary, "exec", "--json", "--skip-git-repo-check", "--strict-config"]
     return [*argv, "--color", "never", "-C", workdir, "--", instruction]
 
 
@@ -148,4 +155,24 @@ class CodexHarness:
             log_path=f"{AGENT_LOG_DIR}/{LOG_NAME}",
             timeout_s=timeout_s,
         )
-        return AgentRun(result=result, log=log, tools=parse_tool_counts(log))
+        record = recorded_calls(await _rollout(sandbox, codex_home, log))
+        return AgentRun(result=result, log=log, tools=parse_tool_counts(log), record=record)
+
+
+def thread_id(log: str) -> str | None:
+    """The Codex thread of a run, from its ``thread.started`` event."""
+    return next((str(e["thread_id"]) for e in json_lines(log) if e.get("type") == "thread.started"), None)
+
+
+async def _rollout(sandbox: Sandbox, codex_home: str, log: str) -> str | None:
+    """The run's rollout file (module docstring), or None where it cannot be had."""
+    thread = thread_id(log)
+    if thread is None:
+        return None
+    find = ["find", f"{codex_home}/sessions", "-name", f"rollout-*-{thread}.jsonl"]
+    try:
+        found = await sandbox.exec(shlex.join(find), timeout_s=ROLLOUT_TIMEOUT_S)
+        paths = found.stdout.splitlines()
+        return (await sandbox.read_file(paths[0])).decode("utf-8", errors="replace") if paths else None
+    except Exception:  # no record is a verdict of its own, never a failed rollout
+        return None

@@ -34,11 +34,24 @@ gemini-cli still reads a ``GEMINI.md`` of the workdir (up to its git root) and i
 ``@path`` of the instruction names, as it does for anyone. Its event stream goes to
 ``/logs/agent/gemini-cli.jsonl``; each ``tool_use`` event is one call (``tool_name``, ``tool_id``), failed
 when its ``tool_result`` has ``status`` ``error``.
+
+Its own record of its model calls (:func:`recorded_calls`): gemini-cli always records the conversation, as
+``<GEMINI_CLI_HOME>/.gemini/tmp/<project>/chats/session-<time>-<id8>.jsonl`` (``id8``: the first 8
+characters of the session id its ``init`` event names). It is a conversation, not a list of calls: a
+header, then message records (``user`` with the parts it sent, function responses included; ``gemini``
+with the reply's text and, added under the same id once they ran, its ``toolCalls``: ``id``, ``name``,
+``args``), ``{"$set": {"messages": [...]}}`` (the history as a whole, e.g. its startup context) and
+``{"$rewindTo": id}``. Each ``gemini`` message is one call's reply; the calls are rebuilt from the
+messages before it as gemini-cli builds a request: consecutive turns of one role joined, the ``<tool>__``
+prefix it adds to call ids taken off again; then read as the proxy's Gemini dialect reads ``contents``
+(:mod:`capture_proxy.dialects.gemini`). The record holds no system prompt, and the reply's text only as
+gemini-cli keeps it for display (trimmed, HTML comments removed).
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 from collections.abc import Sequence
 from typing import Any
 
@@ -68,6 +81,10 @@ DEFAULT_TOOLS = (
 NO_MCP_SERVER = "harness-trainer-none"  # the only MCP server allowed: none has this name
 LOG_NAME = "gemini-cli.jsonl"
 CONFIG_DIR = ".harness-trainer/gemini-cli"  # under the sandbox's home: GEMINI_CLI_HOME
+CHATS_GLOB = ".gemini/tmp/*/chats/session-*-{short_id}.jsonl"  # under GEMINI_CLI_HOME
+TEXT_JOIN = "\n\n"  # how the proxy's Gemini dialect joins a turn's text parts
+CALL_ID = "call_{turn}_{index}"  # the proxy's id for a call sent without one
+RAW_ARGUMENTS_KEY = "_raw"  # the proxy's wrapper for arguments that are not a JSON object
 ENV = {
     "GEMINI_CLI_NO_RELAUNCH": "true",
     "GEMINI_CLI_TRUST_WORKSPACE": "true",
@@ -197,4 +214,145 @@ class GeminiCliHarness:
             log_path=f"{AGENT_LOG_DIR}/{LOG_NAME}",
             timeout_s=timeout_s,
         )
-        return AgentRun(result=result, log=log, tools=parse_tool_counts(log))
+        record = recorded_calls(await _chat_recording(sandbox, config_home, log))
+        return AgentRun(result=result, log=log, tools=parse_tool_counts(log), record=record)
+
+
+async def _chat_recording(sandbox: Sandbox, config_home: str, log: str) -> str | None:
+    """The text of the run's chat recording (module docstring), or None where there is none to read."""
+    session = next((str(e.get("session_id")) for e in json_lines(log) if e.get("type") == "init"), "")
+    short_id = session[:8]
+    if len(short_id) < 8 or not short_id.isalnum():  # a UUID's first 8: no character the shell would read
+        return None
+    pattern = f"{shlex.quote(config_home)}/{CHATS_GLOB.format(short_id=short_id)}"
+    try:
+        found = await sandbox.exec(f"ls -1 {pattern}", timeout_s=30, cwd=sandbox.workdir)
+        paths = found.stdout.split() if found.exit_code == 0 else []
+        return (await sandbox.read_file(paths[-1])).decode("utf-8", errors="replace") if paths else None
+    except Exception:  # no record is a verdict of its own, never a failed rollout
+        return None
+
+
+def recorded_calls(text: str | None) -> list[list[dict[str, Any]]] | None:
+    """The messages gemini-cli sent in each model call, rebuilt from its chat recording (module docstring)
+    in Chat Completions' shape; None without a readable recording. Each ``gemini`` message is one call,
+    which sent every ``user`` and ``gemini`` message before it."""
+    messages = _conversation(text or "")
+    if messages is None:
+        return None
+    contents = [_content(m) for m in messages if m.get("type") in ("user", "gemini")]
+    return [_chat(contents[:i]) for i, content in enumerate(contents) if content["role"] == "model"]
+
+
+def _conversation(text: str) -> list[dict[str, Any]] | None:
+    """The recording's messages as gemini-cli loads them: a record with a known id replaces that message
+    in place, ``$set.messages`` replaces them all, ``$rewindTo`` drops that message and the ones after it.
+    None without a header (not a recording)."""
+    messages: dict[str, dict[str, Any]] = {}
+    header = False
+    for record in json_lines(text):
+        if isinstance(record.get("$rewindTo"), str):
+            ids = list(messages)
+            cut = ids.index(record["$rewindTo"]) if record["$rewindTo"] in ids else 0
+            messages = {key: messages[key] for key in ids[:cut]}
+        elif isinstance(record.get("id"), str):
+            messages[record["id"]] = record
+        elif isinstance(record.get("$set"), dict) and isinstance(record["$set"].get("messages"), list):
+            listed = [
+                m for m in record["$set"]["messages"] if isinstance(m, dict) and isinstance(m.get("id"), str)
+            ]
+            messages = {m["id"]: m for m in listed}
+        elif isinstance(record.get("sessionId"), str):
+            header = True
+    return list(messages.values()) if header else None
+
+
+def _content(message: dict[str, Any]) -> dict[str, Any]:
+    """One recorded message as the Gemini ``Content`` gemini-cli keeps in its history."""
+    content = message.get("content")
+    parts = [{"text": content}] if isinstance(content, str) else list(content or [])
+    parts = [p for p in parts if isinstance(p, dict) and p.get("text") != ""]
+    if message.get("type") == "user":
+        return {"role": "user", "parts": parts}
+    calls = [c for c in message.get("toolCalls") or [] if isinstance(c, dict)]
+    parts += [
+        {"functionCall": {"id": c.get("id"), "name": c.get("name"), "args": c.get("args")}} for c in calls
+    ]
+    return {"role": "model", "parts": parts}
+
+
+def _chat(contents: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The Chat Completions messages of one request's ``contents``: consecutive turns of one role joined
+    and call ids unprefixed, as gemini-cli sends them; then the proxy's Gemini dialect's reading."""
+    joined: list[dict[str, Any]] = []
+    for content in contents:
+        if joined and joined[-1]["role"] == content["role"]:
+            joined[-1] = {"role": content["role"], "parts": joined[-1]["parts"] + content["parts"]}
+        else:
+            joined.append(content)
+    messages: list[dict[str, Any]] = []
+    pending: list[tuple[str, str]] = []  # (id, name) of the last model turn's calls not yet answered
+    for turn, content in enumerate(joined):
+        parts = [_unprefixed(p) for p in content["parts"]]
+        if content["role"] == "model":
+            messages.append(_assistant(parts, turn))
+            pending = [(c["id"], c["function"]["name"]) for c in messages[-1].get("tool_calls", [])]
+        else:
+            messages.extend(_user(parts, pending))
+    return messages
+
+
+def _unprefixed(part: dict[str, Any]) -> dict[str, Any]:
+    """A part with the ``<tool name>__`` prefix gemini-cli adds to call ids taken off (it does so before
+    each request)."""
+    for key in ("functionCall", "functionResponse"):
+        inner = part.get(key)
+        if isinstance(inner, dict) and isinstance(inner.get("id"), str):
+            prefix = f"{str(inner.get('name') or '').strip() or 'generic_tool'}__"
+            return {**part, key: {**inner, "id": inner["id"].removeprefix(prefix)}}
+    return part
+
+
+def _assistant(parts: list[dict[str, Any]], turn: int) -> dict[str, Any]:
+    """A model turn (``turn``: its index in the request): its text, its calls with their ids (the proxy's
+    for a call sent without one)."""
+    texts = [str(p["text"]) for p in parts if "text" in p and p.get("thought") is not True]
+    calls = [p["functionCall"] for p in parts if isinstance(p.get("functionCall"), dict)]
+    tool_calls = [
+        {"id": call.get("id") or CALL_ID.format(turn=turn, index=index), "type": "function",
+         "function": {"name": call.get("name"), "arguments": _arguments(call.get("args") or {})}}
+        for index, call in enumerate(calls)
+    ]  # fmt: skip
+    message: dict[str, Any] = {"role": "assistant", "content": TEXT_JOIN.join(texts) if texts else None}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    elif message["content"] is None:
+        message["content"] = ""
+    return message
+
+
+def _user(parts: list[dict[str, Any]], pending: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """A user turn: its function responses as tool messages for the calls they answer (by id, else the
+    first unanswered call of that name), then its text as one user message."""
+    messages: list[dict[str, Any]] = []
+    texts: list[str] = []
+    for part in parts:
+        response = part.get("functionResponse")
+        if not isinstance(response, dict):
+            texts.append(str(part.get("text", "")))
+            continue
+        answered = next((c for c in pending if response.get("id") and c[0] == response.get("id")), None)
+        answered = answered or next((c for c in pending if c[1] == response.get("name")), None)
+        if answered is not None:
+            pending.remove(answered)
+        call_id = answered[0] if answered else response.get("id")
+        output = json.dumps(response.get("response") or {}, ensure_ascii=False)
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
+    if texts or not messages:
+        messages.append({"role": "user", "content": TEXT_JOIN.join(texts)})
+    return messages
+
+
+def _arguments(args: Any) -> str:
+    raw = args.get(RAW_ARGUMENTS_KEY) if isinstance(args, dict) else None
+    return raw if isinstance(raw, str) and len(args) == 1 else json.dumps(args, ensure_ascii=False)

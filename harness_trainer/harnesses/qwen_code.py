@@ -30,12 +30,21 @@ Run: ``qwen --approval-mode yolo --output-format stream-json --prompt=<instructi
 workdir (yolo: the sandbox is the boundary). The stream goes to ``/logs/agent/qwen-code.jsonl``; each
 ``tool_use`` block of an assistant message is one call, failed when its ``tool_result`` says ``is_error``
 (a shell command that exits non-zero is one).
+
+Its own record of its model calls (:func:`recorded_calls`): with ``model.enableOpenAILogging`` Qwen Code
+writes every Chat Completions request it sends, with the response or error it got, as one JSON file,
+``<QWEN_HOME>/openai-logs/openai-<time>-<id>.json`` (``{"request", "response", "error", "context":
+{"sessionId", "promptId"}, …}``); it sends the same request with the log on or off. That is the record,
+call by call, system prompt included, read back after the run. Its chat recording (off) is not: it keeps
+the conversation, not the calls, and leaves out the ``<system-reminder>`` parts (startup context, skills,
+the date) that Qwen Code puts before the user's text in each request.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import shlex
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from harness_trainer.harnesses.base import (
@@ -62,6 +71,8 @@ MEMORY_AGENTS = ("enableManagedAutoMemory", "enableManagedAutoDream", "enableAut
 LOG_NAME = "qwen-code.jsonl"
 CONFIG_DIR = ".harness-trainer/qwen-code"
 """The private ``QWEN_HOME``, relative to the sandbox's ``HOME``."""
+REQUEST_LOG_DIR = "openai-logs"
+"""Where Qwen Code logs each request it sends, relative to ``QWEN_HOME``."""
 ENV = {
     "QWEN_DISABLE_AUTO_TITLE": "1",  # no session-title call
     "QWEN_CODE_SUPPRESS_YOLO_WARNING": "1",
@@ -78,15 +89,19 @@ def build_settings(
     step_limit: int,
     tools: Sequence[str] = DEFAULT_TOOLS,
     context_tokens: int | None = None,
+    request_log_dir: str | None = None,
 ) -> dict[str, Any]:
-    """settings.json for one rollout (see the module docstring); ``step_limit`` 0 means none. The API key
-    is not in it: it travels as ``OPENAI_API_KEY``."""
+    """settings.json for one rollout (see the module docstring); ``step_limit`` 0 means none;
+    ``request_log_dir``: where it logs each request it sends (None: it logs none). The API key is not in
+    it: it travels as ``OPENAI_API_KEY``."""
     model: dict[str, Any] = {
         "name": endpoint.model,
         "maxSessionTurns": step_limit if step_limit > 0 else -1,
         "skipNextSpeakerCheck": True,
         "skipLoopDetection": True,
     }
+    if request_log_dir is not None:
+        model |= {"enableOpenAILogging": True, "openAILoggingDir": request_log_dir}
     if context_tokens is not None:
         model["generationConfig"] = {"contextWindowSize": int(context_tokens)}
     offered = list(tools)
@@ -187,8 +202,13 @@ class QwenCodeHarness:
         timeout_s: float,
     ) -> AgentRun:
         qwen_home = f"{sandbox.home.rstrip('/')}/{CONFIG_DIR}"
+        log_dir = f"{qwen_home}/{REQUEST_LOG_DIR}"
         settings = build_settings(
-            endpoint, step_limit=step_limit, tools=self.tools, context_tokens=self.context_tokens
+            endpoint,
+            step_limit=step_limit,
+            tools=self.tools,
+            context_tokens=self.context_tokens,
+            request_log_dir=log_dir,
         )
         await sandbox.write_file(f"{qwen_home}/settings.json", json.dumps(settings, indent=2), mode=0o600)
         result, log = await run_logged(
@@ -198,4 +218,61 @@ class QwenCodeHarness:
             log_path=f"{AGENT_LOG_DIR}/{LOG_NAME}",
             timeout_s=timeout_s,
         )
-        return AgentRun(result=result, log=log, tools=parse_tool_counts(log))
+        session = session_id(log)
+        record = recorded_calls(await _request_logs(sandbox, log_dir), session) if session else None
+        return AgentRun(result=result, log=log, tools=parse_tool_counts(log), record=record)
+
+
+def session_id(log: str) -> str | None:
+    """The Qwen Code session of a run, from its stream's ``init`` event."""
+    inits = (e for e in json_lines(log) if e.get("subtype") == "init" and e.get("session_id"))
+    return next((str(e["session_id"]) for e in inits), None)
+
+
+async def _request_logs(sandbox: Sandbox, log_dir: str) -> str | None:
+    """The request logs of ``log_dir``, oldest first (their names begin with the time), one after another;
+    None where they cannot be read."""
+    try:
+        listed = await sandbox.exec(f"ls -1 {shlex.quote(log_dir)}", timeout_s=30, cwd=sandbox.workdir)
+        if listed.exit_code != 0:
+            return None
+        names = sorted(n for n in listed.stdout.split() if n.startswith("openai-") and n.endswith(".json"))
+        logs = [await sandbox.read_file(f"{log_dir}/{name}") for name in names]
+    except Exception:  # no record is a verdict of its own, never a failed rollout
+        return None
+    return "\n".join(data.decode("utf-8", errors="replace") for data in logs)
+
+
+def recorded_calls(logs: str | None, session: str) -> list[list[dict[str, Any]]] | None:
+    """The messages Qwen Code sent in each model call of ``session``, as it sent them, from its request
+    logs (module docstring: JSON documents one after another, oldest first); None without a readable log.
+    A request that got an error instead of a response is left out: it gave the run no model turn."""
+    try:
+        entries = list(_documents(logs or ""))
+    except ValueError:  # a log cut short: the agent was killed while writing it
+        return None
+    if not entries:
+        return None
+    calls: list[list[dict[str, Any]]] = []
+    for entry in entries:
+        if not isinstance(entry, dict) or (entry.get("context") or {}).get("sessionId") != session:
+            continue
+        messages = (entry.get("request") or {}).get("messages")
+        if isinstance(messages, list) and entry.get("response") and not entry.get("error"):
+            calls.append([m for m in messages if isinstance(m, dict)])
+    return calls
+
+
+def _documents(text: str) -> Iterator[Any]:
+    """The JSON documents of ``text``, one after another; raises ValueError at one that does not parse."""
+    decoder, at = json.JSONDecoder(), _after_space(text, 0)
+    while at < len(text):
+        document, at = decoder.raw_decode(text, at)
+        yield document
+        at = _after_space(text, at)
+
+
+def _after_space(text: str, at: int) -> int:
+    while at < len(text) and text[at].isspace():
+        at += 1
+    return at
