@@ -1,7 +1,7 @@
 """Training curves from a run's ``metrics.jsonl`` as one PNG: reward (± reward_std; in a run that mixes
 harnesses, each harness's reward too, joined across the steps it had groups in), held-out eval
-(``eval/pass@1`` and ``eval/pass@k``, at the steps that evaluated), completion length, tool calls per
-rollout, loss and seconds per step.
+(``eval/pass@1`` and ``eval/pass@k``, at the steps that evaluated; in a mix, each harness's pass@1 too,
+``eval/harness/<name>/pass@1``), completion length, tool calls per rollout, loss and seconds per step.
 
 Drawn with matplotlib's Agg canvas on a bare ``Figure`` (no pyplot, no display, no global state), so it
 works on a headless host and from any thread. A metric a run did not log leaves its panel empty with a
@@ -134,7 +134,26 @@ def _draw_sparse(axes: Any, lines: list[dict[str, Any]], name: str) -> None:
     second_steps, second = logged_points(lines, SPARSE[name])
     if second_steps:
         axes.plot(second_steps, second, marker="o", linestyle="--", linewidth=1.0, label=SPARSE[name])
+    if name == "eval/pass@1":
+        _draw_eval_harnesses(axes, lines)
     axes.set_ylim(-0.05, 1.05)
+
+
+def harness_eval_curves(lines: list[dict[str, Any]]) -> dict[str, tuple[list[int], list[float]]]:
+    """Each harness's held-out pass@1 (``eval/harness/<name>/pass@1``) at the steps that logged it, by
+    harness name; {} for a run of one harness."""
+    from harness_trainer.trainer.feed.evaluation import HARNESS_PREFIX, harness_names
+
+    names = sorted({name for line in lines for name in harness_names(line)})
+    return {name: logged_points(lines, f"{HARNESS_PREFIX}{name}/pass@1") for name in names}
+
+
+def _draw_eval_harnesses(axes: Any, lines: list[dict[str, Any]]) -> None:
+    curves = harness_eval_curves(lines)
+    for name, (steps, values) in curves.items():
+        axes.plot(steps, values, marker=".", linestyle=":", linewidth=1.0, label=f"{name} pass@1")
+    if curves:
+        axes.legend(fontsize=8)
 
 
 def _draw_harnesses(axes: Any, lines: list[dict[str, Any]]) -> None:

@@ -14,6 +14,7 @@ from harness_trainer.plots import (
     DPI,
     FIGURE_SIZE_IN,
     add_plot_arguments,
+    harness_eval_curves,
     logged_points,
     plot_metrics,
     read_metrics,
@@ -123,3 +124,20 @@ def test_eval_metrics_are_drawn_at_the_steps_that_evaluated(tmp_path: Path) -> N
     assert logged_points(lines, "eval/pass@1") == ([0, 2, 4], [0.25, 0.5, 1.0])
     assert logged_points(lines, "reward") == ([1, 2, 3, 4], [0.5] * 4)
     assert png_size(plot_metrics(tmp_path)) == (int(FIGURE_SIZE_IN[0] * DPI), int(FIGURE_SIZE_IN[1] * DPI))
+
+
+def test_a_mix_draws_each_harnesses_eval_pass_at_1_at_the_steps_that_evaluated(tmp_path: Path) -> None:
+    with MetricsReporter(tmp_path, "none") as reporter:
+        for step in (0, 1, 2):
+            metrics: dict[str, float] = {"reward": 0.5} if step else {}
+            if step % 2 == 0:
+                metrics |= {
+                    "eval/pass@1": 0.5, "eval/pass@k": 1.0, "eval/harness/toy/pass@1": 0.25 * (step + 1),
+                    "eval/harness/toy/pass@k": 1.0, "eval/harness/mini-swe-agent/pass@1": 0.75,
+                }  # fmt: skip
+            reporter.log(metrics, step)
+    curves = harness_eval_curves(read_metrics(tmp_path))
+    assert curves == {"mini-swe-agent": ([0, 2], [0.75, 0.75]), "toy": ([0, 2], [0.25, 0.75])}
+    assert png_size(plot_metrics(tmp_path))[0] == FIGURE_SIZE_IN[0] * DPI
+    write_run(tmp_path / "one")
+    assert harness_eval_curves(read_metrics(tmp_path / "one")) == {}

@@ -505,3 +505,52 @@ def test_each_evaluated_task_shows_its_samples_and_their_traces_under_its_evalua
     assert "samples of hello-file (#0) · 1 sample(s)" in step_4 and "samples of evil" not in step_4
     assert "⟨307⟩" in step_4 and "Fix" not in step_4
     assert "samples and their traces" in page
+
+
+def test_an_evaluation_of_a_mix_shows_each_harnesses_pass_rates_tasks_and_samples(tmp_path: Path) -> None:
+    import json
+
+    from harness_trainer.trainer.feed.evaluation import EVAL_ROLLOUTS_FILE
+
+    with RolloutLog(tmp_path):
+        pass
+    mix = {"toy": [1.0, 1.0], "mini-swe-agent": [0.0, 1.0]}
+
+    def line(name: str, index: int, harness: str) -> str:
+        rewards = mix[harness] if index == 0 else [0.0, 0.0]
+        passed = int(sum(rewards))
+        return json.dumps({
+            "step": 2, "policy_version": 2, "split": "test", "task_name": name, "task_index": index,
+            "harness": harness, "k": 2, "temperature": 1.0, "rewards": rewards, "unscorable": [None, None],
+            "passed": passed, "pass@1": passed / 2, "pass@k": float(passed > 0),
+        })  # fmt: skip
+
+    def sample(group: int, member: int, harness: str) -> str:
+        trace = load_trace(chain_trace(group, member))
+        done = Rollout(group, member, reward=mix[harness][member], trace=trace,
+                       capture_session_id=f"cs-{harness}-{member}", policy_version=2)  # fmt: skip
+        record = rollout_record(done, task_name="hello-file", task_index=0, verify_metrics=None,
+                                findings=None, harness=harness, step=2)  # fmt: skip
+        return record.model_dump_json()
+
+    # Group h × 2 + i: task i under the h-th harness; only hello-file's samples were kept.
+    lines = [line(name, i, h) for h in mix for i, name in enumerate(("hello-file", "sum-numbers"))]
+    (tmp_path / "eval.jsonl").write_text("\n".join(lines) + "\n")
+    samples = [sample(group, m, h) for group, h in ((0, "toy"), (2, "mini-swe-agent")) for m in (0, 1)]
+    (tmp_path / EVAL_ROLLOUTS_FILE).write_text("\n".join(samples) + "\n")
+    page = build_viewer(tmp_path, tokenizer_dir=None).read_text()
+    summary = page[page.index("<h3>Evaluations</h3>") : page.index('<details class="eval"')]
+    assert "per harness: pass@1 · pass@k" in summary
+    assert '<td class="text harnesses">toy 0.5 · 0.5<br>mini-swe-agent 0.25 · 0.5</td>' in summary
+    assert '<td class="text">test</td><td>2</td>' in summary  # tasks, each under both harnesses
+    assert "<td>0.375</td><td>0.5</td>" in summary  # over every (task, harness)
+    evaluation = page[page.index('id="eval-1"') :]
+    assert "· toy: pass@1 0.5 · mini-swe-agent: pass@1 0.25</summary>" in evaluation
+    assert evaluation.count('<td class="text">toy</td>') == 2
+    assert evaluation.count('<td class="text">mini-swe-agent</td>') == 2
+    toy = evaluation[evaluation.index("samples of hello-file (#0) under toy · 2 sample(s)") :]
+    toy = toy[: toy.index("samples of hello-file (#0) under mini")]
+    assert "sample 0 · reward 1" in toy and "sample 1 · reward 1" in toy and "cs-toy-0" in toy
+    assert "cs-mini-swe-agent" not in toy
+    mini = evaluation[evaluation.index("samples of hello-file (#0) under mini-swe-agent · 2 sample(s)") :]
+    assert "sample 0 · reward 0:" in mini and "cs-mini-swe-agent-1" in mini and "cs-toy" not in mini

@@ -7,9 +7,10 @@ folder without a tokenizer takes the one of the model the run trained (recorded 
 ``--tokenizer``. The folder is served by the dev engine or a real vLLM (``--engine``), and ``--split`` of
 the ``--tasks`` folder is rolled out ``-k`` times per task by the real agent in local sandboxes through the
 capture proxy: the same :class:`~harness_trainer.trainer.feed.evaluation.Evaluator`, seeds and scoring as
-evaluation during training. It prints one line per task and the means, and appends the records to
-``OUTPUT_DIR/eval.jsonl`` and each sample, its trace included, to ``OUTPUT_DIR/eval_rollouts.jsonl``.
-Everything it starts is stopped on every path; Ctrl-C exits 130.
+evaluation during training (with several harnesses, ``--harness a,b``, each task is rolled out ``-k``
+times under each). It prints one line per task (and harness) and the means (each harness's, then all),
+and appends the records to ``OUTPUT_DIR/eval.jsonl`` and each sample, its trace included, to
+``OUTPUT_DIR/eval_rollouts.jsonl``. Everything it starts is stopped on every path; Ctrl-C exits 130.
 """
 
 from __future__ import annotations
@@ -202,14 +203,26 @@ def _run_eval(args: argparse.Namespace) -> int:
 
 
 def _report(path: Path, metrics: dict[str, float], records: list[EvalRecord], k: int) -> None:
+    """One line per task (per task and harness, in a mix), each harness's means, then the means over all."""
+    from harness_trainer.trainer.feed.evaluation import HARNESS_PREFIX, harness_names
+
     for record in records:
         rewards = ", ".join("-" if r is None else f"{r:g}" for r in record.rewards)
-        print(f"{record.task_name}: pass@1 {_fmt(record.pass_at_1)}, pass@{k} {_fmt(record.pass_at_k)} "
+        task = record.task_name if record.harness is None else f"{record.task_name} under {record.harness}"
+        print(f"{task}: pass@1 {_fmt(record.pass_at_1)}, pass@{k} {_fmt(record.pass_at_k)} "
               f"(rewards {rewards})")  # fmt: skip
+    for name in harness_names(metrics):
+        print(f"{name}: {_means(metrics, f'{HARNESS_PREFIX}{name}/', k)}")
     print(
-        f"mean over {int(metrics['eval/tasks'])} tasks: pass@1 {metrics['eval/pass@1']:.3f}, pass@{k} "
-        f"{metrics['eval/pass@k']:.3f}, reward {metrics['eval/reward']:.3f}, "
-        f"{int(metrics['eval/unscorable'])} unscorable, {metrics['eval/wall_s']:.0f} s; records in {path}"
+        f"mean over {int(metrics['eval/tasks'])} tasks: {_means(metrics, 'eval/', k)}, "
+        f"{metrics['eval/wall_s']:.0f} s; records in {path}"
+    )
+
+
+def _means(metrics: dict[str, float], prefix: str, k: int) -> str:
+    return (
+        f"pass@1 {metrics[prefix + 'pass@1']:.3f}, pass@{k} {metrics[prefix + 'pass@k']:.3f}, reward "
+        f"{metrics[prefix + 'reward']:.3f}, {int(metrics[prefix + 'unscorable'])} unscorable"
     )
 
 

@@ -18,6 +18,9 @@ Contract:
   name that is not a non-empty string, and a weight that is not a positive finite number. Whether each
   name is a registered harness is the registry's to say (preflight, the rollout server): this module,
   on the rollout client's side, imports none.
+- **Or asked for by name.** A session factory's ``create(..., harness=NAME)`` runs that harness of the mix
+  instead of the group's (:meth:`HarnessMix.chosen`): evaluation rolls every eval task out under each
+  harness (:mod:`harness_trainer.trainer.feed.evaluation`). A name outside the mix is refused.
 - **Options per harness.** With several harnesses, ``harness_options`` is keyed by harness name
   (``{"mini-swe-agent": {"agent_config": …}}``); :meth:`HarnessMix.options_for` gives each its own.
 """
@@ -61,6 +64,18 @@ class HarnessMix:
         if self.schedule == WEIGHTED:
             return self.names[_weighted_order(self.weights, index)]
         return self.names[index % len(self.names)]
+
+    def chosen(self, harness: str | None, group: int | None) -> str:
+        """``harness`` when one is named, else group ``group``'s (:meth:`for_group`).
+
+        Raises:
+            ValueError: ``harness`` is not one of the mix.
+        """
+        if harness is None:
+            return self.for_group(group)
+        if harness not in self.names:
+            raise ValueError(f"harness {harness!r} is not one of this run's: {', '.join(self.names)}")
+        return harness
 
     def options_for(self, harness_options: Mapping[str, Any], name: str) -> dict[str, Any]:
         """``name``'s own keyword options: all of ``harness_options`` for a single harness, its entry for a

@@ -4,11 +4,12 @@
 ``eval_rollouts.jsonl`` when there are) and writes one HTML file with inline CSS and JS, no network and no
 server: the evaluations (per evaluation its step, policy version, pass@1 and pass@k, a table of its tasks
 and, when ``eval_rollouts.jsonl`` has them, each task's samples with their reward or unscorable reason and
-their traces, shown as a training rollout's), a metrics table per shown step, then each step's groups and
-rollouts (task, reward, advantage, verifier reward, why it did not train, timeout, unscorable reason, tool
-calls, failures, timings and their split into model calls, environment and other, policy versions,
-findings), then the rollouts no step took (errored ones included, with their reasons), and each rollout's
-turns with every token coloured by its role:
+their traces, shown as a training rollout's; in a run that mixes harnesses, each harness's pass@1 and
+pass@k, and each task's line and samples under each harness), a metrics table per shown step, then each
+step's groups and rollouts (task, reward, advantage, verifier reward, why it did not train, timeout,
+unscorable reason, tool calls, failures, timings and their split into model calls, environment and other,
+policy versions, findings), then the rollouts no step took (errored ones included, with their reasons),
+and each rollout's turns with every token coloured by its role:
 
     trained    a completion token with loss mask 1 (rows.py trains each of them exactly once)
     context    a prompt token: input only

@@ -74,8 +74,9 @@ class StepView:
 
 @dataclass
 class EvalView:
-    """One evaluation: the ``eval.jsonl`` lines of one step and split, one per task, and the samples of
-    ``eval_rollouts.jsonl`` by task (``task_name``, ``task_index``)."""
+    """One evaluation: the ``eval.jsonl`` lines of one step and split, one per task (per task and harness,
+    in a run that mixes harnesses), and the samples of ``eval_rollouts.jsonl`` by task (``task_name``,
+    ``task_index``, ``harness``: None in a run of one)."""
 
     step: int
     policy_version: Any
@@ -83,12 +84,30 @@ class EvalView:
     k: Any
     temperature: Any
     tasks: list[dict[str, Any]]
-    samples: dict[tuple[Any, Any], list[RolloutView]] = field(default_factory=dict)
+    samples: dict[tuple[Any, Any, Any], list[RolloutView]] = field(default_factory=dict)
 
     def samples_of(self, task: dict[str, Any]) -> list[RolloutView]:
         """The samples of one of :attr:`tasks`; [] when none were recorded (a run before
         ``eval_rollouts.jsonl``)."""
-        return self.samples.get((task.get("task_name"), task.get("task_index")), [])
+        return self.samples.get(_task_key(task), [])
+
+    @property
+    def task_count(self) -> int:
+        """The tasks evaluated: one line each, or one per harness in a mix (each task is under each)."""
+        return len(self.tasks) // max(len(self.harnesses), 1)
+
+    @property
+    def harnesses(self) -> list[str]:
+        """The harnesses its tasks ran under, in the order written; [] in a run of one harness."""
+        return list(dict.fromkeys(h for task in self.tasks if (h := task.get("harness")) is not None))
+
+    def harness_passes(self) -> list[tuple[str, float | None, float | None]]:
+        """Each harness's ``(name, pass@1, pass@k)``: the means over its own task lines."""
+        passes = []
+        for name in self.harnesses:
+            mine = [task for task in self.tasks if task.get("harness") == name]
+            passes.append((name, _mean_of(mine, "pass@1"), _mean_of(mine, "pass@k")))
+        return passes
 
     @property
     def pass_at_1(self) -> float | None:
@@ -153,14 +172,14 @@ def attach_samples(
     from harness_trainer.trainer.feed.rollout_log import latest_steps
 
     kept = latest_steps((r.step, (r.group, r.member), r) for r in records if r.step is not None)
-    by_task: dict[tuple[int, Any, Any], list[RolloutRecord]] = {}
+    by_task: dict[tuple[int, Any, Any, Any], list[RolloutRecord]] = {}
     for step, step_records in kept.items():
         for record in step_records:
-            by_task.setdefault((step, record.task_name, record.task_index), []).append(record)
-    owners: dict[tuple[int, Any, Any], EvalView] = {}
+            by_task.setdefault((step, record.task_name, record.task_index, record.harness), []).append(record)
+    owners: dict[tuple[int, Any, Any, Any], EvalView] = {}
     for evaluation in evaluations:  # the later of a step's evaluations wins; the key keeps its first place
         for task in evaluation.tasks:
-            owners[(evaluation.step, task.get("task_name"), task.get("task_index"))] = evaluation
+            owners[(evaluation.step, *_task_key(task))] = evaluation
     for key, evaluation in owners.items():  # newest evaluation first, as ``evaluations`` are
         if key not in by_task:
             continue
@@ -186,7 +205,7 @@ def read_evaluations(path: str | os.PathLike[str]) -> list[EvalView]:
             step = line.get("step")
             if type(step) is not int:
                 raise ValueError(f"{path}:{number}: an evaluation line needs an integer step")
-            yield step, (line.get("split"), line.get("task_name"), line.get("task_index")), line
+            yield step, (line.get("split"), *_task_key(line)), line
 
     evaluations: list[EvalView] = []
     for step, lines in reversed(latest_steps(entries()).items()):
@@ -200,6 +219,11 @@ def read_evaluations(path: str | os.PathLike[str]) -> list[EvalView]:
             by_split[split].tasks.append(line)
         evaluations.extend(by_split.values())
     return evaluations
+
+
+def _task_key(line: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """An eval line's task within its evaluation: its name, index and harness (None in a run of one)."""
+    return line.get("task_name"), line.get("task_index"), line.get("harness")
 
 
 def _mean_of(lines: list[dict[str, Any]], key: str) -> float | None:

@@ -12,8 +12,9 @@ import pytest
 
 from harness_trainer.rollouts.harness_mix import harness_mix
 from harness_trainer.trainer.feed.coverage import COVERAGE_FILE
+from harness_trainer.trainer.feed.evaluation import pass_at_k, read_eval, read_eval_rollouts
 from harness_trainer.trainer.feed.rollout_log import read_rollout_log
-from tests.devloop.test_dev_command import ROOT, dev
+from tests.devloop.test_dev_command import ROOT, dev, one_task, with_a_held_out_task
 
 pytestmark = pytest.mark.slow
 MIX = ["toy", "mini-swe-agent"]
@@ -73,3 +74,50 @@ def test_a_run_across_two_harnesses_deals_groups_splits_its_metrics_and_resumes_
     assert (run / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     viewer = (run / "viewer.html").read_text()
     assert "harness toy" in viewer and "harness mini-swe-agent" in viewer
+
+
+def test_a_run_across_two_harnesses_evaluates_each_held_out_task_k_times_under_each(tmp_path):
+    with_a_held_out_task(one_task(tmp_path))
+    done = subprocess.run(
+        dev(tmp_path, "--harness", ",".join(MIX), "--max-steps", "1", "--eval-steps", "1",
+            "--eval-num-generations", "2"),
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run = tmp_path / "run"
+    evals = read_eval(run)
+    assert [(e["step"], e["task_name"], e["harness"], len(e["rewards"])) for e in evals] == [
+        (step, "greet-script", harness, 2) for step in (0, 1) for harness in MIX
+    ]
+    # Every sample under the harness its line names, that agent's own system prompt in its capture.
+    samples = read_eval_rollouts(run)
+    assert Counter((s.step, s.harness) for s in samples) == {(step, h): 2 for step in (0, 1) for h in MIX}
+    prompts = {
+        harness: {
+            s.trace.turns[0].request["messages"][0]["content"]
+            for s in samples
+            if s.harness == harness and s.trace is not None and s.trace.turns
+        }
+        for harness in MIX
+    }
+    assert all(len(p) == 1 for p in prompts.values()) and prompts["toy"] != prompts["mini-swe-agent"]
+    for e in evals:
+        mine = sorted(
+            (s for s in samples if (s.step, s.harness) == (e["step"], e["harness"])), key=lambda s: s.member
+        )
+        assert e["rewards"] == [s.reward for s in mine]
+
+    # Each evaluation's metrics: each harness's from its own samples, the overall over both.
+    lines = {line["step"]: line for line in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+    for step in (0, 1):
+        line, mine = lines[step], {e["harness"]: e for e in evals if e["step"] == step}
+        for harness, e in mine.items():
+            scored = [r for r in e["rewards"] if r is not None]
+            passed = sum(r >= 1.0 for r in scored)
+            assert line[f"eval/harness/{harness}/pass@1"] == pass_at_k(len(scored), passed, 1)
+            assert line[f"eval/harness/{harness}/pass@k"] == pass_at_k(len(scored), passed, 2)
+        assert line["eval/pass@1"] == sum(e["pass@1"] for e in mine.values()) / 2
+        assert line["eval/tasks"] == 1
+    assert "over 1 tasks of split 'test' under each of 2 harnesses" in done.stdout + done.stderr
+    viewer = (run / "viewer.html").read_text()
+    assert "under toy · 2 sample(s)" in viewer and "under mini-swe-agent · 2 sample(s)" in viewer

@@ -79,6 +79,33 @@ def test_eval_rolls_each_task_of_the_split_out_k_times_and_records_the_checkpoin
     assert live_sandbox_processes() == [] and engines_serving_eval_folders(tmp_path / "tmp") == []
 
 
+@pytest.mark.slow
+def test_eval_with_several_harnesses_rolls_each_task_out_k_times_under_each_and_reports_each(
+    tmp_path, tiny_model_dir
+):
+    mix = ("toy", "mini-swe-agent")
+    done = run_eval(
+        "--checkpoint", str(checkpoint(tmp_path, tiny_model_dir)), "--split", "test", "-k", "2",
+        "--tasks", str(tasks_with_a_test_split(tmp_path)), "--harness", ",".join(mix),
+        "--max-completion-length", "32", "--output-dir", str(tmp_path / "eval"), tmp=tmp_path / "tmp",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "eval" / "eval.jsonl").read_text().splitlines()]
+    tasks = ("greet-script", "sum-numbers")
+    assert [(r["task_name"], r["harness"], len(r["rewards"])) for r in records] == [
+        (name, harness, 2) for harness in mix for name in tasks
+    ]
+    samples = read_eval_rollouts(tmp_path / "eval")
+    assert sorted((s.harness, s.task_name, s.member) for s in samples) == sorted(
+        (harness, name, member) for harness in mix for name in tasks for member in (0, 1)
+    )
+    for harness in mix:
+        assert f"greet-script under {harness}: pass@1" in done.stdout
+        assert f"\n{harness}: pass@1" in done.stdout
+    assert "mean over 2 tasks: pass@1" in done.stdout
+    assert live_sandbox_processes() == [] and engines_serving_eval_folders(tmp_path / "tmp") == []
+
+
 def engines_serving_eval_folders(under: Path) -> list[str]:
     """Command lines of processes serving a folder `harness-trainer eval` made under ``under`` (its
     engines; another test's eval may be running at the same time, with its own)."""

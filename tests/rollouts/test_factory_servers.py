@@ -330,19 +330,24 @@ def _command(pid: int) -> str:
 
 
 @pytest.mark.slow
-def test_a_factory_of_several_harnesses_runs_each_group_on_its_harness(scripted_engine, serve) -> None:
-    engine = scripted_engine([SOLVE] * 4)
+def test_a_factory_of_several_harnesses_runs_each_group_on_its_harness_or_the_one_asked_for(
+    scripted_engine, serve
+) -> None:
+    engine = scripted_engine([SOLVE] * 6)
     (server,) = serve(engine.url, 3)
     made = factory(server, harness=["toy", "mini-swe-agent"])
     try:
         assert [made.harness_for_group(g) for g in range(3)] == ["toy", "mini-swe-agent", "toy"]
         ran = {}
-        for group in (0, 1):
-            session = made.create(HELLO_FILE, episode_id=f"group{group}-member0")
+        # Groups 0 and 1 on their own harnesses; group 2 (toy's) asked for mini-swe-agent, as evaluation asks.
+        for group, asked in ((0, None), (1, None), (2, "mini-swe-agent")):
+            session = made.create(HELLO_FILE, episode_id=f"group{group}-member0", harness=asked)
             session.wait_for_completion(timeout_s=120)
             ran[group] = session.verify().metrics["harness"]  # what the server ran
             session.close()
-        assert ran == {0: "toy", 1: "mini-swe-agent"}
+        assert ran == {0: "toy", 1: "mini-swe-agent", 2: "mini-swe-agent"}
+        with pytest.raises(RolloutConfigError, match="'codex' is not one of this run's: toy, mini-swe-agent"):
+            made.create(HELLO_FILE, episode_id="group3-member0", harness="codex")
     finally:
         made.close()
     assert server.health()["sessions"] == 0

@@ -93,3 +93,14 @@ def test_options_are_keyed_by_harness_in_a_mix_and_whole_for_one() -> None:
     assert "give each its options under its name (toy, mini-swe-agent)" in problem
     [problem] = mix.options_problems({"toy": "fast"})
     assert problem.startswith("harness_options.toy: expected a mapping")
+
+
+def test_a_harness_asked_for_by_name_runs_instead_of_the_groups_and_must_be_in_the_mix() -> None:
+    mix = harness_mix({"opencode": 2, "mini-swe-agent": 1})
+    assert [mix.chosen(None, g) for g in range(3)] == [mix.for_group(g) for g in range(3)]
+    assert [mix.chosen("mini-swe-agent", g) for g in range(3)] == ["mini-swe-agent"] * 3
+    assert mix.chosen(None, None) == "opencode"
+    with pytest.raises(ValueError, match="'codex' is not one of this run's: opencode, mini-swe-agent"):
+        mix.chosen("codex", 0)
+    with pytest.raises(ValueError, match="not one of this run's: toy"):
+        harness_mix("toy").chosen("opencode", 0)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from pathlib import Path
+
 import httpx
 import pytest
 from transformers import AutoTokenizer
@@ -9,13 +12,15 @@ from transformers import AutoTokenizer
 from harness_trainer.rollouts.client.local_factory import LocalSessionFactory
 from harness_trainer.rollouts.client.session import RolloutUnscorable
 from harness_trainer.rollouts.errors import RolloutConfigError
+from harness_trainer.trainer.feed.evaluation import Evaluator, read_eval, read_eval_rollouts
 from tests.rollouts.conftest import EXAMPLES, bash_call, live_sandbox_processes
 
 HELLO = [bash_call("printf 'Hello, Harbor!\\n' > /app/hello.txt"), {"content": "Done."}]
 
 
 def factory_for(engine_url: str, **options: object) -> LocalSessionFactory:
-    return LocalSessionFactory(str(EXAMPLES), upstream=engine_url, split="train", harness="toy", **options)
+    options = {"harness": "toy", **options}
+    return LocalSessionFactory(str(EXAMPLES), upstream=engine_url, split="train", **options)
 
 
 def hello_row(factory: LocalSessionFactory) -> dict:
@@ -165,3 +170,51 @@ def test_harness_options_the_harness_refuses_are_refused_when_the_factory_is_bui
         LocalSessionFactory(
             str(EXAMPLES), upstream="http://127.0.0.1:9", harness=harness, harness_options=options
         )
+
+
+@pytest.mark.slow
+def test_an_evaluation_of_a_mix_rolls_each_task_out_k_times_under_each_real_agent(scripted_engine, tmp_path):
+    """The toy agent and mini-swe-agent, one model call each (step limit 1), one rollout at a time, harness
+    by harness: the toy agent's calls write the file, mini-swe-agent's do not; then a toy-only factory's
+    evaluation, written as before harnesses could mix."""
+    engine = scripted_engine([HELLO[0]] * 2 + [bash_call("true")] * 2 + [HELLO[0]] * 2)
+    options = dict(sampling={"temperature": 1.0}, agent_step_limit=1, agent_timeout_sec=120)
+
+    def evaluate(factory: LocalSessionFactory, output: Path) -> dict[str, float]:
+        output.mkdir()
+        evaluator = Evaluator(
+            factory, [hello_row(factory)], k=2, seed=0, temperature=1.0, pass_reward=1.0,
+            max_concurrent_rollouts=1, rollout_timeout=None, vocab_size=None, reward_fn=None,
+            output_dir=output, split="train",
+        )  # fmt: skip
+        evaluated = evaluator.evaluate(2, 2, threading.Event())
+        assert evaluated is not None
+        return evaluated[0]
+
+    mix = ["toy", "mini-swe-agent"]
+    with factory_for(engine.url, harness=mix, **options) as factory:
+        with pytest.raises(RolloutConfigError, match="'codex' is not one of this run's: toy, mini-swe-agent"):
+            factory.create(hello_row(factory), harness="codex")
+        metrics = evaluate(factory, tmp_path / "mixed")
+    lines = read_eval(tmp_path / "mixed")
+    assert [(line["task_name"], line["harness"], line["rewards"]) for line in lines] == [
+        ("hello-file", "toy", [1.0, 1.0]), ("hello-file", "mini-swe-agent", [0.0, 0.0]),
+    ]  # fmt: skip
+    samples = read_eval_rollouts(tmp_path / "mixed")
+    assert sorted((s.harness, s.member) for s in samples) == [(h, m) for h in sorted(mix) for m in (0, 1)]
+    # Each sample ran the agent it names: that agent's own system prompt is in its capture.
+    prompts = {
+        h: {s.trace.turns[0].request["messages"][0]["content"] for s in samples if s.harness == h}
+        for h in mix
+    }
+    assert all(len(p) == 1 for p in prompts.values()) and prompts["toy"] != prompts["mini-swe-agent"]
+    assert metrics["eval/harness/toy/pass@1"] == 1.0 and metrics["eval/harness/mini-swe-agent/pass@1"] == 0.0
+    assert metrics["eval/pass@1"] == 0.5 and metrics["eval/tasks"] == 1
+
+    with factory_for(engine.url, **options) as factory:  # the toy agent alone
+        metrics = evaluate(factory, tmp_path / "one")
+    (line,) = read_eval(tmp_path / "one")
+    assert "harness" not in line and line["rewards"] == [1.0, 1.0]
+    assert not any(key.startswith("eval/harness/") for key in metrics)
+    assert all(s.harness is None for s in read_eval_rollouts(tmp_path / "one"))
+    assert live_sandbox_processes() == []

@@ -6,16 +6,24 @@ import json
 import logging
 import math
 import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
 from harness_trainer import HarnessAsyncGRPOTrainer
+from harness_trainer.rollouts.client.servers import group_index
+from harness_trainer.rollouts.client.session import VerifyResult
+from harness_trainer.rollouts.harness_mix import HarnessMix, harness_mix
 from harness_trainer.trace import TrainingTrace
 from harness_trainer.trainer.feed.evaluation import (
     EVAL_ROLLOUTS_FILE,
     EVAL_SEED_OFFSET,
+    HARNESS_PREFIX,
     Evaluator,
     TaskResult,
+    harness_names,
     overlapping_tasks,
     pass_at_k,
     read_eval,
@@ -251,3 +259,100 @@ def test_each_evaluation_is_one_info_line_naming_pass_at_1_and_pass_at_k(tmp_pat
     assert record.message.count("pass@") == (2 if k > 1 else 1)  # with k = 1, pass@k is pass@1: said once
     assert record.message.count("pass@1 ") == 1 and f"pass@{k} " in record.message
     assert f"over 2 tasks of split 'test', {k} sample" in record.message
+
+
+MIX = ("toy", "mini-swe-agent")
+EVAL_LINE_KEYS = {
+    "step", "policy_version", "split", "task_name", "task_index", "k", "temperature", "rewards", "unscorable",
+    "passed", "pass@1", "pass@k",
+}  # fmt: skip
+"""An ``eval.jsonl`` line's keys in a run of one harness, as before runs could mix harnesses."""
+
+
+@dataclass
+class MixedFactory(HandmadeFactory):
+    """A hand-made factory of two harnesses that runs the one ``create`` is asked for: the toy agent's
+    samples all pass, mini-swe-agent's every other one (member 1 of each task)."""
+
+    harness_mix: HarnessMix = field(default_factory=lambda: harness_mix(list(MIX)))
+    ran: list[tuple[int, str, int | None, str | None]] = field(default_factory=list)
+
+    def create(self, task: Any, seed=None, episode_id=None, *, harness: str | None = None) -> Any:
+        chosen = self.harness_mix.chosen(harness, group_index(episode_id))
+        session = super().create(task, seed, episode_id)
+        with self.lock:
+            self.ran.append((session.task, chosen, seed, episode_id))
+        reward = 1.0 if chosen == "toy" else float(session.member % 2)
+        session.verify = lambda *args, **kwargs: VerifyResult(env_reward=reward)
+        return session
+
+
+def mixed_evaluator(factory: HandmadeFactory, tmp_path, k: int = 2) -> Evaluator:
+    return Evaluator(
+        factory, factory.prompt_rows(), k=k, seed=0, temperature=1.0, pass_reward=1.0,
+        max_concurrent_rollouts=3, rollout_timeout=None, vocab_size=None, reward_fn=None, output_dir=tmp_path,
+        split="test",
+    )  # fmt: skip
+
+
+def test_in_a_mix_every_eval_task_is_rolled_out_k_times_under_every_harness_and_scored_per_harness(tmp_path):
+    factory = MixedFactory(num_tasks=2)
+    metrics, records = mixed_evaluator(factory, tmp_path).evaluate(1, 1, threading.Event())
+
+    # k samples of each task under each harness, each run on the harness it was asked for.
+    assert Counter((task, harness) for task, harness, _, _ in factory.ran) == {
+        (task, harness): 2 for task in (0, 1) for harness in MIX
+    }
+    lines = read_eval(tmp_path)
+    assert [(line["task_name"], line["harness"]) for line in lines] == [
+        (f"t{task}", harness) for harness in MIX for task in (0, 1)
+    ]
+    assert [record.line() for record in records] == lines
+    samples = read_eval_rollouts(tmp_path)
+    ran = {episode: harness for _, harness, _, episode in factory.ran}
+    assert all(s.harness == ran[s.rollout_id] for s in samples) and len(samples) == 8
+    for line in lines:
+        mine = [s for s in samples if (s.task_name, s.harness) == (line["task_name"], line["harness"])]
+        assert sorted(s.member for s in mine) == [0, 1]
+        assert line["rewards"] == [s.reward for s in sorted(mine, key=lambda s: s.member)]
+
+    # Each harness's numbers from its own samples; the overall ones over every (task, harness).
+    assert metrics[f"{HARNESS_PREFIX}toy/pass@1"] == 1.0 and metrics[f"{HARNESS_PREFIX}toy/pass@k"] == 1.0
+    assert metrics[f"{HARNESS_PREFIX}mini-swe-agent/pass@1"] == 0.5
+    assert metrics[f"{HARNESS_PREFIX}mini-swe-agent/pass@k"] == 1.0
+    assert metrics[f"{HARNESS_PREFIX}mini-swe-agent/reward"] == 0.5
+    assert metrics[f"{HARNESS_PREFIX}toy/tasks"] == metrics["eval/tasks"] == 2
+    assert metrics["eval/pass@1"] == 0.75 and metrics["eval/pass@k"] == 1.0 and metrics["eval/reward"] == 0.75
+    assert harness_names(metrics) == sorted(MIX)
+
+
+def test_a_run_of_one_harness_writes_its_evaluation_as_before(tmp_path):
+    factory = HandmadeFactory(num_tasks=2)
+    metrics, _ = mixed_evaluator(factory, tmp_path).evaluate(1, 1, threading.Event())
+    assert [set(line) for line in read_eval(tmp_path)] == [EVAL_LINE_KEYS] * 2
+    assert set(metrics) == {
+        f"eval/{name}" for name in ("reward", "pass@1", "pass@k", "unscorable", "tasks", "policy_version",
+                                    "wall_s")
+    }  # fmt: skip
+    assert all(s.harness is None for s in read_eval_rollouts(tmp_path))
+    assert len(factory.created) == 2 * 2
+
+
+def test_the_trainer_logs_each_harnesses_eval_metrics_and_says_them_in_its_eval_line(
+    tmp_path, tiny_model_dir, caplog
+):
+    caplog.set_level(logging.INFO, logger="harness_trainer.trainer.feed.evaluation")
+    held_out = MixedFactory(num_tasks=2)
+    args = config(tmp_path, max_steps=1, eval_on_start=True, eval_split="test", eval_num_generations=2)
+    HarnessAsyncGRPOTrainer(str(tiny_model_dir), split_builder(HandmadeFactory(), held_out, []), args).train()
+    (line,) = [line for line in metrics_lines(tmp_path / "out") if line["step"] == 0]
+    assert {key for key in line if key.startswith(HARNESS_PREFIX)} == {
+        f"{HARNESS_PREFIX}{harness}/{name}"
+        for harness in MIX
+        for name in ("reward", "pass@1", "pass@k", "unscorable", "tasks")
+    }
+    assert line[f"{HARNESS_PREFIX}toy/pass@1"] == 1.0
+    assert line[f"{HARNESS_PREFIX}mini-swe-agent/pass@1"] == 0.5
+    (said,) = [r.message for r in caplog.records if r.message.startswith("eval at step 0")]
+    assert "pass@1 0.750, pass@2 1.000 over 2 tasks of split 'test' under each of 2 harnesses" in said
+    assert said.endswith("; mini-swe-agent: pass@1 0.500, pass@2 1.000; toy: pass@1 1.000, pass@2 1.000")

@@ -17,7 +17,8 @@ Keywords keep OpenEnv's meanings:
 - ``harness``: a registered harness, or several (a list: round-robin; a mapping of weights: weighted),
   each GRPO group's members all using one (:mod:`harness_trainer.rollouts.harness_mix`; the group comes
   from the trainer's episode id, and other episodes use the first harness); ``harness_for_group(g)`` says
-  which, for the trainer's per-harness metrics.
+  which, for the trainer's per-harness metrics. ``create(..., harness=NAME)`` runs that one of the mix
+  instead (evaluation asks for each in turn).
 - ``harness_options``: keyword options of the harness's class (e.g. mini-swe-agent's ``agent_config``:
   other prompts), checked here and by the server; with several harnesses, keyed by harness name.
 - ``reward_key``: which named score of ``reward.json`` is the reward: a key, or a comma-separated
@@ -359,9 +360,19 @@ class HarborSessionFactory:
         """The harness GRPO group ``group`` runs on when this factory mixes harnesses, else None."""
         return self.harness_mix.for_group(group) if self.harness_mix.mixed else None
 
-    def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> HarborSession:
+    def create(
+        self, task: Any, seed: int | None = None, episode_id: str | None = None, *, harness: str | None = None
+    ) -> HarborSession:
+        """A rollout of ``task`` on the server; ``harness`` (one of the mix) runs instead of the group's.
+
+        Raises:
+            RolloutConfigError: ``harness`` is not one of the factory's.
+        """
         index = self.task_index(task)
-        harness = self.harness_mix.for_group(group_index(episode_id))
+        try:
+            harness = self.harness_mix.chosen(harness, group_index(episode_id))
+        except ValueError as exc:
+            raise RolloutConfigError(str(exc)) from None
         wait_timeout_s = self.wait_timeout_s(index)  # lists tasks first: placing counts the metadata session
         sampling = None if self.sampling is None else self.sampling.wire_json()
         body = {

@@ -5,10 +5,11 @@ sandboxes) in its own event loop; ``create`` submits a rollout to it and returns
 sync API, the same keywords' meanings and the same exceptions (one mapping,
 :func:`~harness_trainer.rollouts.errors.error_for`) as a server-backed one: ``split`` names a dataset of
 ``tasks`` (:mod:`harness_trainer.tasks.catalog`), ``harness`` one harness or several dealt per GRPO
-group (:mod:`harness_trainer.rollouts.harness_mix`), ``harness_options`` the harness class's keyword
-options (checked here; keyed by harness name for several), ``agent_timeout_sec`` None or 0 means each
-task's own, ``reward_key`` is a key or a comma-separated preference list checked on the first verifier
-result, and a session's wait without a timeout covers its agent, verifier and ``setup_timeout_sec``.
+group (:mod:`harness_trainer.rollouts.harness_mix`; ``create(..., harness=NAME)`` runs that one of them
+instead), ``harness_options`` the harness class's keyword options (checked here; keyed by harness name
+for several), ``agent_timeout_sec`` None or 0 means each task's own, ``reward_key`` is a key or a
+comma-separated preference list checked on the first verifier result, and a session's wait without a
+timeout covers its agent, verifier and ``setup_timeout_sec``.
 ``close()`` cancels what still runs and shuts the runtime down; the factory is also a context manager. With
 ``capture_url`` (and its ``admin_key``) the rollouts go through an already-running capture proxy
 (``python -m capture_proxy``), which the factory neither starts nor stops.
@@ -150,11 +151,22 @@ class LocalSessionFactory:
         ref = task_reference(task)
         return self.tasks.task(self.split, ref) if isinstance(ref, int) else self.tasks.find(self.split, ref)
 
-    def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> LocalSession:
+    def create(
+        self, task: Any, seed: int | None = None, episode_id: str | None = None, *, harness: str | None = None
+    ) -> LocalSession:
+        """A rollout of ``task``; ``harness`` (one of the mix) runs instead of the group's.
+
+        Raises:
+            RolloutConfigError: ``harness`` is not one of the factory's.
+            RuntimeError: the factory is closed.
+        """
         if self._closed:
             raise RuntimeError("the factory is closed")
+        try:
+            harness = self.harness_mix.chosen(harness, group_index(episode_id))
+        except ValueError as exc:
+            raise RolloutConfigError(str(exc)) from None
         harbor_task = self._task(task)
-        harness = self.harness_mix.for_group(group_index(episode_id))
         options = self.options.model_copy(update={
             "seed": seed, "episode_id": episode_id, "harness": harness,
             "harness_options": self.harness_mix.options_for(self.harness_options, harness),
@@ -174,10 +186,10 @@ class LocalSessionFactory:
         return self.harness_mix.for_group(group) if self.harness_mix.mixed else None
 
     async def acreate(
-        self, task: Any, seed: int | None = None, episode_id: str | None = None
+        self, task: Any, seed: int | None = None, episode_id: str | None = None, *, harness: str | None = None
     ) -> LocalSession:
         """``create`` for a caller on another event loop (the trainer's scheduler): nothing blocks."""
-        return self.create(task, seed=seed, episode_id=episode_id)
+        return self.create(task, seed=seed, episode_id=episode_id, harness=harness)
 
     def close(self) -> None:
         if self._closed:

@@ -8,7 +8,14 @@ own (the trainer's builder with ``sampling=`` the eval policy and ``split=`` the
 on and never enter the training scheduler, so they count toward no staleness bound; the trainer does not
 step while it evaluates, so they all run at one weight version, which is recorded.
 
-Scoring, per task (pure: :func:`task_results`, :func:`summarize`):
+In a run that mixes harnesses (a factory whose ``harness_mix`` is mixed and whose ``create`` takes
+``harness=``: :class:`~.eval_harnesses.PicksHarness`), every eval task is rolled out ``k`` times under
+*each* harness of the mix: group ``h × tasks + i`` is task ``i`` under the ``h``-th harness
+(:class:`~.eval_harnesses.EveryHarness`, which asks the factory for it by name), each (task, harness)
+seeded as its group. A factory of one harness (or one that cannot be asked for a harness) is evaluated as
+it always was: one group per task.
+
+Scoring, per task and harness (pure: :func:`task_results`, :func:`summarize`, :func:`harness_summary`):
 
 - a sample *passes* when its reward (the verifier's, after ``rollout_reward_fn``, as in training) is at
   least ``pass_reward``;
@@ -20,9 +27,13 @@ Scoring, per task (pure: :func:`task_results`, :func:`summarize`):
   configured ``k``, and with fewer than ``k`` scored samples it uses ``n``.
 
 Metrics (the step's ``metrics.jsonl`` line; ``eval_on_start``'s at step 0): ``eval/reward`` (mean reward
-of the scored samples), ``eval/pass@1`` and ``eval/pass@k`` (means over tasks), ``eval/unscorable``,
-``eval/policy_version``, ``eval/wall_s``. When the evaluation ends, ``output_dir/eval.jsonl`` gets one line
-per task and evaluation (:class:`EvalRecord`), then ``output_dir/eval_rollouts.jsonl`` one line per sample
+of the scored samples), ``eval/pass@1`` and ``eval/pass@k`` (means over tasks; in a mix, over every
+(task, harness), so each harness weighs the same), ``eval/unscorable``, ``eval/tasks``,
+``eval/policy_version``, ``eval/wall_s``; in a mix also, for each harness from its own samples alone,
+``eval/harness/<name>/`` + ``reward``, ``pass@1``, ``pass@k``, ``unscorable`` and ``tasks``. When the
+evaluation ends, ``output_dir/eval.jsonl`` gets one line per task (and harness, named in its ``harness``
+key, which a run of one harness does not write) and evaluation (:class:`EvalRecord`), then
+``output_dir/eval_rollouts.jsonl`` one line per sample
 (the :class:`~.rollout_records.RolloutRecord` of training's ``rollouts.jsonl``, with
 the evaluation's ``step`` and policy version, the task's group index and the ``trace``, null when none was
 captured; unscorable samples included, with their reason), each file appended, flushed and synced; a
@@ -46,6 +57,7 @@ import orjson
 from pydantic import BaseModel, ValidationError
 
 from harness_trainer.rollouts.client.contract import RolloutFactory
+from harness_trainer.trainer.feed.eval_harnesses import EveryHarness
 from harness_trainer.trainer.feed.rollout_log import read_jsonl, record_of
 from harness_trainer.trainer.feed.rollout_records import RolloutRecord, member_record
 from harness_trainer.trainer.feed.rollout_run import RewardFn
@@ -58,6 +70,8 @@ EVAL_FILE = "eval.jsonl"
 EVAL_ROLLOUTS_FILE = "eval_rollouts.jsonl"
 EVAL_SEED_OFFSET = 1_000_003
 """Added to the run's seed for eval groups: apart from the training groups' seeds (seed + group index)."""
+HARNESS_PREFIX = "eval/harness/"
+"""Each harness's eval metrics, in a run that mixes harnesses: ``eval/harness/<name>/pass@1`` …"""
 
 
 class EvalRecord(BaseModel):
@@ -69,6 +83,8 @@ class EvalRecord(BaseModel):
     split: str | None
     task_name: str | None
     task_index: int | None
+    harness: str | None = None
+    """The harness its samples ran, in a run that mixes harnesses (a run of one writes no ``harness``)."""
     k: int
     temperature: float
     rewards: list[float | None]
@@ -80,8 +96,11 @@ class EvalRecord(BaseModel):
     pass_at_k: float | None
 
     def line(self) -> dict[str, Any]:
-        """The JSON object written, ``pass@1`` / ``pass@k`` spelled as in the metrics."""
+        """The JSON object written, ``pass@1`` / ``pass@k`` spelled as in the metrics; ``harness`` only in a
+        mix."""
         values = self.model_dump()
+        if values["harness"] is None:
+            del values["harness"]
         values["pass@1"] = values.pop("pass_at_1")
         values["pass@k"] = values.pop("pass_at_k")
         return values
@@ -105,12 +124,14 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 @dataclass(frozen=True)
 class TaskResult:
-    """One eval task's samples: each reward (None: unscorable) and unscorable reason."""
+    """One eval task's samples (under one harness, in a mix): each reward (None: unscorable) and unscorable
+    reason."""
 
     task_name: str | None
     task_index: int | None
     rewards: tuple[float | None, ...]
     unscorable: tuple[str | None, ...]
+    harness: str | None = None
 
     def scored(self) -> list[float]:
         return [reward for reward in self.rewards if reward is not None]
@@ -120,28 +141,59 @@ class TaskResult:
 
 
 def task_results(groups: Sequence[Group]) -> list[TaskResult]:
-    """Each eval group as its task's result; an ungraded sample (no reward, no reason) is unscorable."""
+    """Each eval group as its task's result (and its harness's); an ungraded sample (no reward, no reason) is
+    unscorable."""
     results = []
     for group in groups:
         rewards = tuple(r.reward if r.scored else None for r in group.rollouts)
         reasons = tuple(None if r.scored else (r.unscorable or "ungraded") for r in group.rollouts)
-        results.append(TaskResult(group.row.get("task_name"), group.row.get("task_index"), rewards, reasons))
+        row = group.row
+        results.append(
+            TaskResult(row.get("task_name"), row.get("task_index"), rewards, reasons, harness=group.harness)
+        )
     return results
 
 
 def summarize(results: Sequence[TaskResult], *, k: int, pass_reward: float) -> dict[str, float]:
-    """The ``eval/`` metrics of one evaluation (module docstring); NaN means where no task was scored."""
+    """The ``eval/`` metrics of one evaluation (module docstring), over every result; NaN means where no
+    task was scored. ``eval/tasks`` counts tasks, not (task, harness) results: in a mix every task has one
+    result per harness."""
     scored = [r for r in results if r.scored()]
     rewards = [reward for r in scored for reward in r.scored()]
     at_1 = [pass_at_k(len(r.scored()), r.passed(pass_reward), 1) for r in scored]
     at_k = [pass_at_k(len(r.scored()), r.passed(pass_reward), k) for r in scored]
+    harnesses = {r.harness for r in results}
     return {
         "eval/reward": _mean(rewards),
         "eval/pass@1": _mean(at_1),
         "eval/pass@k": _mean(at_k),
         "eval/unscorable": float(sum(reason is not None for r in results for reason in r.unscorable)),
-        "eval/tasks": float(len(results)),
+        "eval/tasks": float(len(results) // max(len(harnesses), 1)),
     }
+
+
+def harness_summary(results: Sequence[TaskResult], *, k: int, pass_reward: float) -> dict[str, float]:
+    """Each harness's :func:`summarize`, from its own results alone, under ``eval/harness/<name>/``; {} when
+    no result names a harness (a run of one)."""
+    by_harness: dict[str, list[TaskResult]] = {}
+    for result in results:
+        if result.harness is not None:
+            by_harness.setdefault(result.harness, []).append(result)
+    metrics: dict[str, float] = {}
+    for name, mine in by_harness.items():
+        for key, value in summarize(mine, k=k, pass_reward=pass_reward).items():
+            metrics[f"{HARNESS_PREFIX}{name}/{key.removeprefix('eval/')}"] = value
+    return metrics
+
+
+def harness_names(metrics: dict[str, Any]) -> list[str]:
+    """The harnesses a metrics line has eval metrics of (``eval/harness/<name>/pass@1``), sorted."""
+    suffix = "/pass@1"
+    return sorted(
+        key[len(HARNESS_PREFIX) : -len(suffix)]
+        for key in metrics
+        if key.startswith(HARNESS_PREFIX) and key.endswith(suffix)
+    )
 
 
 def eval_records(
@@ -159,6 +211,7 @@ def eval_records(
                 split=split,
                 task_name=r.task_name,
                 task_index=r.task_index,
+                harness=r.harness,
                 k=k,
                 temperature=temperature,
                 rewards=list(r.rewards),
@@ -200,7 +253,8 @@ class Evaluator:
     ``eval_rollouts.jsonl``.
 
     Args:
-        factory: the eval session factory (the trainer's builder with the eval sampling and split).
+        factory: the eval session factory (the trainer's builder with the eval sampling and split); one
+            that mixes harnesses has each task rolled out under each (module docstring).
         rows: the eval rows, one task each.
         k: rollouts per task.
         seed: the run's seed; eval groups are seeded from it plus :data:`EVAL_SEED_OFFSET`.
@@ -231,12 +285,17 @@ class Evaluator:
     ) -> None:
         if not rows:
             raise ValueError("the eval dataset has no rows")
-        self.factory = factory
         self.rows = list(rows)
-        # One pass over the rows, all admitted at once, each evaluation with the same seeds.
+        every = EveryHarness.of(factory, len(self.rows))
+        self.harnesses = every.names if every is not None else None
+        """The harnesses every eval task is rolled out under, in a mix; None for a factory of one."""
+        self.factory: RolloutFactory = every if every is not None else factory
+        self.num_groups = len(self.rows) * (len(self.harnesses) if self.harnesses else 1)
+        # One pass over the rows (under each harness), all admitted at once, each evaluation with the same
+        # seeds.
         self.config = SchedulerConfig(
             num_generations=k, max_concurrent_rollouts=max_concurrent_rollouts,
-            admission_limit=len(self.rows), max_groups=len(self.rows), rollout_timeout=rollout_timeout,
+            admission_limit=self.num_groups, max_groups=self.num_groups, rollout_timeout=rollout_timeout,
             seed=seed + EVAL_SEED_OFFSET, vocab_size=vocab_size, temperature=temperature,
             max_unexpected_errors=max_unexpected_errors,
         )  # fmt: skip
@@ -264,7 +323,7 @@ class Evaluator:
         groups: list[Group] = []
         scheduler.start()
         try:
-            while len(groups) < len(self.rows):
+            while len(groups) < self.num_groups:
                 if stop.is_set():
                     return None
                 group = scheduler.next_group(timeout=0.5)
@@ -283,9 +342,10 @@ class Evaluator:
         samples = sample_records(groups, step)
         _append(self.rollouts_path, [record.model_dump_json(fallback=str).encode() for record in samples])
         metrics = summarize(results, k=k, pass_reward=self.pass_reward)
+        metrics |= harness_summary(results, k=k, pass_reward=self.pass_reward)
         metrics["eval/policy_version"] = float(policy_version)
         metrics["eval/wall_s"] = time.monotonic() - started
-        logger.info(eval_line(step, policy_version, metrics, k, len(results), self.split))
+        logger.info(eval_line(step, policy_version, metrics, k, len(self.rows), self.split))
         return metrics, records
 
 
@@ -328,15 +388,21 @@ def read_eval_rollouts(
 def eval_line(
     step: int, policy_version: int, metrics: dict[str, float], k: int, tasks: int, split: str | None
 ) -> str:
-    """One evaluation as a line: pass@1, and pass@k when k > 1 (with k = 1 they are one number)."""
-    passes = f"pass@1 {metrics['eval/pass@1']:.3f}"
-    if k > 1:
-        passes += f", pass@{k} {metrics['eval/pass@k']:.3f}"
+    """One evaluation as a line: pass@1, and pass@k when k > 1 (with k = 1 they are one number); in a mix,
+    each harness's too."""
+
+    def passes(prefix: str) -> str:
+        said = f"pass@1 {metrics[prefix + 'pass@1']:.3f}"
+        return said + (f", pass@{k} {metrics[prefix + 'pass@k']:.3f}" if k > 1 else "")
+
+    names = harness_names(metrics)
     where = f" of split {split!r}" if split else ""
-    return (
-        f"eval at step {step} (weights v{policy_version}): {passes} over {tasks} tasks{where}, {k} "
-        f"sample{'s' if k > 1 else ''} each, in {metrics['eval/wall_s']:.0f} s"
+    each = f" under each of {len(names)} harnesses" if names else ""
+    line = (
+        f"eval at step {step} (weights v{policy_version}): {passes('eval/')} over {tasks} tasks{where}"
+        f"{each}, {k} sample{'s' if k > 1 else ''} each, in {metrics['eval/wall_s']:.0f} s"
     )
+    return line + "".join(f"; {name}: {passes(f'{HARNESS_PREFIX}{name}/')}" for name in names)
 
 
 def _append(path: Path, lines: list[bytes]) -> None:
