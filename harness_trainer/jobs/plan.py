@@ -35,13 +35,28 @@ SECRET_NAMES_ENV = "HT_SECRET_NAMES"
 """Set by ``jobs submit``: the comma-separated names (never the values) of the job's secrets."""
 NAMESPACE_ENV = "HT_JOB_NAMESPACE"
 RUN_LABEL = "harness-trainer-run"
-SECRET_ROUTES: dict[str, tuple[str, ...]] = {
+HUB_ROUTES: dict[str, tuple[str, ...]] = {
     "HF_TOKEN": ("vllm", "serve", "trainer"),
     "HUGGING_FACE_HUB_TOKEN": ("vllm", "serve", "trainer"),
-    **{variable: ("serve", "warm") for variable in credential_variables()},
 }
-"""Which steps receive which secret; a secret not listed goes to the trainer only. The sandbox backends'
-credentials (their classes' ``capabilities``; ``E2B_API_KEY``) go where sandboxes start."""
+"""The Hub tokens' steps: vLLM and the trainer load from the Hub, the server reads the dataset."""
+SANDBOX_STEPS = ("serve", "warm")
+"""Where sandboxes start: the server, and the warm-up (only with its backend's own credentials)."""
+
+
+def secret_routes() -> dict[str, tuple[str, ...]]:
+    """:data:`HUB_ROUTES` with every sandbox backend's credentials (their classes' ``capabilities``) also
+    routed to :data:`SANDBOX_STEPS`: a variable both lists name (``HF_TOKEN``, the hf backend's) reaches
+    the steps of both."""
+    routes = dict(HUB_ROUTES)
+    for variable in credential_variables():
+        routes[variable] = tuple(dict.fromkeys([*routes.get(variable, ()), *SANDBOX_STEPS]))
+    return routes
+
+
+SECRET_ROUTES: dict[str, tuple[str, ...]] = secret_routes()
+"""Which steps receive which secret; a secret not listed goes to the trainer only. The warm-up gets only
+the credentials of the run's own backend (:func:`build_plan`)."""
 VLLM_FLAGS = (
     "--logprobs-mode",
     "processed_logprobs",
@@ -158,9 +173,10 @@ def build_plan(
     if capacity < needed:
         raise LaunchError(f"--max-concurrent-envs {capacity} < --max-concurrent-rollouts + 1 = {needed}")
     try:
-        remote = capabilities(settings.sandbox).remote
+        backend = capabilities(settings.sandbox)
     except ValueError as exc:
         raise LaunchError(str(exc)) from None
+    remote = backend.remote
     if remote and not public_url:
         raise LaunchError(
             f"--sandbox {settings.sandbox} runs agents on another machine, so they need a public URL for the "
@@ -183,7 +199,7 @@ def build_plan(
             name="warm",
             argv=[*shlex.split(options.warm_command), *warm_argv],
             env={"CUDA_VISIBLE_DEVICES": ""},
-            secrets=_secrets_for("warm", names),
+            secrets=[name for name in _secrets_for("warm", names) if name in backend.credentials],
             ready_timeout_s=options.warm_timeout,
             stop_timeout_s=options.stop_timeout,
         )

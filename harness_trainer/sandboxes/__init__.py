@@ -25,6 +25,7 @@ from harness_trainer.sandboxes.base import (
 )
 from harness_trainer.sandboxes.docker import DockerSandboxBackend
 from harness_trainer.sandboxes.e2b import E2BSandboxBackend
+from harness_trainer.sandboxes.hf import HfSandboxBackend
 from harness_trainer.sandboxes.local import LocalSandboxBackend
 from harness_trainer.sandboxes.supervisor import SandboxSupervisor, StartRateLimiter
 
@@ -32,6 +33,7 @@ SANDBOXES: dict[str, type[Any]] = {
     "local": LocalSandboxBackend,
     "e2b": E2BSandboxBackend,
     "docker": DockerSandboxBackend,
+    "hf": HfSandboxBackend,
 }
 
 
@@ -79,6 +81,7 @@ __all__ = [
     "DockerSandboxBackend",
     "E2BSandboxBackend",
     "ExecResult",
+    "HfSandboxBackend",
     "Isolation",
     "LocalSandboxBackend",
     "Sandbox",

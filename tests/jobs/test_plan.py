@@ -17,6 +17,7 @@ from huggingface_hub import HfApi
 
 from harness_trainer.jobs.job_launcher import build_parser, discover_public_url
 from harness_trainer.jobs.plan import (
+    SECRET_ROUTES,
     LaunchPlan,
     build_plan,
     secret_names,
@@ -24,6 +25,7 @@ from harness_trainer.jobs.plan import (
     trainer_settings,
 )
 from harness_trainer.jobs.process_supervisor import LaunchError
+from harness_trainer.sandboxes import capabilities
 from tests.jobs.conftest import SECRETS, FakeHfApi
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -142,7 +144,7 @@ def test_remote_sandboxes_need_a_public_url_and_get_a_warm_up_of_their_own_backe
 
 
 def test_an_unknown_sandbox_is_a_launch_error_naming_the_known_ones() -> None:
-    with pytest.raises(LaunchError, match="unknown sandbox backend 'docker2'; known: docker, e2b, local"):
+    with pytest.raises(LaunchError, match="unknown sandbox backend 'docker2'; known: docker, e2b, hf, local"):
         plan_for("--sandbox", "docker2")
 
 
@@ -169,6 +171,26 @@ def test_secrets_are_routed_by_name_and_scrubbed_from_every_other_process() -> N
     env = step_env(plan.vllm, environ, plan.secret_names)
     assert env["PATH"] == "/bin" and env["HF_TOKEN"] == SECRETS["HF_TOKEN"]
     assert "E2B_API_KEY" not in env and "WANDB_API_KEY" not in env
+
+
+def test_a_hub_token_that_is_also_a_sandbox_credential_keeps_every_route() -> None:
+    # HF_TOKEN is the hf backend's credential too: that adds the steps where sandboxes start, and takes
+    # none of the Hub's away (vLLM and the trainer load from the Hub).
+    assert "HF_TOKEN" in capabilities("hf").credentials
+    assert set(SECRET_ROUTES["HF_TOKEN"]) == {"vllm", "serve", "trainer", "warm"}
+    environ = {**SECRETS, "HT_SECRET_NAMES": "HF_TOKEN,E2B_API_KEY,WANDB_API_KEY"}
+    plan = plan_for("--sandbox", "hf", environ=environ, url="https://x")
+    assert plan.warm is not None
+    assert plan.warm.argv[plan.warm.argv.index("--sandbox") + 1] == "hf"
+    routes = {step.name: set(step.secrets) for step in (plan.vllm, plan.serve, plan.warm, plan.trainer)}
+    assert routes == {
+        "vllm": {"HF_TOKEN"},
+        "serve": {"HF_TOKEN", "E2B_API_KEY"},
+        "warm": {"HF_TOKEN"},  # its own backend's credential only
+        "trainer": {"HF_TOKEN", "WANDB_API_KEY"},
+    }
+    for step in (plan.vllm, plan.trainer):
+        assert step_env(step, environ, plan.secret_names)["HF_TOKEN"] == SECRETS["HF_TOKEN"]
 
 
 def test_known_secrets_are_scrubbed_even_when_not_listed() -> None:

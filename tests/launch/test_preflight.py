@@ -194,7 +194,7 @@ def test_an_unreachable_service_is_named(which, services, capsys) -> None:
             ["--harness", "no-such-agent"],
             "unknown harness 'no-such-agent'; known: aider, claude-code, codex, gemini-cli, mini-swe-agent",
         ),
-        (["--sandbox", "docker2"], "unknown sandbox 'docker2'; known: docker, e2b, local"),
+        (["--sandbox", "docker2"], "unknown sandbox 'docker2'; known: docker, e2b, hf, local"),
         (["--sandbox", "e2b"], "--sandbox e2b needs E2B_API_KEY"),
     ],
 )

@@ -211,7 +211,7 @@ def test_bad_settings_are_refused_when_the_factory_is_built(
     loops = sum(t.name == "local-whitebox" for t in threading.enumerate())
     for options, says in [
         ({"split": "nope"}, "nope"),
-        ({"sandbox": "nope"}, "known: docker, e2b, local"),
+        ({"sandbox": "nope"}, "known: docker, e2b, hf, local"),
         ({"sandbox": "e2b"}, "E2B_API_KEY"),
         ({"episode_timeout_sec": -1}, "episode_timeout_sec"),
     ]:

@@ -105,7 +105,7 @@ def test_bad_requests_get_clear_errors(server: Server) -> None:
         f"{server.url}/sessions/{session_id}/rollout", json={"split": "train", "index": 0, "bogus": 1}
     )
     assert bad.status_code == 400 and "bogus" in bad.json()["error"]["message"]
-    for sandbox, says in [("nope", "known: docker, e2b, local"), ("e2b", "needs E2B_API_KEY")]:
+    for sandbox, says in [("nope", "known: docker, e2b, hf, local"), ("e2b", "needs E2B_API_KEY")]:
         refused = httpx.post(
             f"{server.url}/sessions/{session_id}/rollout",
             json={"split": "train", "index": 0, "sandbox": sandbox},

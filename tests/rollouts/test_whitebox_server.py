@@ -203,7 +203,7 @@ def test_bad_requests_get_clear_http_errors(server: Server, monkeypatch: pytest.
             ({"split": "train", "instruction": "no task says this"}, 404, "no such task"),
             ({"split": "train"}, 400, "say which task"),
             ({"split": "train", "index": 0, "harness": "toy"}, 400, "harness"),
-            ({"split": "train", "index": 0, "sandbox": "nope"}, 400, "known: docker, e2b, local"),
+            ({"split": "train", "index": 0, "sandbox": "nope"}, 400, "known: docker, e2b, hf, local"),
             ({"split": "train", "index": 0, "sandbox": "e2b"}, 400, "needs E2B_API_KEY"),
             ({"split": "train", "index": 0, "tool_limits": {"max_output_chars": 0}}, 400, "max_output_chars"),
             ({"split": "train", "index": 0, "tool_limits": {"bogus": 1}}, 400, "bogus"),

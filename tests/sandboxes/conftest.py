@@ -7,6 +7,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -123,3 +124,14 @@ async def docker_backend() -> AsyncIterator[DockerSandboxBackend]:
     leaked = started.live
     await started.aclose()
     assert not leaked, f"the test left sandboxes open: {[s.id for s in leaked]}"
+
+
+@pytest.fixture
+def fake_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A fake Hugging Face Hub (Jobs API and sandbox servers, :mod:`tests.sandboxes.fake_hf`) that
+    ``huggingface_hub`` talks to for the test; it must have been asked for nothing it does not know."""
+    from tests.sandboxes.fake_hf import FakeHub
+
+    with FakeHub(tmp_path / "hf") as hub, hub.use(monkeypatch):
+        yield hub
+    assert not hub.unknown, f"the library called routes the fake lacks: {hub.unknown}"

@@ -42,11 +42,15 @@ def test_the_registry_answers_from_the_classes() -> None:
     assert not capabilities("docker").remote and capabilities("docker").builds == "images"
     assert capabilities("docker").wants_proxy_url and capabilities("local").wants_proxy_url
     assert not capabilities("e2b").wants_proxy_url
-    assert credential_variables() == ("E2B_API_KEY",)
+    assert capabilities("hf").remote and not capabilities("hf").wants_proxy_url
+    assert capabilities("e2b").credentials == ("E2B_API_KEY",)
+    assert capabilities("hf").credentials == ("HF_TOKEN",)
+    assert credential_variables() == ("E2B_API_KEY", "HF_TOKEN")  # each backend's, in registry order
     assert missing_credentials("e2b", {}) == ["E2B_API_KEY"]
+    assert missing_credentials("hf", {"E2B_API_KEY": "k"}) == ["HF_TOKEN"]
     assert missing_credentials("e2b", {"E2B_API_KEY": ""}) == ["E2B_API_KEY"]
     assert missing_credentials("e2b", {"E2B_API_KEY": "k"}) == [] == missing_credentials("local", {})
-    with pytest.raises(ValueError, match="unknown sandbox backend 'nope'; known: docker, e2b, local"):
+    with pytest.raises(ValueError, match="unknown sandbox backend 'nope'; known: docker, e2b, hf, local"):
         capabilities("nope")
     described = describe_backends()
     assert "e2b (E2B cloud microVMs; needs E2B_API_KEY and a public URL" in described
@@ -88,7 +92,7 @@ def test_the_runtime_refuses_a_backend_it_cannot_serve_in_one_line(
     found = runtime.sandbox_problem("e2b", environ)
     assert found is None if problem is None else problem in (found or "")
     assert runtime.sandbox_problem("local", {}) is None
-    assert "known: docker, e2b, local" in (runtime.sandbox_problem("docker2", {}) or "")
+    assert "known: docker, e2b, hf, local" in (runtime.sandbox_problem("docker2", {}) or "")
 
 
 def test_the_runtime_gives_the_capture_proxy_url_to_the_backends_that_want_it() -> None:

@@ -1,4 +1,5 @@
-"""The sandbox contract, run against every backend: local and Docker for real, E2B against the SDK fake.
+"""The sandbox contract, run against every backend: local and Docker for real, E2B against the SDK fake, HF
+against a fake Hub over HTTP.
 
 Each test is one promise of :mod:`harness_trainer.sandboxes.base`. Processes are looked up in the host's
 ``/proc`` by a command line unique to the test, so a test sees only what it started.
@@ -40,20 +41,33 @@ def docker_backend(tmp_path: Path) -> SandboxBackend:
     return DockerSandboxBackend(kill_grace_s=0.5)
 
 
+def hf_backend(tmp_path: Path) -> SandboxBackend:
+    """HF dedicated sandboxes against the fake Hub (``fake_hub``: the Jobs API and sandbox servers over
+    HTTP). Pooled sandboxes write only their home, so the task paths of this contract need dedicated ones
+    (test_hf covers the pool)."""
+    from harness_trainer.sandboxes.hf import HfSandboxBackend
+
+    return HfSandboxBackend(dedicated=True, image="debian:bookworm-slim", kill_grace_s=0.5, retry_backoff_s=0)
+
+
 CONTRACT_BACKENDS: dict[str, Callable[[Path], SandboxBackend]] = {
     "local": local_backend,
     "e2b": e2b_backend,
     "docker": docker_backend,
+    "hf": hf_backend,
 }
 """One fixture per registered backend (``SANDBOXES``; test_capabilities checks none is missing)."""
 NEEDS = {  # the marks of backends that need something of the machine (the fake E2B exports Docker images)
     "docker": pytest.mark.docker,
     "e2b": pytest.mark.docker,
+    "hf": pytest.mark.docker,
 }
 
 
 @pytest.fixture(params=[pytest.param(name, marks=NEEDS.get(name, ())) for name in sorted(CONTRACT_BACKENDS)])
 async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[SandboxBackend]:
+    if request.param == "hf":
+        request.getfixturevalue("fake_hub")  # the Hub it talks to, up for the test and after it
     started: Any = CONTRACT_BACKENDS[request.param](tmp_path)
     yield started
     leaked = started.live

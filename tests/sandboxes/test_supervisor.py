@@ -204,12 +204,14 @@ async def test_the_supervisor_is_a_backend_over_real_local_sandboxes(
 
 
 def test_the_registry_builds_backends_by_name(tmp_path: Path) -> None:
-    assert set(SANDBOXES) == {"local", "e2b", "docker"}
+    assert set(SANDBOXES) == {"local", "e2b", "docker", "hf"}
     local = make_backend("local", base_dir=tmp_path, kill_grace_s=1.0)
     assert isinstance(local, LocalSandboxBackend) and local.kill_grace_s == 1.0
     assert make_backend("e2b", template="base").name == "e2b"
     assert make_backend("docker", kill_grace_s=1.0).kill_grace_s == 1.0  # no daemon is asked until a start
-    with pytest.raises(ValueError, match="unknown sandbox backend 'docker2'; known: docker, e2b, local"):
+    hf = make_backend("hf", flavor="cpu-upgrade")  # no Hub is asked until a start
+    assert (hf.name, hf.flavor) == ("hf", "cpu-upgrade")
+    with pytest.raises(ValueError, match="unknown sandbox backend 'docker2'; known: docker, e2b, hf, local"):
         make_backend("docker2")
 
 
