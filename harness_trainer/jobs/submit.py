@@ -10,8 +10,9 @@ built here and uploaded with the job; ``--install`` gives a local wheel, a git o
 requirement instead, ``--extras`` the extras (:mod:`.install` says how, and where the wheel goes).
 
 Secrets (``--secret NAME``, repeatable, added to ``HF_TOKEN`` and the credentials of the trainer's
-``--sandbox`` backend, e.g. ``E2B_API_KEY`` for ``e2b``, none for ``local``): the values are read
-from the local environment and go straight into ``run_job(secrets=...)``; they never enter the
+``--sandbox`` backend, e.g. ``E2B_API_KEY`` for ``e2b``, none more for ``hf`` or ``local``): the values are
+read from the local environment (``HF_TOKEN``, when unset there, is the token ``hf auth login`` stored,
+as ``hf jobs run`` takes it) and go straight into ``run_job(secrets=...)``; they never enter the
 :class:`JobSpec`, are never printed or logged (a dry run shows the names with the values redacted), and a
 missing one is one error line naming it (exit 2). In the job, only their names travel as plain
 environment (``HT_SECRET_NAMES``), so the launcher knows what to keep from processes that do not need it.
@@ -309,6 +310,19 @@ def job_secret_names(sandbox: str, extra: Sequence[str]) -> list[str]:
     return names
 
 
+def secret_values(names: Sequence[str], environ: Mapping[str, str]) -> dict[str, str]:
+    """The value of each secret of ``names`` that is set (non-empty) in ``environ``; :data:`HUB_SECRET`,
+    when it is not, is the token ``hf auth login`` stored, as ``hf jobs run --secrets HF_TOKEN`` takes it
+    (and as ``HfApi``, which submits the job, authenticates)."""
+    values = {name: environ[name] for name in names if environ.get(name)}
+    if HUB_SECRET in names and HUB_SECRET not in values:
+        from huggingface_hub import get_token
+
+        if token := get_token():
+            values[HUB_SECRET] = token
+    return values
+
+
 def output_warning(spec: JobSpec, settings: TrainerSettings) -> str | None:
     """A warning when the trainer's ``--output-dir`` is not on a writable volume (lost with the job)."""
     out = PurePosixPath(settings.output_dir)
@@ -411,14 +425,14 @@ def run_submit(args: argparse.Namespace, api: Any = None, build: WheelBuilder | 
         except ValueError as exc:  # SubmitError, or a config file's problems
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        missing = [name for name in secret_names if not os.environ.get(name)]
-        if missing:
+        secrets = secret_values(secret_names, os.environ)
+        if missing := [name for name in secret_names if name not in secrets]:
+            login = f" (or store {HUB_SECRET} with `hf auth login`)" if HUB_SECRET in missing else ""
             print(
-                f"error: secret {', '.join(missing)} is not set in this environment: export it",
+                f"error: secret {', '.join(missing)} is not set in this environment: export it{login}",
                 file=sys.stderr,
             )
             return 2
-        secrets = {name: os.environ[name] for name in secret_names}
         try:
             install = prepare_install(install_options(args), Path(folder), build)
             spec, settings = build_job_spec(

@@ -4,7 +4,8 @@
 and how to fix it) at the first failure:
 
 1. the harness names (each of a mix) and the sandbox name are registered (``HARNESSES``, ``SANDBOXES``);
-2. the sandbox backend's credentials (``E2B_API_KEY`` for ``e2b``: its class's ``capabilities``) are set;
+2. the sandbox backend's credentials (``E2B_API_KEY`` for ``e2b``, ``HF_TOKEN`` or a token stored by ``hf
+   auth login`` for ``hf``: its class's ``capabilities``) are set;
 3. the output directory: a fresh run refuses a directory that already holds a checkpoint; ``--resume``
    needs a complete checkpoint there, made from the same ``--model`` (``launch.json``, written by the
    launcher beside the checkpoints) with the same LoRA settings (``trainer_state.json``'s
@@ -230,13 +231,16 @@ def check_names(harness: HarnessValue, sandbox: str) -> None:
 
 
 def check_credentials(sandbox: str, environ: Mapping[str, str]) -> None:
-    """The sandbox backend's credentials (its class says which) are set where they are needed."""
-    from harness_trainer.sandboxes import missing_credentials
+    """The sandbox backend's credentials (its class says which) are set where they are needed, or stored by
+    its login (``hf auth login`` for ``hf``), which the line naming what is missing then names too."""
+    from harness_trainer.sandboxes import capabilities, missing_credentials
 
     if missing := missing_credentials(sandbox, environ):
+        login = capabilities(sandbox).login
+        stored = f" or a login stored by `{login.command}`" if login is not None else ""
         raise PreflightError(
-            f"--sandbox {sandbox} needs {' and '.join(missing)} in the environment (here, and where "
-            "`harness-trainer serve` runs)"
+            f"--sandbox {sandbox} needs {' and '.join(missing)} in the environment{stored} (here, and "
+            "where `harness-trainer serve` runs)"
         )
 
 

@@ -81,8 +81,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--run-id", default=None,
-        help="label E2B sandboxes with this run; a server restarted with the same id first kills the ones "
-        "a dead server left (one server per id; `harness-trainer e2b cleanup --run ID` does it by hand)",
+        help="label E2B and HF sandboxes with this run; on E2B a server restarted with the same id first "
+        "kills the ones a dead server left (one server per id; `harness-trainer e2b cleanup --run ID` does "
+        "it by hand)",
     )  # fmt: skip
     parser.add_argument(
         "--no-host-trust", dest="host_trust", action="store_false",
@@ -170,7 +171,7 @@ def run_serve(args: argparse.Namespace) -> int:
         sandbox_start_jitter_s=args.sandbox_start_jitter,
         proxy_process=args.proxy == "process",
         inherit_host_trust=args.host_trust,
-        sandbox_options={"e2b": {"templates": args.e2b_templates, "run_id": args.run_id}},
+        sandbox_options=sandbox_options(args, limit),
         agents=agents,
     )
     server = RolloutServer(
@@ -242,6 +243,15 @@ def _preparation(
         )  # fmt: skip
 
     return prepare
+
+
+def sandbox_options(args: argparse.Namespace, concurrency: int) -> dict[str, dict[str, Any]]:
+    """Each remote backend's options from serve's flags: the run id its sandboxes are labelled with (and
+    reaped by), E2B's template mode, and the concurrency an HF pool sizes its hosts by."""
+    return {
+        "e2b": {"templates": args.e2b_templates, "run_id": args.run_id},
+        "hf": {"run_id": args.run_id, "concurrency": concurrency},
+    }
 
 
 def _watch_children_with_pidfds() -> None:

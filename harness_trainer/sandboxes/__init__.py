@@ -56,8 +56,11 @@ def capabilities(name: str) -> Capabilities:
 
 
 def missing_credentials(name: str, environ: Mapping[str, str]) -> list[str]:
-    """The credential variables backend ``name`` needs that ``environ`` lacks (or has empty)."""
-    return [variable for variable in capabilities(name).credentials if not environ.get(variable)]
+    """The credential variables backend ``name`` needs that ``environ`` lacks (or has empty); none when
+    the backend's stored login (its ``capabilities.login``) stands in for them."""
+    caps = capabilities(name)
+    missing = [variable for variable in caps.credentials if not environ.get(variable)]
+    return [] if missing and caps.login is not None and caps.login.stored() else missing
 
 
 def credential_variables() -> tuple[str, ...]:
@@ -70,7 +73,11 @@ def describe_backends() -> str:
     parts = []
     for name, cls in SANDBOXES.items():
         caps: Capabilities = cls.capabilities
-        needs = [*caps.credentials, *(["a public URL for the capture proxy"] if caps.remote else [])]
+        credentials = " and ".join(caps.credentials)
+        if credentials and caps.login is not None:
+            credentials += f" (or a login stored by `{caps.login.command}`)"
+        needs = [credentials] if credentials else []
+        needs += ["a public URL for the capture proxy"] if caps.remote else []
         parts.append(f"{name} ({caps.summary}" + (f"; needs {' and '.join(needs)})" if needs else ")"))
     return "; ".join(parts)
 

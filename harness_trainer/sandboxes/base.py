@@ -149,14 +149,26 @@ class Isolation:
 
 
 @dataclass(frozen=True)
+class Login:
+    """A login that a backend's library stores on this machine and reads when its credential variables are
+    unset (``hf auth login``'s token): checks of a backend's ``credentials`` count it as given."""
+
+    command: str
+    """How a user stores it, for the line that says what is missing."""
+    stored: Callable[[], bool]
+    """Whether one is stored on this machine now."""
+
+
+@dataclass(frozen=True)
 class Capabilities:
     """A backend's facts, declared on its class (``capabilities``) and read from the registry by preflight,
     the Jobs plan, ``serve`` and the help texts: nothing else compares a backend's name to a string.
 
     ``credentials`` are the environment variables it needs where sandboxes start (``serve``, the Jobs
-    warm-up); ``remote`` means its sandboxes run on another machine, so agents reach the capture proxy only
-    by a public URL; ``builds`` is what it makes, once per content, from a task's environment
-    (``"templates"``, ``"images"``), or None when it prepares the environment at every start;
+    warm-up), which ``login``, when set, stands in for; ``remote`` means its sandboxes run on another
+    machine, so agents reach the capture proxy only by a public URL; ``builds`` is what it makes, once per
+    content, from a task's environment (``"templates"``, ``"images"``), or None when it prepares the
+    environment at every start;
     ``wants_proxy_url`` means it takes the capture proxy's URL as agents are told it (its ``proxy_url``
     option, which the rollout runtime fills in) to make that URL reachable inside its sandboxes;
     ``sidecars`` means it starts a compose task's other services beside the agent's (a backend that does not
@@ -165,6 +177,7 @@ class Capabilities:
     summary: str
     isolation: Isolation
     credentials: tuple[str, ...] = ()
+    login: Login | None = None
     remote: bool = False
     builds: str | None = None
     wants_proxy_url: bool = False

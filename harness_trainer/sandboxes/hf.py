@@ -27,10 +27,11 @@ sandbox. Lifetime: a sandbox closes itself after ``max(lifetime_s, agent + verif
 lifetime_margin_s``; HF ends a sandbox idle for ``idle_timeout`` (default: that lifetime, since a
 foreground command does not count as activity) and an empty pool host idle for ``host_idle_timeout``.
 
-Credentials: ``HF_TOKEN`` (or the ``token`` option). Before its first create the backend checks the token
-once (``whoami``, one page of the namespace's Jobs): a missing token, one the Hub refuses (401) or one
-without the right to run Jobs (403) is one :class:`SandboxStartError` line. Tested against a fake Hub and
-fake sandbox servers only (``tests/sandboxes/fake_hf.py``).
+Credentials: ``HF_TOKEN``, or the ``token`` option, or a token stored by ``hf auth login`` (its
+``capabilities.login``: preflight and ``serve`` accept a logged-in user too). Before its first create the
+backend checks the token once (``whoami``, one page of the namespace's Jobs): a missing token, one the Hub
+refuses (401) or one without the right to run Jobs (403) is one :class:`SandboxStartError` line. Tested
+against a fake Hub and fake sandbox servers only (``tests/sandboxes/fake_hf.py``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import shlex
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import harness_trainer.sandboxes.dockerfile as dockerfile
@@ -50,6 +52,7 @@ from harness_trainer.sandboxes.base import (
     AgentProvision,
     Capabilities,
     Isolation,
+    Login,
     SandboxError,
     SandboxStartError,
     refuse_sidecars,
@@ -75,6 +78,19 @@ ISOLATION_NOTE = (
     "host job, writing only their home: use them for tasks inside one trust boundary"
 )
 """What the backend says of its isolation, for the docs and ``--help``."""
+
+
+def stored_login() -> bool:
+    """Whether ``hf auth login`` stored a token on this machine (the library's token file), which the
+    backend uses when neither its ``token`` option nor ``HF_TOKEN`` gives one."""
+    try:
+        from huggingface_hub import constants
+    except ImportError:
+        return False
+    try:
+        return bool(Path(constants.HF_TOKEN_PATH).read_text().strip())
+    except OSError:
+        return False
 
 
 def hosts_for(concurrency: int | None, sandboxes_per_host: int) -> int:
@@ -125,6 +141,7 @@ class HfSandboxBackend:
         # a task's cpus/memory_mb are not applied (the flavor is).
         isolation=Isolation(network=False, filesystem=True, user=True, limits=False),
         credentials=("HF_TOKEN",),
+        login=Login("hf auth login", stored_login),
         remote=True,
     )
 
@@ -203,7 +220,8 @@ class HfSandboxBackend:
         token = self.token or os.environ.get("HF_TOKEN") or hub().get_token()
         if not token:
             raise SandboxStartError(
-                "the hf backend needs HF_TOKEN (a Hugging Face token that may run Jobs) in the environment"
+                "the hf backend needs HF_TOKEN (a Hugging Face token that may run Jobs) in the environment, "
+                "or a token stored by `hf auth login`"
             )
         self.token = token
         try:
@@ -333,6 +351,7 @@ class HfSandboxBackend:
                 await self._in_thread(pool.close)
             except Exception as exc:  # its hosts idle-time-out; the error names the jobs still billing
                 log.warning("HF sandbox pool %s: close failed: %s", pool.name, exc)
+        self.executor.shutdown(wait=False)  # its threads are idle now: none outlives the backend
 
 
 async def _reclaim(made: asyncio.Future[Any]) -> None:

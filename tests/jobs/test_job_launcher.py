@@ -177,7 +177,9 @@ def test_with_e2b_the_warm_up_runs_between_the_server_and_the_trainer(launch: La
     steps = [step for step in order(running) if not step.endswith(("listening", "terminated"))]
     assert steps == ["vllm:start", "serve:start", "warm:start", "warm:exit", "trainer:start", "trainer:exit"]
     warm = running.wait_for("warm", "start")
-    assert warm["argv"][1:] == ["--public-url", url, "--sandbox", "e2b", "--template", "base"]
+    assert warm["argv"][1:] == [
+        *("--public-url", url, "--sandbox", "e2b", "--template", "base", "--image", "python:3.12")
+    ]
     serve_argv = running.wait_for("serve", "start")["argv"]
     assert serve_argv[-2:] == ["--public-url", url]
     assert serve_argv[serve_argv.index("--capture-host") + 1] == "0.0.0.0"
@@ -193,16 +195,19 @@ def test_a_failed_warm_up_stops_the_run_before_the_trainer_starts(launch: Launch
     assert_all_gone(running)
 
 
-def test_the_warm_up_gets_the_e2b_key_and_not_the_hf_token(launch: Launcher) -> None:
+@pytest.mark.parametrize(("sandbox", "credential"), [("e2b", "E2B_API_KEY"), ("hf", "HF_TOKEN")])
+def test_the_warm_up_gets_its_own_backends_credential_and_no_other_secret(
+    launch: Launcher, sandbox: str, credential: str
+) -> None:
     running = launch(
         warm=["--hang"],
-        trainer_args=["--sandbox", "e2b"],
+        trainer_args=["--sandbox", sandbox],
         options=["--public-url", "http://x", "--warm-timeout", "30"],
     )
     warm = running.wait_for("warm", "start")
+    assert warm["argv"][warm["argv"].index("--sandbox") + 1] == sandbox
     env = environ_of(warm["pid"])
-    assert env["E2B_API_KEY"] == SECRETS["E2B_API_KEY"]
-    assert "HF_TOKEN" not in env and "WANDB_API_KEY" not in env
+    assert {name: env[name] for name in SECRETS if name in env} == {credential: SECRETS[credential]}
     os.kill(running.process.pid, signal.SIGTERM)
     assert running.finish() == 128 + signal.SIGTERM
     assert_all_gone(running)

@@ -253,6 +253,36 @@ def test_the_dry_run_prints_the_plan_with_secret_names_and_no_values() -> None:
     assert not any(value in result.stdout + result.stderr for value in SECRETS.values())
 
 
+def test_the_dry_run_for_hf_sandboxes_plans_their_warm_up_with_the_hub_token_alone() -> None:
+    # A job `jobs submit` made for --sandbox hf: its one secret is HF_TOKEN, no E2B key anywhere.
+    env = {
+        key: value for key, value in os.environ.items() if key not in SECRETS and not key.startswith("HT_")
+    }
+    env |= {"HF_TOKEN": SECRETS["HF_TOKEN"], "HT_SECRET_NAMES": "HF_TOKEN", "HT_RUN_ID": "run-1"}
+    argv = [*LAUNCHER, "--dataset", "org/tasks", "--warm-image", "org/probe:1", "--dry-run"]
+    result = subprocess.run(
+        [*argv, "--", "--model", "org/m", "--sandbox", "hf"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    url = "https://<job id>--8300.hf.jobs"
+    assert plan["public_url"] == url and plan["secret_names"] == ["HF_TOKEN"]
+    assert plan["warm"]["argv"][-8:] == [
+        *("--public-url", url, "--sandbox", "hf"),
+        *("--template", "base", "--image", "org/probe:1"),  # each backend takes its own of the two
+    ]
+    steps = ("vllm", "serve", "warm", "trainer")
+    assert {step: plan[step]["secrets"] for step in steps} == {step: ["HF_TOKEN"] for step in steps}
+    serve = plan["serve"]["argv"]
+    assert serve[serve.index("--public-url") + 1] == url and serve[serve.index("--run-id") + 1] == "run-1"
+    assert serve[serve.index("--capture-host") + 1] == "0.0.0.0"
+    assert "E2B_API_KEY" not in result.stdout and SECRETS["HF_TOKEN"] not in result.stdout
+
+
 def test_bad_trainer_arguments_are_one_error_line_and_exit_2() -> None:
     result = subprocess.run(
         [*LAUNCHER, "--dataset", "d", "--", "--harness", "x"],

@@ -46,13 +46,15 @@ def cli_has_jobs() -> bool:
 
 def test_the_readme_has_only_commands_this_test_runs() -> None:
     commands = readme_commands()
-    assert len(commands) == 4
+    assert len(commands) == 5
     assert all(command[:3] == SUBMIT or command[:3] == LAUNCHER for command in commands)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "command", [c for c in readme_commands() if c[:3] == SUBMIT], ids=["dry-run", "submit", "several-gpus"]
+    "command",
+    [c for c in readme_commands() if c[:3] == SUBMIT],
+    ids=["dry-run", "submit", "several-gpus", "without-e2b"],
 )
 def test_each_readme_submission_runs(
     command: list[str],
@@ -75,6 +77,9 @@ def test_each_readme_submission_runs(
         assert api.run_job_calls == []
         if "--vllm-gpu-count" in command:  # the Several GPUs section's split, as it says
             assert spec["gpus"]["summary"] in (ROOT / "docs/jobs.md").read_text().replace("\n  ", " ")
+        if command[command.index("--sandbox") + 1] == "hf":  # the Without E2B section's: the hub token alone
+            assert spec["secrets"] == {"HF_TOKEN": REDACTED}
+            assert spec["install"]["requirement"].startswith("harness-trainer[hf,train] @ ")
     else:
         assert out.startswith("submitted job ")
         (call,) = api.run_job_calls

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from huggingface_hub import Volume
+from huggingface_hub import Volume, constants
 
 from harness_trainer.jobs import job_launcher, plan
 from harness_trainer.jobs.install import WHEEL_MOUNT, build_wheel
@@ -23,6 +23,7 @@ from tests.jobs.conftest import SECRETS, FakeHfApi
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAINER = ["--harness", "opencode", "--model", "Qwen/Qwen3-8B", "--split", "train", "--sandbox", "e2b"]
+HF_TRAINER = [*TRAINER[:-1], "hf"]
 WHEEL_URL = f"file://{WHEEL_MOUNT}/"
 GIT_URL = "git+https://github.com/org/harness-trainer@main"
 Submit = Callable[..., int]
@@ -264,6 +265,57 @@ def test_a_local_sandbox_needs_no_e2b_key(
     api = FakeHfApi()
     assert submit(trainer=local, api=api) == 0
     assert api.run_job_calls[0]["secrets"] == {"HF_TOKEN": SECRETS["HF_TOKEN"]}
+
+
+def test_with_the_hf_sandbox_the_job_needs_only_the_hub_token_and_its_launcher_plans_hf_sandboxes(
+    submit: Submit, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("E2B_API_KEY")
+    assert submit("--dry-run", trainer=HF_TRAINER) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["secrets"] == {"HF_TOKEN": REDACTED} and spec["env"]["HT_SECRET_NAMES"] == "HF_TOKEN"
+    assert spec["expose_public"] == [8300]  # the capture port: how HF sandboxes, jobs elsewhere, reach it
+    api = FakeHfApi()
+    assert submit(trainer=HF_TRAINER, api=api) == 0
+    (call,) = api.run_job_calls
+    assert call["secrets"] == {"HF_TOKEN": SECRETS["HF_TOKEN"]}
+    # The job's launcher, run here as the job would run it (its environment and its one secret): its plan.
+    launch = shlex.split(call["command"][2].split(" && exec ")[1])
+    launch[0] = sys.executable
+    launch.insert(launch.index("--"), "--dry-run")
+    env = {"PATH": "/usr/bin:/bin", **call["env"], **call["secrets"]}
+    result = subprocess.run(launch, capture_output=True, text=True, env=env, timeout=60, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    planned = json.loads(result.stdout)
+    url = "https://<job id>--8300.hf.jobs"
+    assert planned["public_url"] == url
+    warm = planned["warm"]["argv"]
+    assert (warm[warm.index("--sandbox") + 1], warm[warm.index("--public-url") + 1]) == ("hf", url)
+    steps = ("vllm", "serve", "warm", "trainer")
+    assert {step: planned[step]["secrets"] for step in steps} == {step: ["HF_TOKEN"] for step in steps}
+    assert "E2B_API_KEY" not in result.stdout
+
+
+def test_a_token_stored_by_hf_auth_login_is_the_jobs_hf_token(
+    submit: Submit, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # As `hf jobs run --secrets HF_TOKEN` does: a logged-in user need not export the token.
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "E2B_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    token_path = tmp_path / "hf-home" / "token"
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(token_path))
+    api = FakeHfApi()
+    assert submit(trainer=HF_TRAINER, api=api, build=must_not_build) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: secret HF_TOKEN is not set in this environment: export it (or store HF_TOKEN with "
+        "`hf auth login`)"
+    ]
+    assert api.run_job_calls == [] and api.sync_calls == []
+    token_path.parent.mkdir()
+    token_path.write_text("hf_stored_by_login\n")
+    assert submit(trainer=HF_TRAINER, api=api) == 0
+    assert api.run_job_calls[0]["secrets"] == {"HF_TOKEN": "hf_stored_by_login"}
+    assert "hf_stored_by_login" not in capsys.readouterr().out
 
 
 def test_a_missing_secret_is_one_error_line_naming_it_and_nothing_is_submitted(

@@ -13,11 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from huggingface_hub import constants
 
 from harness_trainer.launch.harbor_run import main
-from harness_trainer.launch.preflight import LAUNCH_FILE, PROBES_SKIPPED, PreflightError
+from harness_trainer.launch.preflight import LAUNCH_FILE, PROBES_SKIPPED, PreflightError, check_credentials
 from harness_trainer.launch.preflight_engine import check_capture_shapes
 from harness_trainer.net import free_port
+from harness_trainer.sandboxes import missing_credentials
 from tests.launch.fakes import FIXTURES, FakeEngine, FakeRolloutServer, serving
 
 READ_ONLY_ENGINE_ROUTES = {
@@ -195,16 +197,44 @@ def test_an_unreachable_service_is_named(which, services, capsys) -> None:
             "unknown harness 'no-such-agent'; known: aider, claude-code, codex, gemini-cli, mini-swe-agent",
         ),
         (["--sandbox", "docker2"], "unknown sandbox 'docker2'; known: docker, e2b, hf, local"),
-        (["--sandbox", "e2b"], "--sandbox e2b needs E2B_API_KEY"),
+        (["--sandbox", "e2b"], "--sandbox e2b needs E2B_API_KEY in the environment (here"),
+        (
+            ["--sandbox", "hf"],
+            "--sandbox hf needs HF_TOKEN in the environment or a login stored by `hf auth login` (here",
+        ),
     ],
 )
 def test_bad_names_and_a_missing_key_are_refused_before_any_request(
-    extra, expected, services, capsys, monkeypatch
+    extra, expected, services, capsys, monkeypatch, tmp_path
 ) -> None:
     monkeypatch.delenv("E2B_API_KEY", raising=False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-login" / "token"))
     running = services()
     assert_refused(run(running.argv(*extra), capsys), expected)
     assert running.engine.requests == [] and running.server.requests == []
+
+
+def test_a_token_stored_by_hf_auth_login_stands_in_for_hf_token(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A user who ran `hf auth login` and exported nothing: the hf backend reads the stored token, so the
+    # checks of its credentials (preflight's, and serve's through missing_credentials) let the run go on.
+    token_path = tmp_path / "hf-home" / "token"
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(token_path))
+    assert missing_credentials("hf", {}) == ["HF_TOKEN"]
+    with pytest.raises(PreflightError, match=r"^--sandbox hf needs HF_TOKEN in the environment or a login"):
+        check_credentials("hf", {})
+    token_path.parent.mkdir()
+    token_path.write_text("  \n")  # an empty file is no login
+    assert missing_credentials("hf", {}) == ["HF_TOKEN"]
+    token_path.write_text("hf_stored_by_login\n")
+    assert missing_credentials("hf", {}) == []
+    check_credentials("hf", {})
+    # A stored HF token is no other backend's credential.
+    assert missing_credentials("e2b", {}) == ["E2B_API_KEY"]
+    with pytest.raises(PreflightError, match=r"^--sandbox e2b needs E2B_API_KEY in the environment \(here"):
+        check_credentials("e2b", {})
 
 
 def fake_checkpoint(output_dir: Path, step: int, config: dict[str, Any], model: str | None) -> Path:

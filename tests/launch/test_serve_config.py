@@ -85,3 +85,13 @@ def test_the_proxy_command_takes_a_proxy_section_too(tmp_path: Path, capsys) -> 
     assert main(["proxy", "--config", str(path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "proxy.prot: unknown key" in err[0]
+
+
+def test_serves_run_id_labels_both_remote_backends_and_sizes_the_hf_pool() -> None:
+    from harness_trainer.launch.serve import sandbox_options
+    from harness_trainer.sandboxes import make_backend
+
+    options = sandbox_options(argparse.Namespace(run_id="run-7", e2b_templates="build"), 12)
+    assert options["e2b"]["run_id"] == options["hf"]["run_id"] == "run-7"
+    hf = make_backend("hf", **options["hf"])  # the options are the backend's own keywords
+    assert (hf.run_id, hf.concurrency) == ("run-7", 12)

@@ -54,6 +54,7 @@ def test_the_registry_answers_from_the_classes() -> None:
         capabilities("nope")
     described = describe_backends()
     assert "e2b (E2B cloud microVMs; needs E2B_API_KEY and a public URL" in described
+    assert "needs HF_TOKEN (or a login stored by `hf auth login`) and a public URL" in described
     assert described.startswith("local (")
 
 
