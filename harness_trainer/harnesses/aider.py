@@ -50,7 +50,9 @@ from harness_trainer.harnesses.bundles import agent_path, install_agent
 from harness_trainer.harnesses.tools import ToolPackage
 from harness_trainer.sandboxes.base import Sandbox
 
-PACKAGE = ToolPackage("pip", "aider-chat", "0.86.2", "venv/bin/aider", requires_python="3.10")
+PACKAGE = ToolPackage("pip", "aider-chat", "0.86.2", "venv/bin/aider", requires_python=">=3.10,<3.13")
+"""The release's own ``Requires-Python``: an image whose ``python3`` is 3.13 or later cannot run it, which
+its bundle's setup says by name (:mod:`.bundle_installer`) rather than as pip's "no matching distribution"."""
 LOG_NAME = "aider.log"
 CHAT_HISTORY_NAME = "aider.chat.history.md"
 INPUT_HISTORY_NAME = "aider.input.history"

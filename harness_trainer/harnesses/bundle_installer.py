@@ -9,8 +9,11 @@ A venv is tied to the interpreter it was made with, so the bundle holds one per 
 ``venvs/<key>``, the key a hash of the interpreter's real path, version and C library: images that share
 a Python share its venv. Concurrent installs (two images with one Python) serialise on a ``flock``; a venv
 is complete once it holds the marker file. pip itself comes from the wheel in ``pip/`` (an image's Python
-may have no ``ensurepip``: Debian's without ``python3-venv``). The specs are in ``specs.txt``, the minimum
-Python in ``requires.txt``.
+may have no ``ensurepip``: Debian's without ``python3-venv``). The specs are in ``specs.txt``, the Pythons
+the package runs on in ``requires.txt``: comma-separated bounds, ``>=X`` or ``<X`` (a bare ``X`` is ``>=X``).
+Both commands refuse a Python out of those bounds first, naming the package, the bounds and the image's
+Python (exit 3): pip's own refusal of a release whose ``Requires-Python`` excludes it reads as if the
+release did not exist.
 """
 
 import fcntl
@@ -51,11 +54,22 @@ def specs():
     return " ".join(read("specs.txt"))
 
 
+def bounds():
+    """``requires.txt`` as ``(operator, version tuple)`` pairs, the operator ``>=`` or ``<``."""
+    pairs = []
+    for clause in "".join(read("requires.txt")).split(","):
+        operator = "<" if clause.startswith("<") else ">="
+        version = clause[len(operator) :] if clause.startswith(operator) else clause
+        pairs.append((operator, tuple(int(part) for part in version.split("."))))
+    return pairs
+
+
 def check_version():
-    need = tuple(int(part) for part in read("requires.txt")[0].split("."))
-    if sys.version_info[: len(need)] < need:
-        wanted = ".".join(map(str, need))
-        fail(specs() + " needs Python >= " + wanted + "; this image has " + describe())
+    for operator, need in bounds():
+        have = sys.version_info[: len(need)]
+        if (have < need) if operator == ">=" else (have >= need):
+            wanted = ", ".join(op + " " + ".".join(map(str, version)) for op, version in bounds())
+            fail(specs() + " needs Python " + wanted + "; this image has " + describe())
 
 
 def install(dest):

