@@ -149,8 +149,10 @@ class RecordingFactory(LocalSessionFactory):
         super().__init__(*args, **options)
         self.made = made
 
-    def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> Any:
-        session = super().create(task, seed=seed, episode_id=episode_id)
+    def create(
+        self, task: Any, seed: int | None = None, episode_id: str | None = None, *, harness: str | None = None
+    ) -> Any:
+        session = super().create(task, seed=seed, episode_id=episode_id, harness=harness)
         self.made.append(session)
         return session
 

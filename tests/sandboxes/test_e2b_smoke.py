@@ -157,6 +157,7 @@ def test_ctrl_c_during_the_agent_kills_the_sandbox_and_stops_the_proxy(
     task = make_task("FROM python:3.11-slim\nWORKDIR /app\n")
 
     def interrupt_once_the_agent_sleeps() -> None:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # as the kernel picks (test_signals)
         wait_until_present("sleep 67", timeout_s=120)  # the toy agent's bash tool, in the fake sandbox
         # As Ctrl-C, delivered to this thread, not the main one: the kernel may hand a process-directed
         # SIGINT to any thread, and the smoke test must still cancel at once (harness_trainer/signals.py).

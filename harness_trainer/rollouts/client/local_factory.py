@@ -189,7 +189,9 @@ class LocalSessionFactory:
         self, task: Any, seed: int | None = None, episode_id: str | None = None, *, harness: str | None = None
     ) -> LocalSession:
         """``create`` for a caller on another event loop (the trainer's scheduler): nothing blocks."""
-        return self.create(task, seed=seed, episode_id=episode_id, harness=harness)
+        # A subclass's create of the older signature (no harness=) still serves a run of one harness.
+        chosen = {} if harness is None else {"harness": harness}
+        return self.create(task, seed=seed, episode_id=episode_id, **chosen)
 
     def close(self) -> None:
         if self._closed:
