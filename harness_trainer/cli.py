@@ -1,8 +1,9 @@
 """The ``harness-trainer`` command: one parser over the subcommands. A command's flags and handler live in
 the module that owns it (``train``: :mod:`harness_trainer.launch.harbor_run`, ``serve``:
-:mod:`harness_trainer.launch.serve`, ``e2b``: :mod:`harness_trainer.launch.e2b_commands`; ``dev``,
-``eval``, ``view``, ``plot`` and ``jobs submit`` beside their code); the few small ones are here. Every
-handler imports the heavy libraries it needs late, so ``--help`` answers at once."""
+:mod:`harness_trainer.launch.serve`, ``e2b``: :mod:`harness_trainer.launch.e2b_commands`, ``hf``:
+:mod:`harness_trainer.launch.hf_commands`; ``dev``, ``eval``, ``view``, ``plot`` and ``jobs submit`` beside
+their code); the few small ones are here. Every handler imports the heavy libraries it needs late, so
+``--help`` answers at once."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from harness_trainer.jobs.submit import add_submit_arguments, run_submit
 from harness_trainer.launch import harbor_run
 from harness_trainer.launch.config_file import apply_config, configurable
 from harness_trainer.launch.e2b_commands import add_e2b_arguments
+from harness_trainer.launch.hf_commands import add_hf_arguments
 from harness_trainer.launch.serve import add_serve_arguments, run_serve
 from harness_trainer.plots import add_plot_arguments, run_plot
 from harness_trainer.viewer.command import add_view_arguments, run_view
@@ -238,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(serve)
     serve.set_defaults(func=run_serve)
     add_e2b_arguments(sub.add_parser("e2b", help="E2B sandboxes"))
+    add_hf_arguments(sub.add_parser("hf", help="Hugging Face sandboxes (the hf backend)"))
 
     dev = sub.add_parser(
         "dev", help="the local dev loop: tiny model, dev engine, a real agent in local sandboxes, GRPO"

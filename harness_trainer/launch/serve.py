@@ -81,9 +81,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--run-id", default=None,
-        help="label E2B and HF sandboxes with this run; on E2B a server restarted with the same id first "
-        "kills the ones a dead server left (one server per id; `harness-trainer e2b cleanup --run ID` does "
-        "it by hand)",
+        help="label E2B and HF sandboxes with this run; a server restarted with the same id first kills "
+        "the ones a dead server left (one server per id; `harness-trainer e2b cleanup --run ID` and "
+        "`harness-trainer hf cleanup --run ID` do it by hand)",
     )  # fmt: skip
     parser.add_argument(
         "--no-host-trust", dest="host_trust", action="store_false",

@@ -91,6 +91,10 @@ class RolloutResult(BaseModel):
     model_calls: int = 0
     findings: list[dict[str, Any]] = Field(default_factory=list)
     phase_seconds: dict[str, float] = Field(default_factory=dict)
+    sandbox_seconds: float = 0.0
+    """Sandbox-seconds: each of its sandboxes (the agent's, a separate verifier's) from the backend handing
+    it over to the end of its close, summed (:mod:`~harness_trainer.rollouts.server.sandbox_meter`); 0 when
+    none started."""
     log_tail: str = ""
     error: str | None = None
     error_kind: ErrorKind | None = None
@@ -159,3 +163,5 @@ class EnvironmentVerdict(BaseModel):
     """The ``submit`` call's summary, if any."""
     phase_seconds: dict[str, float] = Field(default_factory=dict)
     """``sandbox_start``, ``upload`` (the task's ``tests/``), ``verifier``."""
+    sandbox_seconds: float = 0.0
+    """The episode's sandbox from the backend handing it over to this verdict (its close follows at once)."""

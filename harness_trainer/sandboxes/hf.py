@@ -27,6 +27,9 @@ sandbox. Lifetime: a sandbox closes itself after ``max(lifetime_s, agent + verif
 lifetime_margin_s``; HF ends a sandbox idle for ``idle_timeout`` (default: that lifetime, since a
 foreground command does not count as activity) and an empty pool host idle for ``host_idle_timeout``.
 
+Reaping (:mod:`.hf_runs`): every job names its run (a dedicated one by its label, a pool host by its pool's
+name); given a ``run_id``, the backend first cancels the jobs of that run a dead server left.
+
 Credentials: ``HF_TOKEN``, or the ``token`` option, or a token stored by ``hf auth login`` (its
 ``capabilities.login``: preflight and ``serve`` accept a logged-in user too). Before its first create the
 backend checks the token once (``whoami``, one page of the namespace's Jobs): a missing token, one the Hub
@@ -66,6 +69,7 @@ from harness_trainer.sandboxes.hf_errors import (
     retry_delay_s,
     tries_allowed,
 )
+from harness_trainer.sandboxes.hf_runs import cancel_run
 from harness_trainer.sandboxes.hf_sandbox import HfSandbox
 from harness_trainer.sandboxes.hf_sdk import check_access, dedicated_labels, hub, pool_name
 from harness_trainer.tasks.task import HarborTask
@@ -132,7 +136,7 @@ class HfSandboxBackend:
     ``namespace``, ``token`` (default: ``HF_TOKEN``, then the library's login), ``workdir`` (default: the
     task's, else its Dockerfile's, else ``/app``), ``lifetime_margin_s`` (300), ``create_attempts`` (3),
     ``retry_backoff_s`` (2), ``kill_grace_s`` (2), ``start_timeout_s`` (300: a job's boot), ``run_id``
-    (labels and pool names; default: a fresh id per backend)."""
+    (labels and pool names, and whose orphans are reaped; default: a fresh id per backend, reaping none)."""
 
     name = "hf"
     capabilities = Capabilities(
@@ -186,12 +190,14 @@ class HfSandboxBackend:
         self.start_timeout_s = start_timeout_s
         self.owner = uuid.uuid4().hex[:16]
         self.run_id = run_id or self.owner
+        self._named_run = run_id is not None  # a fresh id has no earlier server to reap after
         self.agents: tuple[AgentProvision, ...] = ()
         self.pools: dict[str, Any] = {}  # image -> huggingface_hub.SandboxPool
         self._pool_starts: dict[str, asyncio.Future[Any]] = {}
         self._live: set[HfSandbox] = set()
         self._unclaimed: set[asyncio.Future[None]] = set()
         self._access: asyncio.Future[None] | None = None
+        self._reaping: asyncio.Future[None] | None = None
         # Library calls block their thread for a whole command: a pool of its own, sized for the run.
         self.executor = ThreadPoolExecutor(
             max_workers=max(32, 4 * (concurrency or 8)), thread_name_prefix="ht-hf"
@@ -229,11 +235,34 @@ class HfSandboxBackend:
         except Exception as exc:
             raise SandboxStartError(access_problem(exc, "HF_TOKEN")) from exc
 
+    async def reap_orphans(self) -> None:
+        """Once, after the token check and before the first create: cancel the run's sandbox jobs another
+        owner left (a server of the same ``run_id`` that died hard; see :mod:`.hf_runs`). Only with a
+        ``run_id`` given; a failure to list is logged, never fatal."""
+        if not self._named_run:
+            return
+        if self._reaping is None:
+            self._reaping = asyncio.ensure_future(self._reap())
+        await asyncio.shield(self._reaping)
+
+    async def _reap(self) -> None:
+        try:
+            cancelled = await self._in_thread(
+                cancel_run, self.run_id, token=self.token, namespace=self.namespace, keep_owner=self.owner
+            )
+        except Exception as exc:  # orphans end at their idle timeout; the run goes on
+            log.warning("HF run %s: cannot look for orphaned sandbox jobs: %s", self.run_id, exc)
+            return
+        if cancelled:
+            log.warning("HF run %s: cancelled %d sandbox jobs an earlier server left", self.run_id,
+                        len(cancelled))  # fmt: skip
+
     async def prepare(self, task: HarborTask) -> None:
         """The token checked and, pooled, the pool of ``task``'s image booted (its first hosts)."""
         refuse_sidecars(task, self.name)
         image, _, _ = image_for(task, self.image)
         await self.check_access()
+        await self.reap_orphans()
         if not self.dedicated:
             await self._pool(image)
 
@@ -266,6 +295,7 @@ class HfSandboxBackend:
         refuse_sidecars(task, self.name)
         image, image_workdir, image_env = image_for(task, self.image)
         await self.check_access()
+        await self.reap_orphans()
         workdir = self.workdir or task.environment.workdir or image_workdir or "/app"
         lifetime = sandbox_lifetime(task, lifetime_s, self.lifetime_margin_s)
         idle = math.ceil(self.idle_timeout if self.idle_timeout is not None else lifetime)

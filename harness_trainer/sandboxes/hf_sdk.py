@@ -9,6 +9,7 @@ exposes (``job.status.expose_urls``).
 from __future__ import annotations
 
 import hashlib
+import re
 import tarfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -52,6 +53,14 @@ def pool_name(run: str, image: str) -> str:
     """The ``hf-sandbox-pool`` label of the run's pool for ``image``: a pool host job carries no label of
     ours (``SandboxPool`` sets its own), so its pool name says which run made it."""
     return f"ht-{run}-{hashlib.sha256(image.encode()).hexdigest()[:8]}"
+
+
+def is_run_pool(name: str | None, run: str) -> bool:
+    """Whether ``name`` is a :func:`pool_name` of ``run`` (of any image), and of no other run: the digest is
+    exactly the last eight hex digits, so run ``a`` does not claim run ``a-0123abcd``'s pools."""
+    prefix = f"ht-{run}-"
+    digest = (name or "").removeprefix(prefix)
+    return bool(name) and name != digest and bool(re.fullmatch(r"[0-9a-f]{8}", digest))
 
 
 def dedicated_labels(task: str, run: str | None, owner: str) -> dict[str, str]:

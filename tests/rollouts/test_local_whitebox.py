@@ -27,7 +27,7 @@ HELLO = "hello-file"
 HELLO_INSTRUCTION = (EXAMPLES / "train" / HELLO / "instruction.md").read_text().strip()
 VERIFY_METRICS = {
     "tool_calls_by_name", "tool_failures_by_name", "tool_failure_count", "rewards", "submitted",
-    "verifier_exit_code", "verifier_timed_out", "phase_seconds", "session_id",
+    "verifier_exit_code", "verifier_timed_out", "phase_seconds", "sandbox_seconds", "session_id",
 }  # fmt: skip
 """The metrics ``WhiteBoxSession.verify`` (the HTTP session) returns."""
 
@@ -98,6 +98,8 @@ def test_a_bash_command_solves_the_task_and_verify_gives_reward_1(
         assert verdict.metrics["session_id"] == session.session_id
         assert set(verdict.metrics["phase_seconds"]) == {"sandbox_start", "tools", "upload", "verifier"}
         assert verdict.metrics["phase_seconds"]["tools"] > 0  # the three calls, summed
+        phases = verdict.metrics["phase_seconds"]  # its sandbox is open through the calls and the verifier
+        assert phases["tools"] + phases["upload"] + phases["verifier"] <= verdict.metrics["sandbox_seconds"]
         assert verdict.artifacts["summary"] == "wrote it"
         assert roots(base) == [], "verify ends the episode: its sandbox is closed"
         assert session.verify([]).env_reward == 1.0  # again: the same verdict

@@ -14,6 +14,7 @@ built from ``tests/`` (``FROM python:3.12-slim``, stood in for by the local base
 from __future__ import annotations
 
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -70,16 +71,35 @@ def test_a_verifier_mode_harbor_refuses_is_refused(tmp_path: Path, verifier: str
     assert message in str(refused.value)
 
 
+def spy_on_lifetimes(runtime: RolloutRuntime, monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The lifetimes of the local sandboxes ``runtime`` starts from now on, each from its backend's start
+    returning to its close ending (the local sandbox's ``on_close``), as they close."""
+    backend = runtime.backend("local").backend
+    start, lifetimes = backend.start, []
+
+    async def spied(*args: Any, **kwargs: Any) -> Any:
+        sandbox = await start(*args, **kwargs)
+        opened = time.monotonic()
+        sandbox.on_close.append(lambda _: lifetimes.append(time.monotonic() - opened))
+        return sandbox
+
+    monkeypatch.setattr(backend, "start", spied)
+    return lifetimes
+
+
 async def test_the_verifier_sees_only_the_artifacts_in_its_own_sandbox(
-    runtime_for: Callable[[Replies], Any], tmp_path: Path
+    runtime_for: Callable[[Replies], Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     local = for_the_local_sandbox(TASK, tmp_path)
     task = load_task(local, split="separate")
     runtime = await runtime_for([*replay("toy", solution()), *give_up("toy"), *replay("toy", solution())])
     options = RolloutOptions(harness="toy", sandbox="local", agent_timeout_sec=120)
+    lifetimes = spy_on_lifetimes(runtime, monkeypatch)
     solved = await runtime.rollout(task, options)
     assert solved.error is None, solved.error
     assert (solved.reward, solved.rewards) == (1.0, {"reward": 1.0, "isolated": 1.0}), solved.log_tail
+    # Its sandbox-seconds: the agent's sandbox and the verifier's, each from start to close, summed.
+    assert len(lifetimes) == 2 and solved.sandbox_seconds == pytest.approx(sum(lifetimes), abs=0.02)
     unsolved = await runtime.rollout(task, options)
     assert unsolved.error is None and unsolved.rewards == {"reward": 0.0, "isolated": 1.0}
     # Without tests/Dockerfile: a fresh sandbox of the task's own environment, tests/ copied in; it has the

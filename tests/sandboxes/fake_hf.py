@@ -26,8 +26,8 @@ Every request is recorded (``requests``). Besides the Jobs routes, the library f
 registry of agent harnesses (``/api/agent-harnesses``, for its user agent): an empty one here. A request
 the fake does not implement answers **500 naming the method and path** (and is recorded in ``unknown``),
 so that a library that starts calling something new fails loudly. Faults: ``fail_run_jobs`` (the next
-``run_job`` calls answer these statuses), another token than ``token`` (401), ``forbidden`` (403 on the
-Jobs routes).
+``run_job`` calls answer these statuses), ``fail_list_jobs`` (the same for ``list_jobs``), another token
+than ``token`` (401), ``forbidden`` (403 on the Jobs routes).
 """
 
 from __future__ import annotations
@@ -124,6 +124,7 @@ class FakeHub:
         self.token = token
         self.forbidden = False
         self.fail_run_jobs: list[int] = []
+        self.fail_list_jobs: list[int] = []
         self.jobs: dict[str, FakeJob] = {}
         self.requests: list[tuple[str, str]] = []
         self.unknown: list[str] = []
@@ -225,6 +226,9 @@ class FakeHub:
         if not rest and method == "POST":
             return await self._run_job(request, namespace)
         if not rest and method == "GET":
+            if self.fail_list_jobs:
+                status = self.fail_list_jobs.pop(0)
+                return _error(status, f"fake Hub: list_jobs refused ({status})")
             stages = request.query.getall("stage", [])
             wanted = dict(label.split("=", 1) for label in request.query.getall("label", []))
             found = [

@@ -72,6 +72,23 @@ def test_each_phase_is_a_perf_metric_averaged_over_the_rollouts_that_report_it()
     assert not [name for name in no_phases if name.startswith("perf/")]
 
 
+def test_sandbox_seconds_per_rollout_is_the_mean_over_the_rollouts_that_report_them() -> None:
+    members = [rollout(0, 0, 1.0), rollout(0, 1, 0.0), rollout(0, 2, None, unscorable="sandbox failed")]
+    members[0].verify_metrics = {"sandbox_seconds": 40.0}  # the agent's sandbox and a verifier's, summed
+    members[1].verify_metrics = {"sandbox_seconds": 20.0}
+    members[2].verify_metrics = {"sandbox_seconds": 0.0}  # its sandbox never started: it cost nothing
+    metrics = rollout_metrics([Group(0, {}, 0, members)], policy_version=0, reward_name="")
+    assert metrics["sandbox/seconds_per_rollout"] == 20.0
+    members[2].verify_metrics = {"sandbox_seconds": True}  # not a number of seconds
+    metrics = rollout_metrics([Group(0, {}, 0, members)], policy_version=0, reward_name="")
+    assert metrics["sandbox/seconds_per_rollout"] == 30.0
+    for member in members:
+        member.verify_metrics = {}  # an engine-side factory reports none
+    assert "sandbox/seconds_per_rollout" not in rollout_metrics(
+        [Group(0, {}, 0, members)], policy_version=0, reward_name=""
+    )
+
+
 def test_staleness_counts_from_the_earliest_dispatch_version_of_the_supervised_turns() -> None:
     members = [rollout(0, 0, 1.0, turns=3), rollout(0, 1, 0.0)]
     members[0].policy_version = members[1].policy_version = 5

@@ -44,3 +44,5 @@ def test_training_on_real_rollouts_pushes_weights_to_the_engine(scripted_engine,
     assert {r.dispatch_version_max for r in records} <= {0, 1}
     assert all(r.return_version_min is not None and r.llm_s > 0 for r in records)
     assert all("perf/rollout_llm_s" in line and line["perf/rollout_env_s"] > 0 for line in lines)
+    # Each rollout's local sandbox was open for part of its wall time: what a billing backend would charge.
+    assert all(0 < line["sandbox/seconds_per_rollout"] < line["rollout/seconds_mean"] for line in lines)

@@ -59,6 +59,7 @@ def verify_result(result: RolloutResult) -> VerifyResult:
         "tool_failure_count": result.tool_failure_count,
         "model_calls": result.model_calls,
         "phase_seconds": dict(result.phase_seconds),
+        "sandbox_seconds": result.sandbox_seconds,
         "rewards": dict(result.rewards),
         "capture_session_id": result.capture_session_id,
         "harness": result.harness,

@@ -169,6 +169,7 @@ def verify_result(verdict: EnvironmentVerdict, session_id: str) -> VerifyResult:
         "verifier_exit_code": verdict.verifier_exit_code,
         "verifier_timed_out": verdict.verifier_timed_out,
         "phase_seconds": dict(verdict.phase_seconds),
+        "sandbox_seconds": verdict.sandbox_seconds,
         "session_id": session_id,
     }
     artifacts = {

@@ -33,6 +33,7 @@ from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from harness_trainer.rollouts.result import EnvironmentOptions, EnvironmentVerdict
+from harness_trainer.rollouts.server.sandbox_meter import SandboxMeter
 from harness_trainer.rollouts.server.verifier import run_verifier, upload_tests
 from harness_trainer.sandboxes.base import Sandbox, SandboxBackend, SandboxError
 from harness_trainer.tasks.task import HarborTask
@@ -89,6 +90,7 @@ class Environment:
         self.error: str | None = None
         self.closed = False
         self.phase_seconds: dict[str, float] = {}
+        self.meter = SandboxMeter()
         self._lock = asyncio.Lock()
         self._operations: set[asyncio.Task[Any]] = set()
 
@@ -124,7 +126,7 @@ class Environment:
         started = time.monotonic()
         lifetime = episode + self.task.verifier_timeout_sec + SANDBOX_SLACK_S
         try:
-            self.sandbox = await self.backend.start(self.task, lifetime_s=lifetime)
+            self.sandbox = await self.meter.start(self.backend, self.task, lifetime_s=lifetime)
         except Exception as exc:  # a failed start fails the environment (SandboxError, or a bug: logged)
             self.error = f"{type(exc).__name__}: {exc}"
             raise
@@ -180,6 +182,7 @@ class Environment:
                 tool_failures_by_name=metrics["tool_failures_by_name"],
                 tool_failure_count=metrics["tool_failure_count"], submitted=tools.submitted,
                 summary=tools.summary, phase_seconds=dict(self.phase_seconds),
+                sandbox_seconds=round(self.meter.elapsed(), 4),
             )  # fmt: skip
             await self._close_sandbox()
             return self.verdict
@@ -234,7 +237,7 @@ class Environment:
         sandbox, self.sandbox = self.sandbox, None
         if sandbox is None:
             return
-        closing = asyncio.ensure_future(sandbox.close())
+        closing = asyncio.ensure_future(self.meter.close(sandbox))
         while not closing.done():  # finish closing even if the caller is cancelled meanwhile
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.shield(closing)

@@ -28,6 +28,7 @@ from harness_trainer.harnesses.bundles import provision
 from harness_trainer.rollouts.agreement import agreement
 from harness_trainer.rollouts.errors import ErrorKind
 from harness_trainer.rollouts.result import RolloutOptions, RolloutResult, StepResult
+from harness_trainer.rollouts.server.sandbox_meter import SandboxMeter
 from harness_trainer.rollouts.server.verifier import (
     VerifierOutcome,
     run_separate_verifier,
@@ -84,6 +85,7 @@ async def run_rollout(
     )
     session_id: str | None = None
     sandbox: Sandbox | None = None
+    meter = SandboxMeter()
     try:
         harness = harness or _harness(options.harness, options.harness_options)
         with _phase(result, "capture_session"):
@@ -99,11 +101,11 @@ async def run_rollout(
         with _phase(result, "sandbox_start"):
             if harness.package is not None:  # its bundle (built once per machine) into the sandboxes
                 backend.provide([await provision(harness.package)])
-            sandbox = await backend.start(task, lifetime_s=_lifetime(task, options))
+            sandbox = await meter.start(backend, task, lifetime_s=_lifetime(task, options))
         with _phase(result, "install"):
             await harness.install(sandbox)
         endpoint = AgentEndpoint(session.root_url, session.session_id, model)
-        episode = _Episode(task, options, harness, sandbox, endpoint, stop, result, backend)
+        episode = _Episode(task, options, harness, sandbox, endpoint, stop, result, backend, meter)
         await (episode.run_steps() if task.steps else episode.run_once())
         with _phase(result, "trace"):
             result.trace = await _export(capture, session.session_id)
@@ -132,7 +134,8 @@ async def run_rollout(
         result.error, result.error_kind = f"unexpected {type(exc).__name__}: {exc}", "unexpected"
     finally:
         with _phase(result, "cleanup"):
-            await _cleanup(capture, session_id, sandbox)
+            await _cleanup(capture, session_id, sandbox, meter)
+        result.sandbox_seconds = round(meter.seconds, 4)
     if result.error is not None:
         result.reward, result.trace = None, None
     return result
@@ -148,8 +151,8 @@ def _lifetime(task: HarborTask, options: RolloutOptions) -> float:
 @dataclass
 class _Episode:
     """What a rollout's agent runs and verifier runs share: the task, its options and harness, the sandbox,
-    the capture endpoint, the stop signal, the result being filled in, and the backend (for a separate
-    verifier's sandbox)."""
+    the capture endpoint, the stop signal, the result being filled in, the backend (for a separate
+    verifier's sandbox) and the meter of the rollout's sandbox-seconds."""
 
     task: HarborTask
     options: RolloutOptions
@@ -159,6 +162,7 @@ class _Episode:
     stop: asyncio.Event | None
     result: RolloutResult
     backend: SandboxBackend
+    meter: SandboxMeter
     agent_calls: list[list[dict[str, Any]]] | None = field(default_factory=list)
     """The agent's own record of its model calls, over its runs (None once a run kept none)."""
 
@@ -182,7 +186,7 @@ class _Episode:
         if (task.separate_verifier if step is None else step.separate_verifier) is not None:
             with _phase(self.result, "verifier"):
                 return await run_separate_verifier(
-                    self.sandbox, task, self.backend, reward_key=key, step=step
+                    self.sandbox, task, self.backend, self.meter, reward_key=key, step=step
                 )
         with _phase(self.result, "upload"):
             await upload_tests(self.sandbox, task, step)
@@ -320,11 +324,14 @@ async def _finish(awaitable: Any) -> None:
         raise task.exception()  # type: ignore[misc]
 
 
-async def _cleanup(capture: CaptureClient, session_id: str | None, sandbox: Sandbox | None) -> None:
-    """Close the sandbox and delete the capture session; both always attempted, neither raises."""
+async def _cleanup(
+    capture: CaptureClient, session_id: str | None, sandbox: Sandbox | None, meter: SandboxMeter
+) -> None:
+    """Close the sandbox (through ``meter``) and delete the capture session; both always attempted, neither
+    raises."""
     if sandbox is not None:
         try:
-            await _finish(sandbox.close())
+            await _finish(meter.close(sandbox))
         except Exception:  # cleanup must reach the capture session too
             log.warning("closing sandbox failed", exc_info=True)
     if session_id is not None:

@@ -21,6 +21,7 @@ import shlex
 import time
 from dataclasses import dataclass
 
+from harness_trainer.rollouts.server.sandbox_meter import SandboxMeter
 from harness_trainer.sandboxes.base import Sandbox, SandboxBackend, SandboxError
 from harness_trainer.tasks.reward import parse_reward
 from harness_trainer.tasks.steps import TaskStep
@@ -146,13 +147,15 @@ async def run_separate_verifier(
     agent_sandbox: Sandbox,
     task: HarborTask,
     backend: SandboxBackend,
+    meter: SandboxMeter,
     *,
     reward_key: str = "",
     step: TaskStep | None = None,
 ) -> VerifierOutcome:
     """``task``'s (or ``step``'s) verifier in a sandbox of its own (its ``separate_verifier``): the
     artifacts of ``agent_sandbox`` copied in, the tests too where the verifier's image does not hold them,
-    then :func:`run_verifier`. The verifier's sandbox is closed on every path.
+    then :func:`run_verifier`. The verifier's sandbox is started and closed through ``meter`` (the rollout's
+    sandbox-seconds), and closed on every path.
 
     Raises:
         SandboxError: either sandbox failed (starting the verifier's, copying the artifacts).
@@ -163,7 +166,7 @@ async def run_separate_verifier(
     archive = await collect_artifacts(agent_sandbox, separate.artifacts)
     verifier_task = task.verifier_task(step)
     timeout = (step or task).verifier_timeout_sec
-    sandbox = await backend.start(verifier_task, lifetime_s=timeout + _SEPARATE_SLACK_S)
+    sandbox = await meter.start(backend, verifier_task, lifetime_s=timeout + _SEPARATE_SLACK_S)
     try:
         await sandbox.write_file(ARTIFACTS_ARCHIVE, archive)
         await _setup(
@@ -174,4 +177,4 @@ async def run_separate_verifier(
         upload = not separate.from_tests
         return await run_verifier(sandbox, task, reward_key=reward_key, upload=upload, step=step)
     finally:
-        await sandbox.close()
+        await meter.close(sandbox)

@@ -91,7 +91,7 @@ def rollout_metrics(
     plus this trainer's own (``rollout/…``, ``rows/…``, ``staleness/…`` counted from each scored rollout's
     :func:`behaviour_version`, ``perf/<phase>_s``, ``whitebox/…`` in white-box runs, and
     ``perf/rollout_llm_s`` / ``_env_s`` / ``_other_s``: the mean :func:`rollout_time_split` over the step's
-    rollouts)."""
+    rollouts, and ``sandbox/seconds_per_rollout``: :func:`sandbox_metrics`)."""
     rollouts = [r for g in groups for r in g.rollouts]
     scored_rollouts = [r for r in rollouts if r.scored]
     rewards = [r.reward for r in scored_rollouts if r.reward is not None]
@@ -133,6 +133,7 @@ def rollout_metrics(
         "staleness/max": float(max(staleness, default=0)),
     }
     metrics |= phase_metrics(rollouts)
+    metrics |= sandbox_metrics(rollouts)
     metrics |= whitebox_metrics(rollouts)
     metrics |= agreement_metrics(rollouts)
     if rollouts:
@@ -203,3 +204,18 @@ def phase_metrics(rollouts: Sequence[Rollout]) -> dict[str, float]:
             if isinstance(value, int | float) and not isinstance(value, bool):
                 seconds.setdefault(str(phase), []).append(float(value))
     return {f"perf/{phase}_s": _mean(values) for phase, values in sorted(seconds.items())}
+
+
+def sandbox_metrics(rollouts: Sequence[Rollout]) -> dict[str, float]:
+    """``sandbox/seconds_per_rollout``: the mean sandbox-seconds (``verify.metrics["sandbox_seconds"]``:
+    each of a rollout's sandboxes from start to close, summed, as
+    :mod:`harness_trainer.rollouts.server.sandbox_meter` counts them) over the rollouts that report it, a
+    rollout whose sandbox never started counting 0: what the step's rollouts cost a backend that bills
+    sandbox time. None when no rollout reports it (an engine-side factory)."""
+    seconds = [
+        float(value)
+        for rollout in rollouts
+        if isinstance(value := rollout.verify_metrics.get("sandbox_seconds"), int | float)
+        and not isinstance(value, bool)
+    ]
+    return {"sandbox/seconds_per_rollout": _mean(seconds)} if seconds else {}
