@@ -45,9 +45,9 @@ from enum import StrEnum
 
 import httpx
 
-MAX_DELAY_S = 60.0
+from harness_trainer.sandboxes import create_retry
+
 """No wait between two tries is longer, however many tries are allowed."""
-UNKNOWN_TRIES = 2
 """Tries in all for a create whose last error is unknown (one retry)."""
 
 
@@ -110,9 +110,7 @@ def classify(exc: BaseException) -> Kind:
 
 def tries_allowed(kind: Kind, attempts: int) -> int:
     """How many tries in all a create whose latest try failed with ``kind`` may take, of ``attempts``."""
-    if kind in RETRIED:
-        return attempts
-    return min(attempts, UNKNOWN_TRIES) if kind is Kind.UNKNOWN else 1
+    return create_retry.tries_allowed(kind, attempts, retried=RETRIED)
 
 
 def retry_delay_s(
@@ -124,11 +122,11 @@ def retry_delay_s(
     draw: Callable[[], float] = random.random,
 ) -> float:
     """Seconds to wait after failed try ``attempt`` (1-based): the base (``rate_limit_base_s`` after a
-    429, else ``base_s``) doubled per try and capped at :data:`MAX_DELAY_S`, then scaled by a jitter in
-    [0.5, 1) from ``draw`` (so concurrent creates refused together do not come back together).
+    429, else ``base_s``) as :func:`~.create_retry.backoff_s` backs off from it (doubled per try, capped,
+    jittered).
 
     The SDK does not expose a 429's ``Retry-After`` (``RateLimitException`` carries only the status and
     text); its own transport already waited as that header said before giving up, so after a 429 this
     backs off from the longer ``rate_limit_base_s`` instead."""
     base = rate_limit_base_s if kind is Kind.RATE_LIMITED else base_s
-    return min(MAX_DELAY_S, base * 2 ** (attempt - 1)) * (0.5 + 0.5 * draw())
+    return create_retry.backoff_s(base, attempt, draw)

@@ -30,8 +30,7 @@ import random
 from collections.abc import Callable
 from enum import StrEnum
 
-MAX_DELAY_S = 60.0
-UNKNOWN_TRIES = 2
+from harness_trainer.sandboxes import create_retry
 
 
 class Kind(StrEnum):
@@ -83,18 +82,16 @@ def classify(exc: BaseException) -> Kind:
 
 def tries_allowed(kind: Kind, attempts: int) -> int:
     """How many tries in all a create whose latest try failed with ``kind`` may take, of ``attempts``."""
-    if kind in RETRIED:
-        return attempts
-    return min(attempts, UNKNOWN_TRIES) if kind is Kind.UNKNOWN else 1
+    return create_retry.tries_allowed(kind, attempts, retried=RETRIED)
 
 
 def retry_delay_s(
     kind: Kind, attempt: int, *, base_s: float, draw: Callable[[], float] = random.random
 ) -> float:
     """Seconds to wait after failed try ``attempt`` (1-based): ``base_s`` (five times it after a 429) doubled
-    per try, capped at :data:`MAX_DELAY_S`, times a jitter in [0.5, 1)."""
+    per try, capped at :data:`~.create_retry.MAX_DELAY_S`, times a jitter in [0.5, 1)."""
     base = base_s * (5 if kind is Kind.RATE_LIMITED else 1)
-    return min(MAX_DELAY_S, base * 2 ** (attempt - 1)) * (0.5 + 0.5 * draw())
+    return create_retry.backoff_s(base, attempt, draw)
 
 
 def access_problem(exc: BaseException, variable: str) -> str:

@@ -24,9 +24,9 @@ from e2b.sandbox_async.filesystem.filesystem import Filesystem
 
 from harness_trainer.launch.e2b_smoke import main as smoke_main
 from harness_trainer.sandboxes.base import SandboxStartError
+from harness_trainer.sandboxes.create_retry import MAX_DELAY_S
 from harness_trainer.sandboxes.e2b import E2BSandboxBackend
 from harness_trainer.sandboxes.e2b_errors import (
-    MAX_DELAY_S,
     RETRIED,
     Kind,
     classify,
