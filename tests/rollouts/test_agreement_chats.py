@@ -6,7 +6,7 @@ The fixtures come from one real run of each agent here (tests/harnesses/test_rea
 requests the proxy forwarded in that run (their system messages left out: the recording holds none, so
 the comparison leaves them out); ``qwen-code.openai-logs.json`` is Qwen Code's four request logs, oldest
 first, each without its ``tools`` (which the reader does not use). Real runs are compared with their
-capture in tests/harnesses/test_real_agent_chats.py.
+capture in tests/harnesses/test_real_agents.py.
 """
 
 from __future__ import annotations
