@@ -119,13 +119,11 @@ async def _e2b_cleanup_run(run_id: str, sandbox_class: object = None) -> int:
     if sandbox_class is None:
         from e2b import AsyncSandbox as sandbox_class
     try:
-        killed = await kill_run(sandbox_class, run_id)
+        removed = await kill_run(sandbox_class, run_id)
     except Exception as exc:  # the SDK's errors (auth, network) are reported, not a traceback
-        print(f"error: cannot list the E2B sandboxes of run {run_id}: {exc}", file=sys.stderr)
+        print(f"error: cannot list the E2B sandboxes and snapshots of run {run_id}: {exc}", file=sys.stderr)
         return 1
-    print(
-        f"killed {len(killed)} E2B sandboxes of run {run_id}" + (f": {', '.join(killed)}" if killed else "")
-    )
+    print(f"removed {removed.describe()} of run {run_id}")
     return 0
 
 

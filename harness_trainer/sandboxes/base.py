@@ -182,6 +182,9 @@ class Capabilities:
     builds: str | None = None
     wants_proxy_url: bool = False
     sidecars: bool = False
+    forks: bool = False
+    """The backend is also a :class:`ForkingBackend`: a GRPO group's members can start from one prepared
+    sandbox's snapshot instead of each preparing its own (one setup per group)."""
 
 
 class SandboxBackend(Protocol):
@@ -208,6 +211,55 @@ class SandboxBackend(Protocol):
 
     async def aclose(self) -> None:
         """Close every sandbox this backend started that is still open (shutdown, SIGTERM)."""
+        ...
+
+
+@dataclass(frozen=True)
+class SandboxSnapshot:
+    """A prepared sandbox's files, frozen by a :class:`ForkingBackend` for other sandboxes to start from.
+
+    ``id`` is the backend's own handle (an image, an E2B snapshot, a folder); ``source`` the id of the
+    sandbox it was taken from; ``task_name`` the task that sandbox ran."""
+
+    id: str
+    source: str
+    task_name: str
+
+
+class ForkingBackend(SandboxBackend, Protocol):
+    """A backend whose ``capabilities.forks`` is True: a sandbox's state can be frozen once and started
+    many times (E2B's snapshots, a committed Docker container, a copy-on-write layer on this machine).
+
+    Every snapshot is named or labelled with the process's run (as its sandboxes are), so that ``aclose``,
+    the next backend's first start after a crash and the backend's ``cleanup`` find and delete the ones
+    left behind."""
+
+    @property
+    def snapshots(self) -> list[SandboxSnapshot]:
+        """The snapshots it made that are not dropped yet."""
+        ...
+
+    async def snapshot(self, sandbox: Sandbox) -> SandboxSnapshot:
+        """Freeze ``sandbox``'s files as they are now (running processes are not carried over); the
+        sandbox keeps running and its later writes are not in the snapshot. Raises :class:`SandboxError`."""
+        ...
+
+    async def start_from(
+        self,
+        snapshot: SandboxSnapshot,
+        task: HarborTask,
+        *,
+        lifetime_s: float,
+        env: dict[str, str] | None = None,
+    ) -> Sandbox:
+        """A running sandbox for ``task`` holding the snapshot's files, as :meth:`start` would return it
+        (its ``/logs``, ``/tests`` and ``/solution`` as the snapshot left them) and independent of every
+        other: a write in one is seen in no other, nor in the snapshot. Raises :class:`SandboxStartError`."""
+        ...
+
+    async def drop(self, snapshot: SandboxSnapshot) -> None:
+        """Delete ``snapshot``; idempotent, never raises. The caller drops a snapshot only once every
+        sandbox started from it is closed; ``aclose`` drops those still held."""
         ...
 
 

@@ -4,7 +4,8 @@ archives the daemon takes files in.
 
 Every container the backend creates is labelled ``harness-trainer.run=<host>:<pid>:<start time>``: a
 container whose process on this host is no longer running (the pid is gone, or reused by a process that
-started at another time) is a leftover, removed by :func:`remove_leftovers`.
+started at another time) is a leftover, removed by :func:`remove_leftovers`; so is a snapshot image
+(:mod:`.docker_snapshots`: labelled the same, and ``SNAPSHOT_LABEL``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from harness_trainer.sandboxes.base import SandboxStartError
 
 BASE_IMAGE = "ht-debian:bookworm"
 LABEL = "harness-trainer.run"
+SNAPSHOT_LABEL = "harness-trainer.snapshot"
+"""Marks a snapshot image (its value: the sandbox it was taken from) among the images that carry ``LABEL``."""
 
 
 def sdk() -> Any:
@@ -83,7 +86,7 @@ def unavailable(base_image: str = BASE_IMAGE) -> str | None:
 
 def remove_leftovers(client: Any) -> list[str]:
     """Remove the containers of harness-trainer processes of this host that are no longer running, then
-    their networks (a compose task's, :mod:`.docker_compose`)."""
+    their networks (a compose task's, :mod:`.docker_compose`) and their snapshot images; the ids removed."""
     removed = []
     for container in client.api.containers(all=True, filters={"label": LABEL}):
         if _orphaned(container["Labels"]):
@@ -95,6 +98,11 @@ def remove_leftovers(client: Any) -> list[str]:
             with contextlib.suppress(Exception):
                 client.api.remove_network(network["Id"])
                 removed.append(network["Id"])
+    for image in client.api.images(filters={"label": [LABEL, SNAPSHOT_LABEL]}):
+        if _orphaned(image.get("Labels") or {}):
+            with contextlib.suppress(Exception):
+                client.api.remove_image(image["Id"], force=True)
+                removed.append(image["Id"])
     return removed
 
 

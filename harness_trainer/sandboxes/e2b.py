@@ -27,6 +27,9 @@ record its process group; on timeout the backend kills that whole group (SIGTERM
 If ``allow_internet = false``, egress is denied except to ``allow_out`` (which must include the capture
 proxy's public host, or the agent cannot reach its model).
 
+Snapshots (one setup per GRPO group, :mod:`.e2b_snapshots`): E2B's ``create_snapshot``, named for the run
+(reaped as its sandboxes are); ``start_from`` creates from the snapshot's id through ``start``'s create path.
+
 The SDK boundary is two objects, ``sandbox_class`` (default ``e2b.AsyncSandbox``) and ``template_class``
 (default ``e2b.AsyncTemplate``): tests inject fakes with the same signatures (tested against a fake
 cloud only; this project has no E2B account in CI). SDK exceptions are mapped here, once.
@@ -66,6 +69,7 @@ from harness_trainer.sandboxes.base import (
 from harness_trainer.sandboxes.e2b_errors import RETRIED, Kind, classify, retry_delay_s, tries_allowed
 from harness_trainer.sandboxes.e2b_runs import kill_run, new_owner, sandbox_metadata
 from harness_trainer.sandboxes.e2b_sdk import sdk
+from harness_trainer.sandboxes.e2b_snapshots import E2BSnapshots
 from harness_trainer.sandboxes.e2b_templates import DEFAULT_BUILD_TIMEOUT_S, TemplateBuilder
 from harness_trainer.tasks.task import EnvironmentSpec, HarborTask
 
@@ -106,8 +110,10 @@ class E2BSandbox:
         user: str,
         kill_grace_s: float,
         provisioned: frozenset[str] = frozenset(),
+        task_name: str = "",
     ) -> None:
         self.sdk_sandbox = sdk_sandbox
+        self.task_name = task_name
         self.provisioned = provisioned
         """The agents its template carries (:meth:`E2BSandboxBackend.provide`), by bundle name."""
         self.id: str = sdk_sandbox.sandbox_id
@@ -239,7 +245,7 @@ class E2BSandbox:
                 callback(self)
 
 
-class E2BSandboxBackend:
+class E2BSandboxBackend(E2BSnapshots):
     """Starts :class:`E2BSandbox` es. Options (keyword): ``template``, ``template_map`` (see the module
     docstring), ``api_key`` (default: ``E2B_API_KEY``), ``user`` (``root``), ``home`` (``/root`` for root,
     else ``/home/<user>``), ``workdir`` (default: the task's ``[environment] workdir``, else its
@@ -251,8 +257,9 @@ class E2BSandboxBackend:
     ``e2b.AsyncSandbox``); for templates built from the task's environment: ``templates`` (``"build"`` or
     ``"prebuilt"``), ``agent_layer`` (a shell command run as root at the end of every such template),
     ``build_timeout_s`` (when the task sets no ``build_timeout_sec``), ``build_log_dir``, ``template_class``
-    (default ``e2b.AsyncTemplate``); ``run_id``: label every sandbox with the run, and before the first start
-    kill the run's sandboxes a dead server left (:mod:`.e2b_runs`)."""
+    (default ``e2b.AsyncTemplate``); ``run_id``: label every sandbox and snapshot with the run, and before the
+    first start remove the run's sandboxes and snapshots a dead server left (:mod:`.e2b_runs`). Snapshots:
+    :class:`~.e2b_snapshots.E2BSnapshots`."""
 
     name = "e2b"
     capabilities = Capabilities(
@@ -262,6 +269,7 @@ class E2BSandboxBackend:
         credentials=("E2B_API_KEY",),
         remote=True,
         builds="templates",
+        forks=True,
     )
 
     def __init__(
@@ -289,6 +297,7 @@ class E2BSandboxBackend:
     ) -> None:
         if templates not in ("build", "prebuilt"):
             raise ValueError(f"templates must be 'build' or 'prebuilt', not {templates!r}")
+        super().__init__(sandbox_class)
         self.template = template
         self.template_map = dict(template_map or {})
         self.api_key = api_key
@@ -301,7 +310,6 @@ class E2BSandboxBackend:
         self.rate_limit_backoff_s = rate_limit_backoff_s
         self.kill_grace_s = kill_grace_s
         self.allow_out = list(allow_out)
-        self._sandbox_class = sandbox_class
         self.templates = templates
         self.template_builder = TemplateBuilder(
             template_class,
@@ -311,7 +319,6 @@ class E2BSandboxBackend:
             log_dir=build_log_dir,
         )
         self._live: set[E2BSandbox] = set()
-        self._unclaimed: set[asyncio.Future[None]] = set()  # kills of what cancelled starts' creates made
         self.run_id = run_id
         self.owner = new_owner()
         self._reaping: asyncio.Future[None] | None = None
@@ -331,14 +338,14 @@ class E2BSandboxBackend:
 
     async def _reap(self) -> None:
         assert self.run_id is not None
-        sandbox_class = self._sandbox_class or sdk().AsyncSandbox
         try:
-            killed = await kill_run(sandbox_class, self.run_id, keep_owner=self.owner, api_key=self.api_key)
+            sandbox_class, owner = self._sdk_class(), self.owner
+            killed = await kill_run(sandbox_class, self.run_id, keep_owner=owner, api_key=self.api_key)
         except Exception as exc:  # orphans are E2B's to reap at their timeout; the run goes on
             log.warning("E2B run %s: cannot look for orphaned sandboxes: %s", self.run_id, exc)
             return
         if killed:
-            log.warning("E2B run %s: killed %d sandboxes an earlier server left", self.run_id, len(killed))
+            log.warning("E2B run %s: removed what an earlier server left: %s", self.run_id, killed.describe())
 
     def named_template(self, task: HarborTask) -> str | None:
         """The template named for ``task`` by the options or its task.toml, if any."""
@@ -379,6 +386,13 @@ class E2BSandboxBackend:
         refuse_sidecars(task, self.name)
         await self.reap_orphans()
         template = await self.template_for(task)
+        return await self._launch(task, template, lifetime_s=lifetime_s, env=env)
+
+    async def _launch(
+        self, task: HarborTask, template: str, *, lifetime_s: float, env: dict[str, str] | None
+    ) -> E2BSandbox:
+        """A live sandbox for ``task`` created from ``template`` (or a snapshot's id), with the task's
+        directories: what ``start`` and ``start_from`` share."""
         workdir = self.workdir or task.environment.workdir or _dockerfile_workdir(task)
         timeout = math.ceil(sandbox_lifetime(task, lifetime_s, self.lifetime_margin_s))
         sdk_sandbox = await self._create(task, template, timeout, env or {})
@@ -392,6 +406,7 @@ class E2BSandboxBackend:
             provisioned=frozenset()
             if self.named_template(task) is not None
             else frozenset(agent.name for agent in self.template_builder.spec(task).agents),
+            task_name=task.name,
         )
         self._live.add(sandbox)
         sandbox.on_close.append(self._live.discard)
@@ -406,7 +421,7 @@ class E2BSandboxBackend:
         return sandbox
 
     async def _create(self, task: HarborTask, template: str, timeout: int, env: dict[str, str]) -> Any:
-        create = (self._sandbox_class or sdk().AsyncSandbox).create
+        create = self._sdk_class().create
         kwargs: dict[str, Any] = {
             "metadata": sandbox_metadata(task.name, self.run_id, self.owner),
             "envs": env,
@@ -422,14 +437,13 @@ class E2BSandboxBackend:
                 # leave the sandbox E2B made meanwhile; the create runs to its end and what it made is killed.
                 return await asyncio.shield(made)
             except asyncio.CancelledError:
-                reclaim = asyncio.ensure_future(self._reclaim(made))
-                self._unclaimed.add(reclaim)
-                reclaim.add_done_callback(self._unclaimed.discard)
+                self._in_background(self._reclaim(made))
                 raise
             except Exception as exc:  # every failure is classified; unknown ones get one more try
                 kind = classify(exc)
                 if attempt >= tries_allowed(kind, self.create_attempts):
-                    raise SandboxStartError(_create_failure(task, template, attempt, kind, exc)) from exc
+                    source = f"{'snapshot' if template in self._held else 'template'} {template!r}"
+                    raise SandboxStartError(_create_failure(task, source, attempt, kind, exc)) from exc
                 delay = retry_delay_s(
                     kind, attempt, base_s=self.retry_backoff_s, rate_limit_base_s=self.rate_limit_backoff_s
                 )
@@ -457,18 +471,21 @@ class E2BSandboxBackend:
             log.warning("could not kill sandbox %s, made for a cancelled start: %s", sdk_sandbox, exc)
 
     async def aclose(self) -> None:
-        """Kill every sandbox this backend started that is still open, and those cancelled starts made."""
+        """Kill every sandbox this backend started that is still open, and those cancelled starts made; then
+        delete every snapshot still held, and those cancelled snapshots took."""
         await asyncio.gather(*(sandbox.close() for sandbox in self.live))
+        await self.drop_all()
         if self._unclaimed:
             await asyncio.wait(list(self._unclaimed), timeout=60)
 
 
-def _create_failure(task: HarborTask, template: str, tries: int, kind: Kind, exc: Exception) -> str:
-    """The start error's text: how many tries, the last error's kind and its text."""
+def _create_failure(task: HarborTask, source: str, tries: int, kind: Kind, exc: Exception) -> str:
+    """The start error's text (``source``: ``template 'x'`` or ``snapshot 'y'``): how many tries, the last
+    error's kind and its text."""
     if kind in RETRIED or kind is Kind.UNKNOWN:
-        head = f"E2B sandbox for {task.name} (template {template!r}) did not start"
+        head = f"E2B sandbox for {task.name} ({source}) did not start"
     else:
-        head = f"E2B refused to create a sandbox for {task.name} (template {template!r})"
+        head = f"E2B refused to create a sandbox for {task.name} ({source})"
     count = "1 try" if tries == 1 else f"{tries} tries"
     return f"{head} after {count}; last error: {kind} ({type(exc).__name__}): {exc}"
 

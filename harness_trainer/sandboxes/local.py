@@ -27,7 +27,11 @@ saying why and what to do (the dev loop asks first, and stops).
 The environment is prepared without Docker, from the task's ``environment/Dockerfile``
 (:mod:`harness_trainer.sandboxes.dockerfile`): ``WORKDIR``, ``ENV``, ``ARG``, ``COPY``/``ADD`` and ``RUN``
 are applied at every start (no layer cache; ``RUN`` steps share the build timeout); every other
-instruction is refused with its line number. A directory the Dockerfile writes to (``WORKDIR``, ``COPY``
+instruction is refused with its line number. A GRPO group pays that once: ``snapshot`` copies a prepared
+sandbox's private directories into a locked folder ``<base_dir>/ht-snap-<id>`` (swept like a root when its
+owner dies), and ``start_from`` starts a sandbox without ``RUN`` steps whose private directories are an
+overlayfs on that copy, mounted in its own namespace (or a full copy where overlayfs cannot be mounted):
+:mod:`.local_snapshots`. A directory the Dockerfile writes to (``WORKDIR``, ``COPY``
 destination) becomes one more private mount, unless that would hide a system directory (``/usr``,
 ``/etc``…), the base dir or a directory on the host ``PATH``, which is refused.
 
@@ -71,14 +75,12 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import os
-import posixpath
 import re
 import shutil
-import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import harness_trainer.sandboxes.dockerfile as dockerfile
@@ -95,6 +97,15 @@ from harness_trainer.sandboxes.base import (
     sandbox_lifetime,
 )
 from harness_trainer.sandboxes.host_trust import NO_TRUST, HostTrust
+from harness_trainer.sandboxes.local_snapshots import (
+    Layers,
+    Layout,
+    SnapshotMethods,
+    SnapshotStore,
+    make_root,
+    private_paths,
+    remove_tree,
+)
 from harness_trainer.sandboxes.processes import Namespace, run_captured
 from harness_trainer.sandboxes.rootless import MODES, Mode, choose_mode
 from harness_trainer.sandboxes.unix_relay import ProxyRelay, loopback_target
@@ -102,8 +113,6 @@ from harness_trainer.tasks.task import HarborTask
 
 FIXED_PATHS = ("/logs", "/tests", "/solution")
 _OFFLINE = "[environment] allow_internet = false (a network namespace with only the capture proxy)"
-SYSTEM_DIRS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc", "/run")
-SYSTEM_DIRS += ("/sbin", "/sys", "/usr", "/var")
 _BASH_PROFILE = """\
 # Written by harness-trainer's local sandbox: /etc/profile resets PATH in a login shell; restore ours.
 if [ -n "${__HT_PATH-}" ]; then PATH=$__HT_PATH; export PATH; fi
@@ -121,8 +130,7 @@ class LocalSandbox:
         self,
         *,
         root: Path,
-        mounts: tuple[str, ...],
-        workdir: str,
+        layout: Layout,
         home: str,
         env: dict[str, str],
         namespace: Namespace,
@@ -131,8 +139,10 @@ class LocalSandbox:
     ) -> None:
         self.id = root.name
         self.root = root
-        self.mounts = mounts
-        self.workdir = workdir
+        self.layout = layout
+        self.mounts = layout.mounts
+        self.workdir = layout.workdir
+        self.files = root / "fs"  # where this process reaches the private directories (local_snapshots)
         self.home = home
         self._env = env
         self._namespace = namespace
@@ -165,7 +175,7 @@ class LocalSandbox:
         """Where sandbox ``path`` lives on the host; raises SandboxError outside the private paths."""
         absolute = self.sandbox_path(path)
         if any(absolute == m or absolute.startswith(m + "/") for m in self.mounts):
-            return self.root / "fs" / absolute.lstrip("/")
+            return self.files / absolute.lstrip("/")
         raise SandboxError(
             f"{path!r} is outside the local sandbox's private paths {list(self.mounts)}; the rest of the "
             "filesystem is the host's, so the sandbox's file methods refuse it"
@@ -238,7 +248,7 @@ class LocalSandbox:
         finally:
             if self.relay is not None:  # after the kill: its inside half died with the namespace
                 await self.relay.close()
-            await asyncio.to_thread(shutil.rmtree, self.root, ignore_errors=True)
+            await asyncio.to_thread(remove_tree, self.root)
             os.close(self._lock_fd)
             for callback in self.on_close:
                 callback(self)
@@ -250,7 +260,7 @@ def _write(target: Path, payload: bytes, mode: int) -> None:
     os.chmod(target, mode)
 
 
-class LocalSandboxBackend:
+class LocalSandboxBackend(SnapshotMethods):
     """Starts :class:`LocalSandbox` es. Options (all keyword, all optional):
 
     - ``base_dir``: where sandbox roots go (default: the system temp dir);
@@ -271,6 +281,7 @@ class LocalSandboxBackend:
         "not a security boundary",
         isolation=Isolation(network=True, filesystem=False, user=False, limits=False),
         wants_proxy_url=True,
+        forks=True,
     )
     modes: tuple[Mode, ...] = MODES
     """How it can make its namespaces, strongest first (:mod:`~harness_trainer.sandboxes.rootless`)."""
@@ -302,6 +313,7 @@ class LocalSandboxBackend:
         self.trust = HostTrust.from_host() if inherit_host_trust else NO_TRUST
         self._live: set[LocalSandbox] = set()
         self._swept = False
+        self._store = SnapshotStore(self.base_dir)
 
     @property
     def live(self) -> list[LocalSandbox]:
@@ -319,55 +331,14 @@ class LocalSandboxBackend:
     async def start(
         self, task: HarborTask, *, lifetime_s: float, env: dict[str, str] | None = None
     ) -> LocalSandbox:
-        refuse_sidecars(task, self.name)
-        mode = await asyncio.to_thread(choose_mode, self.requested_mode)
-        if not self._swept:
-            self._swept = True
-            await asyncio.to_thread(sweep_stale_roots, self.base_dir)
-        base_env = self._base_env()
-        plan = _plan(task, base_env)
+        mode = await self._mode(task)
+        plan = _plan(task, self._base_env())
         workdir = task.environment.workdir or plan.workdir  # the task's own beats the Dockerfile's
-        mounts = self._private_paths(
-            task, [workdir, *plan.written_dirs, *task.artifact_dirs, *FIXED_PATHS, self.home]
-        )
-        root = self.base_dir / f"ht-{uuid.uuid4().hex[:12]}"
-        offline = not task.environment.allow_internet
-        lock_fd = -1
+        wanted = [workdir, *plan.written_dirs, *task.artifact_dirs, *FIXED_PATHS, self.home]
+        mounts = private_paths(task, wanted, self.base_dir)
+        layout = Layout(task.name, workdir, mounts, plan.env)
+        sandbox = await self._launch(task, mode, layout, env, None)
         try:
-            lock_fd = await asyncio.to_thread(self._make_root, root, mounts, mode)
-            binds = [(root / "fs" / m.lstrip("/"), m) for m in mounts]
-            namespace = await Namespace.create(
-                binds, base_env, mode=mode, new_root=root / "mnt", private_network=offline
-            )
-        except BaseException as exc:
-            shutil.rmtree(root, ignore_errors=True)
-            shutil.rmtree(root.with_name(f".{root.name}.new"), ignore_errors=True)
-            if lock_fd >= 0:
-                os.close(lock_fd)
-            if isinstance(exc, OSError):
-                raise SandboxStartError(f"{task.name}: cannot prepare the sandbox root: {exc}") from exc
-            if offline and isinstance(exc, SandboxStartError):
-                raise SandboxStartError(f"{task.name}: {_OFFLINE}: {exc}") from exc
-            raise
-        sandbox = LocalSandbox(
-            root=root,
-            mounts=mounts,
-            workdir=workdir,
-            home=self.home,
-            env={**base_env, **plan.env, **(env or {})},
-            namespace=namespace,
-            kill_grace_s=self.kill_grace_s,
-            lock_fd=lock_fd,
-        )
-        self._live.add(sandbox)
-        sandbox.on_close.append(self._live.discard)
-        try:
-            if offline and (target := loopback_target(self.proxy_url)) is not None:
-                sandbox.relay = ProxyRelay(root, *target)
-                try:
-                    await sandbox.relay.open(namespace, base_env)
-                except SandboxStartError as exc:
-                    raise SandboxStartError(f"{task.name}: {_OFFLINE}: {exc}") from exc
             timeout = task.environment.build_timeout_sec or self.build_timeout_s
             await _build(sandbox, plan, task, time.monotonic() + timeout, mode)
         except BaseException:
@@ -377,8 +348,69 @@ class LocalSandboxBackend:
         return sandbox
 
     async def aclose(self) -> None:
-        """Close every sandbox this backend started that is still open."""
+        """Close every sandbox this backend started that is still open, then drop its snapshots."""
         await asyncio.gather(*(sandbox.close() for sandbox in self.live))
+        await self._store.drop_all()
+
+    async def _mode(self, task: HarborTask) -> Mode:
+        """The mode of a start of ``task`` (refused with sidecars); the first start sweeps stale roots."""
+        refuse_sidecars(task, self.name)
+        mode = await asyncio.to_thread(choose_mode, self.requested_mode)
+        if not self._swept:
+            self._swept = True
+            await asyncio.to_thread(sweep_stale_roots, self.base_dir)
+        return mode
+
+    async def _launch(
+        self, task: HarborTask, mode: Mode, layout: Layout, env: dict[str, str] | None, layers: Layers | None
+    ) -> LocalSandbox:
+        """A running sandbox of ``layout``, its private directories fresh or from ``layers``, its relay
+        open; the caller applies the Dockerfile (or not) and starts its lifetime."""
+        base_env = self._base_env()
+        root = self.base_dir / f"ht-{uuid.uuid4().hex[:12]}"
+        offline = not task.environment.allow_internet
+        lock_fd = -1
+        try:
+            fill = self._fresh if layers is None else layers.fill
+            lock_fd = await asyncio.to_thread(make_root, root, layout.mounts, mode, fill)
+            binds = [(root / "fs" / m.lstrip("/"), m) for m in layout.mounts]
+            namespace = await Namespace.create(
+                binds, base_env, mode=mode, new_root=root / "mnt", private_network=offline
+            )
+        except BaseException as exc:
+            remove_tree(root)
+            remove_tree(root.with_name(f".{root.name}.new"))
+            if lock_fd >= 0:
+                os.close(lock_fd)
+            if isinstance(exc, OSError | SandboxError) and not isinstance(exc, SandboxStartError):
+                raise SandboxStartError(f"{task.name}: cannot prepare the sandbox root: {exc}") from exc
+            if offline and isinstance(exc, SandboxStartError):
+                raise SandboxStartError(f"{task.name}: {_OFFLINE}: {exc}") from exc
+            raise
+        sandbox = LocalSandbox(
+            root=root,
+            layout=layout,
+            home=self.home,
+            env={**base_env, **layout.image_env, **(env or {})},
+            namespace=namespace,
+            kill_grace_s=self.kill_grace_s,
+            lock_fd=lock_fd,
+        )
+        self._live.add(sandbox)
+        sandbox.on_close.append(self._live.discard)
+        try:
+            if layers is not None:
+                sandbox.files = await layers.mount(root, namespace, base_env, self.kill_grace_s)
+            if offline and (target := loopback_target(self.proxy_url)) is not None:
+                sandbox.relay = ProxyRelay(root, *target)
+                try:
+                    await sandbox.relay.open(namespace, base_env)
+                except SandboxStartError as exc:
+                    raise SandboxStartError(f"{task.name}: {_OFFLINE}: {exc}") from exc
+        except BaseException:
+            await sandbox.close()
+            raise
+        return sandbox
 
     def _base_env(self) -> dict[str, str]:
         host_path = os.environ.get("PATH") or os.defpath
@@ -395,58 +427,19 @@ class LocalSandboxBackend:
                 env[name] = os.environ[name]
         return env
 
-    def _private_paths(self, task: HarborTask, paths: Iterable[str]) -> tuple[str, ...]:
-        """The mount points: each path not inside an earlier one, checked not to hide the host's."""
-        chosen: list[str] = []
-        for path in sorted({posixpath.normpath(p) for p in paths}, key=lambda p: (p.count("/"), p)):
-            if not any(path == c or path.startswith(c + "/") for c in chosen):
-                self._check_mount_point(task, path)
-                chosen.append(path)
-        return tuple(chosen)
-
-    def _check_mount_point(self, task: HarborTask, path: str) -> None:
-        needed = [str(self.base_dir), sys.prefix, *os.environ.get("PATH", "").split(os.pathsep)]
-        hidden = [
-            n for n in needed if n.startswith("/") and (n == path or n.startswith(path.rstrip("/") + "/"))
-        ]
-        system = path == "/" or any(path == s or path.startswith(s + "/") for s in SYSTEM_DIRS)
-        if system or hidden:
-            why = "it is a system directory" if system else f"it would hide {hidden[0]}, which commands need"
-            raise SandboxStartError(
-                f"{task.name}: the local sandbox cannot make {path} private ({why}); its Dockerfile "
-                "should write into the workspace instead"
-            )
-
-    def _make_root(self, root: Path, mounts: tuple[str, ...], mode: Mode) -> int:
-        """Creates the root and its mount points (on the host in root mode; the rootless mode mounts its
-        new root on ``mnt``); returns the fd holding the root's lock."""
-        # Locked before it takes its name: a sweep (this process's or another's) deletes any ``ht-*`` root
-        # whose lock it can take, so a root must never be visible under that name unlocked.
-        unnamed = root.with_name(f".{root.name}.new")
-        unnamed.mkdir(parents=True)
-        lock_fd = os.open(unnamed / ".lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
-        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.rename(unnamed, root)
-        if mode.private_root:
-            (root / "mnt").mkdir()
-        for mount in mounts:
-            try:
-                if not mode.private_root:
-                    os.makedirs(mount, exist_ok=True)  # the mount point on the host: stays empty
-            except FileExistsError:
-                raise SandboxStartError(f"cannot mount over {mount}: it is a file on the host") from None
-            (root / "fs" / mount.lstrip("/")).mkdir(parents=True, exist_ok=True)
+    def _fresh(self, root: Path) -> None:
+        """A fresh sandbox's private directories: the log folders, and a profile that restores PATH."""
         for sub in ("logs/agent", "logs/verifier"):
             (root / "fs" / sub).mkdir(parents=True, exist_ok=True)
         (root / "fs" / self.home.lstrip("/") / ".bash_profile").write_text(_BASH_PROFILE)
-        return lock_fd
 
 
 def sweep_stale_roots(base_dir: Path) -> list[Path]:
-    """Delete the roots in ``base_dir`` that no live sandbox holds (left by a process that died hard)."""
+    """Delete the roots and snapshot folders in ``base_dir`` that no live backend holds (left by a process
+    that died hard)."""
     removed = []
     for root in base_dir.glob("ht-*"):
-        if not re.fullmatch(r"ht-[0-9a-f]{12}", root.name):
+        if not re.fullmatch(r"ht-(snap-)?[0-9a-f]{12}", root.name):
             continue
         try:
             fd = os.open(root / ".lock", os.O_RDWR | os.O_CLOEXEC)
@@ -458,7 +451,7 @@ def sweep_stale_roots(base_dir: Path) -> list[Path]:
             continue  # alive
         finally:
             os.close(fd)
-        shutil.rmtree(root, ignore_errors=True)
+        remove_tree(root)
         removed.append(root)
     return removed
 

@@ -9,6 +9,9 @@ backend once per process and start every sandbox through it.
   waits a random ``0..start_jitter_s`` so a GRPO group's members do not arrive at the provider in the
   same millisecond. Before all that, a start waits for the backend to prepare the task's environment
   (``prepare``: an image or template build), so builds never hold a slot or a token.
+- Over a backend that forks (``capabilities.forks``), it forks too: ``start_from`` passes the same jitter,
+  token bucket and in-flight cap as ``start`` (a start from a snapshot is a create at the provider), and is
+  tracked alike; ``snapshot``, ``drop`` and ``snapshots`` are the backend's.
 - It tracks every sandbox it started that is not closed yet. ``aclose()`` refuses new starts, closes
   them all concurrently, each bounded by ``close_timeout_s``, then closes the backend (which closes
   anything it still holds). A sandbox that finishes starting after shutdown began is closed at once.
@@ -26,9 +29,16 @@ import os
 import random
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
-from harness_trainer.sandboxes.base import AgentProvision, Sandbox, SandboxBackend, SandboxStartError
+from harness_trainer.sandboxes.base import (
+    AgentProvision,
+    ForkingBackend,
+    Sandbox,
+    SandboxBackend,
+    SandboxSnapshot,
+    SandboxStartError,
+)
 from harness_trainer.tasks.task import HarborTask
 
 log = logging.getLogger(__name__)
@@ -105,17 +115,49 @@ class SandboxSupervisor:
         # Outside the limits: a start waiting for its environment's build holds no slot and no token, so
         # the starts of environments already built (and the builds of the others) go on meanwhile.
         await self.backend.prepare(task)
+        return await self._limited(lambda: self.backend.start(task, lifetime_s=lifetime_s, env=env))
+
+    async def start_from(
+        self,
+        snapshot: SandboxSnapshot,
+        task: HarborTask,
+        *,
+        lifetime_s: float,
+        env: dict[str, str] | None = None,
+    ) -> Sandbox:
+        """The backend's ``start_from``, through the same limits as :meth:`start`."""
+        if self._closing:
+            raise SandboxStartError("the sandbox supervisor is shutting down")
+        forking = self._forking()
+        return await self._limited(lambda: forking.start_from(snapshot, task, lifetime_s=lifetime_s, env=env))
+
+    async def _limited(self, create: Callable[[], Awaitable[Sandbox]]) -> Sandbox:
         if self.start_jitter_s:
             await asyncio.sleep(random.uniform(0, self.start_jitter_s))
         if self._limiter is not None:
             await self._limiter.acquire()
         async with self._in_flight or contextlib.nullcontext():
-            sandbox = await self.backend.start(task, lifetime_s=lifetime_s, env=env)
+            sandbox = await create()
         if self._closing:
             await sandbox.close()
             raise SandboxStartError("the sandbox supervisor shut down while this sandbox started")
         self._live = [*self.live, sandbox]  # prunes closed ones as it goes
         return sandbox
+
+    @property
+    def snapshots(self) -> list[SandboxSnapshot]:
+        return self._forking().snapshots
+
+    async def snapshot(self, sandbox: Sandbox) -> SandboxSnapshot:
+        return await self._forking().snapshot(sandbox)
+
+    async def drop(self, snapshot: SandboxSnapshot) -> None:
+        await self._forking().drop(snapshot)
+
+    def _forking(self) -> ForkingBackend:
+        if not self.capabilities.forks:
+            raise TypeError(f"the {self.name} backend does not fork (capabilities.forks is false)")
+        return self.backend  # type: ignore[return-value]
 
     def provide(self, agents: Sequence[AgentProvision]) -> None:
         self.backend.provide(agents)

@@ -24,15 +24,18 @@ or failed is refused. A sandbox created from a built name starts from the templa
 nothing copied) and its ``ENV``. ``hang_builds`` makes builds wait forever (until cancelled);
 ``fail_requests`` makes the next build requests raise.
 
+Snapshots (``sandbox.create_snapshot``, ``create(<snapshot id>)``, ``list_snapshots``, ``delete_snapshot``):
+``snapshots``, a :class:`~tests.sandboxes.fake_e2b_snapshots.FakeSnapshots` (see its module).
+
 Failed creates: ``create_failures`` scripts the next ``create`` calls (each raises its exception, or with
 None creates normally); ``fail_creates``/``failure`` fail the next N with one exception (by default the
 503 E2B answers when it has no capacity). :func:`api_error` builds an API error as the SDK does, from an
 answer's status and body, with the SDK's own mapping (``e2b.api.handle_api_exception``).
 
-Latency and limits (:class:`FakeLatency`, all off by default; for benchmarks): a delay per create and per
-template build, an account-wide create rate answered the way E2B answers it (HTTP 429, which the SDK's
-transport retries with its own backoff, then raises ``RateLimitException``). Needs root and a Docker daemon
-with the base image (``scripts/setup_docker.sh``).
+Latency and limits (:class:`FakeLatency`, all off by default; for benchmarks): a delay per create, per
+template build, per snapshot and per create from a snapshot, an account-wide create rate answered the way
+E2B answers it (HTTP 429, which the SDK's transport retries with its own backoff, then raises
+``RateLimitException``). Needs root and a Docker daemon with the base image (``scripts/setup_docker.sh``).
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ from e2b.template.types import BuildInfo
 from harness_trainer.sandboxes import dockerfile
 from harness_trainer.sandboxes.docker_daemon import BASE_IMAGE
 from harness_trainer.sandboxes.processes import Namespace, Spawned, exit_status, run_captured, spawn
+from tests.sandboxes.fake_e2b_snapshots import FakeSnapshots
 from tests.sandboxes.fake_rootfs import RootFs, cloud_env, image_env, image_rootfs
 
 
@@ -89,6 +93,10 @@ class FakeLatency:
     """How often the SDK's transport retries a 429 (its default ``retries``), waiting its own backoff."""
     retry_scale: float = 1.0
     """The SDK's backoff waits times this (a benchmark that scales time scales them too)."""
+    snapshot_s: float = 0.0
+    """Each ``create_snapshot`` waits this long before its files are frozen (E2B pauses the sandbox)."""
+    create_from_snapshot_s: float = 0.0
+    """An admitted create from a snapshot waits this long instead of ``create_s`` (E2B resumes it)."""
 
 
 class _TokenBucket:
@@ -141,6 +149,7 @@ class FakeE2BCloud:
         self.kill_calls: list[dict[str, Any]] = []
         self.templates: dict[str, FakeTemplateBuild] = {}  # the account's template names, latest build
         self.template_class = FakeAsyncTemplate(self)
+        self.snapshots = FakeSnapshots(root / "snapshots")
 
     async def create(
         self,
@@ -169,14 +178,19 @@ class FakeE2BCloud:
     async def _create_admitted(
         self, template: str | None, metadata: dict[str, str] | None, envs: dict[str, str] | None
     ) -> FakeAsyncSandbox:
-        low, high = self.latency.create_s
+        snapshot = self.snapshots.find(template)
+        low, high = (self.latency.create_from_snapshot_s,) * 2 if snapshot else self.latency.create_s
         if high > 0:
             await asyncio.sleep(random.uniform(low, high))
+        if template in self.snapshots.deleted:
+            raise api_error(404, f"template '{template}' not found")
         built = self.templates.get(template or "")
         if built is not None and not built.ready:
             raise api_error(404, f"template '{template}' has no ready build")  # E2B's answer, for both
         sandbox_id = f"fake-{next(self._ids)}"
-        if built is not None:
+        if snapshot is not None:
+            layers, template_env = snapshot.layers, snapshot.env
+        elif built is not None:
             layers, template_env = built.layers, built.env
         else:
             base = await asyncio.to_thread(image_rootfs, BASE_IMAGE)
@@ -184,7 +198,7 @@ class FakeE2BCloud:
         rootfs = RootFs(layers, self.root / sandbox_id)
         await rootfs.start()
         sandbox_env = {**template_env, **(envs or {})}
-        sandbox = FakeAsyncSandbox(sandbox_id, rootfs, sandbox_env, template=template)
+        sandbox = FakeAsyncSandbox(self, sandbox_id, rootfs, sandbox_env, template=template)
         sandbox.metadata = dict(metadata or {})
         self.sandboxes.append(sandbox)
         return sandbox
@@ -231,6 +245,26 @@ class FakeE2BCloud:
         self.kill_calls.append({"sandbox_id": sandbox_id, **opts})
         found = next((s for s in self.sandboxes if s.sandbox_id == sandbox_id and not s.killed), None)
         return await found.kill(**opts) if found is not None else False
+
+    def list_snapshots(
+        self,
+        sandbox_id: str | None = None,
+        limit: int | None = None,
+        next_token: str | None = None,
+        name: str | None = None,
+        **opts: Any,
+    ) -> FakeSandboxPaginator:
+        """``AsyncSandbox.list_snapshots()`` called on the class: the account's snapshots (of ``sandbox_id``,
+        answering to ``name``), in pages of ``limit``."""
+        call = {"sandbox_id": sandbox_id, "limit": limit, "next_token": next_token, "name": name, **opts}
+        self.snapshots.list_calls.append(call)
+        return FakeSandboxPaginator(self.snapshots.listed(sandbox_id, name), limit or 100)
+
+    async def delete_snapshot(self, snapshot_id: str, **opts: Any) -> bool:
+        """``AsyncSandbox.delete_snapshot(snapshot_id)``: True when deleted, False when there is none."""
+        self.snapshots.delete_calls.append({"snapshot_id": snapshot_id, **opts})
+        await asyncio.sleep(0)  # an API round trip
+        return self.snapshots.delete(snapshot_id)
 
 
 class FakeSandboxPaginator:
@@ -429,8 +463,11 @@ def _step_text(kind: str, args: list[str]) -> str:
 
 
 class FakeAsyncSandbox:
-    def __init__(self, sandbox_id: str, rootfs: RootFs, envs: dict[str, str], template: str | None) -> None:
+    def __init__(
+        self, cloud: FakeE2BCloud, sandbox_id: str, rootfs: RootFs, envs: dict[str, str], template: str | None
+    ) -> None:
         assert rootfs.namespace is not None
+        self.cloud = cloud
         self.sandbox_id = sandbox_id
         self.template = template
         self.rootfs = rootfs
@@ -445,6 +482,11 @@ class FakeAsyncSandbox:
     def host(self, path: str) -> Path:
         """``path`` in the sandbox, seen from this machine (gone once the sandbox is killed)."""
         return self.rootfs.host(path)
+
+    async def create_snapshot(self, name: str | None = None, *, mode: str | None = None, **opts: Any) -> Any:
+        """Freeze this sandbox's files (:mod:`tests.sandboxes.fake_e2b_snapshots`): a ``SnapshotInfo``."""
+        self.calls.append(("create_snapshot", {"name": name, "mode": mode, **opts}))
+        return await self.cloud.snapshots.take(self, name, self.cloud.latency.snapshot_s)
 
     async def kill(self, **opts: Any) -> bool:
         self.calls.append(("kill", opts))

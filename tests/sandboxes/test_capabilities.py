@@ -119,5 +119,5 @@ def test_the_readme_table_says_what_the_classes_declare() -> None:
         isolation = caps.isolation
         assert cells[0] == credentials and cells[1] == yes_no[caps.remote], name
         assert cells[2].split(" ")[0] == (caps.builds or "no"), name
-        flags = [isolation.network, isolation.filesystem, isolation.user, isolation.limits]
+        flags = [isolation.network, isolation.filesystem, isolation.user, isolation.limits, caps.forks]
         assert cells[3:] == [yes_no[flag] for flag in flags], name

@@ -340,8 +340,9 @@ async def test_no_internet_denies_egress_except_the_allowed_hosts(
 async def test_every_sdk_call_binds_to_the_real_sdk_signatures(
     backend: E2BSandboxBackend, cloud: FakeE2BCloud, make_task: TaskFactory, tmp_path: Path
 ) -> None:
-    backend.api_key = "e2b_test"
-    sandbox = await backend.start(make_task(), lifetime_s=60, env={"A": "1"})
+    backend.api_key, backend.run_id = "e2b_test", "run-sig"  # the run: its snapshots are listed too
+    task = make_task()
+    sandbox = await backend.start(task, lifetime_s=60, env={"A": "1"})
     try:
         await sandbox.exec("sleep 5", timeout_s=0.3)
         await sandbox.write_file("/app/x.sh", "echo", mode=0o755)
@@ -349,6 +350,9 @@ async def test_every_sdk_call_binds_to_the_real_sdk_signatures(
         (tmp_path / "up").mkdir()
         (tmp_path / "up" / "f.txt").write_text("f")
         await sandbox.upload_dir(tmp_path / "up", "/tests")
+        snapshot = await backend.snapshot(sandbox)
+        await (await backend.start_from(snapshot, task, lifetime_s=60, env={"A": "1"})).close()
+        await backend.drop(snapshot)
     finally:
         await sandbox.close()
     real = {
@@ -356,14 +360,21 @@ async def test_every_sdk_call_binds_to_the_real_sdk_signatures(
         "files.read": inspect.signature(Filesystem.read),
         "files.write": inspect.signature(Filesystem.write),
         "files.write_files": inspect.signature(Filesystem.write_files),
+        "create_snapshot": inspect.signature(AsyncSandbox.create_snapshot),
         "kill": inspect.signature(AsyncSandbox.kill),
     }
+    assert [call["template"] for call in cloud.create_calls] == ["tpl-default", snapshot.id]
     for call in cloud.create_calls:
         inspect.signature(AsyncSandbox.create).bind(**call)
     names = [name for name, _ in cloud.sandboxes[0].calls]
     assert set(names) == set(real)
     for name, kwargs in cloud.sandboxes[0].calls:
         real[name].bind(None, **kwargs)
+    assert cloud.snapshots.list_calls and cloud.snapshots.delete_calls  # the run's reaping; the drop
+    for call in cloud.snapshots.list_calls:  # AsyncSandbox.list_snapshots() on the class
+        inspect.signature(AsyncSandbox._cls_list_snapshots).bind(**call)
+    for call in cloud.snapshots.delete_calls:
+        inspect.signature(AsyncSandbox.delete_snapshot).bind(**call)
 
 
 def test_the_smoke_test_needs_an_api_key(

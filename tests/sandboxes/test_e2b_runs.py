@@ -91,7 +91,7 @@ async def test_cleanup_kills_every_sandbox_of_the_run_and_says_how_many(
     monkeypatch.setenv("E2B_API_KEY", "e2b_test")
     assert await _e2b_cleanup_run(args.run, cloud) == 0
     out = capsys.readouterr().out
-    assert out.startswith("killed 2 E2B sandboxes of run run-4: ")
+    assert out.startswith("removed 2 sandboxes (") and out.strip().endswith("and 0 snapshots of run run-4")
     assert all(s.sdk_sandbox.killed for s in doomed) and not kept.sdk_sandbox.killed
     for sandbox in [*doomed, kept]:
         await sandbox.close()
