@@ -91,6 +91,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "this machine (by default they are, so HTTPS works there wherever it works here)",
     )  # fmt: skip
     parser.add_argument(
+        "--no-group-setup", dest="group_setup", action="store_false",
+        help="set up every GRPO group member's sandbox on its own; by default, on a backend that forks "
+        "(local, docker, e2b), each group is set up once and its members start from a snapshot of it",
+    )  # fmt: skip
+    parser.add_argument(
         "--prepare", action="append", metavar="SPLIT",
         help="before serving, build the environment of every task of this split on --prepare-sandbox (an "
         "image, a template; repeatable): a broken one stops serve at start, naming it (default: none)",
@@ -171,6 +176,7 @@ def run_serve(args: argparse.Namespace) -> int:
         sandbox_start_jitter_s=args.sandbox_start_jitter,
         proxy_process=args.proxy == "process",
         inherit_host_trust=args.host_trust,
+        group_setup=args.group_setup,
         sandbox_options=sandbox_options(args, limit),
         agents=agents,
     )

@@ -95,6 +95,12 @@ class RolloutResult(BaseModel):
     """Sandbox-seconds: each of its sandboxes (the agent's, a separate verifier's) from the backend handing
     it over to the end of its close, summed (:mod:`~harness_trainer.rollouts.server.sandbox_meter`); 0 when
     none started."""
+    snapshot: str | None = None
+    """The snapshot its sandbox started from when its group was set up once (:mod:`~harness_trainer.rollouts.
+    server.group_setup`), else None (a cold start)."""
+    group_setup_note: str | None = None
+    """Why it started cold although its backend forks (its group's setup, or its own start from the
+    snapshot, failed)."""
     log_tail: str = ""
     error: str | None = None
     error_kind: ErrorKind | None = None

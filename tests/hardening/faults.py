@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import random
@@ -215,9 +216,12 @@ def drawn_failures(starts: int, failure_rate: float, seed: int) -> list[int]:
 
 class FlakyStartBackend(LocalSandboxBackend):
     """The local backend, except that each start fails (``SandboxStartError``) with probability
-    ``failure_rate``, drawn from ``random.Random(seed)`` in start order."""
+    ``failure_rate``, drawn from ``random.Random(seed)`` in start order. It does not fork: every member
+    starts cold, so each rollout's start is one draw (one setup per group is tested on its own:
+    tests/rollouts/test_group_setup.py)."""
 
     name = "flaky"
+    capabilities = dataclasses.replace(LocalSandboxBackend.capabilities, forks=False)
 
     def __init__(self, *, failure_rate: float, seed: int, ledger: StartLedger, **local: Any) -> None:
         super().__init__(**local)

@@ -70,7 +70,11 @@ def test_e2b_creates_that_fail_make_rollouts_unscorable_and_counted_and_training
         "rate_limit_backoff_s": 0.02,
         "kill_grace_s": 0.5,
     }
-    builder = local_builder(engine.url, sandbox="e2b", sandbox_options={"e2b": options}, data_dir=capture)
+    # Cold starts only: the failures are scripted by create order, and with one setup per group a member
+    # whose start from its group's snapshot fails starts cold (tests/rollouts/test_group_setup.py).
+    builder = local_builder(
+        engine.url, sandbox="e2b", sandbox_options={"e2b": options}, data_dir=capture, group_setup=False
+    )
     trainer = HarnessAsyncGRPOTrainer(
         str(tiny_model_dir), builder, training_config(out, engine.url), train_dataset=hello_rows()
     )

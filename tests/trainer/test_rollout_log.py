@@ -66,8 +66,19 @@ def test_a_record_round_trips_through_the_log_with_its_trace(tmp_path: Path) -> 
     assert back.unscorable is None and back.timed_out is False and back.seconds == 1.5
     assert back.tool_calls_by_name == {"bash": 2} and back.tool_call_count == 2
     assert back.phase_seconds == {"agent": 2.0}
+    assert back.sandbox_seconds is None and back.snapshot is None  # not reported: null, not 0
     assert back.findings == findings
     assert back.trace == rollout.trace
+
+
+def test_sandbox_seconds_and_the_groups_snapshot_are_logged_per_rollout(tmp_path: Path) -> None:
+    rollout = finished(0, 2)
+    metrics = {"sandbox_seconds": 41.5, "snapshot": "ht-snap-1", "phase_seconds": {"agent": 2}}
+    with RolloutLog(tmp_path) as log:
+        log.write([record(rollout, verify_metrics=metrics), record(finished(1, 0), verify_metrics={})])
+    forked, cold = read_rollout_log(tmp_path)
+    assert (forked.sandbox_seconds, forked.snapshot) == (41.5, "ht-snap-1")
+    assert (cold.sandbox_seconds, cold.snapshot) == (None, None)
 
 
 def test_traces_can_be_read_as_written_without_validating_them_again(tmp_path: Path) -> None:

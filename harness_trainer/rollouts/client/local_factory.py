@@ -9,7 +9,9 @@ group (:mod:`harness_trainer.rollouts.harness_mix`; ``create(..., harness=NAME)`
 instead), ``harness_options`` the harness class's keyword options (checked here; keyed by harness name
 for several), ``agent_timeout_sec`` None or 0 means each task's own, ``reward_key`` is a key or a
 comma-separated preference list checked on the first verifier result, and a session's wait without a
-timeout covers its agent, verifier and ``setup_timeout_sec``.
+timeout covers its agent, verifier and ``setup_timeout_sec``; ``group_setup=False`` sets up every GRPO group
+member on its own (by default, on a backend that forks, each group once: :mod:`~harness_trainer.rollouts.
+server.group_setup`).
 ``close()`` cancels what still runs and shuts the runtime down; the factory is also a context manager. With
 ``capture_url`` (and its ``admin_key``) the rollouts go through an already-running capture proxy
 (``python -m capture_proxy``), which the factory neither starts nor stops.
@@ -73,6 +75,7 @@ class LocalSessionFactory:
         admin_key: str | None = None,
         sandbox_options: dict[str, dict[str, Any]] | None = None,
         setup_timeout_sec: float = 900.0,
+        group_setup: bool = True,
     ) -> None:
         from harness_trainer.net import free_port
 
@@ -115,6 +118,7 @@ class LocalSessionFactory:
             admin_key=admin_key,
             served_model=model,
             sandbox_options=sandbox_options or {},
+            group_setup=group_setup,
         )
         self.runtime = RolloutRuntime(config)
         self._loop = asyncio.new_event_loop()

@@ -60,6 +60,8 @@ def verify_result(result: RolloutResult) -> VerifyResult:
         "model_calls": result.model_calls,
         "phase_seconds": dict(result.phase_seconds),
         "sandbox_seconds": result.sandbox_seconds,
+        "snapshot": result.snapshot,
+        "group_setup_note": result.group_setup_note,
         "rewards": dict(result.rewards),
         "capture_session_id": result.capture_session_id,
         "harness": result.harness,

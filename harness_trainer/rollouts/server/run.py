@@ -28,6 +28,7 @@ from harness_trainer.harnesses.bundles import provision
 from harness_trainer.rollouts.agreement import agreement
 from harness_trainer.rollouts.errors import ErrorKind
 from harness_trainer.rollouts.result import RolloutOptions, RolloutResult, StepResult
+from harness_trainer.rollouts.server.group_setup import GroupSetups, Start
 from harness_trainer.rollouts.server.sandbox_meter import SandboxMeter
 from harness_trainer.rollouts.server.verifier import (
     VerifierOutcome,
@@ -67,11 +68,14 @@ async def run_rollout(
     harness: Harness | None = None,
     stop: asyncio.Event | None = None,
     engine: dict[str, Any] | None = None,
+    setups: GroupSetups | None = None,
 ) -> RolloutResult:
     """Run ``options.harness`` on ``task`` in a ``backend`` sandbox, its model calls through ``capture``.
 
     ``model`` is the served model name the agent is told; ``engine`` the capture session's own engine
     fields (``upstream``, ``model``, ``engine_headers``) when the rollout does not use the proxy's default.
+    With ``setups``, a GRPO group's member on a backend that forks starts from its group's one setup
+    (:mod:`~harness_trainer.rollouts.server.group_setup`; ``snapshot`` on the result says which).
 
     Setting ``stop`` ends the agent early as a timeout would (killed, ``timed_out``, turns kept); the
     verifier and trace export still run.
@@ -101,9 +105,18 @@ async def run_rollout(
         with _phase(result, "sandbox_start"):
             if harness.package is not None:  # its bundle (built once per machine) into the sandboxes
                 backend.provide([await provision(harness.package)])
-            sandbox = await meter.start(backend, task, lifetime_s=_lifetime(task, options))
-        with _phase(result, "install"):
-            await harness.install(sandbox)
+            lifetime = _lifetime(task, options)
+            if setups is None:
+                started = Start(await meter.start(backend, task, lifetime_s=lifetime))
+            else:
+                started = await setups.start(backend, task, options, harness, meter, lifetime_s=lifetime)
+            sandbox = started.sandbox
+            result.snapshot, result.group_setup_note = started.snapshot, started.note
+        if started.setup_seconds:
+            result.phase_seconds["group_setup_wait"] = started.setup_seconds
+        if not started.installed:
+            with _phase(result, "install"):
+                await harness.install(sandbox)
         endpoint = AgentEndpoint(session.root_url, session.session_id, model)
         episode = _Episode(task, options, harness, sandbox, endpoint, stop, result, backend, meter)
         await (episode.run_steps() if task.steps else episode.run_once())
@@ -135,6 +148,8 @@ async def run_rollout(
     finally:
         with _phase(result, "cleanup"):
             await _cleanup(capture, session_id, sandbox, meter)
+            if sandbox is not None and setups is not None:
+                setups.closed(sandbox)
         result.sandbox_seconds = round(meter.seconds, 4)
     if result.error is not None:
         result.reward, result.trace = None, None

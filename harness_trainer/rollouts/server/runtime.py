@@ -29,6 +29,7 @@ from capture_proxy.config import ProxyConfig, engine_root
 from harness_trainer.harnesses import HARNESSES, HarnessError
 from harness_trainer.harnesses.bundles import probe_agent, provision
 from harness_trainer.rollouts.result import RolloutOptions, RolloutResult
+from harness_trainer.rollouts.server.group_setup import GroupSetups
 from harness_trainer.rollouts.server.proxy_process import ProxyProcess
 from harness_trainer.rollouts.server.run import run_rollout
 from harness_trainer.sandboxes import SandboxSupervisor, capabilities, make_backend, missing_credentials
@@ -84,6 +85,10 @@ class RuntimeConfig:
     proxy_process: bool = False
     """Run the capture proxy the runtime starts as a child process (``python -m capture_proxy``) instead of
     in this event loop: its own core and interpreter lock, and a crash of one does not take the other."""
+    group_setup: bool = True
+    """On a backend that forks (``capabilities.forks``), each GRPO group's environment and agent install
+    are set up once and its members start from a snapshot of it
+    (:mod:`~harness_trainer.rollouts.server.group_setup`); False: every member sets up its own."""
 
 
 class RolloutRuntime:
@@ -101,6 +106,7 @@ class RolloutRuntime:
         self._backends: dict[str, SandboxBackend] = {}
         self._provided: set[str] = set()
         self._running: set[asyncio.Task[RolloutResult]] = set()
+        self.setups = GroupSetups() if config.group_setup else None
 
     @property
     def proxy_pid(self) -> int | None:
@@ -298,6 +304,7 @@ class RolloutRuntime:
             model=model,
             stop=stop,
             engine=engine,
+            setups=self.setups,
         )
         running = asyncio.ensure_future(coroutine)
         self._running.add(running)
@@ -396,6 +403,8 @@ class RolloutRuntime:
             running.cancel()
         if self._running:
             await asyncio.wait(set(self._running), timeout=60)
+        if self.setups is not None:  # its snapshots, before the backends that made them close
+            await self.setups.aclose()
         for backend in self._backends.values():
             await backend.aclose()
         self._backends.clear()

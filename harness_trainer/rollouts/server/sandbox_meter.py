@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from harness_trainer.sandboxes.base import Sandbox, SandboxBackend
+from harness_trainer.sandboxes.base import ForkingBackend, Sandbox, SandboxBackend, SandboxSnapshot
 from harness_trainer.tasks.task import HarborTask
 
 
@@ -37,6 +37,20 @@ class SandboxMeter:
     ) -> Sandbox:
         """``backend.start(...)``'s sandbox, counted from now; a start that fails counts nothing."""
         sandbox = await backend.start(task, lifetime_s=lifetime_s, env=env)
+        self._opened[id(sandbox)] = self._clock()
+        return sandbox
+
+    async def start_from(
+        self,
+        backend: ForkingBackend,
+        snapshot: SandboxSnapshot,
+        task: HarborTask,
+        *,
+        lifetime_s: float,
+        env: dict[str, str] | None = None,
+    ) -> Sandbox:
+        """``backend.start_from(...)``'s sandbox, counted from now, as :meth:`start`'s."""
+        sandbox = await backend.start_from(snapshot, task, lifetime_s=lifetime_s, env=env)
         self._opened[id(sandbox)] = self._clock()
         return sandbox
 

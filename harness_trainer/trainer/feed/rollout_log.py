@@ -18,6 +18,8 @@ Three kinds of line, one JSON object each, appended and synced to disk (``fsync`
   ``dispatch_version_min`` / ``_max`` and ``return_version_min`` / ``_max`` (over its turns: the policy
   version the capture proxy knew when it sent each call, and the version that answered; null without
   any), ``tool_call_count``, ``tool_failure_count``, ``tool_calls_by_name``, ``phase_seconds``,
+  ``sandbox_seconds`` (what its sandboxes ran for, null when not reported), ``snapshot`` (the snapshot its
+  sandbox started from when its group was set up once: rollouts/server/group_setup.py; else null),
   ``findings`` (the verifier's, dicts or strings), ``agreement`` and ``agreement_detail`` (the agent's own
   record of its model calls against the capture: ``match``, ``mismatch`` with the first difference, or
   ``not_available``; null when not checked: harness_trainer/rollouts/agreement.py), ``trace_logged``

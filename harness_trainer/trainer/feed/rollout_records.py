@@ -68,6 +68,12 @@ class RolloutRecord(BaseModel):
     tool_calls_by_name: dict[str, int] = Field(default_factory=dict)
     phase_seconds: dict[str, float] = Field(default_factory=dict)
     """Where the rollout's time went, by phase (``verify.metrics["phase_seconds"]``), when reported."""
+    sandbox_seconds: float | None = None
+    """What its sandboxes ran for (``verify.metrics["sandbox_seconds"]``: what a remote backend bills), when
+    reported."""
+    snapshot: str | None = None
+    """The snapshot its sandbox started from when its group was set up once (``verify.metrics["snapshot"]``),
+    else null (a cold start)."""
     findings: list[dict[str, Any] | str] = Field(default_factory=list)
     agreement: str | None = None
     """The agent's own record against the capture: match, mismatch or not_available; None: not checked."""
@@ -160,6 +166,8 @@ def rollout_record(
         tool_failure_count=failures,
         tool_calls_by_name=calls_by_name,
         phase_seconds=phases,
+        sandbox_seconds=_number(metrics.get("sandbox_seconds")),
+        snapshot=snapshot if isinstance(snapshot := metrics.get("snapshot"), str) else None,
         findings=[item if isinstance(item, dict | str) else str(item) for item in findings or []],
         agreement=verdict.get("status") if isinstance(verdict := metrics.get("agreement"), dict) else None,
         agreement_detail=verdict.get("first_difference") if isinstance(verdict, dict) else None,
@@ -179,6 +187,10 @@ def member_record(
         verify_metrics=rollout.verify_metrics, findings=rollout.findings, harness=group.harness, step=step,
         with_trace=with_trace,
     )  # fmt: skip
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
 def _versions(metadata: Sequence[dict[str, Any]], key: str) -> list[int]:
