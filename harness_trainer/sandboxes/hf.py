@@ -27,6 +27,10 @@ sandbox. Lifetime: a sandbox closes itself after ``max(lifetime_s, agent + verif
 lifetime_margin_s``; HF ends a sandbox idle for ``idle_timeout`` (default: that lifetime, since a
 foreground command does not count as activity) and an empty pool host idle for ``host_idle_timeout``.
 
+Ended jobs (:mod:`.hf_hosts`): when a sandbox's job (a pooled one's host) ends under it, every operation
+of the sandboxes on it raises SandboxError naming why (the job's stage and message), and an ended host is
+dropped from its pool, which keeps it otherwise: the next starts go to another host or a new one.
+
 Reaping (:mod:`.hf_runs`): every job names its run (a dedicated one by its label, a pool host by its pool's
 name); given a ``run_id``, the backend first cancels the jobs of that run a dead server left.
 
@@ -45,8 +49,9 @@ import math
 import os
 import shlex
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +74,7 @@ from harness_trainer.sandboxes.hf_errors import (
     retry_delay_s,
     tries_allowed,
 )
+from harness_trainer.sandboxes.hf_hosts import drop_ended_hosts, drop_host, job_ended
 from harness_trainer.sandboxes.hf_runs import cancel_run
 from harness_trainer.sandboxes.hf_sandbox import HfSandbox
 from harness_trainer.sandboxes.hf_sdk import check_access, dedicated_labels, hub, pool_name
@@ -198,6 +204,7 @@ class HfSandboxBackend:
         self._unclaimed: set[asyncio.Future[None]] = set()
         self._access: asyncio.Future[None] | None = None
         self._reaping: asyncio.Future[None] | None = None
+        self._ended: dict[str, str] = {}  # job id -> why it ended (see job_ended)
         # Library calls block their thread for a whole command: a pool of its own, sized for the run.
         self.executor = ThreadPoolExecutor(
             max_workers=max(32, 4 * (concurrency or 8)), thread_name_prefix="ht-hf"
@@ -292,11 +299,27 @@ class HfSandboxBackend:
     async def start(
         self, task: HarborTask, *, lifetime_s: float, env: dict[str, str] | None = None
     ) -> HfSandbox:
+        sandbox = await self.create_sandbox(task, lifetime_s=lifetime_s, env=env)
+        async with _closed_on_failure(sandbox, task, "cannot prepare"):
+            await self._make_task_dirs(sandbox, sandbox.workdir)
+            for agent in self.agents:
+                await sandbox.upload_dir(agent.host_dir, agent.path, skip=("venvs",))
+                if agent.setup:
+                    await sandbox.check(agent.setup)
+        return sandbox
+
+    async def create_sandbox(
+        self, task: HarborTask, *, lifetime_s: float, env: dict[str, str] | None = None
+    ) -> HfSandbox:
+        """A sandbox of ``task``'s image, made (through the run's pool when pooled, with retries, an ended
+        pool host replaced) and answering its first command (its home learned), its lifetime running: what
+        :meth:`start` builds on, before the task's paths and agents. Alone, what a pooled sandbox always
+        holds: a task that needs only its home (its workdir is not made: give commands a ``cwd`` there).
+        Raises SandboxStartError."""
         refuse_sidecars(task, self.name)
         image, image_workdir, image_env = image_for(task, self.image)
         await self.check_access()
         await self.reap_orphans()
-        workdir = self.workdir or task.environment.workdir or image_workdir or "/app"
         lifetime = sandbox_lifetime(task, lifetime_s, self.lifetime_margin_s)
         idle = math.ceil(self.idle_timeout if self.idle_timeout is not None else lifetime)
         sdk_sandbox = await self._create(task, image, idle)
@@ -304,29 +327,31 @@ class HfSandboxBackend:
             sdk_sandbox,
             executor=self.executor,
             pooled=not self.dedicated,
-            workdir=workdir,
+            workdir=self.workdir or task.environment.workdir or image_workdir or "/app",
             env={**image_env, **(env or {})},
             kill_grace_s=self.kill_grace_s,
             provisioned=frozenset(agent.name for agent in self.agents),
+            ended=self.job_ended,
         )
         self._live.add(sandbox)
         sandbox.on_close.append(self._live.discard)
-        try:
+        async with _closed_on_failure(sandbox, task, "cannot reach"):
             await sandbox.learn_home()
-            await self._make_task_dirs(sandbox, workdir)
-            for agent in self.agents:
-                await sandbox.upload_dir(agent.host_dir, agent.path, skip=("venvs",))
-                if agent.setup:
-                    await sandbox.check(agent.setup)
-        except BaseException as exc:
-            await sandbox.close()
-            if isinstance(exc, SandboxError):
-                raise SandboxStartError(
-                    f"{task.name}: cannot prepare HF sandbox {sandbox.id}: {exc}"
-                ) from exc
-            raise
         sandbox.start_lifetime(lifetime)
         return sandbox
+
+    async def job_ended(self, job_id: str) -> str | None:
+        """Why job ``job_id`` (a sandbox's, or a pool host's) has ended, or None while it runs: asked of the
+        Hub until it has ended, then remembered. An ended pool host is dropped from its pool at once, so
+        that the run's next starts go to another host."""
+        if job_id not in self._ended:
+            reason = await self._in_thread(job_ended, job_id, token=self.token, namespace=self.namespace)
+            if reason is None:
+                return None
+            self._ended[job_id] = reason
+            for pool in self.pools.values():
+                await self._in_thread(drop_host, pool, job_id)
+        return self._ended[job_id]
 
     async def _make_task_dirs(self, sandbox: HfSandbox, workdir: str) -> None:
         """The task's paths made; in a pooled sandbox, a failure says why it may be one (its home)."""
@@ -352,7 +377,9 @@ class HfSandboxBackend:
         else:
             pool = await self._pool(image)
             create = lambda: pool.create(idle_timeout=idle)  # noqa: E731
-        for attempt in range(1, self.create_attempts + 1):
+        attempt, hosts_checked = 0, self.dedicated  # only a pool keeps a host whose job ended
+        while True:
+            attempt += 1
             made = asyncio.get_running_loop().run_in_executor(self.executor, create)
             try:
                 # Shielded: a start cancelled mid-create must not leave what the create makes meanwhile.
@@ -363,11 +390,26 @@ class HfSandboxBackend:
                 reclaim.add_done_callback(self._unclaimed.discard)
                 raise
             except Exception as exc:
+                # The pool may have placed it on a host whose job ended (it keeps such hosts): once per
+                # start, drop those and try again, on another host or a new one, without counting that try.
+                if not hosts_checked:
+                    hosts_checked = True
+                    if await self._drop_ended_hosts(pool):
+                        attempt -= 1
+                        continue
                 kind = classify(exc)
                 if attempt >= tries_allowed(kind, self.create_attempts):
                     raise SandboxStartError(_create_failure(task, image, attempt, kind, exc)) from exc
                 await asyncio.sleep(retry_delay_s(kind, attempt, base_s=self.retry_backoff_s))
-        raise AssertionError("unreachable")
+
+    async def _drop_ended_hosts(self, pool: Any) -> list[str]:
+        """The hosts of ``pool`` whose jobs have ended, dropped from it (:func:`~.hf_hosts.drop_ended_hosts`);
+        none when the Hub cannot list them (logged: the start's own error stands)."""
+        try:
+            return await self._in_thread(drop_ended_hosts, pool, token=self.token, namespace=self.namespace)
+        except Exception as exc:
+            log.warning("HF sandbox pool %s: cannot list its hosts' jobs: %s", pool.name, exc)
+            return []
 
     async def aclose(self) -> None:
         """Close every sandbox still open, then every pool (its host jobs cancelled)."""
@@ -382,6 +424,18 @@ class HfSandboxBackend:
             except Exception as exc:  # its hosts idle-time-out; the error names the jobs still billing
                 log.warning("HF sandbox pool %s: close failed: %s", pool.name, exc)
         self.executor.shutdown(wait=False)  # its threads are idle now: none outlives the backend
+
+
+@asynccontextmanager
+async def _closed_on_failure(sandbox: HfSandbox, task: HarborTask, what: str) -> AsyncIterator[None]:
+    """Close ``sandbox`` when the block fails; a SandboxError becomes a SandboxStartError naming the task."""
+    try:
+        yield
+    except BaseException as exc:
+        await sandbox.close()
+        if isinstance(exc, SandboxError):
+            raise SandboxStartError(f"{task.name}: {what} HF sandbox {sandbox.id}: {exc}") from exc
+        raise
 
 
 async def _reclaim(made: asyncio.Future[Any]) -> None:

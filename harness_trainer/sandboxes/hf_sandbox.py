@@ -10,6 +10,10 @@ pid in a file under the sandbox's home; on timeout or cancellation the backend k
 leaves background children ends all the same. The sandbox server's own ``timeout`` is set past that, as a
 backstop for a client that went away.
 
+When an operation fails, the sandbox asks the backend (``ended``) whether its job (a pooled sandbox's
+host) has ended, and if so its ``SandboxError`` names that reason (the job's stage and the Hub's message):
+a dead host fails every sandbox on it the same way, and :meth:`HfSandbox.close` then kills nothing.
+
 Files go through the library's file API. In a pooled sandbox that API is rooted at the sandbox's home (a
 leading ``/`` is the home), the only place its commands may write: a path outside the home is refused
 with :class:`SandboxError` rather than written somewhere commands would not find it.
@@ -24,7 +28,7 @@ import posixpath
 import shlex
 import tempfile
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -66,6 +70,7 @@ class HfSandbox:
         env: dict[str, str],
         kill_grace_s: float,
         provisioned: frozenset[str] = frozenset(),
+        ended: Callable[[str], Awaitable[str | None]] | None = None,
     ) -> None:
         self.sdk_sandbox = sdk_sandbox
         self.id: str = sdk_sandbox.id
@@ -75,6 +80,9 @@ class HfSandbox:
             "/tmp"  # until the sandbox says (:meth:`learn_home`): where its first command's pidfile goes
         )
         self.provisioned = provisioned
+        self.ended: str | None = None
+        """Why its job ended (its stage, the Hub's message), once an operation found it so."""
+        self._job_ended = ended
         self._executor = executor
         self._env = env
         self._kill_grace_s = kill_grace_s
@@ -86,6 +94,26 @@ class HfSandbox:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def job_id(self) -> str:
+        """The job this sandbox runs in: a pooled sandbox's host, a dedicated sandbox's own."""
+        return getattr(self.sdk_sandbox, "host_id", None) or self.id
+
+    async def failure(self, what: str, detail: object) -> SandboxError:
+        """The error for an operation (``what``) that failed (``detail``): naming why the sandbox's job
+        ended when it has (asked once; a Hub that cannot say leaves the error as it was)."""
+        if self.ended is None and self._job_ended is not None:
+            try:
+                self.ended = await self._job_ended(self.job_id)
+            except Exception as check:  # the Hub cannot say: the operation's own error stands
+                log.debug("sandbox %s: cannot ask whether job %s ended: %s", self.id, self.job_id, check)
+        if self.ended is not None:
+            job = "host job" if self.pooled else "job"
+            return SandboxError(
+                f"sandbox {self.id}: {what}: its {job} {self.job_id} has ended ({self.ended})"
+            )
+        return SandboxError(f"sandbox {self.id}: {what}: {detail}")
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn(*args, **kwargs)`` in the backend's thread pool."""
@@ -157,9 +185,9 @@ class HfSandbox:
             self._keep(asyncio.ensure_future(self._kill_group(pidfile)))  # do not leave it running
             raise
         except HubSandboxError as exc:
-            raise SandboxError(f"sandbox {self.id}: command failed to run: {exc}") from exc
+            raise await self.failure("command failed to run", exc) from exc
         except Exception as exc:  # the connection to the sandbox's server broke
-            raise SandboxError(f"sandbox {self.id} is unreachable: {type(exc).__name__}: {exc}") from exc
+            raise await self.failure("unreachable", f"{type(exc).__name__}: {exc}") from exc
         if result.timed_out:  # the backstop fired: the client was too slow to kill it itself
             return ExecResult(exit_code=None, stdout="".join(out), stderr="".join(err), timed_out=True)
         return ExecResult(exit_code=result.exit_code, stdout="".join(out), stderr="".join(err))
@@ -183,7 +211,7 @@ class HfSandbox:
         try:
             await self.call(self.sdk_sandbox.files.write, target, data)
         except Exception as exc:
-            raise SandboxError(f"sandbox {self.id}: cannot write {path}: {exc}") from exc
+            raise await self.failure(f"cannot write {path}", exc) from exc
         if mode != 0o644:
             await self.check(f"chmod {mode:o} {shlex.quote(self.sandbox_path(path))}")
 
@@ -194,7 +222,7 @@ class HfSandbox:
         except Exception as exc:
             if getattr(exc, "status_code", None) == 404:
                 raise FileNotFoundError(f"{self.sandbox_path(path)} (in sandbox {self.id})") from exc
-            raise SandboxError(f"sandbox {self.id}: cannot read {path}: {exc}") from exc
+            raise await self.failure(f"cannot read {path}", exc) from exc
 
     async def upload_dir(self, local: Path, remote: str, *, skip: tuple[str, ...] = ()) -> None:
         """Copy ``local``'s contents into ``remote`` (created) as one tar archive, unpacked there; top-level
@@ -208,7 +236,7 @@ class HfSandbox:
             try:
                 await self.call(self.sdk_sandbox.files.upload, archive, self.api_path(archive_in_sandbox))
             except Exception as exc:
-                raise SandboxError(f"sandbox {self.id}: cannot upload {local} to {target}: {exc}") from exc
+                raise await self.failure(f"cannot upload {local} to {target}", exc) from exc
         quoted, packed = shlex.quote(target), shlex.quote(archive_in_sandbox)
         unpack = f"mkdir -p {quoted} && tar -xf {packed} -C {quoted} --no-same-owner"
         await self.check(f"{unpack}; rc=$?; rm -f {packed}; exit $rc")
@@ -221,14 +249,15 @@ class HfSandbox:
             raise SandboxError(f"sandbox {self.id}: `{command[:200]}` failed: {output}")
 
     async def close(self) -> None:
-        """Kill the sandbox (a dedicated one's job is cancelled; a pooled one leaves its host); idempotent,
-        never raises."""
+        """Kill the sandbox (a dedicated one's job is cancelled; a pooled one leaves its host), unless its job
+        has ended already; idempotent, never raises."""
         if self._closed:
             return
         self._closed = True
         self._lifetime.cancel()
         try:
-            await self.call(self.sdk_sandbox.kill)
+            if self.ended is None:  # an ended job took the sandbox with it: nothing to kill
+                await self.call(self.sdk_sandbox.kill)
         except Exception as exc:  # close must not raise; the idle timeout ends it anyway
             log.warning("HF sandbox %s: kill failed (its idle timeout ends it): %s", self.id, exc)
         finally:

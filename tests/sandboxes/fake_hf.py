@@ -8,7 +8,10 @@ Jobs: a job runs the sandbox bootstrap command (checked), in its image's filesys
 chrooted into an overlay of the image exported from the Docker daemon, as the fake E2B cloud's sandboxes
 (:mod:`tests.sandboxes.fake_rootfs`, so it needs root and Docker). ``run_job`` answers ``SCHEDULING`` with
 the job's exposed URL; the job is ``RUNNING`` and its server answers ``/health`` once its root is up.
-``cancel_job`` kills every process in it. The exposed URL is ``http://127.0.0.1:<port>/<job>--49983.fake``:
+``cancel_job`` kills every process in it (a job that has ended keeps its stage). :meth:`FakeHub.end_job`
+ends a job as its VM failing would (``ERROR``) or its time running out (``COMPLETED``): the Jobs API reports
+that stage and message, its requests in flight lose their connection, and its server no longer answers
+(502, as the Jobs proxy for a job that is gone), nor do the pooled sandboxes it held. The exposed URL is ``http://127.0.0.1:<port>/<job>--49983.fake``:
 the Jobs proxy's URLs are ``https://<job>--49983.<domain>``, which loopback cannot serve, and the library
 checks only the ``--49983.`` part when it boots a job (its host adoption checks, which want https, are off
 in the backend: ``adopt_hosts="never"``).
@@ -27,7 +30,10 @@ registry of agent harnesses (``/api/agent-harnesses``, for its user agent): an e
 the fake does not implement answers **500 naming the method and path** (and is recorded in ``unknown``),
 so that a library that starts calling something new fails loudly. Faults: ``fail_run_jobs`` (the next
 ``run_job`` calls answer these statuses), ``fail_list_jobs`` (the same for ``list_jobs``), another token
-than ``token`` (401), ``forbidden`` (403 on the Jobs routes).
+than ``token`` (401), ``forbidden`` (403 on the Jobs routes). Latencies (for benchmarks): ``job_start_s``
+(a job is ``RUNNING`` that long after ``run_job`` at the earliest: scheduling, the image's pull, the server's
+start) and ``create_rate_per_s`` (pooled sandboxes are made at most that fast, Hub-wide, each create waiting
+for its turn).
 """
 
 from __future__ import annotations
@@ -82,10 +88,12 @@ class FakeJob:
     namespace: str
     spec: dict[str, Any]
     stage: str = "SCHEDULING"
+    message: str | None = None
     rootfs: RootFs | None = None
     env: dict[str, str] = field(default_factory=dict)
     boxes: dict[str, PooledBox] = field(default_factory=dict)
     logs: list[str] = field(default_factory=list)
+    in_flight: set[asyncio.BaseTransport] = field(default_factory=set)  # of its server's requests
 
     @property
     def labels(self) -> dict[str, str]:
@@ -109,7 +117,7 @@ class FakeJob:
             "secrets": sorted(self.spec.get("secrets") or {}),
             "flavor": self.spec.get("flavor"),
             "labels": self.labels,
-            "status": {"stage": self.stage, "message": None, "exposeUrls": [self.url(base_url)]},
+            "status": {"stage": self.stage, "message": self.message, "exposeUrls": [self.url(base_url)]},
         }
 
     def url(self, base_url: str) -> str:
@@ -125,6 +133,9 @@ class FakeHub:
         self.forbidden = False
         self.fail_run_jobs: list[int] = []
         self.fail_list_jobs: list[int] = []
+        self.job_start_s = 0.0
+        self.create_rate_per_s: float | None = None
+        self._next_create = 0.0  # the loop's time of the next pooled create's turn
         self.jobs: dict[str, FakeJob] = {}
         self.requests: list[tuple[str, str]] = []
         self.unknown: list[str] = []
@@ -187,6 +198,18 @@ class FakeHub:
             and all(job.labels.get(k) == v for k, v in labels.items())
         ]
 
+    def end_job(self, job_id: str, stage: str = "ERROR", message: str | None = None) -> None:
+        """End job ``job_id`` from the Hub's side (see the module docstring), as of when this returns."""
+        job = self.jobs[job_id]
+        asyncio.run_coroutine_threadsafe(self._end(job, stage, message), self._loop).result(60)
+
+    async def _end(self, job: FakeJob, stage: str, message: str | None) -> None:
+        job.message = message
+        job.stage = stage  # first: from now on its server answers nothing
+        for transport in list(job.in_flight):
+            transport.abort()  # type: ignore[attr-defined]
+        await self._stop(job, stage)
+
     def boxes(self) -> list[PooledBox]:
         return [box for job in self.running() for box in job.boxes.values()]
 
@@ -206,7 +229,13 @@ class FakeHub:
             job = self.jobs.get(parts[0].split("--", 1)[0])
             if job is None or job.stage not in ("SCHEDULING", "RUNNING"):
                 return _error(502, "no such job behind the proxy")
-            return await self._server(request, job, parts[1:])
+            transport = request.transport
+            if transport is not None:
+                job.in_flight.add(transport)
+            try:
+                return await self._server(request, job, parts[1:])
+            finally:
+                job.in_flight.discard(transport)  # type: ignore[arg-type]
         return self._unknown(request)
 
     def _unknown(self, request: web.Request) -> web.Response:
@@ -245,7 +274,8 @@ class FakeHub:
         if len(rest) == 1 and method == "GET":
             return web.json_response(job.info(self.base_url))
         if rest[1:] == ["cancel"] and method == "POST":
-            await self._stop(job, "CANCELED")
+            if job.stage in ("SCHEDULING", "RUNNING"):
+                await self._stop(job, "CANCELED")
             return web.json_response({})
         if rest[1:] == ["logs"] and method == "GET":
             body = "".join(
@@ -272,6 +302,7 @@ class FakeHub:
 
     async def _boot(self, job: FakeJob) -> None:
         image = job.spec["dockerImage"]
+        started = self._loop.time()
         try:
             base = await asyncio.to_thread(image_rootfs, image)
             job.env = {**image_env(base), **cloud_env()}
@@ -281,6 +312,7 @@ class FakeHub:
             job.logs.append(f"cannot start {image}: {exc}")
             job.stage = "ERROR"
             return
+        await asyncio.sleep(self.job_start_s - (self._loop.time() - started))
         if job.stage == "SCHEDULING":
             job.stage = "RUNNING"
         else:  # cancelled while booting
@@ -333,6 +365,8 @@ class FakeHub:
         if request.method != "POST":
             return self._unknown(request)
         body = await request.json()
+        for _ in range(int(body.get("count", 1))):
+            await self._create_turn()
         capacity = int(job.spec["environment"]["SBX_CAPACITY"])
         made, rejected = [], 0
         for _ in range(int(body.get("count", 1))):
@@ -351,6 +385,15 @@ class FakeHub:
             job.boxes[box.local_id] = box
             made.append({"id": box.local_id, "token": box.token})
         return web.json_response({"sandboxes": made, "rejected": rejected})
+
+    async def _create_turn(self) -> None:
+        """Wait for the next pooled create's turn under ``create_rate_per_s`` (none without one)."""
+        if not self.create_rate_per_s:
+            return
+        now = self._loop.time()
+        turn = max(now, self._next_create)
+        self._next_create = turn + 1 / self.create_rate_per_s
+        await asyncio.sleep(turn - now)
 
     async def _delete_box(self, job: FakeJob, box: PooledBox) -> None:
         del job.boxes[box.local_id]
