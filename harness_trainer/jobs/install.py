@@ -43,7 +43,8 @@ from pydantic import BaseModel, ConfigDict
 
 PROJECT = "harness-trainer"
 DEFAULT_EXTRAS = ("e2b", "train")
-"""The extras a job installs unless ``--extras`` says otherwise: the E2B SDK and the training extras."""
+"""The extras a job installs unless ``--extras`` says otherwise, for the default sandbox (E2B): its SDK's and
+the training extras (:func:`default_extras` for another backend)."""
 WHEEL_MOUNT = "/opt/harness-trainer/wheel"
 """Where the job mounts the uploaded wheel's folder (read-only)."""
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -99,10 +100,17 @@ class InstallSpec(BaseModel):
     """The folder of the ``jobs-artifacts`` bucket it goes to: ``harness-trainer-wheel-<sha256[:16]>``."""
 
 
-def parse_extras(text: str | None) -> tuple[str, ...]:
-    """``e2b,train`` as a tuple; None gives :data:`DEFAULT_EXTRAS`; raises InstallError for a bad name."""
+def default_extras(sandbox_extra: str | None) -> tuple[str, ...]:
+    """What a job installs without ``--extras``: the extra of the sandbox backend it uses (its class's
+    ``capabilities.extra``: ``hf`` brings ``huggingface_hub``'s sandboxes, ``e2b`` the E2B SDK; none for
+    ``local``) and the training extras."""
+    return (sandbox_extra, "train") if sandbox_extra else ("train",)
+
+
+def parse_extras(text: str | None, default: tuple[str, ...] = DEFAULT_EXTRAS) -> tuple[str, ...]:
+    """``e2b,train`` as a tuple; None gives ``default``; raises InstallError for a bad name."""
     if text is None:
-        return DEFAULT_EXTRAS
+        return default
     extras = tuple(dict.fromkeys(extra.strip() for extra in text.split(",") if extra.strip()))
     bad = [extra for extra in extras if not _EXTRA.fullmatch(extra)]
     if bad:
@@ -110,10 +118,13 @@ def parse_extras(text: str | None) -> tuple[str, ...]:
     return extras
 
 
-def install_request(install: str | None, extras: str | None) -> InstallRequest:
-    """Classify ``--install`` (see the module docstring); raises InstallError for a local wheel that is not
-    there or not a wheel of this project, and for ``--extras`` beside a requirement that names its own."""
-    chosen = parse_extras(extras)
+def install_request(
+    install: str | None, extras: str | None, default: tuple[str, ...] = DEFAULT_EXTRAS
+) -> InstallRequest:
+    """Classify ``--install`` (see the module docstring), with ``default`` extras when ``--extras`` is not
+    given; raises InstallError for a local wheel that is not there or not a wheel of this project, and for
+    ``--extras`` beside a requirement that names its own."""
+    chosen = parse_extras(extras, default)
     if install is None:
         return InstallRequest(source="checkout", target=None, extras=chosen)
     text = install.strip()

@@ -61,6 +61,7 @@ from harness_trainer.jobs.install import (
     InstallSpec,
     WheelBuilder,
     WheelBuildError,
+    default_extras,
     install_request,
     prepare_install,
 )
@@ -204,14 +205,15 @@ def check_options(
     secrets = job_secret_names(settings.sandbox, args.secret)
     for volume in args.volume:
         parse_volume(volume)
-    install_options(args)
+    install_options(args, settings.sandbox)
     return settings, secrets, split
 
 
-def install_options(args: argparse.Namespace) -> InstallRequest:
-    """``--install`` and ``--extras`` checked (see :func:`.install.install_request`); raises SubmitError."""
+def install_options(args: argparse.Namespace, sandbox: str) -> InstallRequest:
+    """``--install`` and ``--extras`` checked (see :func:`.install.install_request`), the extras by default
+    those of the trainer's ``sandbox`` (:func:`.install.default_extras`); raises SubmitError."""
     try:
-        return install_request(args.install, args.extras)
+        return install_request(args.install, args.extras, default_extras(capabilities(sandbox).extra))
     except InstallError as exc:
         raise SubmitError(str(exc)) from exc
 
@@ -400,7 +402,8 @@ def add_submit_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--extras",
         default=None,
-        help=f"comma-separated extras installed with the wheel or URL (default: {','.join(DEFAULT_EXTRAS)})",
+        help="comma-separated extras installed with the wheel or URL (default: the trainer's --sandbox "
+        f"backend's and train: {','.join(DEFAULT_EXTRAS)} for e2b, hf,train for hf)",
     )
     add_engine_arguments(parser)
     parser.add_argument("--dry-run", action="store_true", help="print the job spec as JSON, submit nothing")
@@ -419,7 +422,7 @@ def run_submit(args: argparse.Namespace, api: Any = None, build: WheelBuilder | 
         try:
             args = apply_config(args)
             run_config = write_run_config(args.config_sections, Path(folder))
-            _, secret_names, _ = check_options(
+            settings, secret_names, _ = check_options(
                 args, with_run_config(args.trainer_args, run_config and str(run_config))
             )
         except ValueError as exc:  # SubmitError, or a config file's problems
@@ -434,7 +437,7 @@ def run_submit(args: argparse.Namespace, api: Any = None, build: WheelBuilder | 
             )
             return 2
         try:
-            install = prepare_install(install_options(args), Path(folder), build)
+            install = prepare_install(install_options(args, settings.sandbox), Path(folder), build)
             spec, settings = build_job_spec(
                 args, args.trainer_args, run_id=run_id, install=install, run_config=run_config
             )

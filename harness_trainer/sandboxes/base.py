@@ -182,6 +182,9 @@ class Capabilities:
     builds: str | None = None
     wants_proxy_url: bool = False
     sidecars: bool = False
+    extra: str | None = None
+    """The project's pip extra that brings the backend's SDK (``pip install 'harness-trainer[EXTRA]'``), which
+    a Jobs run installs by default for the backend it uses; None: it needs none."""
     forks: bool = False
     """The backend is also a :class:`ForkingBackend`: a GRPO group's members can start from one prepared
     sandbox's snapshot instead of each preparing its own (one setup per group)."""

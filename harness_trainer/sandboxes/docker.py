@@ -106,6 +106,7 @@ class DockerSandboxBackend:
         wants_proxy_url=True,
         sidecars=True,
         forks=True,
+        extra="docker",
     )
 
     def __init__(

@@ -30,9 +30,8 @@ proxy's public host, or the agent cannot reach its model).
 Snapshots (one setup per GRPO group, :mod:`.e2b_snapshots`): E2B's ``create_snapshot``, named for the run
 (reaped as its sandboxes are); ``start_from`` creates from the snapshot's id through ``start``'s create path.
 
-The SDK boundary is two objects, ``sandbox_class`` (default ``e2b.AsyncSandbox``) and ``template_class``
-(default ``e2b.AsyncTemplate``): tests inject fakes with the same signatures (tested against a fake
-cloud only; this project has no E2B account in CI). SDK exceptions are mapped here, once.
+The SDK boundary is ``sandbox_class`` (default ``e2b.AsyncSandbox``) and ``template_class`` (default
+``e2b.AsyncTemplate``): tests inject fakes with the same signatures (tested against a fake cloud only).
 
 Manual smoke test, for users with ``E2B_API_KEY`` (creates one sandbox from the ``base`` template, runs
 commands, a timeout and file round trips, and closes it)::
@@ -270,6 +269,7 @@ class E2BSandboxBackend(E2BSnapshots):
         remote=True,
         builds="templates",
         forks=True,
+        extra="e2b",
     )
 
     def __init__(

@@ -153,6 +153,7 @@ class HfSandboxBackend:
         credentials=("HF_TOKEN",),
         login=Login("hf auth login", stored_login),
         remote=True,
+        extra="hf",
     )
 
     def __init__(

@@ -15,6 +15,7 @@ from harness_trainer.jobs.install import (
     InstallError,
     InstallRequest,
     build_wheel,
+    default_extras,
     install_request,
     wheel_build_command,
 )
@@ -73,6 +74,8 @@ def test_no_install_builds_the_checkout_with_the_default_extras() -> None:
         source="checkout", target=None, extras=DEFAULT_EXTRAS
     )
     assert install_request(None, "train, e2b,train").extras == ("train", "e2b")
+    assert install_request(None, None, default_extras("hf")).extras == ("hf", "train")
+    assert default_extras(None) == ("train",) and default_extras("e2b") == DEFAULT_EXTRAS
 
 
 @pytest.mark.parametrize(

@@ -294,6 +294,8 @@ def test_with_the_hf_sandbox_the_job_needs_only_the_hub_token_and_its_launcher_p
     steps = ("vllm", "serve", "warm", "trainer")
     assert {step: planned[step]["secrets"] for step in steps} == {step: ["HF_TOKEN"] for step in steps}
     assert "E2B_API_KEY" not in result.stdout
+    # It installs the hf backend's extra (huggingface_hub's sandboxes), not E2B's SDK.
+    assert f"'harness-trainer[hf,train] @ {WHEEL_URL}" in install_part(call)
 
 
 def test_a_token_stored_by_hf_auth_login_is_the_jobs_hf_token(
