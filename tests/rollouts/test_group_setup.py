@@ -179,3 +179,29 @@ async def test_the_snapshot_is_on_the_result_as_it_goes_over_the_wire(
     assert first.snapshot == second.snapshot is not None
     record = json.loads(first.model_dump_json())
     assert record["snapshot"] == first.snapshot and record["sandbox_seconds"] > 0
+
+
+async def test_a_kind_of_group_whose_setup_costs_less_than_forking_starts_cold_from_then_on(
+    runtime_for: Callable[[list[dict[str, Any]]], Any], tmp_path: Path
+) -> None:
+    """The toy agent's install and this task's one RUN line take less than a snapshot and the starts from
+    it save: the first group forks and its measurement sends the next group's members to cold starts."""
+    task = setup_task(tmp_path)
+    runtime = await runtime_for([bash_call(MEMBER_COMMAND)] * 6)
+    first = await asyncio.gather(*(runtime.rollout(task, member(m, group=0)) for m in range(3)))
+    assert all(result.snapshot is not None for result in first)
+    (costs,) = runtime.setups.costs.values()
+    assert len(costs.starts_s) == 3 and costs.pays() is False, costs
+    second = await asyncio.gather(*(runtime.rollout(task, member(m, group=1)) for m in range(3)))
+    for result in second:
+        assert_member_of_one_setup(result)  # its own RUN step, once
+        assert result.snapshot is None and "install" in result.phase_seconds
+        assert "one setup per group does not pay for this task" in (result.group_setup_note or "")
+
+
+def test_one_setup_pays_when_g_minus_1_setups_outweigh_a_snapshot_and_g_starts() -> None:
+    from harness_trainer.rollouts.server.group_setup import Costs
+
+    assert Costs(30.0, 2.0, [1.0]).pays() is None  # one member: nothing to judge yet
+    assert Costs(30.0, 2.0, [1.0] * 8).pays() is True  # 7 x 30 s saved against 2 + 8 s
+    assert Costs(0.5, 0.2, [0.6] * 4).pays() is False  # 1.5 s saved against 2.6 s

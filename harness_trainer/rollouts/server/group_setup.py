@@ -23,6 +23,12 @@ install) once for the group and starting each member from a snapshot of it saves
    killed server left behind is found by the next start or the backend's cleanup.
 5. Sandbox-seconds: the setup sandbox's time is counted on the meter of the member that started the setup,
    so a step's ``sandbox/seconds_per_rollout`` still shows what the run costs.
+6. Only where it pays: a member never starts sooner from a snapshot (it waits for the setup), so what one
+   setup saves is work, G - 1 setups, against what it adds, a snapshot and G starts from it. Each is timed
+   per task, harness and backend (:class:`Costs`); once a group of that kind has shown that its setup is
+   cheaper than that (``(G - 1) * setup <= snapshot + starts``: a task with nothing to set up, as the toy
+   tasks on the local sandbox), its later groups start cold, with that note. A snapshot that paid keeps
+   being used.
 """
 
 from __future__ import annotations
@@ -79,6 +85,29 @@ class _Setup:
     members: set[int] = field(default_factory=set)
 
 
+@dataclass
+class Costs:
+    """What one setup per group cost and saved, last measured, for one kind of group (rule 6)."""
+
+    setup_s: float = 0.0
+    """The setup sandbox's start and install: what each member would pay cold."""
+    snapshot_s: float = 0.0
+    starts_s: list[float] = field(default_factory=list)
+    """Each member's start from the last snapshot."""
+
+    def pays(self) -> bool | None:
+        """Whether the last group saved more than it added; None until two members started from it."""
+        if len(self.starts_s) < 2:
+            return None
+        return (len(self.starts_s) - 1) * self.setup_s > self.snapshot_s + sum(self.starts_s)
+
+    def describe(self) -> str:
+        return (
+            f"one setup per group does not pay for this task (setup {self.setup_s:.2f} s; a snapshot "
+            f"{self.snapshot_s:.2f} s and {len(self.starts_s)} starts from it {sum(self.starts_s):.2f} s)"
+        )
+
+
 def group_key(task: HarborTask, options: RolloutOptions) -> tuple[str, ...] | None:
     """What makes members share a setup, or None when the rollout is no trainer group's member."""
     group = group_of(options.episode_id)
@@ -95,6 +124,8 @@ class GroupSetups:
         self.linger_s = linger_s
         self._setups: dict[tuple[str, ...], _Setup] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.costs: dict[tuple[str, ...], Costs] = {}
+        """By kind of group (the key without the group): rule 6's measurements."""
 
     async def start(
         self,
@@ -113,9 +144,14 @@ class GroupSetups:
             return await _cold(backend, task, meter, lifetime_s)
         forking = cast(ForkingBackend, backend)
         setup = self._setups.get(key)
+        costs = self.costs.get(key[1:])
+        if setup is None and costs is not None and costs.pays() is False:  # rule 6
+            cold = await _cold(backend, task, meter, lifetime_s)
+            cold.note = costs.describe()
+            return cold
         if setup is None:
             setup = self._setups[key] = _Setup(forking, asyncio.get_running_loop().create_future())
-            self._own(self._set_up(setup, task, harness, meter))
+            self._own(self._set_up(setup, task, harness, meter, key[1:]))
         if setup.linger is not None:
             setup.linger.cancel()
             setup.linger = None
@@ -129,7 +165,9 @@ class GroupSetups:
                 cold.note, cold.setup_seconds = made, waited
                 return cold
             try:
+                began = time.monotonic()
                 sandbox = await meter.start_from(forking, made, task, lifetime_s=lifetime_s)
+                self.costs[key[1:]].starts_s.append(time.monotonic() - began)
             except Exception as exc:  # rule 3: this member starts cold
                 reason = f"starting from snapshot {made.id} failed: {type(exc).__name__}: {exc}"
                 log.warning("%s: %s; this member starts cold", task.name, reason)
@@ -176,12 +214,17 @@ class GroupSetups:
         del self._setups[key]
         self._own(_drop(setup))
 
-    async def _set_up(self, setup: _Setup, task: HarborTask, harness: Harness, meter: SandboxMeter) -> None:
+    async def _set_up(
+        self, setup: _Setup, task: HarborTask, harness: Harness, meter: SandboxMeter, kind: tuple[str, ...]
+    ) -> None:
         sandbox: Sandbox | None = None
         try:
+            began = time.monotonic()
             sandbox = await meter.start(setup.backend, task, lifetime_s=SETUP_LIFETIME_S)
             await harness.install(sandbox)
+            installed = time.monotonic()
             snapshot = await setup.backend.snapshot(sandbox)
+            self.costs[kind] = Costs(installed - began, time.monotonic() - installed)
         except asyncio.CancelledError:
             if not setup.done.done():
                 setup.done.set_result("the server is shutting down")
