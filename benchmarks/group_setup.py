@@ -60,8 +60,6 @@ E2B_LATENCY = {"create_s": (0.5, 1.0), "snapshot_s": 2.0, "create_from_snapshot_
 class SetupHarness:
     """A harness stand-in whose install is the group's setup: ``sleep`` in the sandbox, then a mark."""
 
-    package = None
-
     def __init__(self, seconds: float) -> None:
         self.seconds, self.spans = seconds, []
 

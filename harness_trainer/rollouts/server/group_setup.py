@@ -81,8 +81,6 @@ class _Setup:
     done: asyncio.Future[SandboxSnapshot | str]  # the snapshot, or why there is none
     open: int = 0
     linger: asyncio.TimerHandle | None = None
-    dropping: asyncio.Task[None] | None = None
-    members: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -123,6 +121,7 @@ class GroupSetups:
     def __init__(self, *, linger_s: float = 60.0) -> None:
         self.linger_s = linger_s
         self._setups: dict[tuple[str, ...], _Setup] = {}
+        self._members: dict[int, tuple[tuple[str, ...], _Setup]] = {}  # id(sandbox) -> its group's setup
         self._tasks: set[asyncio.Task[Any]] = set()
         self.costs: dict[tuple[str, ...], Costs] = {}
         """By kind of group (the key without the group): rule 6's measurements."""
@@ -174,7 +173,7 @@ class GroupSetups:
                 cold = await _cold(backend, task, meter, lifetime_s)
                 cold.note, cold.setup_seconds = reason, waited
                 return cold
-            setup.members.add(id(sandbox))
+            self._members[id(sandbox)] = (key, setup)
             setup.open += 1  # the sandbox's own hold, released by :meth:`closed`
             return Start(sandbox, snapshot=made.id, setup_seconds=waited)
         finally:
@@ -182,11 +181,8 @@ class GroupSetups:
 
     def closed(self, sandbox: Sandbox) -> None:
         """A member's sandbox was closed: its hold on its snapshot is released (rule 4)."""
-        for key, setup in list(self._setups.items()):
-            if id(sandbox) in setup.members:
-                setup.members.discard(id(sandbox))
-                self._release(key, setup)
-                return
+        if (held := self._members.pop(id(sandbox), None)) is not None:
+            self._release(*held)
 
     async def aclose(self) -> None:
         """Cancel setups in flight and drop every snapshot still held (rule 4)."""
@@ -198,6 +194,7 @@ class GroupSetups:
         if self._tasks:
             await asyncio.wait(set(self._tasks))
         setups, self._setups = list(self._setups.values()), {}
+        self._members.clear()
         for setup in setups:
             await _drop(setup)
 

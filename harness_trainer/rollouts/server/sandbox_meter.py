@@ -36,9 +36,7 @@ class SandboxMeter:
         env: dict[str, str] | None = None,
     ) -> Sandbox:
         """``backend.start(...)``'s sandbox, counted from now; a start that fails counts nothing."""
-        sandbox = await backend.start(task, lifetime_s=lifetime_s, env=env)
-        self._opened[id(sandbox)] = self._clock()
-        return sandbox
+        return self._opening(await backend.start(task, lifetime_s=lifetime_s, env=env))
 
     async def start_from(
         self,
@@ -50,7 +48,9 @@ class SandboxMeter:
         env: dict[str, str] | None = None,
     ) -> Sandbox:
         """``backend.start_from(...)``'s sandbox, counted from now, as :meth:`start`'s."""
-        sandbox = await backend.start_from(snapshot, task, lifetime_s=lifetime_s, env=env)
+        return self._opening(await backend.start_from(snapshot, task, lifetime_s=lifetime_s, env=env))
+
+    def _opening(self, sandbox: Sandbox) -> Sandbox:
         self._opened[id(sandbox)] = self._clock()
         return sandbox
 
