@@ -154,7 +154,13 @@ async def agent_starts(agent: str, repeats: int, tmp: Path) -> dict[str, Any]:
     try:
         for arm, backend in backends.items():
             build = await backend.template_builder.ensure(task)
-            arms[arm] = {"template_build_s": build.seconds, "create_s": [], "install_s": [], "overhead_s": []}
+            arms[arm] = {
+                "template": build.name,
+                "template_build_s": build.seconds,
+                "create_s": [],
+                "install_s": [],
+                "overhead_s": [],
+            }
             print(f"agent: {arm} template built in {build.seconds:.1f} s", flush=True)
         for repeat in range(repeats):
             for arm, backend in backends.items():
