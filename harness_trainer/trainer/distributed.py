@@ -58,6 +58,7 @@ from harness_trainer.trainer.policy import engine_weights, is_peft
 from harness_trainer.trainer.step.batch import StepBatch
 from harness_trainer.trainer.step.loss import LossStats
 from harness_trainer.trainer.step.packing import plan_micro_batches
+from harness_trainer.trainer.step.prefix_tree import plan_shared_micro_batches
 from harness_trainer.trainer.step.rows import Row
 
 T = TypeVar("T")
@@ -111,11 +112,22 @@ def shard_micro_batches(plan: Sequence[list[Row]], world_size: int) -> list[list
 
 
 def split_step(
-    batch: StepBatch, *, token_budget: int, world_size: int, metrics: dict[str, float], groups_consumed: int
+    batch: StepBatch,
+    *,
+    token_budget: int,
+    world_size: int,
+    metrics: dict[str, float],
+    groups_consumed: int,
+    shared_prefix: bool = False,
 ) -> list[StepShare]:
     """One :class:`StepShare` per rank: ``batch`` planned into micro-batches and dealt by
-    :func:`shard_micro_batches`. With one rank, its share is the whole plan in plan order."""
-    plan = plan_micro_batches(batch.rows, token_budget)
+    :func:`shard_micro_batches`. With one rank, its share is the whole plan in plan order. With
+    ``shared_prefix``, rows that share a prefix are planned together and the budget counts the prefix
+    once (:func:`~harness_trainer.trainer.step.prefix_tree.plan_shared_micro_batches`)."""
+    if shared_prefix:
+        plan = plan_shared_micro_batches(batch.rows, token_budget)
+    else:
+        plan = plan_micro_batches(batch.rows, token_budget)
     return [
         StepShare(micro, batch.advantages, batch.weights, metrics, groups_consumed)
         for micro in shard_micro_batches(plan, world_size)

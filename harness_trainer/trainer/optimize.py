@@ -26,6 +26,8 @@ from harness_trainer.trainer.policy import Reference, load_policy
 from harness_trainer.trainer.step.logprobs import token_logprobs
 from harness_trainer.trainer.step.loss import LossConfig, LossStats, policy_loss
 from harness_trainer.trainer.step.packing import MicroBatch, collate
+from harness_trainer.trainer.step.rows import Row
+from harness_trainer.trainer.step.shared_prefix import micro_batch_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +46,8 @@ class OptimizerStep:
         temperature: the sampling temperature the logprobs are taken at.
         max_grad_norm: the clip (0 or less: measured, not clipped).
         fp16: float16 with loss scaling (the scaler skips a step that overflowed on its own).
+        shared_prefix: forward the prefixes a micro-batch's rows share once
+            (:mod:`harness_trainer.trainer.step.shared_prefix`); else the packed forward.
     """
 
     def __init__(
@@ -60,6 +64,7 @@ class OptimizerStep:
         temperature: float,
         max_grad_norm: float,
         fp16: bool,
+        shared_prefix: bool = False,
     ) -> None:
         self.accelerator = accelerator
         self.trained = trained
@@ -72,6 +77,7 @@ class OptimizerStep:
         self.temperature = temperature
         self.max_grad_norm = max_grad_norm
         self.fp16 = fp16
+        self.shared_prefix = shared_prefix
 
     def __call__(self, share: StepShare, step: int) -> tuple[dict[str, float], int]:
         """Train on this rank's ``share`` of step ``step`` + 1: the step's loss metrics (``loss``,
@@ -84,10 +90,10 @@ class OptimizerStep:
             if plan.padding:
                 micro.token_weights.zero_()
             with no_sync(self.accelerator, self.trained) if i < last else contextlib.nullcontext():
-                stats = self._backward(micro)
+                stats, micro_forwarded = self._backward(micro, plan.rows)
             if not plan.padding:
                 total = total.merge(stats)
-                forwarded += micro.n_tokens
+                forwarded += micro_forwarded
         total, forwarded = self.collective.sum_stats(total, forwarded)
         grad_norm = 0.0
         if share.micro_batches:  # as many on every rank, so every rank steps or none does
@@ -107,18 +113,28 @@ class OptimizerStep:
         metrics["grad_norm"] = grad_norm
         return metrics, forwarded
 
-    def _backward(self, micro: MicroBatch) -> LossStats:
-        logps, entropy = token_logprobs(self.trained, micro, self.temperature, targets_only=True)
+    def _backward(self, micro: MicroBatch, rows: list[Row]) -> tuple[LossStats, int]:
+        """Forward and backward one micro-batch (``rows`` collated): its loss stats and the ids forwarded."""
+        logps, entropy, forwarded = self._logprobs(self.trained, micro, rows, with_entropy=True)
         ref_logps = None
         if self.reference is not None:
             with torch.no_grad(), self.reference.model() as reference, self.accelerator.autocast():
-                ref_logps, _ = token_logprobs(
-                    reference, micro, self.temperature, with_entropy=False, targets_only=True
-                )
+                ref_logps, _, _ = self._logprobs(reference, micro, rows, with_entropy=False)
         loss, stats = policy_loss(logps, micro, self.loss, ref_logps=ref_logps, entropy=entropy)
         # The backend averages gradients over ranks; the step's gradient is their sum.
         self.accelerator.backward(loss * self.collective.world_size)
-        return stats
+        return stats, forwarded
+
+    def _logprobs(
+        self, model: nn.Module, micro: MicroBatch, rows: list[Row], *, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """Target logprobs (and entropies) of ``micro``: forwarded by prefix (``shared_prefix``) or packed."""
+        if self.shared_prefix:
+            return micro_batch_logprobs(model, micro, rows, self.temperature, with_entropy=with_entropy)
+        logps, entropy = token_logprobs(
+            model, micro, self.temperature, with_entropy=with_entropy, targets_only=True
+        )
+        return logps, entropy, micro.n_tokens
 
 
 def prepare_training(
@@ -154,6 +170,7 @@ def prepare_training(
     step = OptimizerStep(
         accelerator, trained, model, optimizer, lr_scheduler, collective, reference, loss=args.loss,
         temperature=args.temperature, max_grad_norm=args.max_grad_norm, fp16=args.fp16,
+        shared_prefix=args.forwards_by_prefix,
     )  # fmt: skip
     return step, resumed, resume
 

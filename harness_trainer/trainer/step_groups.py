@@ -126,7 +126,7 @@ class StepGroups:
         self.zero_variance.clear()
         return split_step(
             batch, token_budget=args.token_budget, world_size=self.world_size, metrics=metrics,
-            groups_consumed=scheduler.next_to_take,
+            groups_consumed=scheduler.next_to_take, shared_prefix=args.forwards_by_prefix,
         )  # fmt: skip
 
     def take(self, stop: threading.Event, step: int) -> list[Group] | None:

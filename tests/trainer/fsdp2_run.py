@@ -23,6 +23,8 @@ FSDP2). Modes:
   written).
 - ``resume``: resume that run from its latest checkpoint to :data:`KILL_STEPS`; rank 0 writes
   ``OUTPUT_DIR/resumed.json`` (the step it resumed from, the steps at the end).
+- ``prefix``: a GRPO group's micro-batch forwarded by prefix against the packed forward, both sharded
+  (:func:`prefix`).
 """
 
 from __future__ import annotations
@@ -184,10 +186,49 @@ def kill(model_dir: str, out: Path, resume: bool) -> None:
         (out / "resumed.json").write_text(json.dumps({"from": started[0], "steps": trainer.state.step}))
 
 
+def prefix(model_dir: str, out: Path) -> None:
+    """Two copies of the model, each sharded over the ranks; one GRPO group's micro-batch (the same on every
+    rank) through the packed forward on one and by prefix on the other, then backward. Rank 0 writes
+    ``OUTPUT_DIR/prefix.json``: the largest logprob difference and each gradient's difference relative
+    to its norm (the gathered gradients)."""
+    from transformers import AutoModelForCausalLM
+
+    from harness_trainer.trainer.fsdp2 import shard
+    from harness_trainer.trainer.step.logprobs import use_packed_attention
+    from tests.trainer.test_shared_prefix import grpo_group, packed_and_shared
+
+    dist.init_process_group("gloo")
+    models = []
+    for _ in range(2):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        use_packed_attention(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        models.append(shard(model, optimizer, dist.get_world_size()))
+    _, (packed, _), (shared, _), forwarded = packed_and_shared(*models, grpo_group(4))
+    grads = [
+        {name: p.grad.full_tensor() for name, p in model.named_parameters() if p.grad is not None}
+        for model in models
+    ]
+    if dist.get_rank() == 0:
+        relative = {
+            name: float((grad - grads[1][name]).norm()) / max(float(grad.norm()), 1e-30)
+            for name, grad in grads[0].items()
+        }
+        result = {
+            "logps": float((packed - shared).abs().max()),
+            "grads": relative,
+            "same_parameters": sorted(grads[0]) == sorted(grads[1]),
+            "forwarded": forwarded,
+        }
+        (out / "prefix.json").write_text(json.dumps(result))
+
+
 def main(mode: str, model_dir: str, output_dir: str) -> None:
     out = Path(output_dir)
     if mode == "train":
         train(model_dir, out)
+    elif mode == "prefix":
+        prefix(model_dir, out)
     elif mode == "variants":
         variants(model_dir, out)
     else:

@@ -334,3 +334,15 @@ def test_a_killed_fsdp2_rank_stops_the_run_with_an_error_and_a_rerun_resumes_fro
     assert code == 0, output[-8000:]
     assert json.loads((tmp_path / "resumed.json").read_text()) == {"from": KILLED_AT - 1, "steps": KILL_STEPS}
     print(f"killed and resumed: {time.monotonic() - started:.1f} s")
+
+
+@pytest.mark.slow
+@gloo
+def test_two_fsdp2_processes_forward_a_groups_shared_prefix_as_the_packed_forward(tmp_path, tiny_model_dir):
+    code, output = torchrun("prefix", str(tiny_model_dir), str(tmp_path), timeout=300)
+
+    assert code == 0, output[-4000:]
+    result = json.loads((tmp_path / "prefix.json").read_text())
+    assert result["logps"] <= 1e-5 and result["same_parameters"] and result["grads"]
+    assert max(result["grads"].values()) <= 1e-4, result["grads"]
+    assert 0 < result["forwarded"]

@@ -135,6 +135,12 @@ class _ConfigFields(
         return step % _step_count(self.eval_steps, self.max_steps) == 0
 
     @property
+    def forwards_by_prefix(self) -> bool:
+        """Whether the step forwards shared prefixes once (``shared_prefix``): not under
+        ``gradient_checkpointing``, which drops the key/value cache the rows after a prefix attend to."""
+        return self.shared_prefix and not self.gradient_checkpointing
+
+    @property
     def admission_limit(self) -> int:
         """Groups in flight plus buffered that the scheduler allows: (max_staleness + 1) × groups_per_step."""
         assert self.groups_per_step is not None

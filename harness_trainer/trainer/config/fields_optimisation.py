@@ -40,6 +40,15 @@ class OptimisationFields:
             "would need the engine asked at setup, which this trainer does not do."
         ),
     )
+    shared_prefix: bool = field(
+        default=True,
+        metadata=field_help(
+            "Forward each prefix that a micro-batch's rows share (a GRPO group's prompt) once, its "
+            "key/value cache reused by every row after it: the packed forward's logprobs and gradients "
+            "at fewer tokens; micro-batches keep such rows together. Off under gradient_checkpointing, "
+            "which drops the cache."
+        ),
+    )
     temperature: float = field(default=1.0, metadata=field_help("Sampling temperature (the session policy)."))
     max_completion_length: int | None = field(
         default=None,

@@ -1,122 +1,215 @@
-"""Target logprobs of rows that share long prefixes, forwarding each shared prefix once.
+"""Target logprobs of rows that share prefixes, forwarding each shared prefix once.
 
-The warm-up's transcripts come in pairs (a task's solver and its distractor) whose first ~1,400 tokens, the
-agent's system prompt and the task, are the same ids: a packed forward computes them twice, and they are
-most of every row. :func:`shared_prefix_logprobs` groups rows by their longest common prefix, forwards a
-group's prefix once (batch 1, keeping its key/value cache), then every member's rest as one padded batch
-on the prefix's cache repeated per member. Gradients flow through the cache into the prefix, so the
-logprobs, and their gradients, are the packed forward's (the tests compare them), at fewer forwarded tokens.
+A GRPO group's members share their system prompt and task; the warm-up's solver and distractor of a task
+share their first ~1,400 ids. A packed forward computes those ids once per row. Here the rows' prefix tree
+(:mod:`harness_trainer.trainer.step.prefix_tree`) is forwarded node by node, depth first: a node's ids once
+(batch 1), on a copy of its parent's key/value cache, keeping its own cache for its children. The logits
+of a position are projected once, however many rows train the token after it (a sampled token inside a
+shared prefix, or each member's first sampled token after it). Gradients flow through the caches into the
+shared ids, so logprobs and gradients are the packed forward's (the tests compare them, LoRA and FSDP2
+included), at the tree's forwarded ids.
 
-For causal decoder LMs whose ``model.model`` (the decoder) takes ``past_key_values``, ``attention_mask``
-and ``position_ids``, and whose ``lm_head`` maps its hidden states to logits: Qwen2, Llama and the like.
+For causal LMs whose forward takes ``position_ids``, a key/value cache (``cache``, or ``past_key_values``
+before transformers renamed it) and ``logits_to_keep`` as a mask: Qwen2, Llama and the like. Called
+through the model's own forward (its wrappers' hooks run: PEFT, FSDP2, DDP). Not with gradient
+checkpointing, which drops the cache during training (:func:`check_shareable` says so).
 """
 
 from __future__ import annotations
 
 import inspect
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from harness_trainer.trainer.step.rows import Row, common_prefix_length
+from harness_trainer.trainer.step.packing import MicroBatch
+from harness_trainer.trainer.step.prefix_tree import MIN_SPAN, PrefixNode, prefix_tree
+from harness_trainer.trainer.step.rows import Row
 
-MIN_SHARED_FRACTION = 0.5
-"""Rows join a group when their common prefix is at least this fraction of the row: less is not worth a
-forward of its own and a padded batch (the warm-up's transcripts of different tasks share a 250-token
-system prompt out of ~1,600; a task's solver and distractor share ~1,450)."""
-
-
-def prefix_groups(
-    rows: Sequence[Row], min_fraction: float = MIN_SHARED_FRACTION
-) -> list[tuple[list[int], int]]:
-    """``rows`` (by index) grouped by shared prefix: ``(members, prefix_length)`` pairs covering every row
-    once. Members of a group share their first ``prefix_length`` ids (at least ``min_fraction`` of each
-    member), and each has at least one id after them; a row that shares less with its neighbours is a
-    group of one with prefix length 0."""
-    order = sorted(range(len(rows)), key=lambda i: rows[i].input_ids)
-    runs: list[list[int]] = []
-    for index in order:
-        # Sorted, a row shares no more with the run's first row than the rows between them do.
-        ids = rows[index].input_ids
-        if runs and common_prefix_length(rows[runs[-1][0]].input_ids, ids) >= min_fraction * len(ids):
-            runs[-1].append(index)
-        else:
-            runs.append([index])
-    groups: list[tuple[list[int], int]] = []
-    for members in runs:
-        if len(members) == 1:
-            groups.append((members, 0))
-            continue
-        shared = common_prefix_length(rows[members[0]].input_ids, rows[members[-1]].input_ids)
-        # Each member keeps at least its last id out of the prefix: the prefix's last position predicts it.
-        groups.append((members, min(shared, *(len(rows[i].input_ids) - 1 for i in members))))
-    return groups
+ENTROPY_CHUNK = 4096
 
 
-def shared_prefix_logprobs(
+@dataclass
+class SharedLogprobs:
+    """Each row's logprobs at its target positions in order (differentiable), their entropies (None
+    unless asked for), and the ids the forward computed."""
+
+    logps: list[torch.Tensor]
+    entropy: list[torch.Tensor] | None
+    forwarded: int
+
+
+def check_shareable(model: torch.nn.Module) -> None:
+    """Raise ``ValueError`` when ``model`` cannot be forwarded by prefix: gradient checkpointing in
+    training mode makes transformers drop the key/value cache the children attend to."""
+    if model.training and any(getattr(m, "gradient_checkpointing", False) for m in model.modules()):
+        raise ValueError(
+            "shared-prefix forwards need the key/value cache, which gradient checkpointing drops in "
+            "training: turn one of them off (shared_prefix=False)"
+        )
+
+
+def tree_logprobs(
     model: torch.nn.Module,
     rows: Sequence[Row],
     temperature: float = 1.0,
-    min_fraction: float = MIN_SHARED_FRACTION,
-) -> list[torch.Tensor]:
-    """Each row's logprobs at its target positions, in order (one tensor per row, differentiable), each
-    shared prefix forwarded once (see the module docstring).
+    *,
+    with_entropy: bool = False,
+    min_span: int = MIN_SPAN,
+) -> SharedLogprobs:
+    """Each row's target logprobs, each shared prefix forwarded once (see the module docstring).
 
     Raises:
-        ValueError: ``temperature`` is not positive, or a row's first id is a target (nothing predicts it).
+        ValueError: ``temperature`` is not positive, a row's first id is a target (nothing predicts it),
+            or the model checkpoints gradients (:func:`check_shareable`).
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
     for number, row in enumerate(rows):
         if row.targets and row.targets[0]:
             raise ValueError(f"row {number}: its first id is a target, and nothing predicts a first id")
-    out: list[torch.Tensor | None] = [None] * len(rows)
-    for members, shared in prefix_groups(rows, min_fraction):
-        group = _group_logprobs(model, [rows[i] for i in members], shared, temperature)
-        for index, logps in zip(members, group, strict=True):
-            out[index] = logps
-    return [logps for logps in out if logps is not None]
+    check_shareable(model)
+    tree = prefix_tree([row.input_ids for row in rows], min_span)
+    walk = _Walk(model, rows, temperature, with_entropy)
+    walk.forward(tree, None)
+    logps = [_joined(pieces, walk.empty) for pieces in walk.logps]
+    entropy = [_joined(pieces, walk.empty) for pieces in walk.entropy] if with_entropy else None
+    return SharedLogprobs(logps, entropy, walk.forwarded)
 
 
-def _group_logprobs(
-    model: torch.nn.Module, rows: list[Row], shared: int, temperature: float
+def shared_prefix_logprobs(
+    model: torch.nn.Module, rows: Sequence[Row], temperature: float = 1.0, min_span: int = MIN_SPAN
 ) -> list[torch.Tensor]:
+    """Each row's logprobs at its target positions, in order (one tensor per row, differentiable).
+
+    Raises:
+        ValueError: as :func:`tree_logprobs`.
+    """
+    return tree_logprobs(model, rows, temperature, min_span=min_span).logps
+
+
+def micro_batch_logprobs(
+    model: torch.nn.Module,
+    batch: MicroBatch,
+    rows: Sequence[Row],
+    temperature: float,
+    *,
+    with_entropy: bool = True,
+    min_span: int = MIN_SPAN,
+) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """:func:`harness_trainer.trainer.step.logprobs.token_logprobs` with ``targets_only`` for the packed
+    ``batch`` collated from ``rows`` (in its order), forwarded by prefix: logprobs ``[T]`` (and
+    entropies) at its targets, 0 elsewhere, and the ids forwarded.
+
+    Raises:
+        ValueError: as :func:`tree_logprobs`, or ``rows`` are not the batch's.
+    """
+    if [len(row.input_ids) for row in rows] != batch.row_lengths:
+        raise ValueError("the rows are not the micro-batch's: their lengths differ")
+    shared = tree_logprobs(model, rows, temperature, with_entropy=with_entropy, min_span=min_span)
+    index = batch.targets.nonzero().squeeze(-1)
+    logps = _scatter(torch.cat(shared.logps), index, batch.n_tokens)
+    entropy = None if shared.entropy is None else _scatter(torch.cat(shared.entropy), index, batch.n_tokens)
+    return logps, entropy, shared.forwarded
+
+
+def _scatter(values: torch.Tensor, index: torch.Tensor, size: int) -> torch.Tensor:
+    return values.new_zeros(size).index_put((index.to(values.device),), values)
+
+
+def _joined(pieces: list[torch.Tensor], empty: torch.Tensor) -> torch.Tensor:
+    return torch.cat(pieces) if pieces else empty
+
+
+class _Walk:
+    """One depth-first forward of a prefix tree, collecting each row's pieces in position order."""
+
+    def __init__(
+        self, model: torch.nn.Module, rows: Sequence[Row], temperature: float, with_entropy: bool
+    ) -> None:
+        self.model, self.rows, self.temperature, self.with_entropy = model, rows, temperature, with_entropy
+        self.device = next(model.parameters()).device
+        self.cache_name = _cache_keyword(model)
+        self.targets = [[t for t, is_target in enumerate(row.targets) if is_target] for row in rows]
+        self.logps: list[list[torch.Tensor]] = [[] for _ in rows]
+        self.entropy: list[list[torch.Tensor]] = [[] for _ in rows]
+        self.empty = torch.zeros(0, device=self.device)
+        self.forwarded = 0
+
+    def forward(self, node: PrefixNode, cache: object | None) -> None:
+        """Forward ``node`` on ``cache`` (its path's, None at the top), then its children on its own."""
+        from transformers import DynamicCache
+
+        if node.span == 0:
+            for child in node.children:
+                self.forward(child, cache)
+            return
+        # Targets t in (start, end] are predicted by positions t - 1 of this node; t = start by the parent.
+        spans = {
+            row: self.targets[row][
+                bisect_right(self.targets[row], node.start) : bisect_left(self.targets[row], node.end + 1)
+            ]
+            for row in node.rows
+        }
+        wanted = [(row, t) for row, found in spans.items() for t in found]
+        positions = sorted({t - 1 for _, t in wanted})
+        keep = torch.zeros(1, node.span, dtype=torch.bool, device=self.device)
+        keep[0, [p - node.start for p in positions]] = True
+        own = _branch(cache) if cache is not None else DynamicCache()
+        ids = self.rows[node.rows[0]].input_ids[node.start : node.end]
+        out = self.model(
+            input_ids=torch.tensor([ids], device=self.device),
+            position_ids=torch.arange(node.start, node.end, device=self.device).unsqueeze(0),
+            logits_to_keep=keep,
+            use_cache=True,
+            **{self.cache_name: own},
+        )
+        self.forwarded += node.span
+        if wanted:
+            logits = out.logits.reshape(len(positions), -1).float() / self.temperature
+            at = {p: i for i, p in enumerate(positions)}
+            where = torch.tensor([at[t - 1] for _, t in wanted], device=self.device)
+            chosen = torch.tensor([self.rows[row].input_ids[t] for row, t in wanted], device=self.device)
+            # gather - logsumexp rather than log_softmax: backward keeps no second [n, V] tensor.
+            selected = logits[where].gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
+            selected = selected - torch.logsumexp(logits, dim=-1)[where]
+            entropy = _entropy(logits.detach())[where] if self.with_entropy else None
+            start = 0
+            for row, found in spans.items():  # ``wanted`` lists each row's targets together, in order
+                if found:
+                    self.logps[row].append(selected[start : start + len(found)])
+                    if entropy is not None:
+                        self.entropy[row].append(entropy[start : start + len(found)])
+                start += len(found)
+        for child in node.children:
+            self.forward(child, own)
+
+
+def _branch(cache: object) -> object:
+    """A new cache holding ``cache``'s keys and values: a child's forward extends its own copy, so its
+    siblings still see the parent's cache alone (the copy is part of the graph: gradients reach the
+    parent's ids through it)."""
     from transformers import DynamicCache
 
-    decoder, head = model.model, model.lm_head
-    # transformers renamed ``past_key_values`` to ``cache``; use whichever this version takes.
-    cache_name = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
-    device = next(model.parameters()).device
-    cache = DynamicCache() if shared else None
-    prefix_hidden = torch.zeros(0, model.config.hidden_size, device=device)
-    if cache is not None:
-        prefix = torch.tensor([rows[0].input_ids[:shared]], device=device)
-        prefix_hidden = decoder(input_ids=prefix, use_cache=True, **{cache_name: cache}).last_hidden_state[0]
-        cache.batch_repeat_interleave(len(rows))
-    rests = [row.input_ids[shared:] for row in rows]
-    width = max(len(rest) for rest in rests)
-    ids = torch.zeros(len(rows), width, dtype=torch.long, device=device)
-    mask = torch.zeros(len(rows), shared + width, dtype=torch.long, device=device)
-    mask[:, :shared] = 1
-    for number, rest in enumerate(rests):
-        ids[number, : len(rest)] = torch.tensor(rest, device=device)
-        mask[number, shared : shared + len(rest)] = 1
-    positions = torch.arange(shared, shared + width, device=device).expand(len(rows), width)
-    hidden = decoder(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=positions,
-        **{cache_name: cache},
-        use_cache=shared > 0,
-    ).last_hidden_state
-    result = []
-    for number, row in enumerate(rows):
-        # The row's hidden states in order (its prefix's, then its own), so position t - 1 predicts t.
-        states = torch.cat([prefix_hidden, hidden[number]])
-        targets = torch.tensor(
-            [t for t, is_target in enumerate(row.targets) if is_target], dtype=torch.long, device=device
-        )
-        logits = head(states[targets - 1]).float() / temperature
-        chosen = torch.tensor(row.input_ids, device=device)[targets]
-        result.append(logits.gather(-1, chosen.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1))
-    return result
+    return DynamicCache(ddp_cache_data=[(layer.keys, layer.values) for layer in cache.layers])  # type: ignore[attr-defined]
+
+
+def _cache_keyword(model: torch.nn.Module) -> str:
+    """The name the model's forward takes its cache by: ``cache`` (transformers 5.x) or
+    ``past_key_values``."""
+    for module in model.modules():
+        if "lm_head" in module._modules:  # the model that owns its head, under any wrapper (PEFT's, DDP's)
+            parameters = inspect.signature(module.forward).parameters
+            return "cache" if "cache" in parameters else "past_key_values"
+    raise ValueError(f"{type(model).__name__} has no language-model head (lm_head) to forward by prefix")
+
+
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        parts = []
+        for chunk in logits.split(ENTROPY_CHUNK):
+            logp = torch.log_softmax(chunk, dim=-1)
+            parts.append(-(logp.exp() * logp).sum(-1))
+        return torch.cat(parts)
