@@ -44,6 +44,7 @@ class Setup:
     checkpointing: bool = False
     fsdp: bool = False
     gather: str | None = None
+    by_prefix: bool = False  # packed, each shared prefix forwarded once (the trainer's shared_prefix)
 
 
 def build_model(config: dict[str, Any], device: str | None = None) -> Any:
@@ -111,12 +112,15 @@ def train_step(
     from harness_trainer.trainer.step.logprobs import token_logprobs, token_logprobs_padded
     from harness_trainer.trainer.step.loss import policy_loss
     from harness_trainer.trainer.step.packing import collate, collate_padded, plan_micro_batches
+    from harness_trainer.trainer.step.prefix_tree import plan_shared_micro_batches
+    from harness_trainer.trainer.step.shared_prefix import micro_batch_logprobs
 
     device = config["device"]
     trained = tensor_tokens = row_tokens = 0
     synchronize(device)
     start = time.perf_counter()
-    plan = plan_micro_batches(rows, config["token_budget"])
+    planner = plan_shared_micro_batches if setup.by_prefix else plan_micro_batches
+    plan = planner(rows, config["token_budget"])
     for i, micro in enumerate(plan):
         if setup.fsdp:  # the trainer's no_sync: gradients reduced at the last backward only
             model.set_requires_gradient_sync(i == len(plan) - 1)
@@ -126,11 +130,15 @@ def train_step(
             collated = collate_padded(micro, inputs["advantages"], inputs["weights"])
         # Counted on the host copy: counting on the device would wait for it at every micro-batch.
         trained += collated.n_targets
-        tensor_tokens += collated.input_ids.numel()
         row_tokens += sum(collated.row_lengths)
-        logprobs_of = token_logprobs if setup.packed else token_logprobs_padded
         batch = on_device(collated, device)
-        logps, entropy = logprobs_of(model, batch, 1.0, targets_only=True)
+        if setup.by_prefix:
+            logps, entropy, forwarded = micro_batch_logprobs(model, batch, micro, 1.0)
+            tensor_tokens += forwarded
+        else:
+            tensor_tokens += collated.input_ids.numel()
+            logprobs_of = token_logprobs if setup.packed else token_logprobs_padded
+            logps, entropy = logprobs_of(model, batch, 1.0, targets_only=True)
         loss, _ = policy_loss(logps, batch, inputs["loss"], entropy=entropy)
         loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)

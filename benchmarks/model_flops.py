@@ -46,6 +46,15 @@ def train_flops(shape: Shape, row_lengths: Sequence[int], projected: int) -> flo
     return float(weights + attention + 6 * shape.head * projected)
 
 
+def tree_train_flops(shape: Shape, nodes: Sequence[tuple[int, int]], projected: int) -> float:
+    """:func:`train_flops` of a forward by prefix: ``nodes`` as ``(context, span)`` pairs, each node's
+    ``span`` ids forwarded once on a cache of ``context`` ids. A node's queries see the whole context and
+    its own ids causally, ``2·context·span + span²`` in the units of a row's ``n²``."""
+    weights = 6 * shape.body * sum(span for _, span in nodes)
+    pairs = sum(2 * context * span + span * span for context, span in nodes)
+    return float(weights + 6 * shape.layers * shape.attention_width * pairs + 6 * shape.head * projected)
+
+
 def mfu(flops: float, seconds: float, peak_tflops: float) -> float:
     """Model FLOPs utilisation: ``flops`` done in ``seconds`` as a fraction of ``peak_tflops`` × 10¹²/s."""
     return flops / seconds / (peak_tflops * 1e12)

@@ -58,7 +58,7 @@ QUICK = {"members": [2], "groups_per_step": 2, "token_budget": 2048, "repeats": 
 def capture(members: int, groups: int, out: Path) -> Path:
     """One dev-loop step of ``groups`` groups of ``members``, traces kept: its run folder."""
     flags = ["--max-steps", "1", "--num-generations", str(members), "--groups-per-step", str(groups)]
-    flags += ["--rollout-log-steps", "1", "--eval-strategy", "no", "--save-steps", "0"]
+    flags += ["--rollout-log-steps", "1", "--no-eval-on-start", "--save-steps", "0"]
     run = out / f"dev-g{members}"
     seconds = run_dev_loop(run, flags, out / f"dev-g{members}.log", f"capture G={members}")
     print(f"captured G={members}: {groups} groups in {seconds:.0f} s", flush=True)

@@ -28,6 +28,31 @@ def test_train_flops_and_mfu_match_hand_computed_numbers() -> None:
     assert benchmark_gpu_trainer.mfu(494.5e12, 2.0, 989.0) == pytest.approx(0.25)
 
 
+def test_a_trees_flops_count_each_node_once_on_its_context() -> None:
+    toy = Shape(parameters=0, body=10, head=3, layers=2, attention_width=4)
+    # One row of 5 as a single node equals train_flops; split 3 + 2 (context 3) it is the same work.
+    assert benchmark_gpu_trainer.tree_train_flops(toy, [(0, 5)], 4) == benchmark_gpu_trainer.train_flops(
+        toy, [5], 4
+    )
+    assert benchmark_gpu_trainer.tree_train_flops(toy, [(0, 3), (3, 2)], 4) == pytest.approx(
+        benchmark_gpu_trainer.train_flops(toy, [5], 4)
+    )
+    # Two rows of 5 sharing 3 ids: the prompt once, each rest on its context.
+    shared = benchmark_gpu_trainer.tree_train_flops(toy, [(0, 3), (3, 2), (3, 2)], 4)
+    assert shared < benchmark_gpu_trainer.train_flops(toy, [5, 5], 4)
+
+
+def test_grouped_rows_share_their_groups_prompt_untrained() -> None:
+    raw = benchmark_gpu_trainer.agent_rows(6, 6, 0)
+    rows = benchmark_gpu_trainer.grouped(raw, 3)
+    for start in (0, 3):
+        prompt = raw[start].input_ids[: len(raw[start].input_ids) // 3]
+        for row, source in zip(rows[start : start + 3], raw[start : start + 3], strict=True):
+            cut = len(source.input_ids) // 3
+            assert row.input_ids == prompt + source.input_ids[cut:] and row.rollout == source.rollout
+            assert row.targets == [0] * len(prompt) + source.targets[cut:]
+
+
 def test_qwen3_1_7b_shape_counts_its_parameters() -> None:
     config = {"shape": benchmark_gpu_trainer.QWEN3_1_7B, "seed": 0, "dtype": "bfloat16"}
 
@@ -73,12 +98,13 @@ def test_a_variant_out_of_memory_or_not_runnable_leaves_the_others_and_the_repor
     assert variants["packed"]["status"] == "ok" and "vs_padded" not in variants["packed"]
     assert gathers["engine_weights"]["status"] == "ok"
     assert gathers["FSDP2 full state dict"]["status"].startswith("not measured: packed, FSDP2 not run")
-    [verdict] = benchmark_gpu_trainer.verdicts(variants)
+    verdict, prefix = benchmark_gpu_trainer.verdicts(variants)
     assert not verdict["pass"] and "padded out of memory" in verdict["measured"]
+    assert prefix["pass"] and prefix["target"] == benchmark_gpu_trainer.PREFIX_TARGET  # MFU 40 % >= 18 %
     model = {"name": "test", "parameters": 1e6, "body": 1e6}
     workload = {"rows": 2, "tokens": 10, "trained_tokens": 5, "length_median": 5, "length_max": 6}
     result = {"config": config, "model": model, "workload": workload | {"tflops_per_step": 1e-9}}
-    result |= {"variants": variants, "gathers": gathers, "verdicts": [verdict], "elapsed_s": 1.0}
+    result |= {"variants": variants, "gathers": gathers, "verdicts": [verdict, prefix], "elapsed_s": 1.0}
     benchmark_gpu_trainer.print_report(result)
     printed = capsys.readouterr().out
     assert any(line.startswith("padded ") and "out of memory" in line for line in printed.splitlines())
@@ -119,5 +145,9 @@ def test_quick_gpu_trainer_benchmark_on_cpu_reports_every_variant_and_gather(tmp
         assert gather["status"] == "ok", (name, gather)
         assert gather["seconds"]["median"] > 0 and gather["gb"] > 0 and gather["engine_names"], name
     assert gathers["engine_weights"]["tensors"] == gathers["FSDP2 full state dict"]["tensors"]
-    assert [v["target"] for v in result["verdicts"]] == [target]
+    assert [v["target"] for v in result["verdicts"]] == [target, benchmark_gpu_trainer.PREFIX_TARGET]
+    # By prefix: each group's prompt forwarded once, and its model FLOPs its trees'.
+    by_prefix = variants[benchmark_gpu_trainer.PREFIX]
+    assert by_prefix["tensor_tokens"] == result["workload"]["prefix_forwarded"] < result["workload"]["tokens"]
+    assert result["workload"]["prefix_tflops_per_step"] < result["workload"]["tflops_per_step"]
     assert isinstance(result["all_pass"], bool)
