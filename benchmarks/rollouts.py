@@ -45,9 +45,10 @@ Measured:
 After each server stops, no process may remain that names its ports or the temporary directory, or that
 sits in a mount namespace mounting from it (``leftover_processes`` in the JSON; the run exits 1).
 
-Target: >= 512 concurrent sessions held, none failed, with the server's own CPU under 10 % of one core in
-the hold window (the proxy's cost per call has its own target, in ``benchmarks/proxy.py``; it is printed
-here beside the server's). Output: one table, then PASS/MISS; a MISS exits 0 unless ``--strict``.
+Target: >= 512 concurrent sessions held, none failed, with the server and its capture proxy together
+spending at most 1 ms of CPU per model call in the hold window (issue 41: the proxy process is part of what
+a rollout costs; before, the verdict read the server's own CPU alone, under 10 % of one core, which is still
+printed). Output: one table, then PASS/MISS; a MISS exits 0 unless ``--strict``.
 Run: ``python benchmarks/rollouts.py [--quick] [--sessions 64,128,256,512] [--delay 2] [--hold 10]
 [--steps 4] [--repeats 10] [--json OUT] [--strict]``; ``--quick`` is the tiny configuration of the test.
 """
@@ -76,31 +77,37 @@ from benchmarks.rollouts_serial import raw_runs, serial_rollouts, summarize_seri
 COLUMNS = ("row", "seconds", "held", "failed", "CPU %core", "CPU %machine", "proxy %core", "calls/s")
 COLUMNS += ("CPU ms/call",)
 COLUMNS += ("RSS MB", "threads", "ramp s", "drain s")
-MIN_SESSIONS, MAX_CPU_PCT = 512, 10.0
-TARGET_NAME = ">= 512 concurrent sessions held with the server's own CPU under 10 %"
+MIN_SESSIONS, MAX_CPU_MS_PER_CALL = 512, 1.0
+TARGET_NAME = ">= 512 concurrent sessions held with server + capture proxy <= 1 ms of CPU per model call"
 
 
 # ------------------------------------------------------------------------------------------------ report
 
 
 def verdict(points: list[dict[str, Any]]) -> dict[str, Any]:
-    """PASS when a point of >= 512 sessions held them all, none failed, under the CPU limit."""
+    """PASS when a point of >= 512 sessions held them all, none failed, with the server and its proxy
+    within the CPU per model call (a point with no model call measured cannot pass)."""
     ok = [p for p in points if p["ok"]]
-    passing = [p for p in ok if p["sessions"] >= MIN_SESSIONS and p["cpu_pct_core"] < MAX_CPU_PCT]
+    passing = [
+        p
+        for p in ok
+        if p["sessions"] >= MIN_SESSIONS
+        and p["cpu_ms_per_call"] is not None
+        and p["cpu_ms_per_call"] <= MAX_CPU_MS_PER_CALL
+    ]
     big = [p for p in points if p["sessions"] >= MIN_SESSIONS]
     shown = (passing or big or ok or points or [None])[-1]
     if shown is None:
         return {"target": TARGET_NAME, "pass": False, "measured": "no concurrency point ran"}
+    per_call = "-" if shown["cpu_ms_per_call"] is None else f"{shown['cpu_ms_per_call']:.2f}"
     measured = (
-        f"{shown['held']}/{shown['sessions']} held, {shown['failed']} failed, server CPU "
-        f"{shown['cpu_pct_core']:.1f} % of one core ({shown['cpu_pct_machine']:.1f} % of {CPUS} cores) at "
-        f"{shown['calls_per_s']:.0f} model calls/s, RSS {shown['rss_mb']:.0f} MB"
+        f"{shown['held']}/{shown['sessions']} held, {shown['failed']} failed, {per_call} ms of CPU per model "
+        f"call (server and proxy together) at {shown['calls_per_s']:.0f} calls/s; server CPU "
+        f"{shown['cpu_pct_core']:.1f} % of one core ({shown['cpu_pct_machine']:.1f} % of {CPUS} cores), "
+        f"RSS {shown['rss_mb']:.0f} MB"
     )
     if shown["proxy_process"]:
-        measured += (
-            f"; its capture proxy process {shown['proxy_cpu_pct_core']:.1f} % of one core "
-            f"({shown['cpu_ms_per_call']:.2f} ms per model call, server and proxy together)"
-        )
+        measured += f"; its capture proxy process {shown['proxy_cpu_pct_core']:.1f} % of one core"
     if shown["limit"]:
         measured += f"; limit: {shown['limit'].splitlines()[0]}"
     if not big:

@@ -54,3 +54,24 @@ def test_quick_rollout_benchmark_reports_every_row_and_leaves_nothing_running(tm
     assert result["leftover_processes"] == []
     for pid in result["pids"]:  # every engine and server it started is gone (terminated and reaped)
         assert not Path(f"/proc/{pid}").exists(), pid
+
+
+def point(sessions: int, per_call: float | None, *, held: int | None = None) -> dict:
+    held = sessions if held is None else held
+    return {
+        "ok": held == sessions, "sessions": sessions, "held": held, "failed": sessions - held,
+        "cpu_pct_core": 3.0, "cpu_pct_machine": 1.5, "calls_per_s": 100.0, "rss_mb": 200.0,
+        "cpu_ms_per_call": per_call, "proxy_process": True, "proxy_cpu_pct_core": 16.0, "limit": "",
+    }  # fmt: skip
+
+
+def test_the_verdict_counts_the_server_and_its_proxy_per_model_call() -> None:
+    verdict = benchmark_rollouts.verdict
+    assert verdict([point(256, 0.5), point(512, 0.9)])["pass"]
+    # The server's own CPU is low, but with its proxy a call costs more than 1 ms.
+    missed = verdict([point(512, 1.2)])
+    assert not missed["pass"] and "1.20 ms of CPU per model call" in missed["measured"]
+    assert not verdict([point(512, None)])["pass"]  # no call measured: nothing to judge by
+    assert not verdict([point(512, 0.5, held=500)])["pass"]  # not all held
+    small = verdict([point(256, 0.5)])
+    assert not small["pass"] and "no point of 512" in small["measured"]
