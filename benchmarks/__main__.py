@@ -7,6 +7,11 @@ streamed here line by line, prefixed with its name. The report (``benchmarks/rep
 machine (CPU, cores, RAM, OS, Python, torch, date, git commit), then each benchmark's measurements as
 ratios against its own baseline with medians and spreads and its PASS/MISS verdicts, then the soak.
 
+The machine's load is recorded for each benchmark: the CPU that processes other than the benchmark's own
+used while it ran (``/proc/stat``'s busy time less the CPU of the benchmark's process tree, as the kernel
+accounts it to this process's children), in cores on average. When it was above :data:`HIGH_LOAD_CORES`,
+the benchmark runs once more (its first result is dropped) and its section says so, with both loads.
+
 A benchmark that fails (non-zero exit, no JSON) gets a section saying so with the end of its output; the
 others still run, and the exit status is 1. A MISS is a result, not a failure. Ctrl-C or SIGTERM stops
 the running benchmark (with one SIGTERM, on which it stops its own servers) and writes nothing; so does a
@@ -25,6 +30,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import resource
 import signal
 import subprocess
 import sys
@@ -40,6 +46,38 @@ from benchmarks.report import BENCHMARKS, readme_block, render_report, replace_b
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = {"quick": 600.0, "full": 7200.0}  # per benchmark
+HIGH_LOAD_CORES = 0.5
+"""Other processes' average CPU, in cores, above which a benchmark's run counts as disturbed and runs
+again once (fixed before any run; a quarter of this project's 2-core machine)."""
+
+
+class LoadMeter:
+    """The CPU other processes use while a benchmark runs: the machine's busy time (``/proc/stat``) less
+    what this process's children used (``RUSAGE_CHILDREN``: a waited-for child with every descendant it
+    waited for), over the wall time, in cores."""
+
+    def __init__(self) -> None:
+        self.busy, self.children, self.wall = busy_seconds(), children_seconds(), time.perf_counter()
+
+    def other_cores(self) -> float:
+        wall = time.perf_counter() - self.wall
+        if wall <= 0:
+            return 0.0
+        other = (busy_seconds() - self.busy) - (children_seconds() - self.children)
+        return max(0.0, other / wall)
+
+
+def busy_seconds() -> float:
+    """Seconds every CPU of the machine spent busy since boot (``/proc/stat``: all but idle and iowait)."""
+    fields = read("/proc/stat").splitlines()[0].split()[1:]
+    ticks = [int(value) for value in fields[:8]]
+    busy = sum(ticks) - ticks[3] - ticks[4]  # idle, iowait
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def children_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def machine(quick: bool) -> dict[str, str]:
@@ -131,6 +169,25 @@ def run_one(name: str, quick: bool, json_dir: Path) -> tuple[dict[str, Any] | No
     return result, "" if code == 0 and result is not None else error, seconds
 
 
+def run_measured(name: str, quick: bool, json_dir: Path) -> tuple[dict[str, Any] | None, str, float, str]:
+    """:func:`run_one` with the machine's load recorded, once more when it was high (module docstring):
+    its result, error and seconds, and a note on the load."""
+    meter = LoadMeter()
+    result, error, seconds = run_one(name, quick, json_dir)
+    load = meter.other_cores()
+    note = f"machine load: other processes used {load:.2f} cores on average while it ran"
+    if load > HIGH_LOAD_CORES and not error:
+        print(f"== {name}: other processes used {load:.2f} cores (> {HIGH_LOAD_CORES}): again", flush=True)
+        meter = LoadMeter()
+        result, error, seconds = run_one(name, quick, json_dir)
+        again = meter.other_cores()
+        note = (
+            f"machine load: other processes used {load:.2f} cores on average during its first run (over "
+            f"{HIGH_LOAD_CORES}), so it ran again, this result, at {again:.2f}"
+        )
+    return result, error, seconds, note
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
     add = parser.add_argument
@@ -161,8 +218,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             json_dir.mkdir(parents=True, exist_ok=True)
             description = machine(args.quick)
             for name in names:
-                result, error, seconds = run_one(name, args.quick, json_dir)
+                result, error, seconds, note = run_measured(name, args.quick, json_dir)
                 sections.append(section(name, result, error, seconds))
+                sections[-1].notes.append(note)
                 failed = failed or bool(error)
     except KeyboardInterrupt:
         print("interrupted: the running benchmark was stopped; no report written", file=sys.stderr)
