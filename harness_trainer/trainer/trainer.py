@@ -272,6 +272,10 @@ class HarnessAsyncGRPOTrainer:
                 metrics = self._step(share)
                 metrics["perf/wait_s"] = waited
                 metrics["perf/step_s"] = time.monotonic() - started
+                # The share of the step the trainer was ready but no group was complete.
+                metrics["perf/trainer_wait_frac"] = waited / metrics["perf/step_s"]
+                live = feed.live_sessions() if feed is not None else 0
+                metrics["rollout/in_flight"] = float(live)
                 evaluated = feed is not None and feed.evaluates(self.state.step)
                 if evaluated:  # after the step's push: at the weights it made
                     metrics.update(feed.evaluate(self.state, self._stop))
@@ -279,7 +283,6 @@ class HarnessAsyncGRPOTrainer:
                 if (args.should_log(self.state.step) or evaluated) and feed is not None:
                     feed.log(metrics, self.state.step)
                 bar.update(1)
-                live = feed.live_sessions() if feed is not None else 0
                 bar.set_postfix(
                     reward=f"{metrics['reward']:.3f}", step_s=f"{metrics['perf/step_s']:.1f}", rollouts=live
                 )
@@ -318,6 +321,8 @@ class HarnessAsyncGRPOTrainer:
             "learning_rate": float(self.lr_scheduler.get_last_lr()[0]),
             "perf/train_s": train_s,
             "perf/tokens_per_s": forwarded / train_s if train_s > 0 else 0.0,
+            "perf/forwarded_tokens": float(forwarded),
+            "perf/trained_tokens_per_s": share.metrics.get("num_tokens", 0.0) / max(train_s, 1e-9),
             "perf/weight_sync_s": sync_s,
             "policy_version": float(self.state.policy_version),
         })  # fmt: skip

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from harness_trainer.trace import load_trace
-from harness_trainer.trainer.step.batch import assemble, rollout_metrics
+from harness_trainer.trainer.step.batch import assemble, rollout_metrics, token_staleness_median
 from harness_trainer.trainer.step.groups import Group, Rollout
 from harness_trainer.trainer.step.rows import build_rows
 from tests.test_package_boundaries import modules_after
@@ -100,6 +100,11 @@ def test_staleness_counts_from_the_earliest_dispatch_version_of_the_supervised_t
     metrics = rollout_metrics([Group(0, {}, 0, members)], policy_version=6, reward_name="")
     # member 0 trained on data sent at version 3 (staleness 3), member 1 has no dispatch stamps (6 - 5)
     assert metrics["staleness/max"] == 3.0 and metrics["staleness/mean"] == 2.0
+    # Per sampled token, each turn at its own version: 3 tokens at 3, 3 at 2 (member 0's later turn), 6 at
+    # 1 (member 1's two turns): the two middle tokens of 12 are at 1 and 2.
+    assert metrics["staleness/tokens_median"] == 1.5
+    assert token_staleness_median([members[1]], policy_version=6) == 1.0
+    assert token_staleness_median([], policy_version=6) == 0.0
 
 
 def test_the_rollouts_time_split_means_are_perf_metrics() -> None:

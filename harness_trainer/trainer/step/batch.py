@@ -131,6 +131,7 @@ def rollout_metrics(
         "rows/fork_frac": _mean([float(len(r.rows) > 1) for r in with_rows]),
         "staleness/mean": _mean(staleness),
         "staleness/max": float(max(staleness, default=0)),
+        "staleness/tokens_median": token_staleness_median(scored_rollouts, policy_version),
     }
     metrics |= phase_metrics(rollouts)
     metrics |= sandbox_metrics(rollouts)
@@ -159,6 +160,34 @@ def behaviour_version(rollout: Rollout) -> int:
         and not isinstance(version, bool)
     ]
     return min(dispatched, default=rollout.policy_version)
+
+
+def token_staleness_median(rollouts: Sequence[Rollout], policy_version: int) -> float:
+    """The median staleness of the rollouts' sampled (supervised) tokens: ``policy_version`` less the
+    version each turn was dispatched under (``dispatch_version``, else the rollout's start version), each
+    turn weighing its supervised tokens; 0 when there are none. A rollout that spans a weight push has
+    turns of two versions, and each counts as its own."""
+    counts: dict[int, int] = {}
+    for rollout in rollouts:
+        for turn in rollout.trace.turns if rollout.trace is not None else []:
+            sampled = sum(turn.loss_mask[len(turn.prompt_token_ids) :])
+            version = turn.metadata.get("dispatch_version")
+            if not isinstance(version, int) or isinstance(version, bool):
+                version = rollout.policy_version
+            if sampled:
+                counts[policy_version - version] = counts.get(policy_version - version, 0) + sampled
+    total = sum(counts.values())
+    if not total:
+        return 0.0
+    ordered = sorted(counts.items())
+    below, lower = 0, None
+    for staleness, count in ordered:  # the weighted median: the mean of the two middle tokens' values
+        if lower is None and below + count > (total - 1) // 2:
+            lower = staleness
+        if below + count > total // 2:
+            return (lower + staleness) / 2 if lower is not None else float(staleness)
+        below += count
+    return float(ordered[-1][0])
 
 
 def rollout_time_split(rollout: Rollout) -> TimeSplit:
