@@ -242,7 +242,16 @@ def test_a_reading_sets_the_limit_and_is_in_the_metrics(page_server) -> None:
         assert poller.metrics() == {
             "rollout/concurrency_limit": 2.0, "engine/replicas_read": 1.0, "engine/kv_cache_usage": 0.25,
             "engine/running": 3.0, "engine/waiting": 0.0, "engine/preemptions_total": 0.0,
+            "engine/idle_frac_sampled": 0.0,
         }  # fmt: skip
+        # The idle share is over the polls since the last metrics (a step): three that found nothing running.
+        page_server["page"] = PAGE.replace(
+            'running{engine="0",model_name="m"} 3.0', 'running{engine="0",model_name="m"} 0.0'
+        )
+        for _ in range(3):
+            poller.poll_once()
+        assert poller.metrics()["engine/idle_frac_sampled"] == 1.0
+        assert "engine/idle_frac_sampled" not in poller.metrics()  # no poll since
     finally:
         poller.stop()
 

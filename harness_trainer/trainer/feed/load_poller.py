@@ -96,6 +96,7 @@ class ConcurrencyPoller:
         self._load: EngineLoad | None = None
         self._replicas_read = 0
         self._tally = PreemptionTally()
+        self._polls = self._busy_polls = 0  # since the last metrics(): the sampled idle fraction's window
         self._failing: set[str] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="concurrency-poller", daemon=True)
@@ -120,12 +121,17 @@ class ConcurrencyPoller:
 
     def metrics(self) -> dict[str, float]:
         """``rollout/concurrency_limit``, ``engine/replicas_read`` (replicas read by the last poll, 0 before
-        the first) and, once a poll read one, the last such poll's pooled ``engine/*``."""
+        the first), once a poll read one, the last such poll's pooled ``engine/*``, and
+        ``engine/idle_frac_sampled``: the share of the polls since the last call (one a step) that found
+        no request running in any replica read (a sample every ``interval_s``, not a measured time)."""
         with self._lock:
             out = {
                 "rollout/concurrency_limit": float(self.controller.limit),
                 "engine/replicas_read": float(self._replicas_read),
             }
+            if self._polls:
+                out["engine/idle_frac_sampled"] = 1.0 - self._busy_polls / self._polls
+            self._polls = self._busy_polls = 0
             if self._load is not None:
                 out.update({
                     "engine/kv_cache_usage": self._load.kv_cache_usage,
@@ -152,6 +158,8 @@ class ConcurrencyPoller:
             before = self.controller.limit
             decision = self.controller.update(load, in_flight=in_flight, queued=queued)
             self._load = load
+            self._polls += 1
+            self._busy_polls += load.running > 0
         if decision.limit != before:
             self.target.set_concurrency_limit(decision.limit)
             logger.info("rollout concurrency %d -> %d (%s)", before, decision.limit, decision.reason)
