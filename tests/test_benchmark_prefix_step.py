@@ -4,6 +4,7 @@ nothing) and reports every way and target; its pure parts on their own."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,11 @@ def test_forward_counts_count_each_groups_prompt_once_and_packing_every_time() -
     lengths = [len(r.input_ids) for g in groups for r in g]
     assert counts["packed"] == sum(lengths)
     assert counts["by_prefix"] == counts["unique"] == sum(lengths) - 2 * 3 * 1450
+    # Two groups of one task share its prompt: the bound is the tree of all rows, not each group's summed.
+    prompt = groups[0][0].input_ids[:1450]
+    again = [replace(r, input_ids=prompt + r.input_ids[1450:], rollout=r.rollout + 100) for r in groups[1]]
+    both = prefix_step.forward_counts([groups[0], again], token_budget=8192)
+    assert both["by_prefix"] == both["unique"] == both["unique_per_group"] - 1450
 
 
 @pytest.mark.slow
