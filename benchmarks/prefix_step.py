@@ -67,20 +67,24 @@ def capture(members: int, groups: int, out: Path) -> Path:
     return run
 
 
-def read_groups(run: Path) -> list[list[Row]]:
-    """The groups of a run's ``rollouts.jsonl``: each rollout's rows (``build_rows``), by group."""
+def read_groups(run: Path, members: int) -> list[list[Row]]:
+    """The whole groups of a run's ``rollouts.jsonl`` (``members`` rollouts with a trace: the run's stop
+    cuts the last ones short), each rollout's rows (``build_rows``), by group."""
     from harness_trainer.trace import TrainingTrace
     from harness_trainer.trainer.feed.rollout_log import read_rollout_log
     from harness_trainer.trainer.step.rows import build_rows
 
     by_group: dict[int, list[Row]] = defaultdict(list)
+    traced: dict[int, int] = defaultdict(int)
     records = [r for r in read_rollout_log(run, validate_traces=False) if r.trace is not None]
     for index, record in enumerate(records):
         trace = TrainingTrace.model_validate(record.trace)
         by_group[record.group] += build_rows(trace, index)
-    if not by_group:
-        raise ValueError(f"{run}: no rollout with a trace")
-    return [by_group[group] for group in sorted(by_group)]
+        traced[record.group] += 1
+    whole = [by_group[group] for group in sorted(by_group) if traced[group] == members]
+    if not whole:
+        raise ValueError(f"{run}: no group of {members} rollouts with traces")
+    return whole
 
 
 def synthetic_groups(members: int, groups: int, seed: int) -> list[list[Row]]:
@@ -248,7 +252,7 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
             else:
                 run_dir = Path(config["runs"][index]) if config["runs"] else None
                 run_dir = run_dir or capture(members, config["groups_per_step"], captures)
-                groups, source = read_groups(run_dir), str(run_dir)
+                groups, source = read_groups(run_dir, members), str(run_dir)
             by_members[str(members)] = measure(groups, config, model_dir) | {"source": source}
     result = {"config": config, "members": by_members, "verdicts": verdicts(by_members)}
     result["all_pass"] = all(v["pass"] for v in result["verdicts"])
