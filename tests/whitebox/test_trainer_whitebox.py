@@ -127,7 +127,11 @@ def test_the_trainer_trains_white_box_rollouts_on_the_engines_ids_and_leaks_noth
         expected = [replies[WRITE], replies[DONE]] if record.reward == 1.0 else [replies[DONE]]
         assert [turn.completion_token_ids for turn in turns] == expected
         assert all(turn.prompt_token_ids in scripted_engine.worker.prompts for turn in turns)
-        assert all(turn.metadata["weight_version"] == record.policy_version for turn in turns)
+        # Each turn was answered by the weights of its time: at or after the version its rollout started
+        # under, and before the step that trained it pushed. Even at max_staleness 0 a push may land between
+        # two turns: the next group is admitted when the trainer takes the last one, before it trains.
+        versions = [turn.metadata["weight_version"] for turn in turns]
+        assert all(record.policy_version <= v <= record.step - 1 for v in versions), (record, versions)
         assert record.tool_calls_by_name == ({"write_file": 1} if record.reward == 1.0 else {})
     # Let the fixture check the server: no session and no sandbox left (the run's last group included).
 
