@@ -93,21 +93,30 @@ def plan_micro_batches(rows: Sequence[Row], token_budget: int) -> list[list[Row]
     Raises:
         ValueError: ``token_budget`` is below 1.
     """
-    if token_budget < 1:
-        raise ValueError(f"token_budget must be at least 1, got {token_budget}")
-    order = sorted(range(len(rows)), key=lambda i: (-len(rows[i].input_ids), i))
-    bins: list[list[Row]] = []
-    room: list[int] = []  # tokens still free per bin; negative for an oversize row, so nothing joins it
-    for i in order:
-        row, size = rows[i], len(rows[i].input_ids)
+    bins = first_fit_decreasing([len(row.input_ids) for row in rows], token_budget)
+    return [[rows[i] for i in members] for members in bins]
+
+
+def first_fit_decreasing(sizes: Sequence[int], budget: int) -> list[list[int]]:
+    """Item indices packed into bins of at most ``budget``, largest first (ties in index order), each into
+    the first bin it fits; an item over the budget gets a bin of its own.
+
+    Raises:
+        ValueError: ``budget`` is below 1.
+    """
+    if budget < 1:
+        raise ValueError(f"token_budget must be at least 1, got {budget}")
+    bins: list[list[int]] = []
+    room: list[int] = []  # still free per bin; negative for an oversize item, so nothing joins it
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
         for b, free in enumerate(room):
-            if size <= free:
-                bins[b].append(row)
-                room[b] -= size
+            if sizes[i] <= free:
+                bins[b].append(i)
+                room[b] -= sizes[i]
                 break
         else:
-            bins.append([row])
-            room.append(token_budget - size)
+            bins.append([i])
+            room.append(budget - sizes[i])
     return bins
 
 

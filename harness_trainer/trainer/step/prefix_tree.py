@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from harness_trainer.trainer.step.packing import first_fit_decreasing
 from harness_trainer.trainer.step.rows import Row, common_prefix_length
 
 MIN_SPAN = 32
@@ -128,29 +129,19 @@ def plan_shared_micro_batches(
     Raises:
         ValueError: ``token_budget`` is below 1.
     """
-    if token_budget < 1:
-        raise ValueError(f"token_budget must be at least 1, got {token_budget}")
     order = sorted(range(len(rows)), key=lambda i: (rows[i].input_ids, i))
-    runs: list[tuple[int, list[int]]] = []  # (forwarded ids, row indices)
+    runs: list[list[int]] = []  # row indices, consecutive in sorted order
+    costs: list[int] = []  # each run's forwarded ids
     previous: Sequence[int] = ()
     for index in order:
         ids = rows[index].input_ids
         shared = common_prefix_length(previous, ids)
-        cost = len(ids) - (shared if shared >= min_span else 0)
-        if runs and shared >= min_span and runs[-1][0] + cost <= token_budget:
-            runs[-1] = (runs[-1][0] + cost, [*runs[-1][1], index])
+        if runs and shared >= min_span and costs[-1] + len(ids) - shared <= token_budget:
+            runs[-1].append(index)
+            costs[-1] += len(ids) - shared
         else:
-            runs.append((len(ids), [index]))
+            runs.append([index])
+            costs.append(len(ids))
         previous = ids
-    bins: list[list[int]] = []
-    room: list[int] = []
-    for cost, members in sorted(runs, key=lambda run: (-run[0], run[1][0])):
-        for b, free in enumerate(room):
-            if cost <= free:
-                bins[b].extend(members)
-                room[b] -= cost
-                break
-        else:
-            bins.append(list(members))
-            room.append(token_budget - cost)
-    return [[rows[i] for i in members] for members in bins]
+    packed = first_fit_decreasing(costs, token_budget)
+    return [[rows[i] for run in members for i in runs[run]] for members in packed]
