@@ -122,14 +122,19 @@ def _logprobs(
     if not with_entropy:
         return logps, None
     with torch.no_grad():
-        values = torch.cat([_entropy(chunk) for chunk in scaled.detach().split(ENTROPY_CHUNK)])
-        entropy = scaled.new_zeros(flat).index_put((index,), values).view(shape)
+        entropy = scaled.new_zeros(flat).index_put((index,), entropy_of(scaled)).view(shape)
     return logps, entropy
 
 
-def _entropy(logits: torch.Tensor) -> torch.Tensor:
-    logp = torch.log_softmax(logits, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+def entropy_of(logits: torch.Tensor) -> torch.Tensor:
+    """The entropy of each row of ``logits`` ``[n, V]``, without a graph, :data:`ENTROPY_CHUNK` rows per
+    softmax (no extra ``[n, V]`` tensor kept)."""
+    with torch.no_grad():
+        parts = []
+        for chunk in logits.detach().split(ENTROPY_CHUNK):
+            logp = torch.log_softmax(chunk, dim=-1)
+            parts.append(-(logp.exp() * logp).sum(-1))
+        return torch.cat(parts)
 
 
 def use_packed_attention(model: torch.nn.Module) -> None:

@@ -24,11 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
+from harness_trainer.trainer.step.logprobs import entropy_of
 from harness_trainer.trainer.step.packing import MicroBatch
 from harness_trainer.trainer.step.prefix_tree import MIN_SPAN, PrefixNode, prefix_tree
 from harness_trainer.trainer.step.rows import Row
-
-ENTROPY_CHUNK = 4096
 
 
 @dataclass
@@ -175,7 +174,7 @@ class _Walk:
             # gather - logsumexp rather than log_softmax: backward keeps no second [n, V] tensor.
             selected = logits[where].gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
             selected = selected - torch.logsumexp(logits, dim=-1)[where]
-            entropy = _entropy(logits.detach())[where] if self.with_entropy else None
+            entropy = entropy_of(logits)[where] if self.with_entropy else None
             start = 0
             for row, found in spans.items():  # ``wanted`` lists each row's targets together, in order
                 if found:
@@ -204,12 +203,3 @@ def _cache_keyword(model: torch.nn.Module) -> str:
             parameters = inspect.signature(module.forward).parameters
             return "cache" if "cache" in parameters else "past_key_values"
     raise ValueError(f"{type(model).__name__} has no language-model head (lm_head) to forward by prefix")
-
-
-def _entropy(logits: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        parts = []
-        for chunk in logits.split(ENTROPY_CHUNK):
-            logp = torch.log_softmax(chunk, dim=-1)
-            parts.append(-(logp.exp() * logp).sum(-1))
-        return torch.cat(parts)
