@@ -137,8 +137,9 @@ class _Walk:
         self.empty = torch.zeros(0, device=self.device)
         self.forwarded = 0
 
-    def forward(self, node: PrefixNode, cache: object | None) -> None:
-        """Forward ``node`` on ``cache`` (its path's, None at the top), then its children on its own."""
+    def forward(self, node: PrefixNode, cache: object | None, *, last: bool = False) -> None:
+        """Forward ``node`` on ``cache`` (its path's, None at the top), then its children on its own. The
+        ``last`` child extends its parent's cache itself: no sibling reads it after."""
         from transformers import DynamicCache
 
         if node.span == 0:
@@ -156,7 +157,7 @@ class _Walk:
         positions = sorted({t - 1 for _, t in wanted})
         keep = torch.zeros(1, node.span, dtype=torch.bool, device=self.device)
         keep[0, [p - node.start for p in positions]] = True
-        own = _branch(cache) if cache is not None else DynamicCache()
+        own = DynamicCache() if cache is None else cache if last else _branch(cache)
         ids = self.rows[node.rows[0]].input_ids[node.start : node.end]
         out = self.model(
             input_ids=torch.tensor([ids], device=self.device),
@@ -171,9 +172,8 @@ class _Walk:
             at = {p: i for i, p in enumerate(positions)}
             where = torch.tensor([at[t - 1] for _, t in wanted], device=self.device)
             chosen = torch.tensor([self.rows[row].input_ids[t] for row, t in wanted], device=self.device)
-            # gather - logsumexp rather than log_softmax: backward keeps no second [n, V] tensor.
-            selected = logits[where].gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
-            selected = selected - torch.logsumexp(logits, dim=-1)[where]
+            # Indexed pairwise, not logits[where]: no [n, V] copy per wanted token.
+            selected = logits[where, chosen] - torch.logsumexp(logits, dim=-1)[where]
             entropy = entropy_of(logits)[where] if self.with_entropy else None
             start = 0
             for row, found in spans.items():  # ``wanted`` lists each row's targets together, in order
@@ -182,8 +182,8 @@ class _Walk:
                     if entropy is not None:
                         self.entropy[row].append(entropy[start : start + len(found)])
                 start += len(found)
-        for child in node.children:
-            self.forward(child, own)
+        for number, child in enumerate(node.children, start=1):
+            self.forward(child, own, last=number == len(node.children))
 
 
 def _branch(cache: object) -> object:
