@@ -275,21 +275,17 @@ def grouped(rows: Sequence[Row], members: int) -> list[Row]:
 def prefix_flops(shape: Shape, rows: Sequence[Row], token_budget: int) -> tuple[float, int]:
     """The model FLOPs of a step by prefix (its plan's trees: :func:`tree_train_flops`) and the ids it
     forwards."""
-    from harness_trainer.trainer.step.prefix_tree import plan_shared_micro_batches, prefix_tree
+    from harness_trainer.trainer.step.prefix_tree import node_targets, plan_shared_micro_batches, prefix_tree
 
     nodes: list[tuple[int, int]] = []
     projected = 0
     for batch in plan_shared_micro_batches(rows, token_budget):
+        targets = [[t for t, is_target in enumerate(row.targets) if is_target] for row in batch]
         for node in prefix_tree([row.input_ids for row in batch]).walk():
             if node.span:
                 nodes.append((node.start, node.span))
-            predicted = {
-                t - 1
-                for index in node.rows
-                for t in range(node.start + 1, min(node.end, len(batch[index].input_ids) - 1) + 1)
-                if batch[index].targets[t]
-            }
-            projected += len(predicted)
+            # A position is projected once however many rows train the token after it.
+            projected += len({t - 1 for found in node_targets(node, targets).values() for t in found})
     return tree_train_flops(shape, nodes, projected), sum(span for _, span in nodes)
 
 

@@ -20,6 +20,7 @@ its rows all share, its children the rows parting after it) forwards each once
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -104,6 +105,18 @@ def _deepen(node: PrefixNode, start: int) -> PrefixNode:
     """``node`` starting earlier, at ``start`` (its folded parent's ids become its own)."""
     node.start = start
     return node
+
+
+def node_targets(node: PrefixNode, targets: Sequence[Sequence[int]]) -> dict[int, list[int]]:
+    """Each of ``node``'s rows' target positions that the node's own positions predict: ``t`` in
+    ``(start, end]`` (``t - 1`` is in the node; ``t = start`` is predicted by its parent). ``targets``:
+    every row's target positions, ascending."""
+    found = {}
+    for row in node.rows:
+        ascending = targets[row]
+        first, past = bisect_right(ascending, node.start), bisect_left(ascending, node.end + 1)
+        found[row] = list(ascending[first:past])
+    return found
 
 
 def forwarded_tokens(tree: PrefixNode) -> int:

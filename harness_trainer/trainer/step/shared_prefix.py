@@ -18,7 +18,6 @@ checkpointing, which drops the cache during training (:func:`check_shareable` sa
 from __future__ import annotations
 
 import inspect
-from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,7 +25,7 @@ import torch
 
 from harness_trainer.trainer.step.logprobs import entropy_of
 from harness_trainer.trainer.step.packing import MicroBatch
-from harness_trainer.trainer.step.prefix_tree import MIN_SPAN, PrefixNode, prefix_tree
+from harness_trainer.trainer.step.prefix_tree import MIN_SPAN, PrefixNode, node_targets, prefix_tree
 from harness_trainer.trainer.step.rows import Row
 
 
@@ -146,13 +145,7 @@ class _Walk:
             for child in node.children:
                 self.forward(child, cache)
             return
-        # Targets t in (start, end] are predicted by positions t - 1 of this node; t = start by the parent.
-        spans = {
-            row: self.targets[row][
-                bisect_right(self.targets[row], node.start) : bisect_left(self.targets[row], node.end + 1)
-            ]
-            for row in node.rows
-        }
+        spans = node_targets(node, self.targets)
         wanted = [(row, t) for row, found in spans.items() for t in found]
         positions = sorted({t - 1 for _, t in wanted})
         keep = torch.zeros(1, node.span, dtype=torch.bool, device=self.device)
