@@ -161,7 +161,7 @@ class RolloutScheduler:
             config.max_concurrent_rollouts, thread_name_prefix="rollout"
         )
         self._harness_for_group = factory.harness_for_group if isinstance(factory, MixesHarnesses) else None
-        self.factory = as_async(factory, self._pool, self._stopping)
+        self.factory = as_async(factory, self._pool, self._stopping, made=self._live.add)
         """The factory as the async contract (a sync one's calls on the pool's threads)."""
         self._settings = RolloutSettings(
             config.rollout_timeout, config.vocab_size, config.temperature, reward_fn

@@ -34,12 +34,13 @@ def as_async(
     factory: RolloutFactory,
     executor: concurrent.futures.Executor,
     stopping: threading.Event,
+    made: Callable[[AsyncSession], None] | None = None,
 ) -> AsyncSessionFactory[AsyncSession]:
     """``factory`` itself when it has a coroutine ``acreate``, else a :class:`ThreadedSessionFactory` over
-    it (``executor`` and ``stopping`` as there)."""
+    it (``executor``, ``stopping`` and ``made`` as there)."""
     if isinstance(factory, AsyncSessionFactory):
         return factory
-    return ThreadedSessionFactory(factory, executor, stopping)
+    return ThreadedSessionFactory(factory, executor, stopping, made)
 
 
 class ThreadedSession:
@@ -79,7 +80,9 @@ class ThreadedSessionFactory:
     """A :class:`SessionFactory` as an :class:`AsyncSessionFactory`: ``create`` on a thread of ``executor``,
     its sessions :class:`ThreadedSession` s.
 
-    A session made once ``stopping`` is set is closed on its thread at once and ``RuntimeError`` raised: its
+    Each session is handed to ``made`` on the thread that made it, before its caller resumes: a caller whose
+    event loop dies in between never resumes, and the scheduler's stop closes what ``made`` registered. A
+    session made once ``stopping`` is set is closed on its thread at once and ``RuntimeError`` raised: its
     caller may be gone (the scheduler's loop stops without waiting for a slow ``create``), and nobody else
     would close it.
     """
@@ -89,17 +92,20 @@ class ThreadedSessionFactory:
         factory: SessionFactory[Session],
         executor: concurrent.futures.Executor,
         stopping: threading.Event,
+        made: Callable[[AsyncSession], None] | None = None,
     ) -> None:
-        self.factory, self.executor, self.stopping = factory, executor, stopping
+        self.factory, self.executor, self.stopping, self.made = factory, executor, stopping, made
 
     async def acreate(
         self, task: Any, seed: int | None = None, episode_id: str | None = None
     ) -> ThreadedSession:
         create = functools.partial(self._create, task, seed=seed, episode_id=episode_id)
-        return ThreadedSession(await _on(self.executor, create), self.executor)
+        return await _on(self.executor, create)
 
-    def _create(self, task: Any, *, seed: int | None, episode_id: str | None) -> Session:
-        session = self.factory.create(task, seed=seed, episode_id=episode_id)
+    def _create(self, task: Any, *, seed: int | None, episode_id: str | None) -> ThreadedSession:
+        session = ThreadedSession(self.factory.create(task, seed=seed, episode_id=episode_id), self.executor)
+        if self.made is not None:
+            self.made(session)  # before the check: a stop after it finds the session registered
         if self.stopping.is_set():
             session.close()
             raise RuntimeError("training stopped while this rollout's session was made")
