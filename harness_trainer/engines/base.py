@@ -46,7 +46,8 @@ class InferenceEngine(Protocol):
     base_url: str
 
     async def pause(self) -> None:
-        """Stop starting generations; return once those in flight have finished."""
+        """Stop starting generations; return once those in flight have finished (or, where the engine
+        was asked to keep them, are frozen until :meth:`resume`)."""
 
     async def resume(self) -> None:
         """Start generating again."""

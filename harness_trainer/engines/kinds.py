@@ -69,6 +69,9 @@ ENGINE_KINDS = ("auto", *ENGINE_KIND_FACTS, "none")
 push weights to)."""
 WEIGHT_SYNCS = ("auto", "nccl", "file")
 """How weights reach vLLM: NCCL from the trainer's GPU, or a safetensors file on a shared disk."""
+PAUSE_MODES = ("wait", "keep")
+"""How a weight push pauses vLLM, by the modes of its ``POST /pause`` (its third, ``abort``, would lose the
+agents' calls): drain the generations in flight, or freeze them until the resume."""
 PLAIN_KIND = next(name for name, kind in ENGINE_KIND_FACTS.items() if not kind.weights_out_of_band)
 """The kind whose weights travel in the push call itself (the dev engine): what a client of no registered
 class is taken for."""

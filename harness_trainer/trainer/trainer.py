@@ -326,6 +326,8 @@ class HarnessAsyncGRPOTrainer:
             "perf/weight_sync_s": sync_s,
             "policy_version": float(self.state.policy_version),
         })  # fmt: skip
+        if sync_s and (paused := getattr(self.engine, "last_pause_s", None)) is not None:
+            metrics["perf/engine_pause_s"] = paused  # the part of the push the engine stood still
         if isinstance(self.engine, EngineReplicas):
             metrics["engine/replicas_out"] = float(len(self.engine.out_of_rotation))
         if self._feed is not None:

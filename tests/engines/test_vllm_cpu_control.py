@@ -142,6 +142,34 @@ async def test_pause_returns_once_vllms_generation_in_flight_has_finished(vllm_u
         assert (await http.get("/is_paused")).json() == {"is_paused": False}
 
 
+async def test_a_keep_pause_freezes_the_generation_in_flight_through_a_push_and_it_finishes_after(
+    vllm_url: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    engine = VLLMEngine(vllm_url, weight_sync=FileWeightSync(tmp_path / "sync"), pause_mode="keep")
+    # The checkpoint's own weights: the served model stays what the other vllm_cpu tests expect.
+    own = engine_weights(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32))
+    try:
+        async with httpx.AsyncClient(base_url=vllm_url, timeout=120) as http:
+            long = {"model": "tiny", "messages": [{"role": "user", "content": "go"}], "max_tokens": 1500}
+            generating = asyncio.create_task(
+                http.post("/v1/chat/completions", json={**long, "ignore_eos": True})
+            )
+            await asyncio.sleep(0.5)
+            await engine.pause()
+            assert not generating.done(), "mode=keep returns with the generation frozen, not drained"
+            await engine.stage_weights(own, version=13)
+            await engine.push_weights(own, version=13)
+            assert not generating.done(), "a frozen generation stays frozen through the push"
+            assert (await http.get("/is_paused")).json() == {"is_paused": True}
+            await engine.resume()
+            reply = (await generating).json()
+            assert reply["usage"]["completion_tokens"] == 1500, reply
+            assert await engine.served_version() == 13
+        assert engine.last_pause_s is not None and engine.last_pause_s > 0
+    finally:
+        engine.close()
+
+
 def test_the_gpu_check_script_passes_on_the_lora_path(
     vllm_url: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:

@@ -35,6 +35,7 @@ from harness_trainer.engines import (
     WeightTransportError,
     make_engine,
 )
+from harness_trainer.trainer.config.async_grpo import AsyncGRPOConfig
 from tests.engines.conftest import bound_socket, serve
 from tests.engines.fake_vllm_control import FakeTransport, FakeVLLM
 
@@ -101,6 +102,27 @@ async def test_a_weight_push_runs_vllms_sequence_in_order_with_its_payloads(serv
     assert fake.received.keys() == pushed.keys()
     assert all(torch.equal(fake.received[n], t) for n, t in pushed.items())
     assert not fake.paused and not fake.updating
+
+
+async def test_a_keep_push_freezes_instead_of_draining_and_times_its_pause(serve_fake) -> None:
+    served = await serve_fake(world_size=1)
+    engine, _ = engine_for(served.url, served.fake, pause_mode="keep")
+    assert engine.last_pause_s is None
+
+    await engine.push_weights(tensors(), version=3)
+
+    assert next(c.query for c in served.fake.calls if c.route == "POST /pause") == {"mode": "keep"}
+    assert engine.last_pause_s is not None and engine.last_pause_s > 0
+    assert not served.fake.paused
+
+
+def test_a_pause_mode_vllm_would_lose_calls_in_or_lora_with_keep_is_refused() -> None:
+    with pytest.raises(ValueError, match="pause_mode='keep' cannot serve LoRA adapters"):
+        VLLMEngine("http://127.0.0.1:9", lora=True, pause_mode="keep")
+    with pytest.raises(ValueError, match="pause_mode must be one of"):
+        VLLMEngine("http://127.0.0.1:9", pause_mode="abort")
+    with pytest.raises(ValueError, match="vllm_pause_mode 'abort' is not one of"):
+        AsyncGRPOConfig(vllm_pause_mode="abort")
 
 
 async def test_a_second_push_reuses_the_transfer_group(serve_fake) -> None:

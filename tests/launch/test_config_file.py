@@ -125,7 +125,8 @@ def other_value(f: dataclasses.Field[Any], default: Any) -> Any:
     """A valid value of a trainer field other than its default, as a YAML file would hold it."""
     special = {
         "dtype": "bfloat16", "optim": "sgd", "lr_scheduler_type": "constant_with_warmup", "engine": "dev",
-        "weight_sync": "file", "lora_sync": "merged", "lora_save": "merged", "report_to": ["tensorboard"],
+        "weight_sync": "file", "vllm_pause_mode": "keep", "lora_sync": "merged", "lora_save": "merged",
+        "report_to": ["tensorboard"],
         "lora_target_modules": ["q_proj"], "model_init_kwargs": {"attn_implementation": "eager"},
         "chat_template_kwargs": {"enable_thinking": False}, "resume_from_checkpoint": "latest",
         "importance_sampling": "mask", "loss_normalization": "step", "epsilon": 0.1, "fp16": False,

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from harness_trainer.engines.kinds import ENGINE_KINDS, WEIGHT_SYNCS, syncs_adapters
+from harness_trainer.engines.kinds import ENGINE_KINDS, PAUSE_MODES, WEIGHT_SYNCS, syncs_adapters
 from harness_trainer.trainer.config.choices import (
     CURRICULA,
     DECAYING_SCHEDULERS,
@@ -223,6 +223,8 @@ def _checks(c: _ConfigFields) -> Sequence[str]:
         yield f"engine {c.engine!r} needs vllm_server_base_url (or set engine='none' to push no weights)"
     if c.weight_sync not in WEIGHT_SYNCS:
         yield f"weight_sync {c.weight_sync!r} is not one of {WEIGHT_SYNCS}"
+    if c.vllm_pause_mode not in PAUSE_MODES:
+        yield f"vllm_pause_mode {c.vllm_pause_mode!r} is not one of {PAUSE_MODES}"
     if c.weight_sync_steps < 1 or c.weight_sync_retries < 1 or c.weight_sync_timeout <= 0:
         yield "weight_sync_steps and weight_sync_retries must be ≥ 1 and weight_sync_timeout positive"
     if c.lora_sync not in LORA_SYNCS:

@@ -41,6 +41,17 @@ class EngineFields:
             "vLLM reloads in place: CPU, one GPU), 'auto' ('file' for a vLLM on this host, else 'nccl')."
         ),
     )
+    vllm_pause_mode: str = field(
+        default="wait",
+        metadata=field_help(
+            "How a weight push pauses vLLM, by vLLM's names: 'wait' drains the generations in flight "
+            "first (no turn mixes two versions; the engine idles while the longest finishes), 'keep' "
+            "freezes them between two decode steps and goes on with them on the new weights after the "
+            "push (the agents only wait; such a turn holds tokens of two versions, each trained against "
+            "the logprob it was sampled with, and is stamped with the newer). 'keep' is for full-weight "
+            "pushes: a LoRA run that publishes its adapter drains."
+        ),
+    )
     weight_sync_dir: str | None = field(
         default=None,
         metadata=field_help("Folder the 'file' path writes to, readable by vLLM (default: /dev/shm)."),
