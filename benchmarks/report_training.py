@@ -128,24 +128,42 @@ def learning_arm(name: str, summary: dict[str, Any], steps: int) -> tuple[list[R
 
 
 def weight_sync_section(result: dict[str, Any]) -> Section:
-    """A ``file`` push into vLLM against saving a checkpoint and restarting vLLM, per model."""
-    rows = [
-        Row(
-            f"{name} ({m['parameters'] / 1e6:.1f}M params): file push vs save + restart",
-            f"{m['file_median_s']:.2f} s",
-            f"{m['restart_median_s']:.1f} s",
-            m["speedups"],
+    """File (and adapter) pushes into vLLM against saving a checkpoint and restarting vLLM, per model, with
+    the engine's pause within each push."""
+    rows: list[Row] = []
+    notes: list[str] = []
+    for name, m in result["models"].items():
+        label = f"{name} ({m['parameters'] / 1e6:.1f}M params)"
+        restart = m["restart_median_s"]
+        rows.append(Row(f"{label}: file push vs save + restart", f"{m['file_median_s']:.2f} s",
+                        f"{restart:.1f} s", m["speedups"]))  # fmt: skip
+        if "pause_s" in m:  # results before the pause was timed have none
+            rows.append(Row(f"{label}: engine paused in a file push", f"{m['pause_median_s']:.2f} s"))
+        if m.get("adapter_s"):
+            rows.append(Row(f"{label}: adapter push vs save + restart", f"{m['adapter_median_s']:.2f} s",
+                            f"{restart:.1f} s", [restart / s for s in m["adapter_s"]]))  # fmt: skip
+            rows.append(
+                Row(f"{label}: engine paused in an adapter push", f"{m['adapter_pause_median_s']:.2f} s")
+            )
+        pushes = ", ".join(
+            f"{s:.2f}" + (f" (paused {p:.2f})" if p is not None else "")
+            for s, p in zip(m["file_s"], m.get("pause_s") or [None] * len(m["file_s"]), strict=True)
         )
-        for name, m in result["models"].items()
-    ]
-    notes = [
-        f"{name}: pushes {', '.join(f'{s:.2f}' for s in m['file_s'])} s; restarts "
-        f"{', '.join(f'{s:.1f}' for s in m['restart_s'])} s; first start {m['first_start_s']:.1f} s"
-        for name, m in result["models"].items()
-    ]
+        note = f"{name}: file pushes {pushes} s"
+        if m.get("adapter_s"):
+            adapters = ", ".join(
+                f"{s:.2f} (paused {p:.2f})" for s, p in zip(m["adapter_s"], m["adapter_pause_s"], strict=True)
+            )
+            note += f"; adapter pushes ({m['adapter_parameters'] / 1e6:.1f}M values) {adapters} s"
+        notes.append(
+            f"{note}; restarts {', '.join(f'{s:.1f}' for s in m['restart_s'])} s; first start "
+            f"{m['first_start_s']:.1f} s"
+        )
     notes.append("nccl: not measured (needs two GPUs)")
     last = list(result["models"].values())[-1]
     headline = f"file push {last['file_median_s']:.2f} s vs restart {last['restart_median_s']:.1f} s"
+    if "pause_s" in last:
+        headline += f"; engine paused {last['pause_median_s']:.2f} s"
     return Section("weight_sync", headline, rows, notes=notes)
 
 

@@ -118,8 +118,11 @@ def soak_result() -> dict[str, Any]:
 
 def weight_sync_result() -> dict[str, Any]:
     model = {"parameters": 494_000_000, "first_start_s": 50.0, "file_s": [10.0, 12.0], "restart_s": [60.0],
-             "file_median_s": 11.0, "restart_median_s": 60.0, "speedups": [6.0, 5.0]}  # fmt: skip
-    return {"models": {"qwen": model}, "verdicts": [verdict("5x", True)], "elapsed_s": 300.0}
+             "file_median_s": 11.0, "restart_median_s": 60.0, "speedups": [6.0, 5.0],
+             "pause_s": [5.0, 6.0], "pause_median_s": 5.5, "adapter_s": [1.0, 3.0],
+             "adapter_pause_s": [0.2, 0.4], "adapter_median_s": 2.0, "adapter_pause_median_s": 0.3,
+             "adapter_parameters": 1_000_000}  # fmt: skip
+    return {"models": {"qwen": model}, "verdicts": [verdict("10x", False)], "elapsed_s": 300.0}
 
 
 def engine_idle_result() -> dict[str, Any]:
@@ -165,7 +168,10 @@ def test_each_section_has_ratio_rows_against_its_baseline_and_the_verdicts() -> 
     assert [row.ratios for row in trainer.rows[:3]] == [[1.5], [1.0], [1.01]]
     sync = report.section("weight_sync", weight_sync_result())
     assert sync.rows[0].ratios == [6.0, 5.0] and sync.rows[0].measure.startswith("qwen (494.0M params)")
-    assert "file push 11.00 s vs restart 60.0 s" in sync.headline and "nccl: not measured" in sync.notes[-1]
+    assert "file push 11.00 s vs restart 60.0 s; engine paused 5.50 s" in sync.headline
+    assert [row.ratios for row in sync.rows[1:]] == [[], [60.0, 20.0], []]  # pauses have no baseline
+    assert "adapter pushes (1.0M values) 1.00 (paused 0.20), 3.00 (paused 0.40) s" in sync.notes[0]
+    assert "nccl: not measured" in sync.notes[-1]
     soak = report.section("soak", soak_result(), seconds=12.0)
     measures = [row.measure for row in soak.rows]
     assert "server RSS, end vs start" in measures and "journal bytes, written vs expected" in measures
