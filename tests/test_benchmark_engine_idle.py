@@ -19,3 +19,15 @@ def test_busy_intervals_merge_and_each_step_counts_its_idle_part() -> None:
     # A call that only waited out a push (paused engine) does not count as busy.
     assert engine_idle.idle_fractions([(4.0, 10.0)], [(4.0, 10.0, 3.0)]) == pytest.approx([0.5])
     assert engine_idle.idle_fractions(calls, [(3.0, 3.0, 0.0)]) == []  # an empty step is skipped
+
+
+def test_the_target_judges_the_worst_steady_step_and_the_median_staleness_of_long_runs_only() -> None:
+    run = {"idle": [0.9, 0.5] + [0.05] * 9 + [0.08], "staleness_tokens_median": [0, 0] + [1.0] * 9 + [2.0]}
+    idle, staleness = engine_idle.verdicts_for(run, 12)
+    assert idle["pass"] and idle["measured"] == "worst 0.08, median 0.05 over 10 steps"
+    assert staleness["pass"] and staleness["measured"].startswith("1.00 (per step 1 1")
+    run["idle"][5] = 0.11  # one steady step over 10 %
+    assert not engine_idle.verdicts_for(run, 12)[0]["pass"]
+    run["staleness_tokens_median"] = [0, 0] + [2.0] * 10
+    assert not engine_idle.verdicts_for(run, 12)[1]["pass"]
+    assert engine_idle.verdicts_for(run, 3) == []  # a quick run is too short to judge

@@ -128,9 +128,11 @@ def weight_sync_result() -> dict[str, Any]:
 def engine_idle_result() -> dict[str, Any]:
     run0 = {"idle": [0.9, 0.6, 0.5], "idle_median": 0.55, "step_s": [4.0], "calls": 20, "seconds": 90.0}
     run1 = {"idle": [0.9, 0.3, 0.2], "idle_median": 0.25, "step_s": [3.0], "calls": 22, "seconds": 80.0}
+    adaptive = {"idle": [0.8, 0.1, 0.05], "idle_median": 0.075, "step_s": [3.0], "calls": 30, "seconds": 80.0,
+                "staleness_tokens_median": [0.0, 1.0, 1.0], "concurrency_limit": [4.0, 5.0, 6.0]}  # fmt: skip
     return {
-        "config": {"engine": "vllm", "steps": 3, "quick": True},
-        "runs": {"0": run0, "1": run1},
+        "config": {"engine": "vllm", "steps": 3, "quick": True, "arms": {"0": ["--max-staleness", "0"]}},
+        "runs": {"0": run0, "1": run1, "1-adaptive": adaptive},
         "idle_ratio_1_vs_0": 0.25 / 0.55,
         "verdicts": [],
         "elapsed_s": 170.0,
@@ -172,6 +174,10 @@ def test_each_section_has_ratio_rows_against_its_baseline_and_the_verdicts() -> 
     assert [row.ratios for row in sync.rows[1:]] == [[], [60.0, 20.0], []]  # pauses have no baseline
     assert "adapter pushes (1.0M values) 1.00 (paused 0.20), 3.00 (paused 0.40) s" in sync.notes[0]
     assert "nccl: not measured" in sync.notes[-1]
+    idle = report.section("engine_idle", engine_idle_result())
+    assert [r for row in idle.rows for r in row.ratios] == pytest.approx([0.25 / 0.55, 0.075 / 0.55])
+    assert "staleness (median) per step 0 1 1; concurrency limit per step 4 5 6" in idle.notes[2]
+    assert idle.headline == "arms 0, 1, 1-adaptive: 0.55 -> 0.25 -> 0.07 idle of a step"
     soak = report.section("soak", soak_result(), seconds=12.0)
     measures = [row.measure for row in soak.rows]
     assert "server RSS, end vs start" in measures and "journal bytes, written vs expected" in measures
