@@ -17,7 +17,9 @@ A full-weight push (:meth:`VLLMEngine.push_weights`), in order:
    transport's ``send()``: the HTTP call returns only once the workers have received every tensor, so
    sending after it returned would deadlock, and sending before it started would have no receiver;
 4. ``POST /finish_weight_update {"weight_version": "<version>"}``: workers finalise the reload;
-5. ``POST /reset_prefix_cache``: no cached KV block computed with the old weights is reused;
+5. ``POST /reset_prefix_cache``: no cached KV block computed with the old weights is reused (vLLM answers
+   ``{"success": false}`` while requests hold blocks, as frozen ones do; with ``pause_mode="keep"`` it is
+   ``?reset_running_requests=true``, which preempts them, to be recomputed on the new weights);
 6. ``POST /resume`` (skipped when the caller paused; the caller resumes).
 
 With a :class:`~harness_trainer.engines.weight_sync.FileWeightSync` as ``weight_sync`` (the ``file`` path,
@@ -276,7 +278,7 @@ class VLLMEngine:
                 json={"weight_version": str(version)},
                 timeout=self._sync_timeout,
             )
-            await self._routes.call("POST", "/reset_prefix_cache")
+            await self._reset_prefix_cache()
 
     async def stage_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:
         """Do the part of a push that needs no pause, ahead of it: on the ``file`` path, check the tensors
@@ -319,7 +321,23 @@ class VLLMEngine:
                 await self._roll_back(sync, exc)
             sync.committed(folder)
             await self._routes.call("POST", "/update_weight_version", json={"new_version": str(version)})
-            await self._routes.call("POST", "/reset_prefix_cache")
+            await self._reset_prefix_cache()
+
+    async def _reset_prefix_cache(self) -> None:
+        """Drop every cached KV block. vLLM refuses (``{"success": false}``, status 200) while a request holds
+        blocks, as frozen ones do under ``pause_mode="keep"``: those are preempted then, to be recomputed on
+        the new weights after the resume (``reset_running_requests``).
+
+        Raises:
+            EngineUnavailable: vLLM did not reset it: requests after the push could reuse old weights' KV.
+        """
+        params = {"reset_running_requests": "true"} if self.pause_mode == "keep" else None
+        answer = await self._routes.call("POST", "/reset_prefix_cache", params=params)
+        if answer.json().get("success") is False:
+            raise EngineUnavailable(
+                f"vLLM {self.base_url} did not reset its prefix cache after the push (blocks still held): "
+                "later requests could reuse KV computed with the old weights"
+            )
 
     async def _reload(self, folder: Path | str) -> None:
         await self._routes.call(
@@ -332,7 +350,7 @@ class VLLMEngine:
         try:
             folder = sync.last_good or await self._served_model_root()
             await self._reload(folder)
-            await self._routes.call("POST", "/reset_prefix_cache")
+            await self._reset_prefix_cache()
         except EngineUnavailable as again:
             raise EngineUnavailable(
                 f"{failure}; rolling back to the previous weights failed too ({again}): the engine stays "

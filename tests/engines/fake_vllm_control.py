@@ -26,7 +26,8 @@ Routes, methods, query parameters, bodies, status codes and error shapes are vLL
 - ``GET /server_info`` -> ``{"vllm_config": {"model_config", "weight_transfer_config", "lora_config"}}``
   (only the parts read here; vLLM's holds the whole config).
 - ``GET /v1/models`` -> ``{"object": "list", "data": [{"id", "root", ...}]}``.
-- ``POST /reset_prefix_cache`` -> ``{"success": true}``.
+- ``POST /reset_prefix_cache[?reset_running_requests=true]`` -> ``{"success": true}``; ``{"success":
+  false}`` while a generation is in flight, unless ``reset_running_requests`` (which preempts it).
 - ``POST /v1/load_lora_adapter {"lora_name", "lora_path"}`` -> 200, plain text ``Success: LoRA adapter
   'NAME' added successfully.``; a name already loaded -> 400; no adapter at the path -> 404.
 - ``POST /v1/unload_lora_adapter {"lora_name"}`` -> 200 plain text; an unknown name -> 404.
@@ -129,6 +130,8 @@ class FakeVLLM:
     updating: bool = False
     update_in_flight: bool = False
     prefix_cache_resets: int = 0
+    blocks_held: bool = False
+    """Play a request holding KV blocks whatever runs (vLLM then refuses a plain prefix-cache reset)."""
 
     def __post_init__(self) -> None:
         self.group = FakeGroup(self.rendezvous_timeout_s)
@@ -328,6 +331,9 @@ class FakeVLLM:
         return web.json_response({"message": "Weight update finished"})
 
     async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+        held = self._running or self.blocks_held
+        if held and request.query.get("reset_running_requests", "false").lower() != "true":
+            return web.json_response({"success": False})  # its blocks are held
         self.prefix_cache_resets += 1
         return web.json_response({"success": True})
 

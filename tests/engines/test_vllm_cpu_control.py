@@ -157,6 +157,8 @@ async def test_a_keep_pause_freezes_the_generation_in_flight_through_a_push_and_
             await asyncio.sleep(0.5)
             await engine.pause()
             assert not generating.done(), "mode=keep returns with the generation frozen, not drained"
+            # Its blocks are held: a plain reset is refused, so the push preempts it to reset the cache.
+            assert (await http.post("/reset_prefix_cache")).json() == {"success": False}
             await engine.stage_weights(own, version=13)
             await engine.push_weights(own, version=13)
             assert not generating.done(), "a frozen generation stays frozen through the push"

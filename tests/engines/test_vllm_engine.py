@@ -112,8 +112,21 @@ async def test_a_keep_push_freezes_instead_of_draining_and_times_its_pause(serve
     await engine.push_weights(tensors(), version=3)
 
     assert next(c.query for c in served.fake.calls if c.route == "POST /pause") == {"mode": "keep"}
+    reset = next(c.query for c in served.fake.calls if c.route == "POST /reset_prefix_cache")
+    assert reset == {"reset_running_requests": "true"}  # frozen requests hold blocks: preempted
     assert engine.last_pause_s is not None and engine.last_pause_s > 0
-    assert not served.fake.paused
+    assert not served.fake.paused and served.fake.prefix_cache_resets == 1
+
+
+async def test_a_prefix_cache_vllm_did_not_reset_fails_the_push(serve_fake) -> None:
+    served = await serve_fake(world_size=1, blocks_held=True)
+    engine, _ = engine_for(served.url, served.fake)
+
+    with pytest.raises(EngineUnavailable, match="did not reset its prefix cache"):
+        await engine.push_weights(tensors(), version=4)
+    assert served.fake.paused  # a push that fails after pausing leaves the engine paused
+    served.fake.blocks_held = False
+    assert await engine.push_weights(tensors(), version=4) == 4 and served.fake.prefix_cache_resets == 1
 
 
 def test_a_pause_mode_vllm_would_lose_calls_in_or_lora_with_keep_is_refused() -> None:
