@@ -181,6 +181,12 @@ class RolloutFeed:
         with_trace = bool(every) and (group.index // self.args.groups_per_step + 1) % every == 0
         self.rollout_log.write([member_record(group, rollout, with_trace=with_trace)])
 
+    def step_done(self) -> None:
+        """The step trained the groups it took (or dropped them) and pushed its weights: their admission
+        places go to new groups, which sample on those weights."""
+        if self.scheduler is not None:
+            self.scheduler.release()
+
     def live_sessions(self) -> int:
         """The sessions rolling out now."""
         return self.scheduler.live_sessions() if self.scheduler is not None else 0
@@ -353,6 +359,7 @@ def scheduler_config(
         max_unexpected_errors=args.max_unexpected_errors,
         concurrency_limit=adaptive.limit if adaptive is not None else None,
         fail_fast_rollouts=args.fail_fast_rollouts,
+        hold_taken=True,  # a group's place is freed after its step's push: max_staleness holds exactly
     )
 
 

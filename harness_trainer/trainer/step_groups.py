@@ -133,9 +133,9 @@ class StepGroups:
         """The next ``groups_per_step`` groups with at least two scored members, in admission order; with
         ``drop_zero_variance_groups``, only groups whose scored members' rewards differ.
 
-        Every group dropped is replaced by the next one. That stays within the staleness bound: a step
-        that drops groups takes more than ``groups_per_step`` of them, so fewer policy versions pass
-        between a group's admission (bounded by the scheduler's admission limit) and its training.
+        Every group dropped is replaced by the next one, its admission place freed at once (the trainer
+        frees the kept ones' after the step's push: :meth:`.RolloutFeed.step_done`). That stays within the
+        staleness bound: the replacement samples on weights no older than the dropped group's did.
 
         None when the run stops: asked to (``stop``), or ``max_zero_variance_groups_in_a_row`` groups in a
         row were dropped with every scored member passing (``pass_reward``): the policy has solved what it
@@ -159,6 +159,7 @@ class StepGroups:
             if len(group.scored) < 2:
                 self._note_dropped(group)
                 self.dropped.append(group)
+                self.scheduler.release(1)  # never trained: its place goes to the group replacing it
                 dropped_in_a_row += 1
                 if dropped_in_a_row >= MAX_CONSECUTIVE_DROPPED_GROUPS:
                     reasons = sorted({r.unscorable or "ungraded" for r in group.rollouts})
@@ -171,6 +172,7 @@ class StepGroups:
             if args.drop_zero_variance_groups and _zero_variance(group):
                 self.dropped.append(group)
                 self.zero_variance.append(group)
+                self.scheduler.release(1)
                 zero_variance_in_a_row += 1
                 if zero_variance_in_a_row >= args.max_zero_variance_groups_in_a_row:
                     streak = self.zero_variance[-zero_variance_in_a_row:]

@@ -270,6 +270,8 @@ class HarnessAsyncGRPOTrainer:
                     break
                 waited = time.monotonic() - started
                 metrics = self._step(share)
+                if feed is not None:
+                    feed.step_done()
                 metrics["perf/wait_s"] = waited
                 metrics["perf/step_s"] = time.monotonic() - started
                 # The share of the step the trainer was ready but no group was complete.

@@ -81,6 +81,27 @@ def test_admission_stops_at_the_staleness_bound_until_groups_are_taken() -> None
         scheduler.stop()
 
 
+def test_with_hold_taken_a_taken_group_keeps_its_place_until_it_is_released() -> None:
+    factory = HandmadeFactory()
+    scheduler = make(factory, admission_limit=2, max_concurrent_rollouts=8, hold_taken=True)
+    try:
+        time.sleep(1.0)
+        assert len(factory.created) == 2 * 4
+        take(scheduler, 1)
+        time.sleep(1.0)
+        assert len(factory.created) == 2 * 4, "taken but not released: its step has not pushed yet"
+        scheduler.release()
+        deadline = time.monotonic() + 10
+        while len(factory.created) < 3 * 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(factory.created) == 3 * 4
+        scheduler.release(5)  # no more than was taken is freed
+        time.sleep(1.0)
+        assert len(factory.created) == 3 * 4
+    finally:
+        scheduler.stop()
+
+
 def test_failed_starts_shrink_the_group_and_timeouts_stay_scored() -> None:
     factory = HandmadeFactory(fail_start=lambda n: n % 4 == 0, time_out=lambda n: n % 4 == 1)
     scheduler = make(factory)

@@ -416,3 +416,21 @@ def test_the_run_record_has_each_rollout_as_it_finished_why_it_did_not_train_and
     (line,) = metrics_lines(tmp_path / "out")
     assert line["perf/rollout_llm_s"] == pytest.approx(1.0) and line["perf/rollout_env_s"] == 0.0
     assert line["perf/rollout_other_s"] == pytest.approx(sum(r.other_s for r in first) / 4)
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_no_trained_rollout_lags_more_than_max_staleness_versions(tmp_path, tiny_model_dir, max_staleness):
+    # Rollouts start the moment a place frees; were it freed at the take, the next group would sample on
+    # the weights the taken one is trained from, and lag max_staleness + 1 versions when trained.
+    factory = HandmadeFactory()
+    trainer = HarnessAsyncGRPOTrainer(
+        str(tiny_model_dir), builder(factory),
+        config(tmp_path, max_staleness=max_staleness, max_steps=4, max_concurrent_rollouts=8),
+    )  # fmt: skip
+    trainer.train()
+    lines = metrics_lines(tmp_path / "out")
+    assert [line["step"] for line in lines] == [1, 2, 3, 4]
+    assert max(line["staleness/max"] for line in lines) <= max_staleness
+    if max_staleness:  # asynchrony is used: later groups did sample while a step trained
+        assert max(line["staleness/max"] for line in lines) == max_staleness
+    assert not factory.live and factory.closed == len(factory.created)

@@ -142,7 +142,8 @@ class _ConfigFields(
 
     @property
     def admission_limit(self) -> int:
-        """Groups in flight plus buffered that the scheduler allows: (max_staleness + 1) × groups_per_step."""
+        """Groups in flight, buffered, or taken by a step whose weights are not pushed yet, that the
+        scheduler allows: (max_staleness + 1) × groups_per_step."""
         assert self.groups_per_step is not None
         return (self.max_staleness + 1) * self.groups_per_step
 

@@ -6,7 +6,10 @@ most ``concurrency_limit`` sessions are live (``max_concurrent_rollouts`` unless
 scheduler runs, :meth:`RolloutScheduler.set_concurrency_limit`: a lower limit stops new sessions from
 starting until fewer are live, and cancels none); a new group is admitted only while groups in flight plus
 groups finished but not yet taken stay within ``admission_limit`` ((max_staleness + 1) × groups per step),
-which bounds how stale a trained rollout can be.
+which bounds how stale a trained rollout can be. With ``hold_taken`` (the trainer's), a taken group keeps
+its place until :meth:`RolloutScheduler.release` frees it (its step trained and its weights pushed, or it
+was dropped): released at the take instead, the next group would start sampling on the weights the taken
+one is about to be trained from, one version more than ``max_staleness`` behind when it is trained.
 The trainer takes finished groups in admission order, so the data order is reproducible and a resumed run
 starts at the first group it had not taken.
 
@@ -111,6 +114,9 @@ class SchedulerConfig:
     """Sessions live at once at the start, in [1, max_concurrent_rollouts]; None: max_concurrent_rollouts."""
     fail_fast_rollouts: int = 0
     """When the first this many rollouts all fail one infrastructure way, stop (:mod:`.first_rollouts`)."""
+    hold_taken: bool = False
+    """A taken group counts against ``admission_limit`` until :meth:`RolloutScheduler.release` (module
+    docstring); False: until it is taken."""
 
 
 def row_order(num_rows: int, group: int, *, seed: int, shuffle: bool) -> int:
@@ -147,6 +153,7 @@ class RolloutScheduler:
         self.on_rollout_done = on_rollout_done
         self.next_to_take = start_group
         self._next_to_admit = start_group
+        self._released = start_group
         self._start_group_index = start_group
         self._finished: dict[int, Group] = {}
         self._cond = threading.Condition()
@@ -207,6 +214,15 @@ class RolloutScheduler:
         if self._space is not None:
             self._loop.call_soon_threadsafe(self._space.set)
         return group
+
+    def release(self, count: int | None = None) -> None:
+        """Free the admission places of ``count`` more taken groups (None: of every group taken so far);
+        only meaningful with ``hold_taken``. Any thread."""
+        with self._cond:
+            freed = self.next_to_take if count is None else self._released + count
+            self._released = min(max(freed, self._released), self.next_to_take)
+        if self._space is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._space.set)
 
     def live_sessions(self) -> int:
         return len(self._live)
@@ -300,7 +316,8 @@ class RolloutScheduler:
         self._space = asyncio.Event()
         while not self._stopping.is_set():
             with self._cond:
-                in_system = self._next_to_admit - self.next_to_take
+                held = self._released if self.config.hold_taken else self.next_to_take
+                in_system = self._next_to_admit - held
             if in_system >= self.config.admission_limit or self._admitted_all():
                 self._space.clear()
                 await self._space.wait()
