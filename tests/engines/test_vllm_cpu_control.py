@@ -148,26 +148,38 @@ async def test_a_keep_pause_freezes_the_generation_in_flight_through_a_push_and_
     engine = VLLMEngine(vllm_url, weight_sync=FileWeightSync(tmp_path / "sync"), pause_mode="keep")
     # The checkpoint's own weights: the served model stays what the other vllm_cpu tests expect.
     own = engine_weights(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32))
+    chunks: list[dict[str, Any]] = []
+    streaming = asyncio.Event()
+
+    async def generate(http: httpx.AsyncClient) -> None:
+        body = {
+            "model": "tiny", "messages": [{"role": "user", "content": "go"}], "max_tokens": 3000,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+        }  # fmt: skip
+        async with http.stream("POST", "/v1/chat/completions", json=body) as reply:
+            async for line in reply.aiter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line.removeprefix("data: ")))
+                    streaming.set()
+
     try:
-        async with httpx.AsyncClient(base_url=vllm_url, timeout=120) as http:
-            long = {"model": "tiny", "messages": [{"role": "user", "content": "go"}], "max_tokens": 1500}
-            generating = asyncio.create_task(
-                http.post("/v1/chat/completions", json={**long, "ignore_eos": True})
-            )
-            await asyncio.sleep(0.5)
+        async with httpx.AsyncClient(base_url=vllm_url, timeout=300) as http:
+            generating = asyncio.create_task(generate(http))
+            await asyncio.wait_for(streaming.wait(), 60)
             await engine.pause()
-            assert not generating.done(), "mode=keep returns with the generation frozen, not drained"
-            # Its blocks are held: a plain reset is refused, so the push preempts it to reset the cache.
-            assert (await http.post("/reset_prefix_cache")).json() == {"success": False}
+            frozen_at = len(chunks)
+            await asyncio.sleep(1.0)
+            assert not generating.done() and len(chunks) <= frozen_at + 2, "mode=keep freezes, not drains"
             await engine.stage_weights(own, version=13)
             await engine.push_weights(own, version=13)
             assert not generating.done(), "a frozen generation stays frozen through the push"
             assert (await http.get("/is_paused")).json() == {"is_paused": True}
             await engine.resume()
-            reply = (await generating).json()
-            assert reply["usage"]["completion_tokens"] == 1500, reply
+            await asyncio.wait_for(generating, 240)
+            usage = next(c["usage"] for c in reversed(chunks) if c.get("usage"))
+            assert usage["completion_tokens"] == 3000, usage
             assert await engine.served_version() == 13
-        assert engine.last_pause_s is not None and engine.last_pause_s > 0
+        assert engine.last_pause_s is not None and engine.last_pause_s > 1.0
     finally:
         engine.close()
 

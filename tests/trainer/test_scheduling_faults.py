@@ -399,18 +399,20 @@ def test_a_session_made_just_before_the_event_loop_died_is_closed_by_the_stop() 
     # The loop dies with the made session's hand-over queued behind its death: the caller never resumes to
     # register it, so only the thread that made it can, for the stop to close it.
     holder: list[RolloutScheduler] = []
+    made = threading.Event()  # the first create may run before make() returns the scheduler
 
     def die() -> None:
         time.sleep(0.3)  # the maker's thread is past its stop check by now
         raise SystemExit("the loop's thread ends")
 
     def queue_death(n: int) -> bool:
-        if n == 0:
+        if n == 0 and made.wait(PROMPT_S):
             holder[0]._loop.call_soon_threadsafe(die)
         return False
 
     factory = HandmadeFactory(hang=lambda n: True, fail_start=queue_death)
     holder.append(scheduler := make(factory))
+    made.set()
     try:
         with pytest.raises(RolloutSchedulerError, match="event loop thread died"):
             take(scheduler, 1)
