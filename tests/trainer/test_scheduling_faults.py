@@ -373,6 +373,27 @@ def test_a_group_task_that_dies_is_raised_from_next_group(monkeypatch: pytest.Mo
         scheduler.stop()
 
 
+def kill_the_loop(scheduler: RolloutScheduler, after_s: float = 0.0) -> None:
+    """Queue a BaseException (which leaves ``run_forever``) on ``scheduler``'s loop, raised ``after_s`` in."""
+
+    def die() -> None:
+        time.sleep(after_s)
+        raise SystemExit("the loop's thread ends")
+
+    scheduler._loop.call_soon_threadsafe(die)
+
+
+def take_after_the_loop_died(scheduler: RolloutScheduler) -> tuple[BaseException, float]:
+    """What ``take`` raised once the loop died, and the seconds the stop after it took."""
+    try:
+        with pytest.raises(RolloutSchedulerError, match="event loop thread died: SystemExit") as raised:
+            take(scheduler, 1)
+    finally:
+        started = time.monotonic()
+        scheduler.stop()
+    return raised.value, time.monotonic() - started
+
+
 def test_an_event_loop_thread_that_dies_is_raised_and_its_sessions_are_closed() -> None:
     factory = HandmadeFactory(hang=lambda n: True)
     scheduler = make(factory)
@@ -380,18 +401,10 @@ def test_an_event_loop_thread_that_dies_is_raised_and_its_sessions_are_closed() 
     while len(factory.live) < 4 and time.monotonic() < deadline:
         time.sleep(0.01)
 
-    def die() -> None:
-        raise SystemExit("the loop's thread ends")  # a BaseException leaves run_forever
-
-    scheduler._loop.call_soon_threadsafe(die)
-    try:
-        with pytest.raises(RolloutSchedulerError, match="event loop thread died: SystemExit") as raised:
-            take(scheduler, 1)
-    finally:
-        started = time.monotonic()
-        scheduler.stop()
-    assert time.monotonic() - started < PROMPT_S
-    assert isinstance(raised.value.__cause__, SystemExit)
+    kill_the_loop(scheduler)
+    raised, stop_s = take_after_the_loop_died(scheduler)
+    assert stop_s < PROMPT_S
+    assert isinstance(raised.__cause__, SystemExit)
     assert not factory.live and factory.closed == len(factory.created)
 
 
@@ -401,23 +414,15 @@ def test_a_session_made_just_before_the_event_loop_died_is_closed_by_the_stop() 
     holder: list[RolloutScheduler] = []
     made = threading.Event()  # the first create may run before make() returns the scheduler
 
-    def die() -> None:
-        time.sleep(0.3)  # the maker's thread is past its stop check by now
-        raise SystemExit("the loop's thread ends")
-
     def queue_death(n: int) -> bool:
         if n == 0 and made.wait(PROMPT_S):
-            holder[0]._loop.call_soon_threadsafe(die)
+            kill_the_loop(holder[0], after_s=0.3)  # the maker's thread is past its stop check by then
         return False
 
     factory = HandmadeFactory(hang=lambda n: True, fail_start=queue_death)
     holder.append(scheduler := make(factory))
     made.set()
-    try:
-        with pytest.raises(RolloutSchedulerError, match="event loop thread died"):
-            take(scheduler, 1)
-    finally:
-        scheduler.stop()
+    take_after_the_loop_died(scheduler)
     assert factory.created and not factory.live and factory.closed == len(factory.created)
 
 
