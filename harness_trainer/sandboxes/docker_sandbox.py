@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from harness_trainer.finish import finish
 from harness_trainer.sandboxes.base import ExecResult, Lifetime, SandboxError, resolve_path
 from harness_trainer.sandboxes.docker_daemon import as_root, sdk, tar_of
 from harness_trainer.sandboxes.docker_scripts import KILL, WRAP
@@ -177,12 +178,16 @@ class DockerSandbox:
         self._lifetime.start(seconds, self.close)
 
     async def close(self) -> None:
-        """Remove the container and everything in it; idempotent, never raises."""
+        """Remove the container and everything in it; idempotent, never raises, and finishes when its caller
+        is cancelled meanwhile (:func:`~harness_trainer.finish.finish`)."""
         if self._closed:
             return
         self._closed = True
         self._lifetime.cancel()
         self._relay.close()
+        await finish(self._remove())
+
+    async def _remove(self) -> None:
         try:
             await self._backend.remove(self.container)
             if self.sidecars is not None:

@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import harness_trainer.sandboxes.dockerfile as dockerfile
+from harness_trainer.finish import finish
 from harness_trainer.sandboxes.base import (
     AgentProvision,
     Capabilities,
@@ -65,7 +66,7 @@ from harness_trainer.sandboxes.base import (
     resolve_path,
     sandbox_lifetime,
 )
-from harness_trainer.sandboxes.e2b_errors import RETRIED, Kind, classify, retry_delay_s, tries_allowed
+from harness_trainer.sandboxes.e2b_errors import classify, create_failure, retry_delay_s, tries_allowed
 from harness_trainer.sandboxes.e2b_runs import kill_run, new_owner, sandbox_metadata
 from harness_trainer.sandboxes.e2b_sdk import sdk
 from harness_trainer.sandboxes.e2b_snapshots import E2BSnapshots
@@ -231,10 +232,14 @@ class E2BSandbox:
             raise SandboxError(f"sandbox {self.id}: `{command[:200]}` failed: {result.stderr[-500:]}")
 
     async def close(self) -> None:
-        """Kill the sandbox; idempotent, never raises."""
+        """Kill the sandbox; idempotent, never raises, and finishes when its caller is cancelled meanwhile
+        (:func:`~harness_trainer.finish.finish`)."""
         if self._closed:
             return
         self._closed = True
+        await finish(self._kill())
+
+    async def _kill(self) -> None:
         try:
             await self.sdk_sandbox.kill()
         except Exception as exc:  # close must not raise; E2B reaps it at its timeout anyway
@@ -443,7 +448,7 @@ class E2BSandboxBackend(E2BSnapshots):
                 kind = classify(exc)
                 if attempt >= tries_allowed(kind, self.create_attempts):
                     source = f"{'snapshot' if template in self._held else 'template'} {template!r}"
-                    raise SandboxStartError(_create_failure(task, source, attempt, kind, exc)) from exc
+                    raise SandboxStartError(create_failure(task.name, source, attempt, kind, exc)) from exc
                 delay = retry_delay_s(
                     kind, attempt, base_s=self.retry_backoff_s, rate_limit_base_s=self.rate_limit_backoff_s
                 )
@@ -477,17 +482,6 @@ class E2BSandboxBackend(E2BSnapshots):
         await self.drop_all()
         if self._unclaimed:
             await asyncio.wait(list(self._unclaimed), timeout=60)
-
-
-def _create_failure(task: HarborTask, source: str, tries: int, kind: Kind, exc: Exception) -> str:
-    """The start error's text (``source``: ``template 'x'`` or ``snapshot 'y'``): how many tries, the last
-    error's kind and its text."""
-    if kind in RETRIED or kind is Kind.UNKNOWN:
-        head = f"E2B sandbox for {task.name} ({source}) did not start"
-    else:
-        head = f"E2B refused to create a sandbox for {task.name} ({source})"
-    count = "1 try" if tries == 1 else f"{tries} tries"
-    return f"{head} after {count}; last error: {kind} ({type(exc).__name__}): {exc}"
 
 
 def _dockerfile_workdir(task: HarborTask) -> str:

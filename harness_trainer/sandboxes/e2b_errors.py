@@ -130,3 +130,14 @@ def retry_delay_s(
     backs off from the longer ``rate_limit_base_s`` instead."""
     base = rate_limit_base_s if kind is Kind.RATE_LIMITED else base_s
     return create_retry.backoff_s(base, attempt, draw)
+
+
+def create_failure(task_name: str, source: str, tries: int, kind: Kind, exc: Exception) -> str:
+    """A failed create's start error text (``source``: ``template 'x'`` or ``snapshot 'y'``): how many
+    tries, the last error's kind and its text."""
+    if kind in RETRIED or kind is Kind.UNKNOWN:
+        head = f"E2B sandbox for {task_name} ({source}) did not start"
+    else:
+        head = f"E2B refused to create a sandbox for {task_name} ({source})"
+    count = "1 try" if tries == 1 else f"{tries} tries"
+    return f"{head} after {count}; last error: {kind} ({type(exc).__name__}): {exc}"

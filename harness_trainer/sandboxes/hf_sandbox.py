@@ -33,6 +33,7 @@ from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any, TypeVar
 
+from harness_trainer.finish import finish
 from harness_trainer.sandboxes.base import ExecResult, Lifetime, SandboxError, resolve_path
 from harness_trainer.sandboxes.hf_sdk import pack
 
@@ -250,11 +251,15 @@ class HfSandbox:
 
     async def close(self) -> None:
         """Kill the sandbox (a dedicated one's job is cancelled; a pooled one leaves its host), unless its job
-        has ended already; idempotent, never raises."""
+        has ended already; idempotent, never raises, and finishes when its caller is cancelled meanwhile
+        (:func:`~harness_trainer.finish.finish`)."""
         if self._closed:
             return
         self._closed = True
         self._lifetime.cancel()
+        await finish(self._kill())
+
+    async def _kill(self) -> None:
         try:
             if self.ended is None:  # an ended job took the sandbox with it: nothing to kill
                 await self.call(self.sdk_sandbox.kill)

@@ -84,6 +84,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import harness_trainer.sandboxes.dockerfile as dockerfile
+from harness_trainer.finish import finish
 from harness_trainer.sandboxes.base import (
     AgentProvision,
     Capabilities,
@@ -238,11 +239,15 @@ class LocalSandbox:
         self._lifetime.start(seconds, self.close)
 
     async def close(self) -> None:
-        """Kill every process of the sandbox and delete its root; idempotent, never raises."""
+        """Kill every process of the sandbox and delete its root; idempotent, never raises, and finishes when
+        its caller is cancelled meanwhile (:func:`~harness_trainer.finish.finish`)."""
         if self._closed:
             return
         self._closed = True
         self._lifetime.cancel()
+        await finish(self._remove())
+
+    async def _remove(self) -> None:
         try:
             await self._namespace.kill()
         finally:

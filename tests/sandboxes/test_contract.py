@@ -302,3 +302,45 @@ async def test_prepare_is_idempotent_concurrent_and_starts_nothing(
         assert (await sandbox.exec("true")).exit_code == 0
     finally:
         await sandbox.close()
+
+
+def left_behind(sandbox: Any) -> list[str]:
+    """What of a closed sandbox is still there, where this machine can see it: the local root, the Docker
+    container, the fake E2B cloud's files (HF: its kill is one call, checked by ``closed`` and the Hub)."""
+    from harness_trainer.sandboxes.docker_sandbox import DockerSandbox
+    from harness_trainer.sandboxes.e2b import E2BSandbox
+    from harness_trainer.sandboxes.local import LocalSandbox
+
+    if isinstance(sandbox, LocalSandbox):
+        return [str(sandbox.root)] if sandbox.root.exists() else []
+    if isinstance(sandbox, E2BSandbox):
+        folder = sandbox.sdk_sandbox.rootfs.folder
+        return [str(folder)] if folder.exists() or not sandbox.sdk_sandbox.killed else []
+    if isinstance(sandbox, DockerSandbox):
+        import docker
+
+        client = docker.from_env()
+        try:
+            return [c.id for c in client.containers.list(all=True) if c.id == sandbox.container]
+        finally:
+            client.close()
+    return []
+
+
+async def test_a_close_cancelled_twice_half_way_still_ends_the_sandbox(
+    backend: SandboxBackend, make_task: TaskFactory
+) -> None:
+    """A rollout cancelled while it closes its sandbox (a stopping run cancels it again) still ends it
+    entirely: the close runs to its end, then its caller's cancellation is raised."""
+    sandbox = await backend.start(make_task(), lifetime_s=60)
+    tag = marker()
+    await sandbox.exec(f"nohup sleep {tag} >/dev/null 2>&1 &")
+    closing = asyncio.ensure_future(sandbox.close())
+    for _ in range(2):
+        await asyncio.sleep(0)  # the close has begun, and is cut where it first waits
+        closing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    assert not wait_until_gone(f"sleep {tag}")
+    assert left_behind(sandbox) == []
+    assert sandbox not in backend.live

@@ -26,12 +26,12 @@ made, so a server without it still serves black-box rollouts.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
+from harness_trainer.finish import finish
 from harness_trainer.rollouts.result import EnvironmentOptions, EnvironmentVerdict
 from harness_trainer.rollouts.server.sandbox_meter import SandboxMeter
 from harness_trainer.rollouts.server.verifier import run_verifier, upload_tests
@@ -237,9 +237,7 @@ class Environment:
         sandbox, self.sandbox = self.sandbox, None
         if sandbox is None:
             return
-        closing = asyncio.ensure_future(self.meter.close(sandbox))
-        while not closing.done():  # finish closing even if the caller is cancelled meanwhile
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.shield(closing)
-        if not closing.cancelled() and (exc := closing.exception()) is not None:
+        try:
+            await finish(self.meter.close(sandbox))
+        except Exception as exc:
             log.warning("closing the sandbox of a white-box session on %s failed: %r", self.task.name, exc)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from capture_proxy.admin_client import CaptureClient, CaptureError, NothingTrainable
+from harness_trainer.finish import finish
 from harness_trainer.harnesses import make_harness
 from harness_trainer.harnesses.base import AgentEndpoint, AgentRun, Harness, HarnessError
 from harness_trainer.harnesses.bundles import provision
@@ -147,9 +148,11 @@ async def run_rollout(
         result.error, result.error_kind = f"unexpected {type(exc).__name__}: {exc}", "unexpected"
     finally:
         with _phase(result, "cleanup"):
-            await _cleanup(capture, session_id, sandbox, meter)
-            if sandbox is not None and setups is not None:
-                setups.closed(sandbox)
+            try:
+                await finish(_cleanup(capture, session_id, sandbox, meter))
+            finally:
+                if sandbox is not None and setups is not None:
+                    setups.closed(sandbox)
         result.sandbox_seconds = round(meter.seconds, 4)
     if result.error is not None:
         result.reward, result.trace = None, None
@@ -299,7 +302,7 @@ async def _until_stopped(agent: Coroutine[Any, Any, AgentRun], stop: asyncio.Eve
         await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
         task.cancel()  # the rollout is being cancelled: the agent goes with it, its commands killed
-        await _finish(task)
+        await finish(task)
         raise
     finally:
         stopper.cancel()
@@ -329,28 +332,18 @@ async def _export(capture: CaptureClient, session_id: str) -> dict[str, Any]:
     return raw
 
 
-async def _finish(awaitable: Any) -> None:
-    """Await ``awaitable`` to its end even if the caller is cancelled meanwhile (cleanup must complete)."""
-    task = asyncio.ensure_future(awaitable)
-    while not task.done():
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.shield(task)
-    if not task.cancelled() and task.exception() is not None:
-        raise task.exception()  # type: ignore[misc]
-
-
 async def _cleanup(
     capture: CaptureClient, session_id: str | None, sandbox: Sandbox | None, meter: SandboxMeter
 ) -> None:
     """Close the sandbox (through ``meter``) and delete the capture session; both always attempted, neither
-    raises."""
+    raises (the caller finishes it through its cancellations)."""
     if sandbox is not None:
         try:
-            await _finish(meter.close(sandbox))
+            await meter.close(sandbox)
         except Exception:  # cleanup must reach the capture session too
             log.warning("closing sandbox failed", exc_info=True)
     if session_id is not None:
         try:
-            await _finish(capture.delete(session_id))
+            await capture.delete(session_id)
         except Exception:  # a leftover capture session is logged, not fatal
             log.warning("deleting capture session %s failed", session_id, exc_info=True)
