@@ -75,7 +75,10 @@ class Sandbox(Protocol):
         """Copy a local directory's contents into ``remote`` (created)."""
         ...
 
-    async def close(self) -> None: ...
+    async def close(self) -> None:
+        """End the sandbox and everything in it; idempotent, never raises. A close whose caller is cancelled
+        meanwhile runs to its end first, then raises the cancellation (a half-done close leaks)."""
+        ...
 
 
 def resolve_path(path: str, *, workdir: str, home: str) -> str:
