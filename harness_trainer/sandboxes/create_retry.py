@@ -28,3 +28,10 @@ def backoff_s(base_s: float, attempt: int, draw: Callable[[], float] = random.ra
     """Seconds to wait after failed try ``attempt`` (1-based): ``base_s`` doubled per try, capped at
     :data:`MAX_DELAY_S`, times a jitter in [0.5, 1) from ``draw``."""
     return min(MAX_DELAY_S, base_s * 2 ** (attempt - 1)) * (0.5 + 0.5 * draw())
+
+
+def failure_text(head: str, tries: int, kind: str, exc: Exception) -> str:
+    """A failed create's start error: ``head`` (who failed to start what), how many tries, the last error's
+    kind and its text."""
+    count = "1 try" if tries == 1 else f"{tries} tries"
+    return f"{head} after {count}; last error: {kind} ({type(exc).__name__}): {exc}"

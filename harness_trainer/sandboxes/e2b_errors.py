@@ -139,5 +139,4 @@ def create_failure(task_name: str, source: str, tries: int, kind: Kind, exc: Exc
         head = f"E2B sandbox for {task_name} ({source}) did not start"
     else:
         head = f"E2B refused to create a sandbox for {task_name} ({source})"
-    count = "1 try" if tries == 1 else f"{tries} tries"
-    return f"{head} after {count}; last error: {kind} ({type(exc).__name__}): {exc}"
+    return create_retry.failure_text(head, tries, kind, exc)

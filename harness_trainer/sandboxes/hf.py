@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 import harness_trainer.sandboxes.dockerfile as dockerfile
+from harness_trainer.sandboxes import create_retry
 from harness_trainer.sandboxes.base import (
     AgentProvision,
     Capabilities,
@@ -454,5 +455,4 @@ def _create_failure(task: HarborTask, image: str, tries: int, kind: Kind, exc: E
         head = f"HF sandbox for {task.name} (image {image!r}) did not start"
     else:
         head = f"Hugging Face refused to create a sandbox for {task.name} (image {image!r})"
-    count = "1 try" if tries == 1 else f"{tries} tries"
-    return f"{head} after {count}; last error: {kind} ({type(exc).__name__}): {exc}"
+    return create_retry.failure_text(head, tries, kind, exc)
