@@ -1,6 +1,6 @@
 """``python -m benchmarks``: run every benchmark of the project and write one report, ``BENCHMARKS.md``.
 
-Each benchmark (engine, proxy, rollouts, trainer, soak) runs as its own subprocess, ``python -m
+Each benchmark (``benchmarks.report.BENCHMARKS``) runs as its own subprocess, ``python -m
 benchmarks.<name> [--quick] --json FILE``, one after the other so they never compete for the machine,
 with the same settings every time (their defaults, or their ``--quick`` configurations). Its output is
 streamed here line by line, prefixed with its name. The report (``benchmarks/report.py``) describes the
@@ -17,7 +17,13 @@ others still run, and the exit status is 1. A MISS is a result, not a failure. C
 the running benchmark (with one SIGTERM, on which it stops its own servers) and writes nothing; so does a
 benchmark running past its time limit (then it counts as failed).
 
-Run: ``python -m benchmarks [--quick] [--only engine,soak] [--output BENCHMARKS.md] [--json-dir DIR]
+The learning benchmark takes hours in its full configuration, so the default run leaves it out
+(:data:`~benchmarks.report.LONG`; ``--long`` or ``--only learning`` runs it), and the GPU check cannot run
+here (:data:`~benchmarks.report.ELSEWHERE`). The report of a default run still has their sections, each
+saying why it is not in this run; the learning section carries its search log, every run it ever made
+with its commit and date.
+
+Run: ``python -m benchmarks [--quick] [--long] [--only engine,soak] [--output BENCHMARKS.md] [--json-dir DIR]
 [--update-readme] [--readme README.md]``.
 """
 
@@ -42,10 +48,19 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import stop_process
-from benchmarks.report import BENCHMARKS, readme_block, render_report, replace_block, section
+from benchmarks.report import (
+    BENCHMARKS,
+    ELSEWHERE,
+    LONG,
+    not_run_section,
+    readme_block,
+    render_report,
+    replace_block,
+    section,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
-TIMEOUT_S = {"quick": 600.0, "full": 7200.0}  # per benchmark
+TIMEOUT_S = {"quick": 600.0, "full": 7200.0, "long": 6 * 3600.0}  # per benchmark
 HIGH_LOAD_CORES = 0.5
 """Other processes' average CPU, in cores, above which a benchmark's run counts as disturbed and runs
 again once (fixed before any run; a quarter of this project's 2-core machine)."""
@@ -151,7 +166,8 @@ def run_one(name: str, quick: bool, json_dir: Path) -> tuple[dict[str, Any] | No
     process = subprocess.Popen(
         command, cwd=ROOT, stdout=pipe, stderr=merged, text=True, env=env, start_new_session=True
     )
-    watchdog = threading.Timer(TIMEOUT_S["quick" if quick else "full"], process.terminate)
+    limit = TIMEOUT_S["quick" if quick else "long" if name in LONG else "full"]
+    watchdog = threading.Timer(limit, process.terminate)
     watchdog.start()
     try:
         assert process.stdout is not None
@@ -192,7 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
     add = parser.add_argument
     add("--quick", action="store_true", help="every benchmark in its quick configuration (for tests)")
-    add("--only", default=",".join(BENCHMARKS), help=f"comma-separated, from {','.join(BENCHMARKS)}")
+    every = ",".join(BENCHMARKS)
+    add("--only", default=None, help=f"comma-separated, from {every} (default: all but --long's)")
+    add("--long", action="store_true", help=f"also the ones too long for the default run ({','.join(LONG)})")
     add("--output", type=Path, default=ROOT / "BENCHMARKS.md", help="the report (default BENCHMARKS.md)")
     add("--json-dir", type=Path, default=None, help="keep each benchmark's JSON result here")
     add("--update-readme", action="store_true", help="replace the README's benchmark block with the summary")
@@ -203,14 +221,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmarks, write the report (and the README block); 0, or 1 when one failed."""
     args = build_parser().parse_args(argv)
-    names = [name.strip() for name in args.only.split(",") if name.strip()]
+    default = [name for name in BENCHMARKS if args.long or name not in LONG]
+    names = default if args.only is None else [name.strip() for name in args.only.split(",") if name.strip()]
     names = sorted(set(names), key=lambda name: BENCHMARKS.index(name) if name in BENCHMARKS else -1)
+    # The whole run's report names what it left out and why; a chosen few (--only) is only those.
+    left_out = [] if args.only is not None else [n for n in (*BENCHMARKS, *ELSEWHERE) if n not in names]
     if unknown := [name for name in names if name not in BENCHMARKS]:
         build_parser().error(f"unknown benchmark(s) {unknown}; choose from {', '.join(BENCHMARKS)}")
     if args.update_readme and not args.readme.is_file():
         build_parser().error(f"no README at {args.readme}")
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops the running benchmark too
-    command = "python -m benchmarks" + (" --quick" if args.quick else "")
+    command = "python -m benchmarks" + (" --quick" if args.quick else "") + (" --long" if args.long else "")
     started, sections, failed = time.perf_counter(), [], False
     try:
         with tempfile.TemporaryDirectory(prefix="benchmarks-") as scratch:
@@ -222,6 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 sections.append(section(name, result, error, seconds))
                 sections[-1].notes.append(note)
                 failed = failed or bool(error)
+            sections += [not_run_section(name) for name in left_out]
     except KeyboardInterrupt:
         print("interrupted: the running benchmark was stopped; no report written", file=sys.stderr)
         return 130

