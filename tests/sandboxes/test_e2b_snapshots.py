@@ -16,7 +16,10 @@ pytest.importorskip("e2b")
 from e2b import SandboxNotFoundException
 
 from harness_trainer.launch.e2b_commands import _e2b_cleanup_run
-from harness_trainer.sandboxes.base import SandboxError, SandboxStartError
+from harness_trainer.rollouts.result import RolloutOptions
+from harness_trainer.rollouts.server.group_setup import GroupSetups, Start
+from harness_trainer.rollouts.server.sandbox_meter import SandboxMeter
+from harness_trainer.sandboxes.base import Sandbox, SandboxError, SandboxStartError
 from harness_trainer.sandboxes.e2b import E2BSandboxBackend
 from harness_trainer.sandboxes.e2b_runs import OWNER_KEY, RUN_KEY, TASK_KEY, snapshot_name, snapshot_owner
 from tests.sandboxes.conftest import TaskFactory
@@ -215,3 +218,56 @@ async def test_the_fakes_snapshots_answer_as_e2b_does(cloud: FakeE2BCloud, make_
     for snapshot in (first, second):
         assert await cloud.delete_snapshot(snapshot.snapshot_id) is True
     await backend.aclose()
+
+
+class MarkingHarness:
+    """What a group's setup needs of a harness: an install (it leaves a mark to be found in each member)."""
+
+    def __init__(self) -> None:
+        self.installs = 0
+
+    async def install(self, sandbox: Sandbox) -> None:
+        self.installs += 1
+        done = await sandbox.exec("mkdir -p /opt/agent && echo installed > /opt/agent/mark")
+        assert done.exit_code == 0, done.stderr
+
+
+async def test_a_group_whose_fork_fails_half_way_starts_that_member_cold_and_leaves_nothing(
+    backend: E2BSandboxBackend, cloud: FakeE2BCloud, make_task: TaskFactory
+) -> None:
+    """Issue 42's half-way fork in this design: each member is its own create from the group's snapshot,
+    so when one of them fails after others were made, the made ones run on (they are independent) and the
+    failed member starts cold with the reason; no sandbox or snapshot outlives the group."""
+    task, harness, setups, meter = make_task(), MarkingHarness(), GroupSetups(linger_s=0.05), SandboxMeter()
+    refused = api_error(404, "snapshot not found")
+    # The setup's create, then the four members' creates from the snapshot (one refused: never retried),
+    # then the refused member's cold create.
+    cloud.create_failures = [None, None, None, refused, None, None]
+
+    async def member(m: int) -> Start:
+        options = RolloutOptions(harness="toy", sandbox="e2b", episode_id=f"group0-member{m}")
+        return await setups.start(backend, task, options, harness, meter, lifetime_s=60)  # type: ignore[arg-type]
+
+    starts = await asyncio.gather(*(member(m) for m in range(4)))
+    try:
+        forked = [start for start in starts if start.snapshot is not None]
+        (cold,) = [start for start in starts if start.snapshot is None]
+        assert len(forked) == 3 and len({start.snapshot for start in forked}) == 1 and harness.installs == 1
+        assert (
+            cold.note is not None
+            and "starting from snapshot" in cold.note
+            and "snapshot not found" in cold.note
+        )
+        for start in forked:  # made from the one setup: the install is there, not done again
+            seen = await start.sandbox.exec("cat /opt/agent/mark")
+            assert seen.stdout == "installed\n", seen.stderr
+        assert (await cold.sandbox.exec("test -e /opt/agent/mark")).exit_code == 1  # cold: its own install
+        templates = [call["template"] for call in cloud.create_calls]
+        assert templates.count("t") == 2 and templates.count(forked[0].snapshot) == 4
+    finally:
+        for start in starts:
+            await meter.close(start.sandbox)
+            setups.closed(start.sandbox)
+        await setups.aclose()
+    assert not backend.live and not backend.snapshots and cloud.snapshots.live == {}
+    assert all(sandbox.killed for sandbox in cloud.sandboxes)

@@ -3,11 +3,12 @@ whole stack runs for real (dev engine, capture proxy, rollout runtime, the toy a
 dedicated HF sandboxes (the default) made through ``huggingface_hub``'s own client; only the Hub is the fake,
 whose jobs are namespaces on this machine sharing its network, so the agent in one reaches the capture
 proxy on loopback (against Hugging Face, the rollout server needs ``--public-url``). The scenario of
-``tests/hardening/test_faults_e2b.py`` without its faults."""
+``tests/hardening/test_faults_e2b.py``, without its faults and with a host lost under its rollouts."""
 
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from harness_trainer.trainer.feed.rollout_log import read_rollout_log
 from tests.hardening.faults import (
     GIVE_UP,
     SOLVE,
+    assert_trained_around_group_1,
     descendants,
     describe,
     hello_rows,
@@ -28,7 +30,7 @@ from tests.hardening.faults import (
     new_processes,
     training_config,
 )
-from tests.rollouts.conftest import live_sandbox_processes, scripted_engine  # noqa: F401
+from tests.rollouts.conftest import bash_call, live_sandbox_processes, scripted_engine  # noqa: F401
 from tests.sandboxes.fake_hf import FakeHub
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]  # the fake's jobs run images exported from Docker
@@ -60,6 +62,70 @@ def test_a_grpo_step_trains_on_rollouts_in_dedicated_hf_sandboxes_and_leaves_no_
     sandboxes = [job for job in fake_hub.jobs.values() if job.labels.get(RUN_LABEL) == "run-train"]
     assert len(sandboxes) >= 2 and {job.spec["dockerImage"] for job in sandboxes} == {"ubuntu:24.04"}
     assert fake_hub.running() == [], "every sandbox job was cancelled"
+    assert live_sandbox_processes() == [] and leftover_capture_sessions(capture) == []
+    leaked = new_processes(before)
+    assert not leaked, describe(leaked)
+
+
+class JobKiller(threading.Thread):
+    """Ends, from the Hub's side, every running sandbox job of ``run`` while a ``sleep MARK`` runs on this
+    machine (only an agent's command scripted for it runs one): a host lost under a rollout in flight."""
+
+    def __init__(self, hub: FakeHub, run: str, mark: str) -> None:
+        super().__init__(daemon=True)
+        self.hub, self.run_id, self.cmdline = hub, run, f"sleep\0{mark}\0".encode()
+        self.stopping, self.ended = threading.Event(), 0
+
+    def sleeping(self) -> bool:
+        for entry in Path("/proc").iterdir():
+            try:
+                if entry.name.isdigit() and (entry / "cmdline").read_bytes() == self.cmdline:
+                    return True
+            except OSError:
+                continue
+        return False
+
+    def run(self) -> None:
+        while not self.stopping.wait(0.1):
+            if self.sleeping():
+                for job in self.hub.running(**{RUN_LABEL: self.run_id}):
+                    self.hub.end_job(job.id, "ERROR", "the VM was lost")
+                    self.ended += 1
+
+
+def test_a_sandbox_job_lost_under_its_rollouts_makes_them_unscorable_naming_why_and_training_goes_on(
+    fake_hub: FakeHub,
+    scripted_engine,  # noqa: F811
+    tiny_model_dir: Path,
+    tmp_path: Path,
+) -> None:
+    """Groups of 2, one rollout at a time (the scripted replies go out in order): group 0 trains; both
+    members of group 1 run a command during which the Hub loses their sandbox's job, so each is
+    unscorable with that reason and the group is dropped; group 2, in new jobs, trains the second step.
+    Nothing is left running on the Hub or here."""
+    mark = "87"
+    lost = [bash_call(f"sleep {mark}")]
+    engine = scripted_engine(SOLVE + GIVE_UP + lost + lost + SOLVE + GIVE_UP)
+    before = descendants(os.getpid())
+    capture, out = tmp_path / "capture", tmp_path / "out"
+    options: dict[str, Any] = {"run_id": "run-lost", "kill_grace_s": 0.5, "retry_backoff_s": 0}
+    builder = local_builder(engine.url, sandbox="hf", sandbox_options={"hf": options}, data_dir=capture)
+    trainer = HarnessAsyncGRPOTrainer(
+        str(tiny_model_dir), builder, training_config(out, engine.url), train_dataset=hello_rows()
+    )
+    killer = JobKiller(fake_hub, "run-lost", mark)
+    killer.start()
+    try:
+        trainer.train()
+    finally:
+        killer.stopping.set()
+        killer.join(30)
+
+    failed = assert_trained_around_group_1(trainer, out)
+    assert killer.ended == 2
+    for record in failed:
+        assert "has ended (ERROR: the VM was lost)" in (record.unscorable or ""), record.unscorable
+    assert fake_hub.running() == [], "every sandbox job was cancelled or ended"
     assert live_sandbox_processes() == [] and leftover_capture_sessions(capture) == []
     leaked = new_processes(before)
     assert not leaked, describe(leaked)
