@@ -91,6 +91,9 @@ class JobKiller(threading.Thread):
                 for job in self.hub.running(**{RUN_LABEL: self.run_id}):
                     self.hub.end_job(job.id, "ERROR", "the VM was lost")
                     self.ended += 1
+                # The next rollout's job must not be taken for this one's: wait until its sleep is gone.
+                while self.sleeping() and not self.stopping.wait(0.05):
+                    pass
 
 
 def test_a_sandbox_job_lost_under_its_rollouts_makes_them_unscorable_naming_why_and_training_goes_on(
@@ -103,7 +106,7 @@ def test_a_sandbox_job_lost_under_its_rollouts_makes_them_unscorable_naming_why_
     members of group 1 run a command during which the Hub loses their sandbox's job, so each is
     unscorable with that reason and the group is dropped; group 2, in new jobs, trains the second step.
     Nothing is left running on the Hub or here."""
-    mark = "87"
+    mark = f"87.{os.getpid()}"  # no other process here sleeps for this long, this test in another one neither
     lost = [bash_call(f"sleep {mark}")]
     engine = scripted_engine(SOLVE + GIVE_UP + lost + lost + SOLVE + GIVE_UP)
     before = descendants(os.getpid())
