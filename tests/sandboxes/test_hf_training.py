@@ -31,6 +31,7 @@ from tests.hardening.faults import (
     training_config,
 )
 from tests.rollouts.conftest import bash_call, live_sandbox_processes, scripted_engine  # noqa: F401
+from tests.sandboxes.conftest import live_processes, wait_until_gone
 from tests.sandboxes.fake_hf import FakeHub
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]  # the fake's jobs run images exported from Docker
@@ -73,27 +74,17 @@ class JobKiller(threading.Thread):
 
     def __init__(self, hub: FakeHub, run: str, mark: str) -> None:
         super().__init__(daemon=True)
-        self.hub, self.run_id, self.cmdline = hub, run, f"sleep\0{mark}\0".encode()
+        self.hub, self.run_id, self.needle = hub, run, f"sleep {mark}"
         self.stopping, self.ended = threading.Event(), 0
-
-    def sleeping(self) -> bool:
-        for entry in Path("/proc").iterdir():
-            try:
-                if entry.name.isdigit() and (entry / "cmdline").read_bytes() == self.cmdline:
-                    return True
-            except OSError:
-                continue
-        return False
 
     def run(self) -> None:
         while not self.stopping.wait(0.1):
-            if self.sleeping():
+            if live_processes(self.needle):
                 for job in self.hub.running(**{RUN_LABEL: self.run_id}):
                     self.hub.end_job(job.id, "ERROR", "the VM was lost")
                     self.ended += 1
                 # The next rollout's job must not be taken for this one's: wait until its sleep is gone.
-                while self.sleeping() and not self.stopping.wait(0.05):
-                    pass
+                wait_until_gone(self.needle, 30.0)
 
 
 def test_a_sandbox_job_lost_under_its_rollouts_makes_them_unscorable_naming_why_and_training_goes_on(
