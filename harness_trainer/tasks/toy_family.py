@@ -4,15 +4,15 @@ The bundled ``harness_trainer/examples/tasks`` are five different tasks, each on
 trained on them can only be asked about them. This family is a few shell *skills*, each with one solution
 template with one slot, and two wordings:
 
-- ``make-dir``: create the directory ``/app/VALUE`` → ``mkdir -p /app/VALUE``;
-- ``write-word``: ``/app/status.txt`` holds the word ``VALUE`` → ``echo VALUE > /app/status.txt``;
-- ``touch-file``: create the empty file ``/app/VALUE.txt`` → ``touch /app/VALUE.txt``;
+- ``make-dir``: create the directory ``/app/run-VALUE`` → ``mkdir -p /app/run-VALUE``;
+- ``write-number``: ``/app/status.txt`` holds the number ``VALUE`` → ``echo VALUE > /app/status.txt``;
+- ``touch-file``: create the empty file ``/app/report-VALUE.txt`` → ``touch /app/report-VALUE.txt``;
 - ``delete-ext``: delete every ``*.VALUE`` file in ``/app``, keeping ``/app/keep.txt`` → ``rm /app/*.VALUE``.
 
-Every value comes from one pool (:data:`WORDS`, 69 words), and every task has its own: at the default counts
-``train`` holds 48 one-skill tasks (12 per skill, 48 values) and ``test`` 12 one-skill tasks (3 per skill)
-and 4 *two-step* tasks (two skills, two values: the two instructions one after the other, the solution
-``CMD1 && CMD2``, a verifier checking both), 20 values in all.
+A value is a three-digit number (:data:`VALUES`: every one no template text holds), and every task has its
+own: at the default counts ``train`` holds 48 one-skill tasks (12 per skill, 48 values) and ``test`` 12
+one-skill tasks (3 per skill) and 4 *two-step* tasks (two skills, two values: the two instructions one after
+the other, the solution ``CMD1 && CMD2``, a verifier checking both), 20 values in all.
 
 Contract of :func:`toy_family` (pure: a function of its arguments, no filesystem, no global randomness):
 
@@ -22,25 +22,25 @@ Contract of :func:`toy_family` (pure: a function of its arguments, no filesystem
    ``seed`` and cut), so no test task's solution, verifier or expected outcome equals a training task's
    (:mod:`harness_trainer.tasks.held_out` checks a task folder for that, and a test checks the shipped
    copy); replaying a training solution never solves a test task. A two-step task combines two skills that
-   ``train`` holds only alone. Solving a test task means copying its value from the instruction into the
+   ``train`` holds only alone. Solving a test task means copying its number from the instruction into the
    skill's command (and, for a two-step one, doing two skills in one command line).
 3. Wordings are taken in turn per skill, so every wording of every skill occurs in both splits.
 4. The same arguments give the same tasks, byte for byte; the seed picks the cut of the pool, the wordings'
    start and the two-step pairs.
 
-Why single-token values in one pool: an earlier version held out names never seen in training
-(``notes.md`` from ``notes`` and ``md``) that took several tokens to copy, and the tiny model did not learn
-to copy them in a CPU warm-up (solver share of probability 0.006 train / 0.000 test after 100 steps); the
-version after it held out only unseen (value, wording) pairings of four values per skill, so its test
-solutions were training solutions. Here each value is one token of the tiny model's tokenizer in every
-place it stands (``/app/VALUE``, ``*.VALUE``, `` VALUE``), in the same place in the instruction and the
-command, and training has 48 of them, one per task, so that a warm model cannot solve the training tasks by
-pairing a skill with a few memorised values. Measured (``docs/getting-started.md``): that was not enough.
-The warm-up's fine-tune on this train split, 150 full-batch steps (the CPU time a session had), learned the
-format and about one value per skill and wording, and gave held-out values below probability 0.0005 at their
-slot, ranked no better than chance among the unseen words: no held-out sample solved its task (0/128 at steps
-30 to 150). The tiny model starts from random weights, and copying an unseen token did not emerge from 48
-examples at that budget.
+Why numbers: a value is then a new *combination* of tokens every task shows (the tokenizer splits every
+digit on its own, wherever it stands), as a new file name is for a pretrained model, whose every token it has
+seen. The two versions before held out words. One held out names that took several tokens the training
+split never showed; the next one held out words that were one token each, never seen in training. The tiny
+model starts from random weights, and a token that training never shows keeps its random embedding. Its
+warm-up learned each skill's format and memorised the training values, but gave an unseen value no more
+probability at its slot than chance (0 of 128 held-out samples right after 150 steps). A probe of the tiny
+model's shape on an instruction-to-command copy (``benchmarks/learning_search.jsonl``) showed the difference:
+with unseen single tokens as values, held-out copies stayed at or below 0.10 for any number of training
+values (48, 400 or 1,500); with values made of seen tokens, 48 training values of three digits gave 0.60 of
+held-out digits and 0.15 of whole values right, and 200 values of three of 20 letters gave 0.50 of whole
+values. The dev loop's own warm-up on this version still memorises its 48 training numbers rather than
+copying (``docs/getting-started.md``); more training values is the lever, and :data:`VALUES` holds 896.
 
 :func:`write_family` writes them as Harbor task folders (``ROOT/<split>/<skill>-<value>-w<wording>/``, a
 two-step one ``<skill>-<value>-then-<skill>-<value>-w<wording>``: instruction.md, task.toml with the skills
@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SPLITS = ("train", "test")
-SKILLS = ("make-dir", "write-word", "touch-file", "delete-ext")
+SKILLS = ("make-dir", "write-number", "touch-file", "delete-ext")
 DEFAULT_SEED = 0
 DEFAULT_PER_SKILL = {"train": 12, "test": 3}
 DEFAULT_COMBINED = 4
@@ -70,30 +70,21 @@ KEEP_LINE = "do not delete me"
 STATUS_FILE = "status.txt"
 THEN = " && "
 """How a two-step task's solution joins its two commands (one shell command line)."""
+DIGITS = 3
+"""A value is a number of this many digits (no leading zero)."""
 
-WORDS: tuple[str, ...] = (
-    "act", "add", "around", "ask", "bai", "bou", "cai", "cause", "cou", "dai", "default", "demo", "dou",
-    "early", "end", "error", "fai", "fejou", "fer", "format", "fou", "gai", "gou", "hai", "hou", "huti",
-    "jai", "jou", "kai", "kou", "kuwi", "lai", "lose", "lou", "low", "mai", "mou", "move", "old", "pai",
-    "place", "pou", "question", "rai", "repo", "resi", "rou", "sai", "saidu", "server", "sou", "space",
-    "tai", "ted", "tem", "term", "thing", "top", "vai", "version", "vou", "wai", "way", "wegu", "wou",
-    "xai", "xou", "zai", "zou",
-)  # fmt: skip
-"""The values, one pool for every skill: each is one token of the tiny model's tokenizer wherever a value
-stands (after ``/app/``, after ``*.``, before ``.txt``, after a space), so copying a value is copying one
-token; none is a command, a word of the wordings, or a name the task already uses."""
 WORDINGS: dict[str, tuple[str, ...]] = {
     "make-dir": (
-        "Create the directory `/app/{value}`.",
-        "Make a new folder at `/app/{value}`.",
+        "Create the directory `/app/run-{value}`.",
+        "Make a new folder at `/app/run-{value}`.",
     ),
-    "write-word": (
-        f"Write the word {{value}} to `/app/{STATUS_FILE}`.",
-        f"Set the contents of `/app/{STATUS_FILE}` to the word {{value}}.",
+    "write-number": (
+        f"Write the number {{value}} to `/app/{STATUS_FILE}`.",
+        f"Set the contents of `/app/{STATUS_FILE}` to the number {{value}}.",
     ),
     "touch-file": (
-        "Create an empty file `/app/{value}.txt`.",
-        "`/app/{value}.txt` should exist (empty is fine); create it.",
+        "Create an empty file `/app/report-{value}.txt`.",
+        "`/app/report-{value}.txt` should exist (empty is fine); create it.",
     ),
     "delete-ext": (
         "Delete every `*.{value}` file in `/app`.",
@@ -101,22 +92,22 @@ WORDINGS: dict[str, tuple[str, ...]] = {
     ),
 }
 SOLUTIONS = {
-    "make-dir": "mkdir -p /app/{value}",
-    "write-word": f"echo {{value}} > /app/{STATUS_FILE}",
-    "touch-file": "touch /app/{value}.txt",
+    "make-dir": "mkdir -p /app/run-{value}",
+    "write-number": f"echo {{value}} > /app/{STATUS_FILE}",
+    "touch-file": "touch /app/report-{value}.txt",
     "delete-ext": "rm /app/*.{value}",
 }
 CHECKS = {
-    "make-dir": "[ -d /app/{value} ]",
-    "write-word": f"[ \"$(cat /app/{STATUS_FILE} 2>/dev/null)\" = '{{value}}' ]",
-    "touch-file": "[ -f /app/{value}.txt ]",
+    "make-dir": "[ -d /app/run-{value} ]",
+    "write-number": f"[ \"$(cat /app/{STATUS_FILE} 2>/dev/null)\" = '{{value}}' ]",
+    "touch-file": "[ -f /app/report-{value}.txt ]",
     "delete-ext": f'[ -z "$(ls /app/*.{{value}} 2>/dev/null)" ] '
     f"&& [ \"$(cat /app/{KEEP_FILE})\" = '{KEEP_LINE}' ]",
 }
 WHAT_IS_CHECKED = {
-    "make-dir": "/app/{value} is a directory",
-    "write-word": f"/app/{STATUS_FILE} holds the word '{{value}}'",
-    "touch-file": "/app/{value}.txt exists",
+    "make-dir": "/app/run-{value} is a directory",
+    "write-number": f"/app/{STATUS_FILE} holds the number {{value}}",
+    "touch-file": "/app/report-{value}.txt exists",
     "delete-ext": f"no .{{value}} file is left in /app and /app/{KEEP_FILE} is untouched",
 }
 SETUP = {
@@ -230,24 +221,40 @@ fi
 """
 
 
+def _fixed_text() -> str:
+    """Every text of a task but its values (the templates' own numbers: timeouts, memory)."""
+    return "".join(
+        [_TOML, _SOLVE, _TEST, KEEP_LINE]
+        + [w for ws in WORDINGS.values() for w in ws]
+        + [*SOLUTIONS.values(), *CHECKS.values(), *WHAT_IS_CHECKED.values(), *SETUP.values()]
+    )
+
+
+VALUES: tuple[str, ...] = tuple(
+    str(n) for n in range(10 ** (DIGITS - 1), 10**DIGITS) if str(n) not in _fixed_text()
+)
+"""The values, one pool for every skill: every number of :data:`DIGITS` digits that no template text holds
+(so a value occurs in a task only where the task puts it)."""
+
+
 def toy_family(
     seed: int = DEFAULT_SEED, per_skill: dict[str, int] | None = None, combined: int = DEFAULT_COMBINED
 ) -> dict[str, list[ToyTask]]:
     """Every task of the family, by split (contract in the module docstring).
 
     Raises:
-        ValueError: the counts need more values than :data:`WORDS` holds, or more two-step tasks than
+        ValueError: the counts need more values than :data:`VALUES` holds, or more two-step tasks than
             :data:`PAIRS` has pairs.
     """
     per_skill = {**DEFAULT_PER_SKILL, **(per_skill or {})}
     needed = len(SKILLS) * (per_skill["train"] + per_skill["test"]) + 2 * combined
-    if needed > len(WORDS) or combined > len(PAIRS):
+    if needed > len(VALUES) or combined > len(PAIRS):
         raise ValueError(
             f"too few values or pairs for {per_skill} and {combined} two-step tasks: {needed} values needed, "
-            f"{len(WORDS)} in WORDS; {len(PAIRS)} skill pairs"
+            f"{len(VALUES)} in VALUES; {len(PAIRS)} skill pairs"
         )
     rng = random.Random(seed)
-    words = list(WORDS)
+    words = list(VALUES)
     rng.shuffle(words)
     trained = len(SKILLS) * per_skill["train"]
     train_words, test_words = iter(words[:trained]), iter(words[trained:needed])
