@@ -230,9 +230,8 @@ def _fixed_text() -> str:
     )
 
 
-VALUES: tuple[str, ...] = tuple(
-    str(n) for n in range(10 ** (DIGITS - 1), 10**DIGITS) if str(n) not in _fixed_text()
-)
+_FIXED = _fixed_text()
+VALUES: tuple[str, ...] = tuple(str(n) for n in range(10 ** (DIGITS - 1), 10**DIGITS) if str(n) not in _FIXED)
 """The values, one pool for every skill: every number of :data:`DIGITS` digits that no template text holds
 (so a value occurs in a task only where the task puts it)."""
 
@@ -254,21 +253,21 @@ def toy_family(
             f"{len(VALUES)} in VALUES; {len(PAIRS)} skill pairs"
         )
     rng = random.Random(seed)
-    words = list(VALUES)
-    rng.shuffle(words)
+    pool = list(VALUES)
+    rng.shuffle(pool)
     trained = len(SKILLS) * per_skill["train"]
-    train_words, test_words = iter(words[:trained]), iter(words[trained:needed])
+    train_values, test_values = iter(pool[:trained]), iter(pool[trained:needed])
     wordings = len(WORDINGS[SKILLS[0]])
     family: dict[str, list[ToyTask]] = {split: [] for split in SPLITS}
     for skill in SKILLS:
         start = rng.randrange(wordings)  # wordings in turn: every one of them in each split
-        for split, words_left in (("train", train_words), ("test", test_words)):
+        for split, values_left in (("train", train_values), ("test", test_values)):
             family[split] += [
-                ToyTask(split, (skill,), (next(words_left),), (start + i) % wordings)
+                ToyTask(split, (skill,), (next(values_left),), (start + i) % wordings)
                 for i in range(per_skill[split])
             ]
     for i, pair in enumerate(rng.sample(PAIRS, combined)):
-        family["test"].append(ToyTask("test", pair, (next(test_words), next(test_words)), i % wordings))
+        family["test"].append(ToyTask("test", pair, (next(test_values), next(test_values)), i % wordings))
     return {split: sorted(tasks, key=lambda t: t.folder) for split, tasks in family.items()}
 
 
