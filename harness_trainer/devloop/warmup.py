@@ -27,10 +27,11 @@ import fcntl
 import hashlib
 import json
 import math
+import random
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ from typing import Any
 import torch
 
 from harness_trainer.dev_engine.process import start_engine
+from harness_trainer.devloop.instances import Template, common_prefix, instance_rows, plan_recordings
 from harness_trainer.devloop.solver import WHITE_BOX, distractor_replies, solver_replies
 from harness_trainer.rollouts.client.local_factory import LocalSessionFactory
 from harness_trainer.rollouts.harness_mix import HarnessValue, harness_mix
@@ -47,7 +49,10 @@ from harness_trainer.trainer.step.rows import Row, build_rows
 from harness_trainer.trainer.step.shared_prefix import shared_prefix_logprobs
 
 # 4: the fine-tune forwards a shared prefix once (the same logprobs up to float rounding, not the same bytes)
-WARMUP_VERSION = 4
+# 5: one recording per template, the other tasks' transcripts made from it; minibatches past batch_size
+WARMUP_VERSION = 5
+CHECK_EVERY = 25
+"""With minibatches, how many steps apart the recorded transcripts are measured for the stop rule."""
 DISTRACTOR_SUFFIX = " (distractor)"
 HELD_OUT_SPLITS = frozenset({"test", "validation"})
 """Splits kept for evaluation: never warmed up on, and no warmed-up task may share an instruction with
@@ -67,6 +72,8 @@ class WarmupRecipe:
     learning_rate: float = 1e-3
     max_steps: int = 300
     distractors: bool = True
+    batch_size: int = 16
+    """Transcripts a step trains on; with no more than this in all, every step trains on all of them."""
     # No seed: the fine-tune is full-batch AdamW on fixed transcripts from a fixed base without dropout, so
     # no random draw moves a weight and one warm model serves every run seed (tests/devloop/test_warmup.py).
 
@@ -80,7 +87,10 @@ class WarmupReport:
     steps: int
     probability: float
     per_task: dict[str, float] = field(default_factory=dict)
+    """The recorded transcripts' probabilities at the last measurement."""
     seconds: float = 0.0
+    transcripts: int = 0
+    """How many transcripts it trained on: recorded and made."""
 
 
 def instruction_digest(instruction: str) -> str:
@@ -133,16 +143,17 @@ def collect_transcripts(
     distractors: bool = False,
     rollout_timeout: float = 180.0,
     harness_options: dict[str, Any] | None = None,
+    only: Collection[str] | None = None,
 ) -> dict[str, TrainingTrace]:
-    """One captured solver transcript per task of ``split``, through the real ``harness`` (built with
-    ``harness_options``); with ``distractors`` also one distractor transcript per task, named
-    ``task + DISTRACTOR_SUFFIX``.
+    """One captured solver transcript per task of ``split`` (or per task named in ``only``), through the
+    real ``harness`` (built with ``harness_options``); with ``distractors`` also one distractor transcript
+    per task, named ``task + DISTRACTOR_SUFFIX``.
 
     Raises:
         ValueError: ``split`` holds held-out tasks (:func:`check_not_held_out`).
     """
     check_not_held_out(source, split)
-    rows = source.prompt_rows(split)
+    rows = [row for row in source.prompt_rows(split) if only is None or row["task_name"] in only]
     plan: list[tuple[dict, str, list[dict]]] = []
     for row in rows:
         task = source.task(split, row["task_index"])
@@ -216,16 +227,21 @@ def _recipe_harnesses(recipe: WarmupRecipe) -> list[tuple[str, dict[str, Any]]]:
     return [(name, mix.options_for(recipe.harness_options, name)) for name in mix.names]
 
 
-def _rows(traces: dict[str, TrainingTrace]) -> tuple[list[Row], dict[int, float], dict[int, str]]:
-    rows: list[Row] = []
-    names: dict[int, str] = {}
-    for index, (name, trace) in enumerate(sorted(traces.items())):
-        names[index] = name
-        rows.extend(build_rows(trace, rollout=index))
-    # Every sampled token weighs the same: where a solver and its distractor part ways, their two tokens
-    # pull equally (a per-transcript mean would favour the shorter transcript's choice).
-    total = sum(r.n_targets for r in rows)
-    return rows, {index: 1.0 / total for index in names}, names
+def _with_rollout(rows: list[Row], index: int) -> list[Row]:
+    return [Row(index, row.input_ids, row.targets, row.behaviour_logps) for row in rows]
+
+
+def _probabilities(
+    model: torch.nn.Module, transcripts: dict[str, list[Row]], names: list[str]
+) -> dict[str, float]:
+    """Each named transcript's probability under ``model``: exp of the sum of its trained tokens' logprobs."""
+    rows = [row for index, name in enumerate(names) for row in _with_rollout(transcripts[name], index)]
+    with torch.no_grad():
+        logps = shared_prefix_logprobs(model, rows)
+    sums = [0.0] * len(names)
+    for row, row_logps in zip(rows, logps, strict=True):
+        sums[row.rollout] += float(row_logps.sum())
+    return {name: math.exp(total) for name, total in zip(names, sums, strict=True)}
 
 
 def fine_tune(
@@ -236,35 +252,54 @@ def fine_tune(
     *,
     on_step: Callable[[int, float], None] | None = None,
     tasks: list[dict[str, str]] | None = None,
+    made: dict[str, list[Row]] | None = None,
 ) -> WarmupReport:
-    """Train ``base_model`` on the transcripts' sampled tokens until the least likely transcript has the
-    recipe's target probability (or ``max_steps``); save the model and tokenizer to ``out``, with
-    ``warmup.json`` (the recipe, the report, and ``tasks`` as ``trained_on``)."""
+    """Train ``base_model`` on the sampled tokens of the recorded transcripts ``traces`` and of the
+    transcripts ``made`` from them (:mod:`harness_trainer.devloop.instances`) until the least likely
+    recorded transcript has the recipe's target probability (or ``max_steps``); save the model and
+    tokenizer to ``out``, with ``warmup.json`` (the recipe, the report, and ``tasks`` as ``trained_on``).
+
+    At most ``recipe.batch_size`` transcripts in all: every step trains on all of them, and the stop rule
+    reads that step's forward. More: each step trains on ``batch_size`` of them, drawn by a generator of a
+    fixed seed (the recipe holds none, so one warm model serves every run seed), and the recorded ones are
+    measured every :data:`CHECK_EVERY` steps. Every sampled token of a step weighs the same: where a solver
+    and its distractor part ways, their two tokens pull equally (a per-transcript mean would favour the
+    shorter transcript's choice)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     started = time.monotonic()
     model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate)
-    rows, weights, names = _rows(traces)
-    report = WarmupReport(steps=0, probability=0.0)
-    for step in range(recipe.max_steps + 1):
-        # A task's solver and distractor share their first ~1,400 ids: forwarded once, not twice.
-        logps = shared_prefix_logprobs(model, rows)
-        sums = {index: 0.0 for index in names}
-        for row, row_logps in zip(rows, logps, strict=True):
-            sums[row.rollout] += float(row_logps.detach().sum())
-        # A transcript's probability: exp of the sum of its trained tokens' logprobs.
-        per_task = {names[index]: math.exp(total) for index, total in sums.items()}
-        report.per_task, report.steps = per_task, step
-        report.probability = min(per_task.values())
+    transcripts = {name: build_rows(trace, rollout=0) for name, trace in sorted(traces.items())}
+    transcripts.update(made or {})
+    names, checked = sorted(transcripts), sorted(traces)
+    full = len(names) <= recipe.batch_size
+    draw = random.Random(0)
+    report = WarmupReport(steps=0, probability=0.0, transcripts=len(names))
+
+    def measured(step: int, per_task: dict[str, float]) -> bool:
+        report.per_task, report.steps, report.probability = per_task, step, min(per_task.values())
         if on_step is not None:
             on_step(step, report.probability)
-        if report.probability >= recipe.target_probability or step == recipe.max_steps:
-            break
-        loss = -torch.stack(
-            [weights[row.rollout] * row_logps.sum() for row, row_logps in zip(rows, logps, strict=True)]
-        ).sum()
+        return report.probability >= recipe.target_probability or step == recipe.max_steps
+
+    for step in range(recipe.max_steps + 1):
+        if not full and (step % CHECK_EVERY == 0 or step == recipe.max_steps):
+            if measured(step, _probabilities(model, transcripts, checked)):
+                break
+        batch = names if full else sorted(draw.sample(names, recipe.batch_size))
+        rows = [row for index, name in enumerate(batch) for row in _with_rollout(transcripts[name], index)]
+        # A task's solver and distractor share their first ~1,400 ids: forwarded once, not twice.
+        logps = shared_prefix_logprobs(model, rows)
+        if full:
+            sums = [0.0] * len(batch)
+            for row, row_logps in zip(rows, logps, strict=True):
+                sums[row.rollout] += float(row_logps.detach().sum())
+            if measured(step, {name: math.exp(total) for name, total in zip(batch, sums, strict=True)}):
+                break
+        total = sum(row.n_targets for row in rows)
+        loss = -torch.stack([row_logps.sum() for row_logps in logps]).sum() / total
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -344,25 +379,65 @@ def _build_warm_model(
     out: Path,
     log: Callable[[str], None],
 ) -> Path:
+    templates = plan_recordings(source.tasks(split))
+    recorded = {template.recorded for template in templates}
     with tempfile.TemporaryDirectory(prefix="warmup-") as work:
         extra = " and as many distractors" if recipe.distractors else ""
+        of = f" ({len(recorded)} of {len(tasks)} tasks: one per template)"
+        of = "" if len(templates) == len(tasks) else of
         traces: dict[str, TrainingTrace] = {}
+        made: dict[str, list[Row]] = {}
         for harness, options in _recipe_harnesses(recipe):
-            log(f"warm-up: recording {len(tasks)} solver transcripts{extra} through {harness}")
+            log(f"warm-up: recording {len(recorded)} solver transcripts{extra}{of} through {harness}")
             folder = Path(work) / harness
             folder.mkdir()
-            recorded = collect_transcripts(
+            recorded_here = collect_transcripts(
                 source, split, harness, base_model, folder, distractors=recipe.distractors,
-                harness_options=options,
+                harness_options=options, only=recorded,
             )  # fmt: skip
             mixed = isinstance(recipe.harness, list | dict)
-            traces.update({f"{name} via {harness}" if mixed else name: t for name, t in recorded.items()})
+            named = {f"{name} via {harness}" if mixed else name: t for name, t in recorded_here.items()}
+            traces.update(named)
+            suffix = f" via {harness}" if mixed else ""
+            made.update(_made_transcripts(templates, recorded_here, base_model, recipe, suffix))
+        if made:
+            log(f"warm-up: made {len(made)} more transcripts from those, each with its own task's numbers")
         log(f"warm-up: fine-tuning until each transcript has probability {recipe.target_probability:.0%}")
 
         def progress(step: int, probability: float) -> None:
-            if step % 25 == 0:
+            if step % CHECK_EVERY == 0:
                 log(f"warm-up: step {step}, least likely transcript {probability:.3f}")
 
-        report = fine_tune(base_model, traces, out, recipe, on_step=progress, tasks=trained_on(source, split))
+        report = fine_tune(
+            base_model, traces, out, recipe, on_step=progress, tasks=trained_on(source, split), made=made
+        )
     log(f"warm-up: {report.steps} steps in {report.seconds:.0f} s, probability {report.probability:.2f}")
     return out
+
+
+def _made_transcripts(
+    templates: list[Template],
+    recorded: dict[str, TrainingTrace],
+    base_model: Path,
+    recipe: WarmupRecipe,
+    suffix: str,
+) -> dict[str, list[Row]]:
+    """Every not recorded task's transcripts (solver, and distractor with ``recipe.distractors``), made from
+    its template's recording (:func:`~harness_trainer.devloop.instances.instance_rows`), named as
+    :func:`collect_transcripts` names them, plus ``suffix``."""
+    if all(len(template.members) == 1 for template in templates):
+        return {}
+    from transformers import AutoTokenizer
+
+    digit_ids = AutoTokenizer.from_pretrained(base_model).convert_tokens_to_ids(list("0123456789"))
+    kinds = ["", DISTRACTOR_SUFFIX] if recipe.distractors else [""]
+    rows = {name: build_rows(trace, rollout=0) for name, trace in recorded.items()}
+    preamble = common_prefix([rows[template.recorded][0].input_ids for template in templates])
+    made: dict[str, list[Row]] = {}
+    for template in templates:
+        for name, values in template.members[1:]:
+            for kind in kinds:
+                made[name + kind + suffix] = instance_rows(
+                    rows[template.recorded + kind], template.values, values, digit_ids, preamble=preamble
+                )
+    return made

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import shutil
 from pathlib import Path
 
@@ -113,9 +114,13 @@ def test_white_box_transcripts_are_the_built_in_adapters_episodes_through_the_tr
 
 
 @pytest.mark.slow
-def test_the_fine_tune_has_no_randomness_so_one_warm_model_serves_every_seed(tmp_path, tiny_model_dir):
-    """Full-batch AdamW on fixed transcripts from a fixed base, without dropout: the global RNG's state
-    changes no weight, so the warm-up's recipe holds no seed and every run seed reuses one warm model."""
+@pytest.mark.parametrize("batch_size", [16, 1], ids=["full-batch", "minibatches"])
+def test_the_fine_tune_has_no_randomness_so_one_warm_model_serves_every_seed(
+    tmp_path, tiny_model_dir, batch_size
+):
+    """AdamW on fixed transcripts from a fixed base, without dropout, all of them a step or minibatches
+    drawn by a generator of its own fixed seed: the global RNG's state changes no weight, so the warm-up's
+    recipe holds no seed and every run seed reuses one warm model."""
     import torch
 
     tasks = tmp_path / "tasks" / "train"
@@ -124,11 +129,15 @@ def test_the_fine_tune_has_no_randomness_so_one_warm_model_serves_every_seed(tmp
     work = tmp_path / "work"
     work.mkdir()
     traces = collect_transcripts(source, "train", "toy", tiny_model_dir, work, distractors=True)
-    recipe = WarmupRecipe("toy", learning_rate=3e-3, max_steps=3, target_probability=1.0)
+    recipe = WarmupRecipe(
+        "toy", learning_rate=3e-3, max_steps=3, target_probability=1.0, batch_size=batch_size
+    )
     weights = []
     for seed in (0, 1):
         torch.manual_seed(seed)  # as the run's seed would have left it
-        fine_tune(tiny_model_dir, traces, tmp_path / f"warm-{seed}", recipe)
+        random.seed(seed)
+        report = fine_tune(tiny_model_dir, traces, tmp_path / f"warm-{seed}", recipe)
+        assert report.transcripts == 2 and report.steps == 3 and set(report.per_task) == set(traces)
         weights.append(AutoModelForCausalLM.from_pretrained(tmp_path / f"warm-{seed}").state_dict())
     assert weights[0].keys() == weights[1].keys()
     assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
