@@ -3,7 +3,7 @@
 - :data:`TASKS` (``harness_trainer/examples/tasks``): seven toy Harbor tasks, five in ``train`` and two in
   ``test``, each one of a kind; the dev loop's default ``--tasks``.
 - :data:`TOY_SKILLS` (``harness_trainer/examples/toy-skills``): the generated toy-skills family
-  (:mod:`harness_trainer.tasks.toy_family`), 48 one-skill ``train`` tasks and 16 held-out ``test`` tasks
+  (:mod:`harness_trainer.tasks.toy_family`), 800 one-skill ``train`` tasks and 16 held-out ``test`` tasks
   (12 with values training never shows, 4 combining two skills training shows only alone).
 
 They are package data (``pyproject.toml``), so ``pip install .`` (a wheel, a Jobs image) installs them

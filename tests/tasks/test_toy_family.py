@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from harness_trainer.devloop.instances import plan_recordings
 from harness_trainer.devloop.solver import DISTRACTOR, solve_command
 from harness_trainer.rollouts.server.verifier import run_verifier
 from harness_trainer.sandboxes import LocalSandboxBackend
@@ -22,13 +23,18 @@ from .conftest import TOY_SKILLS
 
 FAMILY = toy_family()
 COMMITTED = LocalTaskSource(TOY_SKILLS)
-COMMITTED_TASKS = [task for split in COMMITTED.splits() for task in COMMITTED.tasks(split)]
+TEMPLATES = plan_recordings(COMMITTED.tasks("train"))
+# Graded for real: every test task and one train task per skill and wording. The other train tasks are those
+# but for their number (plan_recordings groups tasks by their files with the number blanked out).
+GRADED = COMMITTED.tasks("test") + [
+    task for task in COMMITTED.tasks("train") if task.name in {t.recorded for t in TEMPLATES}
+]
 
 
 def test_the_same_seed_gives_the_same_family_and_another_seed_another() -> None:
     assert toy_family(0) == FAMILY
     assert toy_family(1) != FAMILY
-    assert {split: len(tasks) for split, tasks in FAMILY.items()} == {"train": 48, "test": 16}
+    assert {split: len(tasks) for split, tasks in FAMILY.items()} == {"train": 800, "test": 16}
     small = toy_family(3, {"train": 2, "test": 1}, combined=1)
     assert [len(small["train"]), len(small["test"])] == [2 * len(SKILLS), len(SKILLS) + 1]
 
@@ -37,7 +43,7 @@ def test_every_value_is_its_task_s_own_and_no_test_value_occurs_in_train() -> No
     train, test = FAMILY["train"], FAMILY["test"]
     train_values = [v for t in train for v in t.values]
     test_values = [v for t in test for v in t.values]
-    assert len(set(train_values)) == len(train_values) == 48
+    assert len(set(train_values)) == len(train_values) == 800
     assert len(set(test_values)) == len(test_values) == 20
     assert not set(train_values) & set(test_values)
     assert set(train_values) | set(test_values) <= set(VALUES)
@@ -117,6 +123,11 @@ def test_the_shipped_test_split_is_held_out_from_train() -> None:
             assert not re.search(rf"(?<![0-9]){value}(?![0-9])", train_text), (task.name, value)
 
 
+def test_the_train_split_is_one_task_per_skill_and_wording_and_the_others_but_for_their_number() -> None:
+    assert len(TEMPLATES) == sum(len(w) for w in WORDINGS.values())
+    assert sorted(len(t.members) for t in TEMPLATES) == [100] * len(TEMPLATES)
+
+
 def test_every_committed_task_loads_and_its_solution_is_its_one_command_line() -> None:
     assert COMMITTED.splits() == ["test", "train"]
     for split, tasks in FAMILY.items():
@@ -128,7 +139,7 @@ def test_every_committed_task_loads_and_its_solution_is_its_one_command_line() -
 
 
 @pytest.mark.skipif(unavailable() is not None, reason=f"no local sandbox here: {unavailable()}")
-@pytest.mark.parametrize("task", COMMITTED_TASKS, ids=lambda t: f"{t.split}/{t.name}")
+@pytest.mark.parametrize("task", GRADED, ids=lambda t: f"{t.split}/{t.name}")
 async def test_only_the_solution_solves_a_family_task_untouched_or_after_the_distractor_it_is_zero(
     backend: LocalSandboxBackend, task: HarborTask
 ) -> None:
