@@ -34,7 +34,7 @@ def test_the_session_wheel_is_this_checkouts_package(project_wheel: Path) -> Non
     assert {
         "harness_trainer/examples/tasks/train/hello-file/tests/test.sh",
         "harness_trainer/examples/tasks/test/sum-numbers/task.toml",
-        "harness_trainer/examples/toy-skills/test/make-dir-250-w0/solution/solve.sh",
+        "harness_trainer/examples/toy-skills/test/make-dir-705-w0/solution/solve.sh",
     } <= set(names)
     assert not any(name.startswith("tests/") for name in names)
 
