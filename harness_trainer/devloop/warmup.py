@@ -7,6 +7,12 @@ runs it in a local sandbox, the capture proxy keeps the ids the agent's own prom
 trains on the transcripts' sampled tokens until the model gives each of them a set probability, and saves
 the result next to the tiny model, keyed by everything that decides its bytes.
 
+Tasks that are one template with different numbers (a generated family's) are recorded once per template;
+the others' transcripts are made from that recording (:mod:`harness_trainer.devloop.instances`). A model
+that must learn to copy a number it never saw needs many numbers to learn from (toy-skills' 800), and
+recording each would take the agent's seconds a task. Past ``batch_size`` transcripts, each step trains on a
+minibatch of them.
+
 With ``distractors`` (the default) each task also gets a distractor transcript: the same agent, the same
 format, a command that solves nothing. Trained on both at equal weight, the warm model acts either way at
 about even odds, so GRPO starts near half the reward with a clean signal: a solved and a failed rollout
@@ -404,7 +410,11 @@ def _build_warm_model(
             made.update(_made_transcripts(templates, recorded_here, base_model, recipe, suffix))
         if made:
             log(f"warm-up: made {len(made)} more transcripts from those, each with its own task's numbers")
-        log(f"warm-up: fine-tuning until each transcript has probability {recipe.target_probability:.0%}")
+        each = "each recorded transcript" if made else "each transcript"
+        log(
+            f"warm-up: fine-tuning until {each} has probability {recipe.target_probability:.0%} "
+            f"(at most {recipe.max_steps} steps)"
+        )
 
         def progress(step: int, probability: float) -> None:
             if step % CHECK_EVERY == 0:
