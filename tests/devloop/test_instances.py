@@ -105,3 +105,29 @@ def test_a_made_transcript_is_the_real_recording_id_for_id(
             assert [[i for i, t in zip(m.input_ids, m.targets, strict=True) if t] for m in made] == [
                 [i for i, t in zip(r.input_ids, r.targets, strict=True) if t] for r in real
             ]
+
+
+# The warm-up's wiring, kept short: the toy agent, 2 fine-tuning steps.
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_warm_up_records_one_task_per_template_and_trains_on_every_task_s_transcripts(
+    tmp_path: Path, family: Path, tiny_model_dir: Path
+) -> None:
+    import json
+
+    from harness_trainer.devloop.warmup import WarmupRecipe, ensure_warm_model
+
+    base = tmp_path / "models" / tiny_model_dir.name
+    base.parent.mkdir()
+    base.symlink_to(tiny_model_dir)  # the warm model is cached next to its base: here, under tmp_path
+    said: list[str] = []
+    recipe = WarmupRecipe("toy", max_steps=2, batch_size=4)
+    warm = ensure_warm_model(LocalTaskSource(family), "train", base, recipe, log=said.append)
+    assert said[0].endswith("recording 8 solver transcripts and as many distractors (8 of 24 tasks: one per "
+                            "template) through toy")  # fmt: skip
+    assert said[1] == "warm-up: made 32 more transcripts from those, each with its own task's numbers"
+    written = json.loads((warm / "warmup.json").read_text())
+    assert written["report"]["transcripts"] == 48 and written["report"]["steps"] == 2
+    assert len(written["report"]["per_task"]) == 16  # the recorded ones, measured
+    assert len(written["trained_on"]) == 24
+    assert live_sandbox_processes() == []
