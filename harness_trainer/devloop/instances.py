@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness_trainer.tasks.held_out import task_values
 from harness_trainer.tasks.task import HarborTask
 from harness_trainer.trainer.step.rows import Row
 
@@ -38,12 +39,6 @@ class Template:
     @property
     def values(self) -> tuple[str, ...]:
         return self.members[0][1]
-
-
-def task_values(task: HarborTask) -> tuple[str, ...]:
-    """The values ``task.toml`` lists under ``[metadata] values`` (none: an empty tuple)."""
-    values = (task.config.get("metadata") or {}).get("values") or ()
-    return tuple(str(value) for value in values)
 
 
 def template_key(task: HarborTask) -> tuple | None:

@@ -13,12 +13,12 @@ from harness_trainer.devloop.instances import (
     instance_rows,
     plan_recordings,
     swap,
-    task_values,
     template_key,
 )
 from harness_trainer.devloop.prompts import dev_harness_options
 from harness_trainer.devloop.solver import WHITE_BOX
 from harness_trainer.devloop.warmup import DISTRACTOR_SUFFIX, collect_transcripts
+from harness_trainer.tasks.held_out import task_values
 from harness_trainer.tasks.sources import LocalTaskSource
 from harness_trainer.tasks.toy_family import WORDINGS, write_family
 from harness_trainer.trainer.step.rows import Row, build_rows
