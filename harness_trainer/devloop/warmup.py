@@ -56,7 +56,8 @@ from harness_trainer.trainer.step.shared_prefix import shared_prefix_logprobs
 
 # 4: the fine-tune forwards a shared prefix once (the same logprobs up to float rounding, not the same bytes)
 # 5: one recording per template, the other tasks' transcripts made from it; minibatches past batch_size
-WARMUP_VERSION = 5
+# 6: minibatches' learning rate falls linearly to 0
+WARMUP_VERSION = 6
 CHECK_EVERY = 25
 """With minibatches, how many steps apart the recorded transcripts are measured for the stop rule."""
 DISTRACTOR_SUFFIX = " (distractor)"
@@ -269,10 +270,10 @@ def fine_tune(
 
     At most ``recipe.batch_size`` transcripts in all: every step trains on all of them, and the stop rule
     reads that step's forward. More: each step trains on ``batch_size`` of them, drawn by a generator of a
-    fixed seed (the recipe holds none, so one warm model serves every run seed), and the recorded ones are
-    measured every :data:`CHECK_EVERY` steps. Every sampled token of a step weighs the same: where a solver
-    and its distractor part ways, their two tokens pull equally (a per-transcript mean would favour the
-    shorter transcript's choice)."""
+    fixed seed (the recipe holds none, so one warm model serves every run seed), at a learning rate that falls
+    linearly to 0 at ``max_steps``, and the recorded ones are measured every :data:`CHECK_EVERY` steps.
+    Every sampled token of a step weighs the same: where a solver and its distractor part ways, their two
+    tokens pull equally (a per-transcript mean would favour the shorter transcript's choice)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     started = time.monotonic()
@@ -284,6 +285,12 @@ def fine_tune(
     names, checked = sorted(transcripts), sorted(traces)
     full = len(names) <= recipe.batch_size
     draw = random.Random(0)
+    # Minibatches: the learning rate falls linearly to 0 at max_steps. At a constant 1e-3 the least likely
+    # recorded transcript of a toy-skills warm-up swung between 0.00 and 0.29 from one check to the next, and
+    # the model saved was wherever the swing stopped.
+    schedule = None
+    if not full:
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / recipe.max_steps)
     report = WarmupReport(steps=0, probability=0.0, transcripts=len(names))
 
     def measured(step: int, per_task: dict[str, float]) -> bool:
@@ -311,6 +318,8 @@ def fine_tune(
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if schedule is not None:
+            schedule.step()
     report.seconds = time.monotonic() - started
     tmp = Path(tempfile.mkdtemp(prefix=".warm-", dir=out.parent))
     try:
