@@ -76,9 +76,9 @@ def swap(ids: Sequence[int], old: Sequence[int], new: Sequence[int]) -> tuple[li
     long), and the positions where they started."""
     if len(old) != len(new) or not old:
         raise ValueError(f"a swap keeps every position: {len(old)} ids cannot become {len(new)}")
-    out, at, i = list(ids), [], 0
+    out, at, i, old = list(ids), [], 0, list(old)
     while i <= len(out) - len(old):
-        if out[i : i + len(old)] == list(old):
+        if out[i : i + len(old)] == old:
             out[i : i + len(old)] = new
             at.append(i)
             i += len(old)

@@ -83,8 +83,9 @@ class WarmupRecipe:
     distractors: bool = True
     batch_size: int = 16
     """Transcripts a step trains on; with no more than this in all, every step trains on all of them."""
-    # No seed: the fine-tune is full-batch AdamW on fixed transcripts from a fixed base without dropout, so
-    # no random draw moves a weight and one warm model serves every run seed (tests/devloop/test_warmup.py).
+    # No seed: the fine-tune is AdamW on fixed transcripts from a fixed base without dropout, full-batch or in
+    # minibatches drawn by a generator of its own fixed seed, so no run's random draw moves a weight and one
+    # warm model serves every run seed (tests/devloop/test_warmup.py).
 
     def fingerprint(self, base_model: Path, tasks: list[str]) -> str:
         payload = {**asdict(self), "base": base_model.name, "tasks": tasks, "version": WARMUP_VERSION}
@@ -412,10 +413,8 @@ def _build_warm_model(
                 source, split, harness, base_model, folder, distractors=recipe.distractors,
                 harness_options=options, only=recorded,
             )  # fmt: skip
-            mixed = isinstance(recipe.harness, list | dict)
-            named = {f"{name} via {harness}" if mixed else name: t for name, t in recorded_here.items()}
-            traces.update(named)
-            suffix = f" via {harness}" if mixed else ""
+            suffix = f" via {harness}" if isinstance(recipe.harness, list | dict) else ""
+            traces.update({name + suffix: trace for name, trace in recorded_here.items()})
             made.update(_made_transcripts(templates, recorded_here, base_model, recipe, suffix))
         if made:
             log(f"warm-up: made {len(made)} more transcripts from those, each with its own task's numbers")
